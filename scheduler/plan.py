@@ -1,0 +1,77 @@
+"""The plan: what ``Scheduler.schedule()`` hands to the runner for one step,
+and what comes back. Plain frozen data; the runner needs nothing else.
+
+One step's batch is ragged: every scheduled sequence contributes
+``len(token_ids)`` query tokens at positions ``start_pos ...``; a decode
+contributes one, a prefill chunk many. All are packed into one flat tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slipstream.scheduler.request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    ``token_ids`` are the tokens at positions ``[start_pos, start_pos +
+    len(token_ids))``; their K/V are written to the slots of ``block_ids``
+    (the sequence's whole device block table, in order). When ``sample`` is
+    true the logits of the last position are sampled into output token number
+    ``output_index`` (0-based); a prefill chunk that does not reach the end of
+    the known tokens has ``sample == False``.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    output_index: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """A request the scheduler ended while planning (rejected, expired,
+    aborted), reported so the service can tell its caller."""
+
+    req_id: str
+    reason: FinishReason
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """Everything the runner executes for one step, in this order:
+    swap_out, swap_in, copies, then one forward over ``seqs``."""
+
+    step: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    finished: list[FinishedRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens (usually one) and,
+    when it ended, why."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    message: str = ""

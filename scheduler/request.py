@@ -1,0 +1,117 @@
+"""Request state: the one mutable record the scheduler keeps per request.
+
+Lifecycle (``RequestStatus``, in documented order)::
+
+    WAITING ──schedule──▶ RUNNING ──finish──▶ FINISHED
+       ▲                    │
+       └──── preempt ───────┤  (recompute: blocks freed, back to WAITING)
+                            ▼
+                         SWAPPED ──swap in──▶ RUNNING   (KV kept in the host pool)
+
+Token bookkeeping follows one idea: ``num_computed_tokens`` (tokens whose KV is
+in the cache) catches up with ``num_tokens`` (prompt + generated) under a
+per-step token budget. A prefill is simply a request far behind; a decode is a
+request exactly one token behind. Chunked prefill falls out of that.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is. Ordered: a request only moves to a larger value,
+    except RUNNING -> WAITING (recompute) and RUNNING <-> SWAPPED (swap)."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED = 3
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended. ``service/`` maps each one to the wire's finish
+    reason in a single table; nothing else interprets these values."""
+
+    EOS = 0
+    MAX_TOKENS = 1
+    STOP_SEQUENCE = 2
+    CANCELLED = 3
+    DEADLINE_EXCEEDED = 4
+    REJECTED = 5
+    ERROR = 6
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the next token is drawn. ``temperature == 0`` means greedy;
+    ``top_k == 0`` and ``top_p == 1.0`` disable those filters; ``seed`` makes
+    a request's draws reproducible (also across preemption)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Request:
+    """A generation request and its scheduling state.
+
+    Times (``arrival_time``, ``deadline``, ...) are absolute monotonic seconds,
+    converted once at the service edge; the scheduler never reads a clock.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+    arrival_time: float = 0.0
+    deadline: float | None = None
+    first_token_deadline: float | None = None
+    expected_output_tokens: int | None = None
+
+    # -- mutable scheduling state --------------------------------------
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    finish_message: str = ""
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens at positions ``[start, stop)`` of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
