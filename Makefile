@@ -1,0 +1,47 @@
+# Slipstream — two commands on a fresh machine: `make run` and `make test`.
+#
+# TORCH_SPEC picks the torch build installed before anything else. The default
+# is the CPU wheel; a plain `torch` requirement would pull a multi-GB CUDA
+# build. For a CUDA machine: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" ...
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+MODEL ?= tiny
+PORT ?= 50051
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint typecheck unit protos bench bench-offline clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml requirements-lock.txt
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -c requirements-lock.txt -e '.[dev]'
+	touch $(STAMP)
+
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
+
+run: $(STAMP) protos
+	$(BIN)/slipstream serve --model $(MODEL) --port $(PORT)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	cd $(CURDIR) && $(BIN)/mypy scheduler/
+
+unit: $(STAMP) protos
+	$(BIN)/python -m pytest -m "not slow"
+
+test: lint typecheck unit
+
+bench-offline: $(STAMP)
+	$(BIN)/slipstream bench offline --model small --requests 64 --seed 0 --json bench-results/offline.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info
