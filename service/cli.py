@@ -1,1 +1,42 @@
-def main(): print("hi")
+"""The ``slipstream`` command. Flags and environment variables are read here
+and nowhere else; each subcommand lives in its own module and registers itself
+through ``add_parser(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, each exposing add_parser(subparsers) that sets a `func`
+# default taking the parsed args and returning an exit code.
+COMMAND_MODULES = (
+    "slipstream.service.cli_model",
+    "slipstream.service.cli_generate",
+    "slipstream.service.cli_serve",
+    "slipstream.service.cli_stats",
+    "slipstream.service.cli_bench",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

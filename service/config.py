@@ -1,0 +1,31 @@
+"""Configuration: one frozen dataclass per layer. Environment variables and
+command-line flags are read only at the entry point (``cli.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine loads its model and sizes its KV pools.
+
+    ``model`` is a default model name (``tiny``, ``small``) or a path to a
+    local Hugging Face checkpoint. ``num_device_blocks`` / ``num_host_blocks``
+    of ``None`` are sized from memory.
+    """
+
+    model: str = "tiny"
+    dtype: str = "bfloat16"
+    block_size: int = 32
+    num_device_blocks: int | None = None
+    num_host_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    max_queue_len: int = 4096
+    policy: str = "fcfs"
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    seed: int = 0
