@@ -1,1 +1,19 @@
-"""Slipstream clients."""
+"""Slipstream clients over the generated ``slipstream.v1`` stubs: ``Client``
+(blocking) and ``AsyncClient`` (asyncio), each multiplexing many requests on
+one bidirectional stream."""
+
+from slipstream.clients.async_client import AsyncClient, AsyncGeneration, AsyncStream
+from slipstream.clients.sync_client import Client, Generation, Stream
+from slipstream.clients.wire import Chunk, Result, StreamError
+
+__all__ = [
+    "AsyncClient",
+    "AsyncGeneration",
+    "AsyncStream",
+    "Chunk",
+    "Client",
+    "Generation",
+    "Result",
+    "Stream",
+    "StreamError",
+]

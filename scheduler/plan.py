@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from slipstream.scheduler.request import FinishReason, SamplingParams
+from .request import FinishReason, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

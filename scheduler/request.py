@@ -80,6 +80,7 @@ class Request:
     expected_output_tokens: int | None = None
 
     # -- mutable scheduling state --------------------------------------
+    arrival_index: int = 0  # set by Scheduler.add_request: breaks arrival-time ties
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -106,6 +107,20 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V are not in the cache yet (1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def has_scheduling_state(self) -> bool:
+        """True once the scheduler has touched this record; a fresh request has none."""
+        return (
+            self.status is not RequestStatus.WAITING
+            or self.num_computed_tokens > 0
+            or bool(self.output_token_ids or self.block_ids or self.host_block_ids)
+        )
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens at positions ``[start, stop)`` of prompt + output."""

@@ -1,0 +1,236 @@
+"""Blocking client: one multiplexed ``Generate`` stream per ``Stream``, a
+reader thread that routes each event to its request's ``Generation``.
+
+    client = Client("localhost:50051")
+    gen = client.generate("Once upon a time", max_tokens=32, priority=0, deadline_s=2.0)
+    for chunk in gen:
+        print(chunk.text, end="")
+    print(gen.result().finish_reason)
+
+Nothing is retried or reconnected behind the caller's back: when a stream
+fails, its unfinished requests raise ``StreamError`` and the caller decides.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from slipstream.clients.wire import (
+    Accumulator,
+    Chunk,
+    GenerateOptions,
+    Metadata,
+    Prompt,
+    Result,
+    StreamError,
+    build_submit,
+    call_metadata,
+    cancel_message,
+)
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+_CLOSE = object()
+
+
+class Generation:
+    """One request's handle: iterate its chunks, ``cancel()`` it, ``result()``."""
+
+    def __init__(self, stream: Stream, request_id: str) -> None:
+        self.request_id = request_id
+        self._stream = stream
+        self._acc = Accumulator(request_id)
+        self._chunks: queue.SimpleQueue[Chunk | Result | StreamError] = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._outcome: Result | StreamError | None = None
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while True:
+            item = self._chunks.get()
+            if isinstance(item, Chunk):
+                yield item
+            elif isinstance(item, StreamError):
+                raise item
+            else:
+                return
+
+    def cancel(self) -> None:
+        """Ask the server to abort this request; it finishes CANCELLED."""
+        self._stream.cancel(self.request_id)
+
+    def result(self, timeout: float | None = None) -> Result:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id!r} has not finished")
+        if isinstance(self._outcome, StreamError):
+            raise self._outcome
+        assert self._outcome is not None
+        return self._outcome
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # -- reader thread ----------------------------------------------------
+
+    def _on_response(self, response: pb.GenerateResponse) -> bool:
+        """Feed one event; True when the request finished."""
+        kind = response.WhichOneof("event")
+        if kind == "chunk":
+            self._chunks.put(self._acc.add_chunk(response.chunk))
+        elif kind == "accepted":
+            self._acc.queue_position = response.accepted.queue_position
+        elif kind == "finished":
+            self._settle(self._acc.finish(response.finished))
+            return True
+        return False
+
+    def _settle(self, outcome: Result | StreamError) -> None:
+        self._outcome = outcome
+        self._chunks.put(outcome)
+        self._done.set()
+
+
+class Stream:
+    """One ``Generate`` call carrying many requests. ``close()`` takes no
+    more submits and half-closes the call once every request has finished
+    (cancels still go through until then); ``abort()`` ends the call at once,
+    which aborts every unfinished request on the server."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.InferenceStub,
+        metadata: Metadata = None,
+        timeout: float | None = None,
+    ) -> None:
+        self._outgoing: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._pending: dict[str, Generation] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._error: StreamError | None = None
+        self._is_closing = False
+        self._call = stub.Generate(
+            iter(self._outgoing.get, _CLOSE), metadata=call_metadata(metadata), timeout=timeout
+        )
+        self._reader = threading.Thread(target=self._read, name="slipstream-stream", daemon=True)
+        self._reader.start()
+
+    def generate(
+        self, prompt: Prompt, *, request_id: str | None = None, **options: object
+    ) -> Generation:
+        request_id = request_id or f"r{next(self._ids)}"
+        message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        generation = Generation(self, request_id)
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._is_closing:
+                raise RuntimeError("the stream is closed for new requests")
+            if request_id in self._pending:
+                raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
+            self._pending[request_id] = generation
+        self._outgoing.put(message)
+        return generation
+
+    def cancel(self, request_id: str) -> None:
+        self._outgoing.put(cancel_message(request_id))
+
+    def close(self) -> None:
+        with self._lock:
+            self._is_closing = True
+            is_idle = not self._pending
+        if is_idle:
+            self._outgoing.put(_CLOSE)
+
+    def abort(self) -> None:
+        self._call.cancel()
+
+    @property
+    def is_broken(self) -> bool:
+        return self._error is not None
+
+    def _read(self) -> None:
+        error = StreamError("OK", "the stream ended before the request finished")
+        try:
+            for response in self._call:
+                with self._lock:
+                    generation = self._pending.get(response.request_id)
+                if generation is not None and generation._on_response(response):
+                    with self._lock:
+                        self._pending.pop(response.request_id, None)
+                        is_done = self._is_closing and not self._pending
+                    if is_done:
+                        self._outgoing.put(_CLOSE)
+        except grpc.RpcError as exc:
+            error = StreamError(exc.code().name, exc.details() or "")
+        with self._lock:
+            self._error = error
+            orphans = list(self._pending.values())
+            self._pending.clear()
+        for generation in orphans:
+            generation._settle(error)
+
+
+class Client:
+    """A channel to a Slipstream server. ``generate`` multiplexes requests on
+    one shared stream (opened on first use, reopened on the next call after
+    it fails); ``stream()`` opens a stream the caller manages."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        metadata: Metadata = None,
+        options: list[tuple[str, object]] | None = None,
+    ) -> None:
+        self._channel = grpc.insecure_channel(target, options=options)
+        self.stub = pb_grpc.InferenceStub(self._channel)
+        self._metadata = metadata
+        self._shared: Stream | None = None
+        self._lock = threading.Lock()
+
+    def stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
+        return Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
+
+    def generate(
+        self, prompt: Prompt, *, metadata: Metadata = None, **options: object
+    ) -> Generation:
+        """Submit one request. With ``metadata`` (which gRPC attaches per
+        call) the request gets a stream of its own, closed after it."""
+        if metadata:
+            stream = self.stream(metadata)
+            generation = stream.generate(prompt, **options)
+            stream.close()
+            return generation
+        return self._shared_stream().generate(prompt, **options)
+
+    def _shared_stream(self) -> Stream:
+        with self._lock:
+            if self._shared is None or self._shared.is_broken:
+                self._shared = self.stream()
+            return self._shared
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+
+    def model_info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+
+    def server_stats(self) -> pb.ServerStats:
+        return self.stub.GetServerStats(pb.GetServerStatsRequest())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._shared is not None:
+                self._shared.close()
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

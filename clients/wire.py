@@ -1,0 +1,180 @@
+"""What the sync and asyncio clients share: building a submit from keyword
+arguments, and the chunk/result records a caller sees."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from google.protobuf.duration_pb2 import Duration
+
+from slipstream.v1 import inference_pb2 as pb
+
+Prompt = str | Sequence[int]
+Metadata = Sequence[tuple[str, str]] | Mapping[str, str] | None
+
+
+def trace_context() -> dict[str, str]:
+    """The active OpenTelemetry context as W3C headers (``traceparent``,
+    ``tracestate``); empty when OpenTelemetry is absent or no span is active."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return {}
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def call_metadata(*parts: Metadata) -> list[tuple[str, str]]:
+    """gRPC call metadata: the given parts in order, then the trace context
+    unless a part already set ``traceparent``."""
+    merged: list[tuple[str, str]] = []
+    for part in parts:
+        if part:
+            merged.extend(part.items() if isinstance(part, Mapping) else part)
+    if not any(key == "traceparent" for key, _ in merged):
+        merged.extend(trace_context().items())
+    return merged
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    """Keyword arguments of ``generate``; ``deadline_s`` is relative to the
+    moment the server receives the submit."""
+
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+    deadline_s: float | None = None
+    expected_tokens: int | None = None
+
+
+def build_submit(request_id: str, prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
+    submit = pb.Submit(
+        request_id=request_id,
+        priority=options.priority,
+        sampling=pb.SamplingParams(
+            temperature=options.temperature,
+            top_k=options.top_k,
+            top_p=options.top_p,
+            seed=options.seed,
+        ),
+        stopping=pb.StoppingCriteria(
+            max_new_tokens=options.max_tokens,
+            stop_sequences=list(options.stop),
+            ignore_eos=options.ignore_eos,
+        ),
+        expected_output_tokens=options.expected_tokens,
+        trace_context=trace_context(),
+    )
+    if isinstance(prompt, str):
+        submit.text = prompt
+    else:
+        submit.token_ids.ids.extend(prompt)
+    if options.deadline_s is not None:
+        timeout = Duration()
+        timeout.FromNanoseconds(round(options.deadline_s * 1e9))
+        submit.timeout.CopyFrom(timeout)
+    return pb.GenerateRequest(submit=submit)
+
+
+def cancel_message(request_id: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(cancel=pb.Cancel(request_id=request_id))
+
+
+def finish_reason_name(wire_reason: int) -> str:
+    """``FINISH_REASON_MAX_TOKENS`` -> ``"max_tokens"`` (the CLI's spelling)."""
+    return pb.FinishReason.Name(wire_reason).removeprefix("FINISH_REASON_").lower()
+
+
+def reject_reason_name(wire_reason: int) -> str | None:
+    if wire_reason == pb.REJECT_REASON_UNSPECIFIED:
+        return None
+    return pb.RejectReason.Name(wire_reason).removeprefix("REJECT_REASON_").lower()
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Tokens of one request from one engine step."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """A request's outcome. ``text`` is the whole output (chunks + held-back tail)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    reject_reason: str | None = None
+    status_code: str = "OK"
+    message: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    queue_position: int | None = None
+
+    @property
+    def is_ok(self) -> bool:
+        return self.status_code == "OK"
+
+
+class StreamError(Exception):
+    """The stream ended before this request finished (a whole-call error)."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(slots=True)
+class Accumulator:
+    """Collects one request's events into its ``Result`` (not thread-safe:
+    fed by a single reader)."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    queue_position: int | None = None
+
+    def add_chunk(self, chunk: pb.TokenChunk) -> Chunk:
+        ids = list(chunk.token_ids)
+        self.token_ids.extend(ids)
+        self.text.append(chunk.text)
+        return Chunk(self.request_id, ids, chunk.text, chunk.index)
+
+    def finish(self, done: pb.Finished) -> Result:
+        self.text.append(done.text)
+        timings = done.timings
+        ttft = timings.time_to_first_token if timings.HasField("time_to_first_token") else None
+        return Result(
+            request_id=self.request_id,
+            token_ids=self.token_ids,
+            text="".join(self.text),
+            finish_reason=finish_reason_name(done.reason),
+            reject_reason=reject_reason_name(done.reject_reason),
+            status_code=done.status_code or "OK",
+            message=done.message,
+            prompt_tokens=done.usage.prompt_tokens,
+            output_tokens=done.usage.output_tokens,
+            cached_tokens=done.usage.cached_tokens,
+            queue_wait_s=timings.queue_wait.ToNanoseconds() / 1e9,
+            ttft_s=None if ttft is None else ttft.ToNanoseconds() / 1e9,
+            total_s=timings.total.ToNanoseconds() / 1e9,
+            queue_position=self.queue_position,
+        )

@@ -1,0 +1,55 @@
+"""Writes this step's new keys and values into the paged KV cache.
+
+Slot s = block_id * block_size + offset, so the cache viewed as
+``[num_blocks * block_size, num_kv_heads, head_dim]`` is indexed by slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slipstream.kernels.attention import AttentionMetadata
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """``k``, ``v`` ``[T, num_kv_heads, head_dim]`` go to ``meta.slot_mapping`` (distinct slots)."""
+    _check(k_cache, v_cache, k, v, meta)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+
+def reference_write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Token by token, through block id and offset."""
+    for t, slot in enumerate(meta.slot_mapping.tolist()):
+        block, offset = divmod(slot, meta.block_size)
+        k_cache[block, offset] = k[t]
+        v_cache[block, offset] = v[t]
+
+
+def _check(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    if k_cache.shape != v_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    expected = (meta.num_tokens, k_cache.shape[2], k_cache.shape[3])
+    if tuple(k.shape) != expected or tuple(v.shape) != expected:
+        raise ValueError(f"k, v must be {expected}, got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"k/v dtype {k.dtype} does not match the cache's {k_cache.dtype}")

@@ -1,0 +1,42 @@
+"""Scheduler configuration: one frozen dataclass, built once at the entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits the scheduler plans within.
+
+    ``num_device_blocks`` and ``num_host_blocks`` size the two KV block pools
+    (``block_size`` tokens per block); ``max_num_batched_tokens`` is the
+    per-step token budget shared by decodes and prefill chunks;
+    ``max_num_seqs`` bounds the running batch; ``max_queue_len`` bounds the
+    waiting queue (admission answers QueueFull beyond it). ``policy`` names a
+    policy registered in ``slipstream.scheduler.policy``.
+    """
+
+    num_device_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    num_host_blocks: int = 0
+    max_queue_len: int = 4096
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        positive = {
+            "num_device_blocks": self.num_device_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_queue_len": self.max_queue_len,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")

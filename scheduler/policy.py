@@ -1,0 +1,124 @@
+"""The policy seam: every scheduling *decision* the scheduler delegates.
+
+The scheduler owns mechanics (budgets, blocks, queues, the plan); a policy
+only answers questions about order and victims:
+
+- ``order_waiting`` / ``order_swapped`` / ``order_running``: who goes first.
+  The scheduler admits (or swaps in) in that order and stops at the first
+  request that does not fit, so the head of the queue is never overtaken.
+- ``choose_victim``: a running request needs a KV block and none is free —
+  which of the candidates (running requests not yet scheduled this step,
+  plus the requester itself) gives its blocks up, or ``None`` to let the
+  requester wait instead.
+- ``preemption_mode``: how that victim is preempted, recompute or swap.
+- ``admission_victim``: before the step is planned, may a waiting request
+  push a running one out even though no pool is exhausted? (FCFS and
+  priority: never.)
+
+Convention: "more urgent" sorts first; ``urgency_key`` is the one ordering a
+policy usually needs to define.
+
+Policies by name (``SchedulerConfig.policy``):
+
+- ``fcfs``: arrival order; preempt the latest arrival, by recompute.
+- ``priority``: vLLM V1-style — (priority class, arrival); preempt only when
+  KV runs out, the least urgent first, by recompute.
+- ``deadline`` (next): class, then slack ``deadline - now - estimated
+  remaining time`` from a step-cost model; overrides ``admission_victim`` to
+  let urgent work in and ``preemption_mode`` to pick swap vs recompute by cost.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+from .request import Request
+
+
+class PreemptionMode(enum.Enum):
+    """RECOMPUTE frees the victim's blocks and re-prefills prompt + outputs
+    later; SWAP copies its blocks to the host pool and back when resumed."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+class SchedulingPolicy(abc.ABC):
+    """Answers order and victim questions; never mutates requests or pools."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def urgency_key(self, req: Request, now: float) -> tuple[float, ...]:
+        """Sort key: smaller is more urgent. Must be total (ties broken by
+        ``arrival_index``) so that every decision is deterministic."""
+
+    def order_waiting(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        return sorted(waiting, key=lambda r: self.urgency_key(r, now))
+
+    def order_swapped(self, swapped: Iterable[Request], now: float) -> list[Request]:
+        return sorted(swapped, key=lambda r: self.urgency_key(r, now))
+
+    def order_running(self, running: Iterable[Request], now: float) -> list[Request]:
+        """Token budget and blocks go to running requests in this order."""
+        return sorted(running, key=lambda r: self.urgency_key(r, now))
+
+    def choose_victim(
+        self, candidates: Sequence[Request], requester: Request, now: float
+    ) -> Request | None:
+        """Default: the least urgent candidate (which may be the requester)."""
+        return max(candidates, key=lambda r: self.urgency_key(r, now), default=None)
+
+    def preemption_mode(self, victim: Request, can_swap: bool, now: float) -> PreemptionMode:
+        """``can_swap`` says whether the host pool can take all the victim's
+        blocks right now. Default: always recompute."""
+        return PreemptionMode.RECOMPUTE
+
+    def admission_victim(
+        self, candidate: Request, running: Sequence[Request], now: float
+    ) -> Request | None:
+        """A running request to preempt so ``candidate`` can be admitted, or
+        ``None``. Default: waiting work never preempts running work."""
+        return None
+
+
+class FcfsPolicy(SchedulingPolicy):
+    """First come, first served. The waiting queue keeps its own order: new
+    requests at the back, recompute-preempted ones at the front."""
+
+    name: ClassVar[str] = "fcfs"
+
+    def urgency_key(self, req: Request, now: float) -> tuple[float, ...]:
+        return (req.arrival_time, req.arrival_index)
+
+    def order_waiting(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        return list(waiting)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Priority class first (0 most urgent), then arrival. Preempts only when
+    KV runs out; the least urgent running request is the victim."""
+
+    name: ClassVar[str] = "priority"
+
+    def urgency_key(self, req: Request, now: float) -> tuple[float, ...]:
+        return (req.priority, req.arrival_time, req.arrival_index)
+
+
+# The deadline policy registers here next to the others.
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    FcfsPolicy.name: FcfsPolicy,
+    PriorityPolicy.name: PriorityPolicy,
+}
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    """The policy registered under ``name``; ValueError lists the known ones."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        known = ", ".join(sorted(POLICIES))
+        raise ValueError(f"unknown scheduling policy {name!r} (known: {known})") from None

@@ -1,0 +1,465 @@
+"""The scheduler: decides, every step, which sequences run, which wait, and
+which are preempted; pure Python, deterministic given (requests, clock).
+
+One step::
+
+    plan = scheduler.schedule(now)        # expire -> make room -> running -> swapped -> waiting
+    sampled = runner.execute(plan)        # swaps, copies, one ragged forward
+    outputs = scheduler.update(plan, sampled, now)
+
+Every request's ``num_computed_tokens`` catches up with its ``num_tokens``
+under the per-step token budget: a decode is one token behind, a prefill many
+(chunked across steps when the budget runs out). Blocks are allocated for
+exactly the tokens scheduled in a step; the token ids of a ``ScheduledSeq``
+are always ``req.token_slice(start_pos, start_pos + n)``.
+
+Invariants kept by every public method:
+
+- each live request is in exactly one of waiting / running / swapped, and
+  the one matching its status;
+- waiting requests hold no blocks; running requests hold device blocks only,
+  covering their computed tokens; swapped requests hold host blocks only;
+- a finished request holds no blocks and is forgotten;
+- nothing preempted in a step runs in that step, and a step that preempts
+  swaps nothing in (both guard against thrashing). Swap-outs are always
+  planned before swap-ins and the runner executes them in that order, so a
+  block one frees and the other reuses is read before it is overwritten.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .admission import check_request_fits, check_request_shape
+from .block_manager import BlockPool
+from .config import SchedulerConfig
+from .errors import DuplicateRequest, QueueFull
+from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
+from .policy import PreemptionMode, SchedulingPolicy, make_policy
+from .request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class _StepState:
+    """Scratch for one ``schedule()`` call; becomes the frozen ``StepPlan``."""
+
+    step: int
+    token_budget: int
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+    preempted_ids: dict[str, None] = field(default_factory=dict)  # ordered set
+    scheduled: dict[str, Request] = field(default_factory=dict)
+    # A running request had to preempt for blocks: admitting new work now would
+    # only take the blocks the running ones need next step.
+    is_kv_exhausted: bool = False
+
+    def to_plan(self) -> StepPlan:
+        return StepPlan(
+            step=self.step,
+            seqs=self.seqs,
+            swap_out=self.swap_out,
+            swap_in=self.swap_in,
+            finished=self.finished,
+            preempted_req_ids=list(self.preempted_ids),
+        )
+
+
+class Scheduler:
+    """Request queues, the device and host block pools, and the step plan.
+
+    Never reads a clock: every time comes in as ``now``.
+    """
+
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None) -> None:
+        self.config = config
+        self.policy = policy if policy is not None else make_policy(config.policy)
+        self.device_pool = BlockPool(config.num_device_blocks, config.block_size)
+        self.host_pool = BlockPool(config.num_host_blocks, config.block_size)
+        self._requests: dict[str, Request] = {}  # every live request
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}  # insertion order = admission order
+        self._swapped: dict[str, Request] = {}
+        self._step = 0
+        self._num_arrivals = 0
+        self._in_flight_step: int | None = None
+        self._in_flight: dict[str, Request] = {}
+        self._num_preemptions = {mode: 0 for mode in PreemptionMode}
+        self._num_expired = 0
+
+    # == requests in and out ==============================================
+
+    def add_request(self, req: Request) -> None:
+        """Queues ``req`` (WAITING). Raises ValueError, DuplicateRequest,
+        PromptTooLong or QueueFull — and then changes nothing."""
+        check_request_shape(req)
+        if req.req_id in self._requests:
+            raise DuplicateRequest(f"request {req.req_id!r} is already live")
+        check_request_fits(req, self.config)
+        if len(self._waiting) >= self.config.max_queue_len:
+            raise QueueFull(f"waiting queue is full ({self.config.max_queue_len} requests)")
+        req.arrival_index = self._num_arrivals
+        self._num_arrivals += 1
+        self._requests[req.req_id] = req
+        self._waiting.append(req)
+
+    def abort_request(
+        self, req_id: str, reason: FinishReason = FinishReason.CANCELLED, message: str = ""
+    ) -> RequestOutput | None:
+        """Ends a live request now, freeing its device and host blocks; its
+        final output, or None if ``req_id`` is unknown or already finished."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return None
+        self._finish(req, reason, message)
+        return RequestOutput(req_id=req_id, new_token_ids=[], finish_reason=reason, message=message)
+
+    # == planning a step ==================================================
+
+    def schedule(self, now: float) -> StepPlan:
+        """Plans one step. Requests ended while planning (deadline expiry)
+        appear only in ``plan.finished``, never in ``update()``'s outputs."""
+        self._step += 1
+        state = _StepState(step=self._step, token_budget=self.config.max_num_batched_tokens)
+        self._expire_deadlines(state, now)
+        self._make_room_for_waiting(state, now)
+        self._schedule_running(state, now)
+        self._schedule_swapped(state, now)
+        self._schedule_waiting(state, now)
+        self._in_flight_step = state.step
+        self._in_flight = state.scheduled
+        return state.to_plan()
+
+    def _expire_deadlines(self, state: _StepState, now: float) -> None:
+        for req in list(self._requests.values()):
+            message = _expiry_message(req, now)
+            if message:
+                self._finish(req, FinishReason.DEADLINE_EXCEEDED, message)
+                self._num_expired += 1
+                state.finished.append(
+                    FinishedRequest(req.req_id, FinishReason.DEADLINE_EXCEEDED, message)
+                )
+
+    def _make_room_for_waiting(self, state: _StepState, now: float) -> None:
+        """Lets the policy push running work out for waiting work before the
+        pools are exhausted. FCFS and priority never do; the walk stops at the
+        first waiting request the policy does not make room for."""
+        reserved_blocks = 0
+        for num_admitted, candidate in enumerate(self.policy.order_waiting(self._waiting, now)):
+            chunk = min(candidate.num_uncomputed_tokens, self.config.max_num_batched_tokens)
+            need = reserved_blocks + self.device_pool.blocks_for(chunk)
+            while not self._fits(need, num_admitted + 1):
+                victim = self.policy.admission_victim(candidate, self._running_list(), now)
+                if victim is None:
+                    return
+                self._check_is_running(victim)
+                self._preempt(state, victim, now)
+            reserved_blocks = need
+
+    def _schedule_running(self, state: _StepState, now: float) -> None:
+        for req in self.policy.order_running(self._running_list(), now):
+            if state.token_budget == 0:
+                return
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            num_new = min(req.num_uncomputed_tokens, state.token_budget)
+            if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
+                self._add_seq(state, req, num_new)
+
+    def _grow_or_preempt(self, state: _StepState, req: Request, num_new: int, now: float) -> bool:
+        """Grows ``req``'s block table to cover ``num_new`` more tokens,
+        preempting policy-chosen victims (running requests not yet scheduled
+        this step, ``req`` included) until the blocks are there. False if
+        ``req`` itself was preempted or must wait."""
+        target = req.num_computed_tokens + num_new
+        while not self.device_pool.can_append(req.block_ids, target):
+            candidates = [r for r in self._running.values() if r.req_id not in state.scheduled]
+            victim = self.policy.choose_victim(candidates, req, now)
+            if victim is None:
+                return False
+            if not any(victim is c for c in candidates):
+                raise ValueError(f"policy chose {victim.req_id!r}, not one of the candidates")
+            state.is_kv_exhausted = True
+            self._preempt(state, victim, now)
+            if victim is req:
+                return False
+        req.block_ids.extend(self.device_pool.append(req.block_ids, target))
+        return True
+
+    def _schedule_swapped(self, state: _StepState, now: float) -> None:
+        if state.preempted_ids:
+            return  # anti-thrash: see the module invariants
+        for req in self.policy.order_swapped(self._swapped.values(), now):
+            if not self._has_room_for_another(state):
+                return
+            num_new = min(req.num_uncomputed_tokens, state.token_budget)
+            target = req.num_computed_tokens + num_new
+            need = max(len(req.host_block_ids), self.device_pool.blocks_for(target))
+            if not self.device_pool.can_allocate(need):
+                return
+            self._swap_in(state, req)
+            req.block_ids.extend(self.device_pool.append(req.block_ids, target))
+            self._add_seq(state, req, num_new)
+
+    def _schedule_waiting(self, state: _StepState, now: float) -> None:
+        if state.is_kv_exhausted:
+            return
+        for req in self.policy.order_waiting(self._waiting, now):
+            if not self._has_room_for_another(state):
+                return
+            if req.req_id in state.preempted_ids:
+                continue  # pushed out this very step: admitting it back would thrash
+            num_new = min(req.num_uncomputed_tokens, state.token_budget)
+            target = req.num_computed_tokens + num_new
+            if not self.device_pool.can_append(req.block_ids, target):
+                return  # the head waits for blocks; nobody overtakes it
+            self._admit(req, now)
+            req.block_ids.extend(self.device_pool.append(req.block_ids, target))
+            self._add_seq(state, req, num_new)
+
+    def _add_seq(self, state: _StepState, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        state.seqs.append(
+            ScheduledSeq(
+                req_id=req.req_id,
+                token_ids=req.token_slice(start, start + num_new),
+                start_pos=start,
+                block_ids=list(req.block_ids),
+                sample=start + num_new == req.num_tokens,
+                output_index=req.num_output_tokens,
+                sampling=req.sampling,
+            )
+        )
+        state.token_budget -= num_new
+        state.scheduled[req.req_id] = req
+
+    # == state transitions ================================================
+
+    def _admit(self, req: Request, now: float) -> None:
+        _remove_by_identity(self._waiting, req)
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        self._running[req.req_id] = req
+
+    def _preempt(self, state: _StepState, victim: Request, now: float) -> None:
+        num_blocks = len(victim.block_ids)
+        can_swap = num_blocks > 0 and self.host_pool.can_allocate(num_blocks)
+        mode = self.policy.preemption_mode(victim, can_swap, now)
+        if mode is PreemptionMode.SWAP and not can_swap:
+            mode = PreemptionMode.RECOMPUTE
+        del self._running[victim.req_id]
+        if mode is PreemptionMode.SWAP:
+            self._swap_out(state, victim)
+        else:
+            self._drop_for_recompute(victim)
+        victim.num_preemptions += 1
+        self._num_preemptions[mode] += 1
+        state.preempted_ids[victim.req_id] = None
+
+    def _drop_for_recompute(self, req: Request) -> None:
+        """Frees the KV; the outputs stay, so the re-prefill covers prompt +
+        outputs and samples only at its end."""
+        self.device_pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self._waiting.appendleft(req)
+
+    def _swap_out(self, state: _StepState, req: Request) -> None:
+        host_ids = self.host_pool.allocate(len(req.block_ids))
+        state.swap_out.extend(zip(req.block_ids, host_ids, strict=True))
+        self.device_pool.free(req.block_ids)
+        req.block_ids = []
+        req.host_block_ids = host_ids
+        req.status = RequestStatus.SWAPPED
+        self._swapped[req.req_id] = req
+
+    def _swap_in(self, state: _StepState, req: Request) -> None:
+        device_ids = self.device_pool.allocate(len(req.host_block_ids))
+        state.swap_in.extend(zip(req.host_block_ids, device_ids, strict=True))
+        self.host_pool.free(req.host_block_ids)
+        req.host_block_ids = []
+        req.block_ids = device_ids
+        req.status = RequestStatus.RUNNING
+        del self._swapped[req.req_id]
+        self._running[req.req_id] = req
+
+    def _finish(self, req: Request, reason: FinishReason, message: str) -> None:
+        if req.status is RequestStatus.WAITING:
+            _remove_by_identity(self._waiting, req)
+        elif req.status is RequestStatus.RUNNING:
+            del self._running[req.req_id]
+        elif req.status is RequestStatus.SWAPPED:
+            del self._swapped[req.req_id]
+        self.device_pool.free(req.block_ids)
+        self.host_pool.free(req.host_block_ids)
+        req.block_ids = []
+        req.host_block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.finish_message = message
+        del self._requests[req.req_id]
+
+    # == results of a step ================================================
+
+    def update(self, plan: StepPlan, sampled: Mapping[str, int], now: float) -> list[RequestOutput]:
+        """Applies the runner's results for ``plan`` (the latest plan): advances
+        computed tokens, appends sampled tokens, finishes on EOS / max tokens.
+        One output per request that got a token or finished. Sequences whose
+        request ended after planning (abort) are skipped. Raises ValueError —
+        before changing anything — for a stale plan or a missing sample."""
+        if plan.step != self._in_flight_step:
+            raise ValueError(f"plan {plan.step} is not the plan in flight")
+        current = [(seq, req) for seq, req in self._in_flight_pairs(plan) if _is_current(seq, req)]
+        missing = [seq.req_id for seq, _ in current if seq.sample and seq.req_id not in sampled]
+        if missing:
+            raise ValueError(f"no sampled token for {missing}")
+        self._in_flight_step = None
+        self._in_flight = {}
+        outputs = []
+        for seq, req in current:
+            req.num_computed_tokens += len(seq.token_ids)
+            if seq.sample:
+                outputs.append(self._append_token(req, sampled[seq.req_id], now))
+        return outputs
+
+    def _in_flight_pairs(self, plan: StepPlan) -> Iterable[tuple[ScheduledSeq, Request]]:
+        for seq in plan.seqs:
+            req = self._in_flight.get(seq.req_id)
+            if req is not None:
+                yield seq, req
+
+    def _append_token(self, req: Request, token_id: int, now: float) -> RequestOutput:
+        req.output_token_ids.append(token_id)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason = self._stop_reason(req, token_id)
+        if reason is not None:
+            self._finish(req, reason, "")
+        return RequestOutput(req_id=req.req_id, new_token_ids=[token_id], finish_reason=reason)
+
+    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
+        if not req.ignore_eos and token_id in req.eos_token_ids:
+            return FinishReason.EOS
+        if req.num_output_tokens >= req.max_new_tokens:
+            return FinishReason.MAX_TOKENS
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.MAX_TOKENS
+        return None
+
+    # == queries ==========================================================
+
+    @property
+    def step(self) -> int:
+        """Number of ``schedule()`` calls so far (= the latest plan's step)."""
+        return self._step
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self._swapped)
+
+    @property
+    def num_used_device_blocks(self) -> int:
+        return self.device_pool.num_used
+
+    @property
+    def num_free_device_blocks(self) -> int:
+        return self.device_pool.num_free
+
+    @property
+    def num_used_host_blocks(self) -> int:
+        return self.host_pool.num_used
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free
+
+    @property
+    def num_recompute_preemptions(self) -> int:
+        return self._num_preemptions[PreemptionMode.RECOMPUTE]
+
+    @property
+    def num_swap_preemptions(self) -> int:
+        return self._num_preemptions[PreemptionMode.SWAP]
+
+    @property
+    def num_expired(self) -> int:
+        """Requests finished DEADLINE_EXCEEDED by ``schedule()``."""
+        return self._num_expired
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def live_req_ids(self) -> list[str]:
+        """Ids of every unfinished request, in arrival order."""
+        return list(self._requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The live request with this id (None once finished)."""
+        return self._requests.get(req_id)
+
+    def counts_by_priority(self) -> dict[int, dict[str, int]]:
+        """``{priority: {"waiting": n, "running": n, "swapped": n}}`` over live
+        requests, classes in ascending order."""
+        counts: dict[int, dict[str, int]] = {}
+        queues = (("waiting", self._waiting), ("running", self._running.values()))
+        for name, reqs in (*queues, ("swapped", self._swapped.values())):
+            for req in reqs:
+                row = counts.setdefault(req.priority, {"waiting": 0, "running": 0, "swapped": 0})
+                row[name] += 1
+        return dict(sorted(counts.items()))
+
+    # == helpers ==========================================================
+
+    def _running_list(self) -> list[Request]:
+        return list(self._running.values())
+
+    def _has_room_for_another(self, state: _StepState) -> bool:
+        return state.token_budget > 0 and len(self._running) < self.config.max_num_seqs
+
+    def _fits(self, num_blocks: int, num_seqs: int) -> bool:
+        return (
+            self.device_pool.can_allocate(num_blocks)
+            and len(self._running) + num_seqs <= self.config.max_num_seqs
+        )
+
+    def _check_is_running(self, req: Request) -> None:
+        if self._running.get(req.req_id) is not req:
+            raise ValueError(f"policy chose {req.req_id!r}, which is not running")
+
+
+def _is_current(seq: ScheduledSeq, req: Request) -> bool:
+    """The request is still running and exactly where the plan left it."""
+    return req.status is RequestStatus.RUNNING and req.num_computed_tokens == seq.start_pos
+
+
+def _expiry_message(req: Request, now: float) -> str:
+    if req.deadline is not None and req.deadline <= now:
+        return "deadline exceeded"
+    if (
+        req.first_token_deadline is not None
+        and req.first_token_time is None
+        and req.first_token_deadline <= now
+    ):
+        return "first-token deadline exceeded"
+    return ""
+
+
+def _remove_by_identity(queue: deque[Request], req: Request) -> None:
+    for index, queued in enumerate(queue):
+        if queued is req:
+            del queue[index]
+            return
+    raise ValueError(f"request {req.req_id!r} is not in the queue")

@@ -1,0 +1,1 @@
+"""Benchmarks: a seeded workload, Slipstream and its peers on it, and a report."""

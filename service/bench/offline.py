@@ -1,0 +1,358 @@
+"""``slipstream bench offline``: Slipstream and its peers, one after another
+in one process, on the identical seeded workload; prints a table and writes
+JSON ``{"engines": {...}, "workload": {...}, "ratios": {...}}``.
+
+All requests are submitted at once at ``t0``; every engine ignores EOS, so
+each request makes exactly its ``max_tokens`` (checked). Engines share one
+dtype and one torch thread count; each has an untimed warm-up first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from slipstream.scheduler.request import FinishReason
+from slipstream.service.bench.report import (
+    EngineRun,
+    RequestTiming,
+    check_token_counts,
+    engine_metrics,
+    format_table,
+    throughput_ratios,
+)
+from slipstream.service.bench.workload import (
+    WARMUP_WORKLOAD,
+    WorkloadRequest,
+    load_workload,
+    make_workload,
+    save_workload,
+    workload_summary,
+)
+from slipstream.service.config import EngineConfig
+from slipstream.service.events import Event, FinishEvent, GenerationRequest
+
+ENGINES = ("slipstream", "hf_static", "hf_cb")
+
+
+class BenchError(Exception):
+    """A benchmark that cannot run as asked (bad flags, missing engine)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineOptions:
+    """Everything one offline benchmark run depends on."""
+
+    model: str
+    num_requests: int
+    seed: int
+    engines: tuple[str, ...]
+    dtype: str
+    num_threads: int
+    prompt_len: tuple[int, int] = (16, 512)
+    output_len: tuple[int, int] = (8, 256)
+    workload_path: str | None = None
+    save_workload_path: str | None = None
+    json_path: str | None = None
+    block_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    hf_batch_size: int = 16
+    hf_cb_page_size: int = 64
+    hf_cb_max_batch_tokens: int = 512
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "offline",
+        help="throughput/latency of Slipstream vs transformers on one seeded workload",
+        description=__doc__,
+    )
+    parser.add_argument("--model", default="small", help="model name (tiny, small) or path")
+    parser.add_argument("--requests", type=int, default=64, dest="num_requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", dest="json_path", help="write the report here")
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--threads", type=int, default=2, dest="num_threads")
+    parser.add_argument(
+        "--prompt-len", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX")
+    )
+    parser.add_argument("--output-len", type=int, nargs=2, default=(8, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--workload", dest="workload_path", help="replay this JSONL workload")
+    parser.add_argument("--save-workload", dest="save_workload_path", help="write workload JSONL")
+    engine = parser.add_argument_group("Slipstream engine (EngineConfig; unset = its default)")
+    engine.add_argument("--block-size", type=int)
+    engine.add_argument("--max-num-batched-tokens", type=int)
+    engine.add_argument("--max-num-seqs", type=int)
+    peers = parser.add_argument_group("peers")
+    peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
+    peers.add_argument("--hf-cb-page-size", type=int, default=64)
+    peers.add_argument("--hf-cb-max-batch-tokens", type=int, default=512)
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        options = _options_from_args(args)
+        run_offline(options)
+    except BenchError as exc:
+        print(f"slipstream bench offline: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _options_from_args(args: argparse.Namespace) -> OfflineOptions:
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not engines:
+        raise BenchError(f"--engines takes a subset of {','.join(ENGINES)}, got {args.engines!r}")
+    if args.num_requests < 1 or args.num_threads < 1:
+        raise BenchError("--requests and --threads must be >= 1")
+    return OfflineOptions(
+        model=args.model,
+        num_requests=args.num_requests,
+        seed=args.seed,
+        engines=engines,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        prompt_len=tuple(args.prompt_len),
+        output_len=tuple(args.output_len),
+        workload_path=args.workload_path,
+        save_workload_path=args.save_workload_path,
+        json_path=args.json_path,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        hf_batch_size=args.hf_batch_size,
+        hf_cb_page_size=args.hf_cb_page_size,
+        hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
+    )
+
+
+def run_offline(options: OfflineOptions) -> dict[str, object]:
+    """Run every chosen engine on one workload; returns (and maybe writes) the report."""
+    # torch and transformers load here, not at import: the CLI imports every
+    # subcommand module to build its parser.
+    import torch
+
+    torch.set_num_threads(options.num_threads)
+    model_dir = resolve_model_dir(options.model)
+    workload = _workload(options, model_dir)
+    if options.save_workload_path:
+        save_workload(options.save_workload_path, workload)
+    report: dict[str, object] = {
+        "workload": _workload_info(options, workload),
+        "environment": _environment(options, model_dir),
+    }
+    _print_parameters(report)
+    engines: dict[str, dict[str, object]] = {}
+    for name in options.engines:
+        print(f"running {name} ...", flush=True)
+        run = _runner(name)(model_dir, workload, options)
+        check_token_counts(run, [r.max_tokens for r in workload])
+        engines[name] = engine_metrics(run)
+        gc.collect()
+    report["environment"]["load_avg_1m_at_end"] = os.getloadavg()[0]  # type: ignore[index]
+    report = {"engines": engines, **report, "ratios": throughput_ratios(engines)}
+    print(format_table(engines))
+    for key, value in report["ratios"].items():  # type: ignore[attr-defined]
+        print(f"{key}: {value:.2f}x")
+    if options.json_path:
+        Path(options.json_path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return report
+
+
+def resolve_model_dir(model: str) -> str:
+    """A model name (created on first use) or checkpoint path as a directory."""
+    from slipstream.service.model_store import resolve_model
+
+    try:
+        return str(resolve_model(model))
+    except ValueError as exc:
+        raise BenchError(str(exc)) from exc
+
+
+def _workload(options: OfflineOptions, model_dir: str) -> list[WorkloadRequest]:
+    if options.workload_path:
+        return load_workload(options.workload_path)
+    return make_workload(
+        options.num_requests,
+        options.seed,
+        _vocab_size(model_dir),
+        prompt_len=options.prompt_len,
+        output_len=options.output_len,
+    )
+
+
+def _vocab_size(model_dir: str) -> int:
+    config = json.loads(Path(model_dir, "config.json").read_text(encoding="utf-8"))
+    text_config = config.get("text_config", config)
+    return int(text_config["vocab_size"])
+
+
+def _runner(name: str) -> Callable[[str, Sequence[WorkloadRequest], OfflineOptions], EngineRun]:
+    return {"slipstream": run_slipstream, "hf_static": _run_hf_static, "hf_cb": _run_hf_cb}[name]
+
+
+def _run_hf_static(
+    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+) -> EngineRun:
+    from slipstream.service.bench.hf_peers import run_hf_static
+
+    return run_hf_static(model_dir, workload, options.dtype, batch_size=options.hf_batch_size)
+
+
+def _run_hf_cb(
+    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+) -> EngineRun:
+    from slipstream.service.bench.hf_peers import CBSettings, run_hf_cb
+
+    settings = CBSettings(
+        page_size=options.hf_cb_page_size, max_batch_tokens=options.hf_cb_max_batch_tokens
+    )
+    return run_hf_cb(model_dir, workload, options.dtype, settings)
+
+
+def run_slipstream(
+    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+) -> EngineRun:
+    """Slipstream's in-process engine: every request submitted at ``t0``;
+    latency is the engine thread's finish callback, TTFT its first token."""
+    try:
+        from slipstream.service.engine import Engine
+    except ModuleNotFoundError as exc:
+        if exc.name != "slipstream.service.engine":
+            raise
+        raise BenchError("the Slipstream engine (slipstream.service.engine) is missing") from exc
+    config = _engine_config(model_dir, options)
+    engine = Engine(config)
+    engine.start()
+    try:
+        _submit_and_wait(engine, WARMUP_WORKLOAD, "warmup", time.monotonic())
+        t0 = time.monotonic()
+        timings = _submit_and_wait(engine, workload, "req", t0)
+        wall_s = time.monotonic() - t0
+    finally:
+        engine.shutdown()
+    settings = {**asdict(config), "engine_info": asdict(engine.info)}
+    return EngineRun("slipstream", wall_s, timings, settings)
+
+
+def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
+    knobs = {
+        "block_size": options.block_size,
+        "max_num_batched_tokens": options.max_num_batched_tokens,
+        "max_num_seqs": options.max_num_seqs,
+    }
+    set_knobs = {k: v for k, v in knobs.items() if v is not None}
+    return EngineConfig(
+        model=model_dir, dtype=options.dtype, num_threads=options.num_threads, **set_knobs
+    )
+
+
+class _Collector:
+    """Per-request stamps and delivered token counts, written on the engine
+    thread; ``done`` is set once every request has finished."""
+
+    def __init__(self, req_ids: Sequence[str]) -> None:
+        self.first_token: dict[str, float] = {}
+        self.num_tokens = dict.fromkeys(req_ids, 0)
+        self.finished: dict[str, tuple[float, FinishEvent]] = {}
+        self._remaining = len(req_ids)
+        self.done = threading.Event()
+        if not req_ids:
+            self.done.set()
+
+    def on_event(self, event: Event) -> None:
+        # Called only on the engine thread, so no lock is needed.
+        now = time.monotonic()
+        if not isinstance(event, FinishEvent):
+            self.first_token.setdefault(event.req_id, now)
+            self.num_tokens[event.req_id] += len(event.token_ids)
+            return
+        self.finished[event.req_id] = (now, event)
+        self._remaining -= 1
+        if self._remaining == 0:
+            self.done.set()
+
+
+def _submit_and_wait(
+    engine: Any, workload: Sequence[WorkloadRequest], prefix: str, t0: float
+) -> list[RequestTiming]:
+    """Submit every request stamped as arriving at ``t0``; wait for all.
+    A request's token count is what its token events delivered."""
+    ids = [f"{prefix}-{i}" for i in range(len(workload))]
+    collector = _Collector(ids)
+    for req_id, req in zip(ids, workload, strict=True):
+        request = GenerationRequest(
+            req_id=req_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            max_new_tokens=req.max_tokens,
+            ignore_eos=True,
+            arrival_time=t0,
+        )
+        engine.submit(request, collector.on_event)
+    collector.done.wait()
+    timings = []
+    for req_id in ids:
+        finished_at, event = collector.finished[req_id]
+        if event.reason != FinishReason.MAX_TOKENS:
+            raise BenchError(
+                f"slipstream {req_id} finished with {event.reason.name}: {event.message}"
+            )
+        first = collector.first_token.get(req_id)
+        ttft = None if first is None else first - t0
+        timings.append(RequestTiming(collector.num_tokens[req_id], finished_at - t0, ttft))
+    return timings
+
+
+def _workload_info(
+    options: OfflineOptions, workload: Sequence[WorkloadRequest]
+) -> dict[str, object]:
+    source = (
+        {"file": options.workload_path}
+        if options.workload_path
+        else {
+            "seed": options.seed,
+            "prompt_len": list(options.prompt_len),
+            "output_len": list(options.output_len),
+            "distribution": "log-uniform",
+        }
+    )
+    return {**workload_summary(workload), **source, "eos": "ignored"}
+
+
+def _environment(options: OfflineOptions, model_dir: str) -> dict[str, object]:
+    import torch
+    import transformers
+
+    return {
+        "model": options.model,
+        "model_dir": model_dir,
+        "dtype": options.dtype,
+        "num_threads": options.num_threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "num_cpus": os.cpu_count(),
+        # Other processes on a shared machine skew every engine; this shows how busy it was.
+        "load_avg_1m_at_start": os.getloadavg()[0],
+    }
+
+
+def _print_parameters(report: dict[str, object]) -> None:
+    for section in ("environment", "workload"):
+        fields = report[section]
+        print(f"{section}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))  # type: ignore[attr-defined]

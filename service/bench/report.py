@@ -1,0 +1,105 @@
+"""What one engine's benchmark run measured, and how runs turn into the
+report's numbers and table.
+
+Every time is in seconds from ``t0``, the moment all requests were submitted
+at once. A request's latency is when its result was complete; its TTFT is
+when its first output token was made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """One request's outcome, in workload order."""
+
+    num_output_tokens: int
+    latency_s: float
+    ttft_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRun:
+    """One timed run of one engine over the whole workload. ``settings``
+    records every knob that shaped the run (JSON-serialisable values)."""
+
+    engine: str
+    wall_s: float
+    timings: list[RequestTiming]
+    settings: dict[str, object] = field(default_factory=dict)
+
+
+class TokenCountMismatch(RuntimeError):
+    """An engine made a different number of tokens than the workload asked
+    for: its throughput would not be comparable."""
+
+
+def check_token_counts(run: EngineRun, expected: Sequence[int]) -> None:
+    """Raise ``TokenCountMismatch`` unless request i made exactly ``expected[i]`` tokens."""
+    got = [t.num_output_tokens for t in run.timings]
+    if got != list(expected):
+        bad = [i for i, (g, e) in enumerate(zip(got, expected, strict=False)) if g != e]
+        raise TokenCountMismatch(
+            f"{run.engine}: {len(got)} results for {len(expected)} requests; "
+            f"token counts differ at indices {bad[:10]}"
+        )
+
+
+def engine_metrics(run: EngineRun) -> dict[str, object]:
+    """The report entry of one engine (key names are read by dashboards and checks)."""
+    latencies = [t.latency_s for t in run.timings]
+    ttfts = [t.ttft_s for t in run.timings if t.ttft_s is not None]
+    num_output_tokens = sum(t.num_output_tokens for t in run.timings)
+    has_ttft = bool(ttfts) and len(ttfts) == len(run.timings)
+    return {
+        "output_tokens_per_s": num_output_tokens / run.wall_s if run.wall_s > 0 else 0.0,
+        "wall_s": run.wall_s,
+        "p50_s": _percentile(latencies, 50),
+        "p95_s": _percentile(latencies, 95),
+        "mean_s": float(np.mean(latencies)) if latencies else None,
+        "ttft_p50_s": _percentile(ttfts, 50) if has_ttft else None,
+        "ttft_p95_s": _percentile(ttfts, 95) if has_ttft else None,
+        "num_requests": len(run.timings),
+        "num_output_tokens": num_output_tokens,
+        "settings": run.settings,
+    }
+
+
+def throughput_ratios(engines: Mapping[str, Mapping[str, object]]) -> dict[str, float]:
+    """``slipstream/<peer>`` output-throughput ratios for every peer that ran."""
+    if "slipstream" not in engines:
+        return {}
+    ours = float(engines["slipstream"]["output_tokens_per_s"])  # type: ignore[arg-type]
+    ratios = {}
+    for name, metrics in engines.items():
+        theirs = float(metrics["output_tokens_per_s"])  # type: ignore[arg-type]
+        if name != "slipstream" and theirs > 0:
+            ratios[f"slipstream/{name}"] = ours / theirs
+    return ratios
+
+
+def format_table(engines: Mapping[str, Mapping[str, object]]) -> str:
+    """A fixed-width table, one engine per row."""
+    header = f"{'engine':<12} {'out tok/s':>10} {'wall s':>8} {'p50 s':>8} {'p95 s':>8}"
+    header += f" {'TTFT p50':>9} {'tokens':>8}"
+    rows = [header, "-" * len(header)]
+    for name, m in engines.items():
+        row = f"{name:<12} {m['output_tokens_per_s']:>10.1f} {m['wall_s']:>8.2f}"
+        row += f" {m['p50_s']:>8.2f} {m['p95_s']:>8.2f} {_fmt_optional(m['ttft_p50_s']):>9}"
+        row += f" {m['num_output_tokens']:>8}"
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def _fmt_optional(value: object) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile, ``None`` for no values."""
+    return float(np.percentile(values, q)) if values else None

@@ -1,0 +1,329 @@
+"""``slipstream bench serve``: a load generator in the style of vLLM's serving
+benchmark. A seeded workload (EOS ignored, so request i makes exactly its
+``max_tokens``) is sent over gRPC with Poisson/Gamma arrivals at ``--rate``
+(or all at once) under a ``--concurrency`` cap; it reports TTFT, TPOT, ITL
+and end-to-end latency percentiles, request and token throughput, and the
+same workload run through an in-process engine for comparison.
+
+With ``--model`` and no ``--server`` it starts ``slipstream serve`` itself
+(a separate process, as in production) and stops it before the in-process
+run, so the two never share the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from slipstream.service.bench.workload import WorkloadRequest, make_workload, workload_summary
+
+
+@dataclass(slots=True)
+class Trace:
+    """When one request was sent and when each of its chunks arrived."""
+
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    finished: float = 0.0
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadShape:
+    rate: float  # requests per second; inf = all at once
+    burstiness: float  # Gamma shape; 1.0 = Poisson
+    concurrency: int | None
+    seed: int
+
+
+def arrival_offsets(num_requests: int, shape: LoadShape) -> list[float]:
+    """Send times from t0: Gamma inter-arrivals with mean 1/rate."""
+    if math.isinf(shape.rate):
+        return [0.0] * num_requests
+    rng = random.Random(shape.seed + 1)
+    scale = 1.0 / (shape.rate * shape.burstiness)
+    t, offsets = 0.0, []
+    for _ in range(num_requests):
+        offsets.append(t)
+        t += rng.gammavariate(shape.burstiness, scale)
+    return offsets
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _percentiles(values_s: Sequence[float]) -> dict[str, float]:
+    if not values_s:
+        return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "p99": 0.0}
+    ms = np.asarray(values_s) * 1000
+    return {
+        "mean": float(ms.mean()),
+        "p50": float(np.percentile(ms, 50)),
+        "p95": float(np.percentile(ms, 95)),
+        "p99": float(np.percentile(ms, 99)),
+    }
+
+
+def metrics(traces: Sequence[Trace], workload: Sequence[WorkloadRequest], wall_s: float) -> dict:
+    ttfts = [t.chunk_times[0] - t.sent for t in traces if t.chunk_times]
+    itls = [b - a for t in traces for a, b in zip(t.chunk_times, t.chunk_times[1:], strict=False)]
+    tpots = [
+        (t.finished - t.chunk_times[0]) / (t.num_tokens - 1)
+        for t in traces
+        if t.num_tokens > 1 and t.chunk_times
+    ]
+    num_output = sum(t.num_tokens for t in traces)
+    num_prompt = sum(len(r.prompt_token_ids) for r in workload)
+    return {
+        "num_requests": len(traces),
+        "num_completed": sum(t.finish_reason == "max_tokens" for t in traces),
+        "num_output_tokens": num_output,
+        "wall_s": wall_s,
+        "request_throughput": len(traces) / wall_s,
+        "output_tokens_per_s": num_output / wall_s,
+        "total_tokens_per_s": (num_output + num_prompt) / wall_s,
+        "ttft_ms": _percentiles(ttfts),
+        "tpot_ms": _percentiles(tpots),
+        "itl_ms": _percentiles(itls),
+        "e2e_ms": _percentiles([t.finished - t.sent for t in traces]),
+        "token_counts_match": [t.num_tokens for t in traces] == [r.max_tokens for r in workload],
+    }
+
+
+# ---------------------------------------------------------------- over gRPC
+
+
+async def _run_remote(
+    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+) -> tuple[list[Trace], float]:
+    from slipstream.clients import AsyncClient
+
+    async with AsyncClient(target) as client:
+        streams = [client.stream() for _ in range(num_streams)]
+        limit = asyncio.Semaphore(shape.concurrency or len(workload) or 1)
+        traces = [Trace() for _ in workload]
+        t0 = time.perf_counter()
+
+        async def one(i: int, offset: float) -> None:
+            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+            async with limit:
+                trace = traces[i]
+                trace.sent = time.perf_counter()
+                gen = await streams[i % num_streams].generate(
+                    workload[i].prompt_token_ids, max_tokens=workload[i].max_tokens, ignore_eos=True
+                )
+                async for chunk in gen:
+                    trace.chunk_times.append(time.perf_counter())
+                    trace.num_tokens += len(chunk.token_ids)
+                trace.finished = time.perf_counter()
+                trace.finish_reason = (await gen.result()).finish_reason
+
+        offsets = arrival_offsets(len(workload), shape)
+        await asyncio.gather(*(one(i, off) for i, off in enumerate(offsets)))
+        wall = time.perf_counter() - t0
+        for s in streams:
+            await s.close()
+    return traces, wall
+
+
+def run_remote(
+    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+) -> tuple[list[Trace], float]:
+    return asyncio.run(_run_remote(target, workload, shape, num_streams))
+
+
+def remote_vocab_size(target: str) -> int:
+    from slipstream.clients import Client
+
+    with Client(target) as client:
+        return client.model_info().vocab_size
+
+
+@contextmanager
+def spawned_server(args: argparse.Namespace) -> Iterator[str]:
+    """``slipstream serve`` on a free loopback port, stopped (SIGTERM) on exit."""
+    command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
+    command += ["--model", args.model, "--dtype", args.dtype]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            match = re.search(r"listening on (\S+:\d+)", line)
+            if match:
+                break
+        else:
+            raise RuntimeError(f"slipstream serve exited with {proc.wait()}")
+        # Keep reading so a full pipe never blocks the server.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield match.group(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------- in-process
+
+
+def run_local(
+    engine: object, workload: Sequence[WorkloadRequest], shape: LoadShape, tag: str
+) -> tuple[list[Trace], float]:
+    """The same workload and arrivals through ``engine.submit`` directly."""
+    from slipstream.service.events import FinishEvent, GenerationRequest
+
+    traces = [Trace() for _ in workload]
+    done = threading.Semaphore(0)
+    limit = threading.Semaphore(shape.concurrency or len(workload) or 1)
+
+    def callback(trace: Trace) -> Callable[[object], None]:
+        def on_event(event: object) -> None:
+            now = time.perf_counter()
+            if isinstance(event, FinishEvent):
+                trace.finished, trace.finish_reason = now, event.reason.name.lower()
+                limit.release()
+                done.release()
+            else:
+                trace.chunk_times.append(now)
+                trace.num_tokens += len(event.token_ids)  # type: ignore[attr-defined]
+
+        return on_event
+
+    t0 = time.perf_counter()
+    for i, offset in enumerate(arrival_offsets(len(workload), shape)):
+        time.sleep(max(0.0, t0 + offset - time.perf_counter()))
+        limit.acquire()
+        traces[i].sent = time.perf_counter()
+        request = GenerationRequest(
+            req_id=f"{tag}-{i}",
+            prompt_token_ids=list(workload[i].prompt_token_ids),
+            max_new_tokens=workload[i].max_tokens,
+            ignore_eos=True,
+        )
+        engine.submit(request, callback(traces[i]))  # type: ignore[attr-defined]
+    for _ in workload:
+        done.acquire()
+    return traces, time.perf_counter() - t0
+
+
+def local_engine(args: argparse.Namespace) -> object:
+    from slipstream.service.config import EngineConfig
+    from slipstream.service.engine import Engine
+
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    engine.start()
+    return engine
+
+
+# ---------------------------------------------------------------- command
+
+
+def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = bench_subparsers.add_parser("serve", help="load-test a gRPC server")
+    parser.add_argument("--server", metavar="HOST:PORT", help="an already running server")
+    parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rate", type=float, default=math.inf, help="requests/s; inf = all at once"
+    )
+    parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson")
+    parser.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
+    parser.add_argument("--streams", type=int, default=1, help="gRPC streams to spread over")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
+    parser.add_argument("--no-local", action="store_true", help="skip the in-process run")
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.set_defaults(func=run)
+
+
+def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
+    report: dict = {}
+    server = args.server
+    with spawned_server(args) if server is None else _given(server) as target:
+        vocab = remote_vocab_size(target)
+        workload = make_workload(args.requests, args.seed, vocab)
+        warmup = make_workload(args.warmup, args.seed + 1000, vocab, output_len=(4, 16))
+        run_remote(target, warmup, LoadShape(math.inf, 1.0, None, 0), args.streams)
+        traces, wall = run_remote(target, workload, shape, args.streams)
+        report["server"] = {"target": target, **metrics(traces, workload, wall)}
+    if args.model and not args.no_local:
+        engine = local_engine(args)
+        try:
+            run_local(engine, warmup, LoadShape(math.inf, 1.0, None, 0), "warmup")
+            traces, wall = run_local(engine, workload, shape, "bench")
+        finally:
+            engine.shutdown()  # type: ignore[attr-defined]
+        report["in_process"] = metrics(traces, workload, wall)
+    report["workload"] = workload_summary(workload)
+    return report
+
+
+@contextmanager
+def _given(target: str) -> Iterator[str]:
+    yield target
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.server is None and args.model is None:
+        raise SystemExit("bench serve: give --server HOST:PORT or --model NAME")
+    shape = LoadShape(args.rate, args.burstiness, args.concurrency, args.seed)
+    report = _timed_runs(args, shape)
+    if "in_process" in report:
+        ratio = (
+            report["server"]["output_tokens_per_s"] / report["in_process"]["output_tokens_per_s"]
+        )
+        report["ratios"] = {"server_vs_in_process_output_tokens_per_s": ratio}
+    report["settings"] = {
+        k: (str(v) if isinstance(v, Path) or (isinstance(v, float) and math.isinf(v)) else v)
+        for k, v in vars(args).items()
+        if k != "func"
+    }
+    print(_table(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _table(report: dict) -> str:
+    lines = [
+        f"{'':12}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}"
+        f"{'TPOT p50 ms':>12}{'E2E p50/p99 ms':>17}  counts ok"
+    ]
+    for name in ("server", "in_process"):
+        m = report.get(name)
+        if m is None:
+            continue
+        lines.append(
+            f"{name:12}{m['output_tokens_per_s']:9.1f}{m['request_throughput']:8.2f}"
+            f"{m['ttft_ms']['p50']:9.0f}/{m['ttft_ms']['p99']:<8.0f}"
+            f"{m['itl_ms']['p50']:8.1f}/{m['itl_ms']['p99']:<8.1f}"
+            f"{m['tpot_ms']['p50']:12.1f}"
+            f"{m['e2e_ms']['p50']:8.0f}/{m['e2e_ms']['p99']:<8.0f}  {m['token_counts_match']}"
+        )
+    if "ratios" in report:
+        ratio = report["ratios"]["server_vs_in_process_output_tokens_per_s"]
+        lines.append(f"server / in-process output tokens/s: {ratio:.1%}")
+    return "\n".join(lines)

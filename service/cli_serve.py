@@ -1,0 +1,94 @@
+"""``slipstream serve``: the gRPC server on a model. Also home of the engine
+flags every command that loads a model shares (``add_engine_args`` /
+``engine_config``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from slipstream.service.config import EngineConfig
+
+DEFAULT_PORT = 50051
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=defaults.model, help="tiny, small, or a checkpoint path")
+    group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"))
+    group.add_argument("--block-size", type=int, default=defaults.block_size)
+    group.add_argument("--num-device-blocks", type=int, default=None)
+    group.add_argument("--num-host-blocks", type=int, default=None)
+    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens
+    )
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)
+    group.add_argument("--policy", default=defaults.policy)
+    group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_device_blocks=args.num_device_blocks,
+        num_host_blocks=args.num_host_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_queue_len=args.max_queue_len,
+        policy=args.policy,
+        num_threads=args.threads,
+        kv_cache_memory_gb=args.kv_cache_gb,
+    )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("serve", help="serve a model over gRPC")
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running requests may finish",
+    )
+    add_engine_args(parser)
+    parser.set_defaults(func=run)
+
+
+def usage_hint(host: str, port: int, model: str) -> str:
+    address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
+    submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
+    return "\n".join(
+        (
+            f"slipstream: serving {model} on {host}:{port} (listening on {address})",
+            "try:",
+            f"  slipstream generate --server {address} --prompt 'Hello' --max-tokens 16 --json",
+            f"  slipstream stats --server {address}",
+            f"  grpcurl -plaintext -d '{submit}' {address} slipstream.v1.Inference/Generate",
+            f"  grpcurl -plaintext {address} list",
+        )
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from slipstream.service.engine import Engine
+    from slipstream.service.server import run as run_server
+
+    config = engine_config(args)
+
+    def on_ready(port: int, engine: object) -> None:
+        print(usage_hint(args.host, port, config.model), flush=True)
+
+    asyncio.run(
+        run_server(lambda: Engine(config), args.host, args.port, args.grace_s, on_ready=on_ready)
+    )
+    print("slipstream: stopped", file=sys.stderr, flush=True)
+    return 0

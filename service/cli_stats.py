@@ -1,0 +1,72 @@
+"""``slipstream stats --server HOST:PORT [--json]``: the server's queues and
+KV block pools (``GetServerStats``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import grpc
+
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("stats", help="print a server's queue and KV-cache stats")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.set_defaults(func=run)
+
+
+def stats_dict(stats: pb.ServerStats) -> dict[str, object]:
+    """Plain integers under stable key names (dashboards read these)."""
+    return {
+        "waiting": stats.waiting,
+        "running": stats.running,
+        "swapped": stats.swapped,
+        "kv_blocks_used": {
+            "device": stats.kv_blocks_used.device,
+            "host": stats.kv_blocks_used.host,
+        },
+        "kv_blocks_free": {
+            "device": stats.kv_blocks_free.device,
+            "host": stats.kv_blocks_free.host,
+        },
+        "by_priority": {
+            str(priority): {
+                "waiting": counts.waiting,
+                "running": counts.running,
+                "swapped": counts.swapped,
+            }
+            for priority, counts in sorted(stats.by_priority.items())
+        },
+        "step": stats.step,
+        "draining": stats.draining,
+    }
+
+
+def _table(stats: dict[str, object]) -> str:
+    used, free = stats["kv_blocks_used"], stats["kv_blocks_free"]
+    lines = [
+        f"requests   waiting {stats['waiting']}  running {stats['running']}"
+        f"  swapped {stats['swapped']}",
+        f"kv device  used {used['device']}  free {free['device']}",  # type: ignore[index]
+        f"kv host    used {used['host']}  free {free['host']}",  # type: ignore[index]
+        f"step {stats['step']}  draining {stats['draining']}",
+    ]
+    for priority, counts in stats["by_priority"].items():  # type: ignore[attr-defined]
+        lines.append(
+            f"priority {priority}: waiting {counts['waiting']}  running {counts['running']}"
+            f"  swapped {counts['swapped']}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.server) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        stats = stats_dict(stub.GetServerStats(pb.GetServerStatsRequest(), timeout=args.timeout_s))
+    print(json.dumps(stats) if args.json else _table(stats))
+    return 0

@@ -1,0 +1,75 @@
+"""Incremental detokenization with stop strings.
+
+Text is produced token by token with ``tokenizers``' ``DecodeStream``, which
+holds back bytes until a UTF-8 character is complete. Stop strings need a
+second hold-back: the tail of the text that could still grow into a stop
+string is not released until it cannot, so a caller never sees text that a
+later token turns into (part of) a stop string.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# Prompt tokens handed to the decoder as context: enough for decoders whose
+# output for a token depends on its neighbours (e.g. SentencePiece's leading
+# space), small enough to cost nothing.
+_CONTEXT_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas; detects stop strings."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop_sequences: tuple[str, ...]
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=True)
+        self._stops = stop_sequences
+        self._hold = max((len(s) for s in stop_sequences), default=1) - 1
+        self._text = ""
+        self._num_released = 0
+        self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All text so far (up to, not including, a matched stop string)."""
+        return self._text
+
+    def add(self, token_id: int) -> str:
+        """Feeds one token; returns the text now safe to release (may be empty).
+        After a stop string matched, ``stopped`` is true and the text ends
+        right before it."""
+        if self.stopped:
+            return ""
+        piece = self._stream.step(self._tokenizer, token_id)
+        if piece:
+            search_from = max(0, len(self._text) - self._hold)
+            self._text += piece
+            if self._stops and self._match_stop(search_from):
+                self.stopped = True
+                return self.flush()
+        releasable = len(self._text) - self._hold if self._stops else len(self._text)
+        if releasable <= self._num_released:
+            return ""
+        delta = self._text[self._num_released : releasable]
+        self._num_released = releasable
+        return delta
+
+    def flush(self) -> str:
+        """Releases whatever is held back (at the end of the request)."""
+        delta = self._text[self._num_released :]
+        self._num_released = len(self._text)
+        return delta
+
+    def _match_stop(self, search_from: int) -> bool:
+        cut = min(
+            (i for i in (self._text.find(s, search_from) for s in self._stops) if i >= 0),
+            default=-1,
+        )
+        if cut < 0:
+            return False
+        self._text = self._text[:cut]
+        self._num_released = min(self._num_released, cut)
+        return True

@@ -1,0 +1,229 @@
+"""Slipstream's Llama-family forward pass over a ragged batch and a paged KV cache.
+
+Covers Llama, Mistral (full attention) and Qwen2-style checkpoints (bias on
+q/k/v). Weights are read from safetensors by their Hugging Face names and
+fused where one matmul does the work of several:
+
+    q_proj ┐                       gate_proj ┐
+    k_proj ├─▶ qkv [(nq+2nkv)·d, h]  up_proj ├─▶ gate_up [2i, h]
+    v_proj ┘
+
+The forward takes one flat token tensor for the whole step (prefill chunks and
+decodes of many sequences, no padding) and returns hidden states only for the
+positions that will be sampled, so the vocabulary projection never runs on
+the rest of a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from slipstream.kernels.attention import AttentionMetadata, paged_attention
+from slipstream.kernels.kv_write import write_kv
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's architecture or layout is not one Slipstream runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> LlamaConfig:
+        raw = json.loads((model_dir / "config.json").read_text())
+        model_type = raw.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
+            )
+        if model_type == "mistral" and raw.get("sliding_window"):
+            # Full attention is exact while contexts stay within the window.
+            pass
+        num_heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+            eos_token_ids=eos_ids,
+        )
+
+
+def rope_inv_freq(model_dir: Path) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling of the checkpoint's RoPE
+    variant, computed by transformers' own table so every scaling type
+    (default, linear, dynamic-free llama3, yarn, ...) matches it exactly."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    if rope_type == "dynamic":
+        raise UnsupportedModel("dynamic RoPE scaling is not supported")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq, float(scaling)
+
+
+class _Weights:
+    """Reads tensors by Hugging Face name from one or many safetensors shards."""
+
+    def __init__(self, model_dir: Path) -> None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self._files = {name: model_dir / shard for name, shard in weight_map.items()}
+        else:
+            single = model_dir / "model.safetensors"
+            if not single.exists():
+                raise UnsupportedModel(f"no safetensors weights in {model_dir}")
+            with safe_open(single, framework="pt") as f:
+                self._files = {name: single for name in f.keys()}  # noqa: SIM118
+        self._handles: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        path = self._files.get(name)
+        if path is None:
+            raise UnsupportedModel(f"checkpoint has no tensor {name!r}")
+        if path not in self._handles:
+            self._handles[path] = safe_open(path, framework="pt")
+        handle = self._handles[path]
+        return handle.get_tensor(name).to(dtype).contiguous()  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """Weights and the forward pass. Holds no per-request state: the KV cache
+    belongs to the runner and is passed in."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+        self.config = LlamaConfig.from_dir(model_dir)
+        self.dtype = dtype
+        cfg = self.config
+        weights = _Weights(model_dir)
+        self.embed = weights.get("model.embed_tokens.weight", dtype)
+        self.layers = [self._load_layer(weights, i) for i in range(cfg.num_layers)]
+        self.norm = weights.get("model.norm.weight", dtype)
+        if weights.has("lm_head.weight") and not cfg.tie_word_embeddings:
+            self.lm_head = weights.get("lm_head.weight", dtype)
+        else:
+            self.lm_head = self.embed
+        inv_freq, scaling = rope_inv_freq(model_dir)
+        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rope_cos = (emb.cos() * scaling).to(dtype)
+        self.rope_sin = (emb.sin() * scaling).to(dtype)
+        self.scale = cfg.head_dim**-0.5
+        self._q_size = cfg.num_heads * cfg.head_dim
+        self._kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _load_layer(self, weights: _Weights, i: int) -> _Layer:
+        prefix = f"model.layers.{i}."
+        attn = prefix + "self_attn."
+        mlp = prefix + "mlp."
+        get = weights.get
+        qkv = torch.cat([get(attn + f"{p}_proj.weight", self.dtype) for p in "qkv"])
+        bias = None
+        if weights.has(attn + "q_proj.bias"):
+            bias = torch.cat([get(attn + f"{p}_proj.bias", self.dtype) for p in "qkv"])
+        return _Layer(
+            input_norm=get(prefix + "input_layernorm.weight", self.dtype),
+            qkv=qkv,
+            qkv_bias=bias,
+            o_proj=get(attn + "o_proj.weight", self.dtype),
+            post_norm=get(prefix + "post_attention_layernorm.weight", self.dtype),
+            gate_up=torch.cat([get(mlp + "gate_proj.weight", self.dtype), get(mlp + "up_proj.weight", self.dtype)]),
+            down=get(mlp + "down_proj.weight", self.dtype),
+        )
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        sample_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns float32 logits ``[len(sample_indices), vocab]`` for the
+        packed tokens ``input_ids`` at ``positions``."""
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        x = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+            q = self._rotate(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self._rotate(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            write_kv(k_cache, v_cache, k, v, meta)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            x = x + F.linear(attn.reshape(num_tokens, self._q_size), layer.o_proj)
+            h = self._rms_norm(x, layer.post_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = self._rms_norm(x[sample_indices], self.norm)
+        return F.linear(x, self.lm_head).float()

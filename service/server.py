@@ -1,0 +1,104 @@
+"""The gRPC server: ``slipstream.v1.Inference`` plus the standard health and
+reflection services, always on.
+
+``create_server`` builds a server around a loaded engine (tests use it on port
+0); ``run`` is the process's life: listen while loading (health NOT_SERVING),
+serve, and on SIGTERM/SIGINT drain within a grace period, then stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from slipstream.service.lifecycle import Lifecycle
+from slipstream.service.servicer import InferenceServicer
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from slipstream.service.engine import Engine
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["Inference"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+# Large prompts arrive as token-id lists; the default 4 MiB would cap them early.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+]
+
+
+def build_server(lifecycle: Lifecycle, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """A server (not started) for ``lifecycle``; returns it and the bound port."""
+    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle), server)
+    health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
+    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    return server, bound
+
+
+async def create_server(
+    engine: Engine, host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int]:
+    """A started server around a loaded engine, health SERVING."""
+    lifecycle = Lifecycle(engine)
+    server, bound = build_server(lifecycle, host, port)
+    await server.start()
+    await lifecycle.serve()
+    return server, bound
+
+
+async def shutdown(server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float) -> None:
+    """Drain: refuse new work, let running requests finish within ``grace_s``
+    (then they are cancelled), stop the server and the engine."""
+    await lifecycle.drain()
+    deadline = time.monotonic() + grace_s
+    engine = lifecycle.engine
+    await asyncio.to_thread(engine.wait_idle, grace_s)
+    # Streams whose requests all finished are ending now; give them the rest.
+    await server.stop(max(deadline - time.monotonic(), 0.5))
+    await asyncio.to_thread(engine.shutdown)
+
+
+async def run(
+    load_engine: Callable[[], Engine],
+    host: str,
+    port: int,
+    grace_s: float,
+    on_ready: Callable[[int, Engine], None] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    lifecycle = Lifecycle()
+    server, bound = build_server(lifecycle, host, port)
+    await server.start()
+    await lifecycle.report_loading()
+    log.info("server_loading", host=host, port=bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = await asyncio.to_thread(load_engine)
+    await lifecycle.serve(engine)
+    log.info("server_serving", host=host, port=bound, model=engine.info.name)
+    if on_ready is not None:
+        on_ready(bound, engine)
+    await stop.wait()
+    log.info("server_draining", grace_s=grace_s)
+    await shutdown(server, lifecycle, grace_s)
+    log.info("server_stopped")

@@ -1,0 +1,67 @@
+"""Smoke test of ``slipstream bench offline`` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from slipstream.service.bench.workload import load_workload
+from slipstream.service.cli import main
+
+ENGINE_KEYS = {"output_tokens_per_s", "wall_s", "p50_s", "p95_s", "ttft_p50_s", "num_output_tokens"}
+SMALL_WORKLOAD = ["--requests", "5", "--prompt-len", "4", "40", "--output-len", "2", "12"]
+
+
+def _bench(tmp_path: Path, model_dir: Path, engines: str, *extra: str) -> dict:
+    report_path = tmp_path / "report.json"
+    argv = ["bench", "offline", "--model", str(model_dir), "--engines", engines, "--threads", "2"]
+    argv += [*SMALL_WORKLOAD, "--json", str(report_path), *extra]
+    assert main(argv) == 0
+    return json.loads(report_path.read_text())
+
+
+def test_peers_on_one_workload(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    workload_path = tmp_path / "w.jsonl"
+    report = _bench(
+        tmp_path, tiny_model_dir, "hf_static,hf_cb", "--save-workload", str(workload_path)
+    )
+    expected_tokens = sum(r.max_tokens for r in load_workload(workload_path))
+    assert set(report) >= {"engines", "workload", "ratios"}
+    assert set(report["engines"]) == {"hf_static", "hf_cb"}
+    assert report["workload"]["num_output_tokens"] == expected_tokens
+    for metrics in report["engines"].values():
+        assert set(metrics) >= ENGINE_KEYS
+        assert metrics["num_output_tokens"] == expected_tokens
+        assert metrics["output_tokens_per_s"] > 0
+        assert metrics["settings"]["num_threads"] == 2
+    assert report["ratios"] == {}
+    assert "hf_cb" in capsys.readouterr().out
+
+
+def test_replayed_workload_is_the_saved_one(tmp_path: Path, tiny_model_dir: Path) -> None:
+    saved = tmp_path / "saved.jsonl"
+    saved.write_text('{"prompt_token_ids": [5, 6, 7], "max_tokens": 3}\n')
+    report = _bench(tmp_path, tiny_model_dir, "hf_cb", "--workload", str(saved))
+    assert report["workload"]["num_requests"] == 1
+    assert report["engines"]["hf_cb"]["num_output_tokens"] == 3
+
+
+def test_unknown_engine_is_a_usage_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    argv = ["bench", "offline", "--model", str(tiny_model_dir), "--engines", "vllm"]
+    assert main(argv) == 2
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("slipstream.service.engine") is None,
+    reason="the Slipstream engine is not built yet",
+)
+def test_slipstream_against_peers(tmp_path: Path, tiny_model_dir: Path) -> None:
+    report = _bench(tmp_path, tiny_model_dir, "slipstream,hf_static,hf_cb", "--block-size", "16")
+    engines = report["engines"]
+    assert engines["slipstream"]["num_output_tokens"] == engines["hf_cb"]["num_output_tokens"]
+    assert set(engines["slipstream"]) >= ENGINE_KEYS
+    assert engines["slipstream"]["settings"]["block_size"] == 16
+    assert set(report["ratios"]) == {"slipstream/hf_static", "slipstream/hf_cb"}

@@ -1,0 +1,115 @@
+"""A scripted ``slipstream.v1.Inference`` server for client tests: it records
+what clients send (call metadata, submits) and answers with a predictable
+token stream, so client behaviour is tested without a model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+TOKEN_INTERVAL_S = 0.01
+ABORT_CALL_PROMPT = "abort the call"
+
+
+@dataclass
+class Recorded:
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    submits: list[pb.Submit] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+class ScriptedServicer(pb_grpc.InferenceServicer):
+    """Request i of max_new_tokens n streams tokens 0..n-1, one per chunk."""
+
+    def __init__(self) -> None:
+        self.recorded = Recorded()
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[pb.GenerateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        self.recorded.metadata.append(dict(context.invocation_metadata()))
+        out: asyncio.Queue[pb.GenerateResponse | None] = asyncio.Queue()
+        cancelled: set[str] = set()
+        abort_requested = asyncio.Event()
+        tasks: list[asyncio.Task[None]] = []
+
+        async def produce(submit: pb.Submit) -> None:
+            rid = submit.request_id
+            await out.put(pb.GenerateResponse(request_id=rid, accepted=pb.Accepted()))
+            n, reason = submit.stopping.max_new_tokens, pb.FINISH_REASON_MAX_TOKENS
+            for i in range(n):
+                if rid in cancelled:
+                    reason = pb.FINISH_REASON_CANCELLED
+                    break
+                chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)
+                await out.put(pb.GenerateResponse(request_id=rid, chunk=chunk))
+                await asyncio.sleep(TOKEN_INTERVAL_S)
+            finished = pb.Finished(reason=reason, status_code="OK", text="!")
+            finished.usage.output_tokens = len(submit.stopping.stop_sequences) or 0
+            await out.put(pb.GenerateResponse(request_id=rid, finished=finished))
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.HasField("submit"):
+                    self.recorded.submits.append(message.submit)
+                    if message.submit.text == ABORT_CALL_PROMPT:
+                        abort_requested.set()
+                        await out.put(None)
+                        return
+                    tasks.append(asyncio.create_task(produce(message.submit)))
+                else:
+                    self.recorded.cancels.append(message.cancel.request_id)
+                    cancelled.add(message.cancel.request_id)
+            await asyncio.gather(*tasks)
+            await out.put(None)
+
+        reader = asyncio.create_task(read())
+        while (response := await out.get()) is not None:
+            yield response
+        if abort_requested.is_set():
+            for task in tasks:
+                task.cancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted abort")
+        await reader
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        return pb.ModelInfo(name="scripted")
+
+
+class ScriptedServer:
+    def __init__(self) -> None:
+        self.servicer = ScriptedServicer()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server, self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result()
+        self.target = f"127.0.0.1:{self.port}"
+
+    async def _start(self) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture
+def scripted() -> Iterator[ScriptedServer]:
+    server = ScriptedServer()
+    yield server
+    server.stop()

@@ -1,0 +1,132 @@
+"""The Python clients against a scripted server: multiplexing, cancel,
+results, whole-call errors, metadata and OpenTelemetry propagation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import ABORT_CALL_PROMPT, ScriptedServer
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from slipstream.clients import AsyncClient, Client, StreamError
+from slipstream.clients.wire import GenerateOptions, build_submit, finish_reason_name
+from slipstream.scheduler.request import FinishReason
+from slipstream.service.errors_map import wire_finish
+
+
+def test_sync_client_multiplexes_iterates_and_cancels(scripted: ScriptedServer) -> None:
+    with Client(scripted.target) as client:
+        short = client.generate("a", max_tokens=3)
+        long = client.generate("b", max_tokens=1000)
+        assert [c.token_ids for c in short] == [[0], [1], [2]]
+        first = next(iter(long))
+        long.cancel()
+        result, short_result = long.result(timeout=5), short.result(timeout=5)
+    assert first.index == 0
+    assert result.finish_reason == "cancelled" and len(result.token_ids) < 1000
+    assert short_result.text == "t0 t1 t2 !"  # chunks then Finished.text
+    assert short_result.finish_reason == "max_tokens"
+    assert len(scripted.servicer.recorded.metadata) == 1, "one shared stream"
+    assert scripted.servicer.recorded.cancels == [long.request_id]
+
+
+def test_cancel_after_close_still_reaches_the_server(scripted: ScriptedServer) -> None:
+    with Client(scripted.target) as client:
+        stream = client.stream()
+        long = stream.generate("a", max_tokens=1000)
+        stream.close()
+        with pytest.raises(RuntimeError):
+            stream.generate("b", max_tokens=1)
+        next(iter(long))
+        long.cancel()
+        assert long.result(timeout=5).finish_reason == "cancelled"
+
+
+def test_result_without_iterating(scripted: ScriptedServer) -> None:
+    with Client(scripted.target) as client:
+        assert client.generate([5, 6], max_tokens=4).result(timeout=5).token_ids == [0, 1, 2, 3]
+    assert list(scripted.servicer.recorded.submits[0].token_ids.ids) == [5, 6]
+
+
+def test_whole_call_error_fails_pending_requests(scripted: ScriptedServer) -> None:
+    with Client(scripted.target) as client:
+        stream = client.stream()
+        pending = stream.generate("x", max_tokens=1000)
+        stream.generate(ABORT_CALL_PROMPT, max_tokens=1)
+        with pytest.raises(StreamError) as err:
+            pending.result(timeout=5)
+        assert err.value.code == "UNAVAILABLE"
+        with pytest.raises(StreamError):
+            list(pending)
+        # No hidden reconnection of that stream; a new one is the caller's call.
+        with pytest.raises(StreamError):
+            stream.generate("y", max_tokens=1)
+        assert client.stream().generate("z", max_tokens=2).result(timeout=5).token_ids == [0, 1]
+
+
+def test_keyword_arguments_reach_the_wire() -> None:
+    options = GenerateOptions(
+        max_tokens=7,
+        temperature=0.5,
+        seed=3,
+        priority=2,
+        deadline_s=1.5,
+        expected_tokens=40,
+        stop=("\n",),
+        ignore_eos=True,
+    )
+    submit = build_submit("id", "hi", options).submit
+    assert (submit.request_id, submit.text, submit.priority) == ("id", "hi", 2)
+    assert submit.stopping.max_new_tokens == 7 and submit.stopping.ignore_eos
+    assert list(submit.stopping.stop_sequences) == ["\n"]
+    assert submit.sampling.temperature == 0.5 and submit.sampling.seed == 3
+    assert not submit.sampling.HasField("top_p")
+    assert submit.timeout.ToNanoseconds() == 1_500_000_000
+    assert submit.expected_output_tokens == 40
+    bare = build_submit("b", [1, 2], GenerateOptions()).submit
+    assert not bare.HasField("timeout") and not bare.HasField("expected_output_tokens")
+    assert not bare.stopping.HasField("max_new_tokens")
+
+
+def test_finish_reason_names_match_the_domain() -> None:
+    for reason in FinishReason:
+        wire_reason, _ = wire_finish(reason)
+        assert finish_reason_name(wire_reason) == reason.name.lower()
+
+
+def test_metadata_and_trace_context_are_propagated(scripted: ScriptedServer) -> None:
+    provider = TracerProvider()
+    tracer = provider.get_tracer("test")
+    with Client(scripted.target, metadata={"x-team": "search"}) as client:
+        with trace.use_span(tracer.start_span("caller"), end_on_exit=True) as span:
+            trace_id = format(span.get_span_context().trace_id, "032x")
+            client.generate("a", max_tokens=1, metadata=[("x-request-tag", "t1")]).result(5)
+            client.generate("b", max_tokens=1).result(5)
+        client.generate("c", max_tokens=1).result(5)
+    recorded = scripted.servicer.recorded
+    dedicated, shared = recorded.metadata
+    assert dedicated["x-team"] == "search" and dedicated["x-request-tag"] == "t1"
+    assert trace_id in dedicated["traceparent"] and trace_id in shared["traceparent"]
+    contexts = [dict(s.trace_context) for s in recorded.submits]
+    assert trace_id in contexts[0]["traceparent"] and trace_id in contexts[1]["traceparent"]
+    assert "traceparent" not in contexts[2], "no active span, no trace context"
+
+
+def test_async_client(scripted: ScriptedServer) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            gens = [await client.generate(f"p{i}", max_tokens=3 + i) for i in range(4)]
+            victim = await client.generate("v", max_tokens=1000, priority=1, deadline_s=30)
+            async for _ in victim:
+                await victim.cancel()
+            assert (await victim.result()).finish_reason == "cancelled"
+            results = await asyncio.gather(*(g.result() for g in gens))
+            assert [len(r.token_ids) for r in results] == [3, 4, 5, 6]
+            assert [c.index async for c in gens[0]] == [0, 1, 2]
+            assert (await client.model_info()).name == "scripted"
+
+    asyncio.run(scenario())
+    submit = scripted.servicer.recorded.submits[-1]
+    assert submit.priority == 1 and submit.timeout.seconds == 30

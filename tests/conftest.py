@@ -1,0 +1,21 @@
+"""Shared fixtures: one SLIPSTREAM_HOME per test session, so default models are
+created once (deterministically) and every test sees the same files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Set before anything imports the model store.
+os.environ.setdefault("SLIPSTREAM_HOME", str(Path(__file__).resolve().parent.parent / ".slipstream-home"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from slipstream.service.model_store import resolve_model
+
+    return resolve_model("tiny")

@@ -1,0 +1,84 @@
+"""Backend selection and dispatch (``slipstream.kernels.backend``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_modules import interpreted
+
+from slipstream.kernels.attention import build_attention_metadata, paged_attention
+from slipstream.kernels.block_copy import copy_blocks
+from slipstream.kernels.kv_write import write_kv
+
+pytestmark = pytest.mark.triton
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    for name in ("triton_kv_write", "triton_paged_decode", "triton_paged_prefill"):
+        interpreted(name)
+    interpreted("triton_block_copy")
+    from slipstream.kernels import backend
+
+    return backend
+
+
+def test_auto_is_triton_on_cuda_and_torch_on_cpu(backend):
+    assert backend.resolve_backend("auto", torch.device("cuda", 0)) == "triton"
+    assert backend.resolve_backend("auto", CPU) == "torch"
+    assert backend.resolve_backend("torch", torch.device("cuda")) == "torch"
+
+
+def test_explicit_triton_on_cpu_needs_the_interpreter(backend, monkeypatch):
+    assert backend.resolve_backend("triton", CPU) == "triton"  # TRITON_INTERPRET=1 here
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(backend.BackendUnavailable, match="CUDA"):
+        backend.resolve_backend("triton", CPU)
+
+
+def test_unknown_backend_is_rejected(backend):
+    with pytest.raises(backend.BackendUnavailable, match="unknown"):
+        backend.resolve_backend("cuda", CPU)
+    with pytest.raises(backend.BackendUnavailable):
+        backend.paged_attention_for("auto")  # dispatch takes a resolved name
+
+
+def test_dispatch_returns_each_backends_callables(backend):
+    from slipstream.kernels.triton_block_copy import triton_copy_blocks
+    from slipstream.kernels.triton_kv_write import triton_write_kv
+
+    assert backend.write_kv_for("torch") is write_kv
+    assert backend.paged_attention_for("torch") is paged_attention
+    assert backend.copy_blocks_for("torch") is copy_blocks
+    assert backend.write_kv_for("triton") is triton_write_kv
+    assert backend.paged_attention_for("triton") is backend.triton_paged_attention
+    assert backend.copy_blocks_for("triton") is triton_copy_blocks
+
+
+def test_step_tensors_are_built_once_per_metadata(backend):
+    meta = build_attention_metadata([1, 5, 1], [9, 5, 3], [[0], [1], [2]], 16, CPU, torch.float32)
+    step = backend.triton_step(meta)
+    assert backend.triton_step(meta) is step  # the other layers of the step
+    assert step.decode_seq_ids.tolist() == [0, 2] and step.decode_token_ids.tolist() == [0, 6]
+    assert step.prefill_seq_ids.tolist() == [1] and step.max_prefill_query_len == 5
+    assert step.max_decode_len == 9 and step.seq_lens.dtype == torch.int32
+    other = build_attention_metadata([1, 5, 1], [9, 5, 3], [[0], [1], [2]], 16, CPU, torch.float32)
+    assert backend.triton_step(other) is not step
+
+
+def test_triton_and_torch_backends_agree_on_a_layer(backend):
+    """write_kv then paged_attention, as the model runs one layer, through each backend."""
+    generator = torch.Generator().manual_seed(11)
+    tables = [[3, 0], [5], [1, 4, 2]]
+    meta = build_attention_metadata([1, 7, 1], [20, 7, 40], tables, 16, CPU, torch.float32)
+    q = torch.randn(9, 4, 32, generator=generator)
+    k, v = torch.randn(9, 2, 32, generator=generator), torch.randn(9, 2, 32, generator=generator)
+    cache = torch.randn(6, 16, 2, 32, generator=generator)
+    outputs = []
+    for name in ("torch", "triton"):
+        k_cache, v_cache = cache.clone(), cache.clone() * 2
+        backend.write_kv_for(name)(k_cache, v_cache, k, v, meta)
+        outputs.append(backend.paged_attention_for(name)(q, k_cache, v_cache, meta, 0.2))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=1e-4)

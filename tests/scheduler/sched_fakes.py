@@ -1,0 +1,211 @@
+"""Test doubles for the scheduler: a paged fake runner and a token-exact
+reference, so tests check the plan the way a real runner would consume it.
+
+The fake runner keeps a paged "KV cache" whose slots hold the token id written
+at that position. Its "model" reads a sequence's whole context back *through
+the block table* and hashes it into the next token. Any accounting bug — a
+block reused while still live, a wrong table, a lost swap — changes what is
+read back, and so changes the tokens.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from slipstream.scheduler import (
+    FinishReason,
+    PreemptionMode,
+    Request,
+    RequestOutput,
+    Scheduler,
+    SchedulerConfig,
+    StepPlan,
+)
+from slipstream.scheduler.policy import FcfsPolicy
+
+VOCAB = 97
+EOS = 0
+
+
+def next_token(context: Sequence[int]) -> int:
+    """A deterministic "greedy model": the next token depends on the whole context."""
+    acc = 17
+    for token in context:
+        acc = (acc * 31 + token + 7) % 1_000_003
+    return acc % VOCAB
+
+
+def reference_outputs(req: Request) -> list[int]:
+    """The tokens ``req`` produces when it runs alone, never preempted."""
+    context = list(req.prompt_token_ids)
+    outputs: list[int] = []
+    while len(outputs) < req.max_new_tokens:
+        token = next_token(context)
+        outputs.append(token)
+        context.append(token)
+        if not req.ignore_eos and token in req.eos_token_ids:
+            break
+    return outputs
+
+
+class PagedFakeRunner:
+    """Executes a ``StepPlan`` against block-structured token storage."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.block_size = config.block_size
+        self.device: list[list[int | None]] = [
+            [None] * config.block_size for _ in range(config.num_device_blocks)
+        ]
+        self.host: list[list[int | None]] = [
+            [None] * config.block_size for _ in range(config.num_host_blocks)
+        ]
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        for device_id, host_id in plan.swap_out:
+            self.host[host_id] = list(self.device[device_id])
+        for host_id, device_id in plan.swap_in:
+            self.device[device_id] = list(self.host[host_id])
+        for src, dst in plan.copies:
+            self.device[dst] = list(self.device[src])
+        self._check_tables_disjoint(plan)
+        for seq in plan.seqs:
+            for offset, token in enumerate(seq.token_ids):
+                self._write(seq.block_ids, seq.start_pos + offset, token)
+        sampled = {}
+        for seq in plan.seqs:
+            if seq.sample:
+                end = seq.start_pos + len(seq.token_ids)
+                context = [self._read(seq.block_ids, pos) for pos in range(end)]
+                sampled[seq.req_id] = next_token(context)
+        return sampled
+
+    def _write(self, block_ids: list[int], pos: int, token: int) -> None:
+        block = block_ids[pos // self.block_size]  # IndexError = table too short
+        self.device[block][pos % self.block_size] = token
+
+    def _read(self, block_ids: list[int], pos: int) -> int:
+        value = self.device[block_ids[pos // self.block_size]][pos % self.block_size]
+        if value is None:
+            raise AssertionError(f"position {pos} read before it was written")
+        return value
+
+    @staticmethod
+    def _check_tables_disjoint(plan: StepPlan) -> None:
+        seen: dict[int, str] = {}
+        for seq in plan.seqs:
+            for block in seq.block_ids:
+                owner = seen.setdefault(block, seq.req_id)
+                assert owner == seq.req_id, f"block {block} in {owner} and {seq.req_id}"
+
+
+class SwapPolicy(FcfsPolicy):
+    """FCFS that swaps its victims whenever the host pool has room."""
+
+    name = "fcfs-swap"
+
+    def preemption_mode(self, victim: Request, can_swap: bool, now: float) -> PreemptionMode:
+        return PreemptionMode.SWAP if can_swap else PreemptionMode.RECOMPUTE
+
+
+def make_request(
+    req_id: str,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    arrival: float = 0.0,
+    priority: int = 0,
+    deadline: float | None = None,
+    ignore_eos: bool = True,
+) -> Request:
+    seed = zlib.crc32(req_id.encode())
+    prompt = [(seed + 3 * i) % (VOCAB - 1) + 1 for i in range(prompt_len)]
+    return Request(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=(EOS,),
+        ignore_eos=ignore_eos,
+        priority=priority,
+        arrival_time=arrival,
+        deadline=deadline,
+    )
+
+
+def check_pools(scheduler: Scheduler) -> None:
+    """Pool invariants plus: every used block is held by exactly one live request."""
+    for pool in (scheduler.device_pool, scheduler.host_pool):
+        pool.check()
+        assert pool.num_free + pool.num_used == pool.num_blocks
+    device_held: list[int] = []
+    host_held: list[int] = []
+    for req_id in scheduler.live_req_ids():
+        req = scheduler.get_request(req_id)
+        assert req is not None
+        device_held += req.block_ids
+        host_held += req.host_block_ids
+    assert len(device_held) == len(set(device_held)) == scheduler.device_pool.num_used
+    assert len(host_held) == len(set(host_held)) == scheduler.host_pool.num_used
+
+
+def check_plan_rules(plan: StepPlan) -> None:
+    """Anti-thrash rules: nothing preempted in a step runs in it, and a step
+    that preempts swaps nothing back in."""
+    preempted = set(plan.preempted_req_ids)
+    assert not preempted & {seq.req_id for seq in plan.seqs}
+    assert not (preempted and plan.swap_in)
+
+
+class SelfFirstPolicy(FcfsPolicy):
+    """Preempts the *most* urgent candidate — usually the requester itself.
+    A poor policy on purpose: the scheduler must stay correct with any victim
+    choice among the candidates it offers."""
+
+    name = "self-first"
+
+    def choose_victim(
+        self, candidates: Sequence[Request], requester: Request, now: float
+    ) -> Request | None:
+        return min(candidates, key=lambda r: self.urgency_key(r, now), default=None)
+
+
+class Driver:
+    """Runs schedule -> fake runner -> update and records every finish."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.runner = PagedFakeRunner(scheduler.config)
+        self.now = 0.0
+        self.finishes: dict[str, list[FinishReason]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.plans: list[StepPlan] = []
+
+    def step(self, dt: float = 1.0) -> list[RequestOutput]:
+        self.now += dt
+        plan = self.scheduler.schedule(self.now)
+        self.plans.append(plan)
+        for finished in plan.finished:
+            self.finishes.setdefault(finished.req_id, []).append(finished.reason)
+        check_plan_rules(plan)
+        sampled = self.runner.execute(plan)
+        outputs = self.scheduler.update(plan, sampled, self.now)
+        self.record(outputs)
+        return outputs
+
+    def record(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.outputs.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                self.finishes.setdefault(out.req_id, []).append(out.finish_reason)
+
+    def abort(self, req_id: str) -> None:
+        out = self.scheduler.abort_request(req_id)
+        if out is not None:
+            self.record([out])
+
+    def run_until_idle(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished():
+                return
+            self.step()
+        raise AssertionError(f"not idle after {max_steps} steps")
