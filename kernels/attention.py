@@ -123,9 +123,7 @@ def build_attention_metadata(
     decode_rows = [b for b, query_len in enumerate(query_lens) if query_len == 1]
     prefill_rows = [b for b, query_len in enumerate(query_lens) if query_len > 1]
     groups = _decode_groups(decode_rows, starts, seq_lens, table, block_size, device)
-    single = (
-        len(groups) == 1 and groups[0].num_seqs == starts[-1] and groups[0].token_index is None
-    )
+    single = len(groups) == 1 and groups[0].num_seqs == starts[-1] and groups[0].token_index is None
     return AttentionMetadata(
         query_lens=list(query_lens),
         seq_lens=list(seq_lens),

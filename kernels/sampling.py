@@ -64,7 +64,9 @@ def _check(
         raise ValueError(f"every per-row list must have {n} entries")
 
 
-def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def _filter_top_k_top_p(
+    scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]
+) -> torch.Tensor:
     """Sets the logits that top-k / top-p remove to -inf (row-wise, batch-independent)."""
     vocab = scaled.shape[1]
     ks = [k if 0 < k < vocab else 0 for k in top_ks]

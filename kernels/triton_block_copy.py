@@ -53,7 +53,9 @@ def _block_copy_kernel(
     tl.store(dst_v_ptr + dst, tl.load(src_v_ptr + src, mask=mask), mask=mask)
 
 
-def triton_copy_blocks(src_caches: KVPool, dst_caches: KVPool, pairs: list[tuple[int, int]]) -> None:
+def triton_copy_blocks(
+    src_caches: KVPool, dst_caches: KVPool, pairs: list[tuple[int, int]]
+) -> None:
     """Same contract as ``block_copy.copy_blocks`` (destinations distinct, sources
     read before any destination is written)."""
     if not pairs:

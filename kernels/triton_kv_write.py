@@ -107,6 +107,8 @@ def _check(
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v need a unit stride along head_dim")
     if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} does not match the cache's {k_cache.dtype}")
+        raise ValueError(
+            f"k/v dtype {k.dtype}/{v.dtype} does not match the cache's {k_cache.dtype}"
+        )
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError("slot_mapping must be a 1-d int32/int64 tensor")

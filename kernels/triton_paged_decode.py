@@ -52,7 +52,8 @@ _LOG2E = 1.4426950408889634
 def attention_dot(a, b, UPCAST: tl.constexpr):
     """fp32 products (IEEE) when UPCAST, else the inputs' own tensor-core dot with
     fp32 accumulation. UPCAST serves fp32 caches (no silent TF32) and the
-    interpreter, whose ``tl.dot`` multiplies bfloat16 bit patterns as integers."""
+    interpreter, whose ``tl.dot`` multiplies bfloat16 bit patterns as integers
+    (triton-lang/triton#11584)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)

@@ -29,7 +29,11 @@ import triton.language as tl
 
 from slipstream.kernels.attention import reference_paged_attention
 from slipstream.kernels.backend import check_launchable
-from slipstream.kernels.triton_paged_decode import attention_dot, check_attention_inputs, needs_upcast
+from slipstream.kernels.triton_paged_decode import (
+    attention_dot,
+    check_attention_inputs,
+    needs_upcast,
+)
 
 __all__ = ["paged_prefill", "reference_paged_attention"]
 

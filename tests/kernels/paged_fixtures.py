@@ -51,14 +51,10 @@ def make_paged_batch(
         v_cache[blocks, positions % block_size] = v
         keys.append(k)
         values.append(v)
-    return PagedBatch(
-        query_lens, seq_lens, tables, block_size, keys, values, k_cache, v_cache
-    )
+    return PagedBatch(query_lens, seq_lens, tables, block_size, keys, values, k_cache, v_cache)
 
 
-def dense_attention(
-    q: torch.Tensor, batch: PagedBatch, scale: float
-) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, batch: PagedBatch, scale: float) -> torch.Tensor:
     """softmax(QK^T)V per unpaged sequence, float64, causal with the cached prefix."""
     outputs, start = [], 0
     for query_len, seq_len, k, v in zip(

@@ -62,8 +62,8 @@ def test_triton_backend_matches_torch_greedy_tokens(monkeypatch):
     torch_engine = _engine("torch")
     assert torch_engine.info.attention_backend == "torch"
     expected = _generate(torch_engine)
-    launches = [count_launches(monkeypatch, kernel) for kernel in
-                (decode._decode_kernel, prefill._prefill_kernel, kv_write._kv_write_kernel)]  # fmt: skip
+    kernels = (decode._decode_kernel, prefill._prefill_kernel, kv_write._kv_write_kernel)
+    launches = [count_launches(monkeypatch, kernel) for kernel in kernels]
     tokens = _generate(triton_engine)
     assert all(count() > 0 for count in launches), "the Triton kernels were not called"
     assert tokens == expected

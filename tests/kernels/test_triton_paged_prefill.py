@@ -46,7 +46,9 @@ def _run_prefill(prefill, case):
 
 def _check(out, case, dtype):
     batch = case.batch
-    reference = reference_paged_attention(case.q, batch.k_cache, batch.v_cache, case.meta, case.scale)
+    reference = reference_paged_attention(
+        case.q, batch.k_cache, batch.v_cache, case.meta, case.scale
+    )
     torch.testing.assert_close(out, reference, **TOLERANCES[dtype])
     torch.testing.assert_close(out.double(), dense_attention(case.q, case.batch, case.scale),
                                **TOLERANCES[dtype])  # fmt: skip
@@ -109,7 +111,9 @@ def _mixed_batch(rng: random.Random, batch: int) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize(
     ("batch", "block_size", "num_kv_heads", "group", "head_dim", "dtype"), MIXED_MATRIX
 )
-def test_mixed_step_through_backend(backend, batch, block_size, num_kv_heads, group, head_dim, dtype):
+def test_mixed_step_through_backend(
+    backend, batch, block_size, num_kv_heads, group, head_dim, dtype
+):
     seed = 3000 + MIXED_MATRIX.index((batch, block_size, num_kv_heads, group, head_dim, dtype))
     query_lens, seq_lens = _mixed_batch(random.Random(seed), batch)
     case = make_case(query_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed)

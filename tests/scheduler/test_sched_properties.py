@@ -81,7 +81,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), policy_name=st.sampled_from(sorted(POLICIES)), script=ops)
 def test_random_interleavings_keep_every_invariant(
     config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]]
