@@ -21,26 +21,24 @@ workspace) and runs ``F.scaled_dot_product_attention``:
 - each prefill chunk gets its own call, causal when it starts at position 0,
   else with a mask offset by the cached prefix.
 
-``backend`` selects the implementation; the metadata built for a backend is
-what that backend reads.
+The fields above ``num_tokens`` are backend-neutral (other backends, picked
+in ``backend.py``, read only those); the rest serve the torch path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from slipstream.kernels.kv_layout import head_major
 from slipstream.kernels.workspace import Workspace, default_workspace
 
 # Splitting a decode group costs one more SDPA call (~60 us here); padding costs
 # ~3-4 us per (sequence x block) of bf16 work. Cut a group when the padding
 # saved exceeds this many (sequence x block) units.
 _SPLIT_COST_BLOCKS = 24
-
-BACKENDS = ("torch",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +59,11 @@ class DecodeGroup:
     context_len: int
     block_ids: torch.Tensor
     mask: torch.Tensor | None
+    # For the head-major matmul path, which reads whole blocks (a slice to
+    # context_len would make every matmul copy its operands): an additive
+    # float32 bias [1, num_seqs, 1, num_blocks * block_size], 0 = attend,
+    # -inf = padding; None when no position is padding.
+    bias: torch.Tensor | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,6 @@ class AttentionMetadata:
     prefill_chunks: list[PrefillChunk]
     # True when one decode group covers all T rows in order: its output is the result.
     is_single_decode_group: bool
-    backend: str
     workspace: Workspace
 
 
@@ -110,12 +112,11 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device,
     dtype: torch.dtype,
-    backend: str = "torch",
     workspace: Workspace | None = None,
 ) -> AttentionMetadata:
     """Builds everything the layers of one step share. ``dtype`` is the model's."""
     del dtype  # masks are boolean; gather buffers take the cache's dtype lazily
-    _check_batch(query_lens, seq_lens, block_tables, block_size, backend)
+    _check_batch(query_lens, seq_lens, block_tables, block_size)
     starts = [0]
     for query_len in query_lens:
         starts.append(starts[-1] + query_len)
@@ -138,7 +139,6 @@ def build_attention_metadata(
             for b in prefill_rows
         ],
         is_single_decode_group=single,
-        backend=backend,
         workspace=workspace if workspace is not None else default_workspace(device),
     )
 
@@ -148,10 +148,7 @@ def _check_batch(
     seq_lens: list[int],
     block_tables: list[list[int]],
     block_size: int,
-    backend: str,
 ) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; known: {BACKENDS}")
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if not len(query_lens) == len(seq_lens) == len(block_tables):
@@ -224,11 +221,12 @@ def _decode_group(
     context_len = max(lens)
     num_blocks = -(-context_len // block_size)
     row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
     mask = None
     if min(lens) != context_len:
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
         positions = torch.arange(context_len, device=device)
         mask = (positions[None, :] < lens_t[:, None]).view(len(rows), 1, 1, context_len)
+    bias = _padding_bias(lens_t, num_blocks * block_size)
     return DecodeGroup(
         token_index=None if is_slice else torch.tensor(tokens, dtype=torch.int64, device=device),
         token_start=tokens[0],
@@ -237,7 +235,18 @@ def _decode_group(
         context_len=context_len,
         block_ids=table.index_select(0, row_index)[:, :num_blocks].reshape(-1),
         mask=mask,
+        bias=bias,
     )
+
+
+def _padding_bias(lens: torch.Tensor, padded_len: int) -> torch.Tensor | None:
+    """``[1, n, 1, padded_len]`` float32: 0 where a key exists, -inf past each length."""
+    if int(lens.min()) == padded_len:
+        return None
+    positions = torch.arange(padded_len, device=lens.device)
+    bias = torch.zeros((lens.shape[0], padded_len), dtype=torch.float32, device=lens.device)
+    bias.masked_fill_(positions[None, :] >= lens[:, None], float("-inf"))
+    return bias.view(1, lens.shape[0], 1, padded_len)
 
 
 def _prefill_chunk(
@@ -276,29 +285,6 @@ def paged_attention(
     """``q [T, num_heads, head_dim] -> [T, num_heads, head_dim]``, causal within each
     sequence over its cached and new tokens (``write_kv`` must already have run)."""
     _check_shapes(q, k_cache, v_cache, meta)
-    return _IMPLEMENTATIONS[meta.backend](q, k_cache, v_cache, meta, scale)
-
-
-def _check_shapes(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-) -> None:
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"bad shapes q {tuple(q.shape)}, k/v cache {tuple(k_cache.shape)}")
-    if q.shape[0] != meta.num_tokens or k_cache.shape[1] != meta.block_size:
-        raise ValueError("q rows / cache block size do not match the metadata")
-    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
-        raise ValueError("num_heads must be a multiple of num_kv_heads, head dims equal")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
-
-
-def _torch_paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
     if meta.is_single_decode_group:
         return _attend_decode(q, k_cache, v_cache, meta.decode_groups[0], scale, meta.workspace)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -314,6 +300,31 @@ def _torch_paged_attention(
             q[chunk.token_start : end], k_cache, v_cache, chunk, scale, meta.workspace
         )
     return out
+
+
+def _check_shapes(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"bad shapes q {tuple(q.shape)}, k/v cache {tuple(k_cache.shape)}")
+    if q.shape[0] != meta.num_tokens or k_cache.shape[1] != meta.block_size:
+        raise ValueError("q rows / cache block size do not match the metadata")
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+        raise ValueError("num_heads must be a multiple of num_kv_heads, head dims equal")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
+
+
+def _gather_head_major(
+    storage: torch.Tensor, block_ids: torch.Tensor, role: str, workspace: Workspace
+) -> torch.Tensor:
+    """Blocks of a head-major cache into the workspace, viewed
+    ``[kv, len(block_ids) * block_size, d]``: one copy, matmul-ready."""
+    num_kv_heads, _, block_size, head_dim = storage.shape
+    shape = (num_kv_heads, block_ids.shape[0], block_size, head_dim)
+    buffer = workspace.view(role, shape, storage.dtype)
+    torch.index_select(storage, 1, block_ids, out=buffer)
+    return buffer.view(num_kv_heads, -1, head_dim)
 
 
 def _gather(
@@ -344,6 +355,9 @@ def _attend_decode(
         rows = q[group.token_start : group.token_start + n]
     # [n, kv, group, d]: the heads sharing a kv head become that head's queries.
     rows = rows.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k_storage, v_storage = head_major(k_cache), head_major(v_cache)
+    if k_storage is not None and v_storage is not None:
+        return _attend_decode_head_major(rows, k_storage, v_storage, group, scale, workspace)
     padded = group.num_blocks * k_cache.shape[1]
     k = _gather(k_cache, group.block_ids, "k", workspace).view(n, padded, num_kv_heads, head_dim)
     v = _gather(v_cache, group.block_ids, "v", workspace).view(n, padded, num_kv_heads, head_dim)
@@ -351,6 +365,33 @@ def _attend_decode(
     v = v[:, : group.context_len].transpose(1, 2)
     out = F.scaled_dot_product_attention(rows, k, v, attn_mask=group.mask, scale=scale)
     return out.view(n, num_heads, head_dim)
+
+
+def _attend_decode_head_major(
+    rows: torch.Tensor,
+    k_storage: torch.Tensor,
+    v_storage: torch.Tensor,
+    group: DecodeGroup,
+    scale: float,
+    workspace: Workspace,
+) -> torch.Tensor:
+    """Two batched matmuls over (kv head, sequence) with a float32 softmax
+    between them. On the CPU this beats SDPA's flash kernel for single-token
+    queries several times over (it tiles for long queries); scores are
+    rounded to the cache dtype before the softmax, as transformers' eager
+    attention does."""
+    n, num_kv_heads, group_size, head_dim = rows.shape
+    k = _gather_head_major(k_storage, group.block_ids, "k", workspace)
+    v = _gather_head_major(v_storage, group.block_ids, "v", workspace)
+    k = k.view(num_kv_heads, n, -1, head_dim)
+    v = v.view(num_kv_heads, n, -1, head_dim)
+    queries = rows.permute(1, 0, 2, 3)  # [kv, n, group, d]
+    scores = torch.matmul(queries, k.transpose(-1, -2)).float().mul_(scale)
+    if group.bias is not None:
+        scores.add_(group.bias)
+    probs = torch.softmax(scores, dim=-1).to(rows.dtype)
+    out = torch.matmul(probs, v)  # [kv, n, group, d]
+    return out.permute(1, 0, 2, 3).reshape(n, num_kv_heads * group_size, head_dim)
 
 
 def _attend_prefill(
@@ -361,24 +402,24 @@ def _attend_prefill(
     scale: float,
     workspace: Workspace,
 ) -> torch.Tensor:
-    k = _gather(k_cache, chunk.block_ids, "k", workspace)[: chunk.context_len]
-    v = _gather(v_cache, chunk.block_ids, "v", workspace)[: chunk.context_len]
+    k_storage, v_storage = head_major(k_cache), head_major(v_cache)
+    if k_storage is not None and v_storage is not None:
+        # [kv, context, d] straight from the gather
+        k = _gather_head_major(k_storage, chunk.block_ids, "k", workspace)[:, : chunk.context_len]
+        v = _gather_head_major(v_storage, chunk.block_ids, "v", workspace)[:, : chunk.context_len]
+    else:
+        k = _gather(k_cache, chunk.block_ids, "k", workspace)[: chunk.context_len].transpose(0, 1)
+        v = _gather(v_cache, chunk.block_ids, "v", workspace)[: chunk.context_len].transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
         attn_mask=chunk.mask,
         is_causal=chunk.mask is None,
         scale=scale,
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
-
-
-_Implementation = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
-_IMPLEMENTATIONS: dict[str, _Implementation] = {"torch": _torch_paged_attention}
 
 
 def reference_paged_attention(

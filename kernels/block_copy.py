@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.kernels.kv_layout import block_view
+
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -28,8 +30,11 @@ def copy_blocks(src_caches: KVPool, dst_caches: KVPool, pairs: list[tuple[int, i
     dst_ids = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_device)
     for src_layer, dst_layer in zip(src_caches, dst_caches, strict=True):
         for src, dst in zip(src_layer, dst_layer, strict=True):
-            blocks = src.index_select(0, src_ids).to(dst_device, non_blocking=False)
-            dst.index_copy_(0, dst_ids, blocks)
+            (src_store, src_dim), (dst_store, dst_dim) = block_view(src), block_view(dst)
+            blocks = src_store.index_select(src_dim, src_ids).to(dst_device, non_blocking=False)
+            if src_dim != dst_dim:
+                raise ValueError("source and destination pools have different layouts")
+            dst_store.index_copy_(dst_dim, dst_ids, blocks)
 
 
 def reference_copy_blocks(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.kernels.attention import AttentionMetadata
+from slipstream.kernels.kv_layout import slot_view
 
 
 def write_kv(
@@ -20,9 +21,9 @@ def write_kv(
 ) -> None:
     """``k``, ``v`` ``[T, num_kv_heads, head_dim]`` go to ``meta.slot_mapping`` (distinct slots)."""
     _check(k_cache, v_cache, k, v, meta)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        slots, dim = slot_view(cache)
+        slots.index_copy_(dim, meta.slot_mapping, new.transpose(0, 1) if dim == 1 else new)
 
 
 def reference_write_kv(
@@ -46,8 +47,8 @@ def _check(
     v: torch.Tensor,
     meta: AttentionMetadata,
 ) -> None:
-    if k_cache.shape != v_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous():
-        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError("k_cache and v_cache must have one shape")
     expected = (meta.num_tokens, k_cache.shape[2], k_cache.shape[3])
     if tuple(k.shape) != expected or tuple(v.shape) != expected:
         raise ValueError(f"k, v must be {expected}, got {tuple(k.shape)}, {tuple(v.shape)}")

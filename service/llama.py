@@ -26,6 +26,7 @@ from safetensors import safe_open
 
 from slipstream.kernels.attention import AttentionMetadata, paged_attention
 from slipstream.kernels.kv_write import write_kv
+from slipstream.kernels.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -133,15 +134,14 @@ class _Weights:
         return handle.get_tensor(name).to(dtype).contiguous()  # type: ignore[attr-defined]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
@@ -156,16 +156,18 @@ class LlamaModel:
         self.embed = weights.get("model.embed_tokens.weight", dtype)
         self.layers = [self._load_layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = weights.get("model.norm.weight", dtype)
-        if weights.has("lm_head.weight") and not cfg.tie_word_embeddings:
-            self.lm_head = weights.get("lm_head.weight", dtype)
-        else:
-            self.lm_head = self.embed
+        tied = cfg.tie_word_embeddings or not weights.has("lm_head.weight")
+        self.lm_head = Linear(self.embed if tied else weights.get("lm_head.weight", dtype))
         inv_freq, scaling = rope_inv_freq(model_dir)
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rope_cos = (emb.cos() * scaling).to(dtype)
-        self.rope_sin = (emb.sin() * scaling).to(dtype)
+        # rotate_half(x) * sin == roll(x, d/2) * signed_sin, with the sign of
+        # the first half folded into the table: two fewer ops per layer.
+        sin = emb.sin() * scaling
+        half = sin.shape[-1] // 2
+        self.rope_signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype)
         self.scale = cfg.head_dim**-0.5
         self._q_size = cfg.num_heads * cfg.head_dim
         self._kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -179,23 +181,22 @@ class LlamaModel:
         bias = None
         if weights.has(attn + "q_proj.bias"):
             bias = torch.cat([get(attn + f"{p}_proj.bias", self.dtype) for p in "qkv"])
+        gate_up = torch.cat([get(mlp + f"{p}_proj.weight", self.dtype) for p in ("gate", "up")])
         return _Layer(
             input_norm=get(prefix + "input_layernorm.weight", self.dtype),
-            qkv=qkv,
-            qkv_bias=bias,
-            o_proj=get(attn + "o_proj.weight", self.dtype),
+            qkv=Linear(qkv, bias),
+            o_proj=Linear(get(attn + "o_proj.weight", self.dtype)),
             post_norm=get(prefix + "post_attention_layernorm.weight", self.dtype),
-            gate_up=torch.cat([get(mlp + "gate_proj.weight", self.dtype), get(mlp + "up_proj.weight", self.dtype)]),
-            down=get(mlp + "down_proj.weight", self.dtype),
+            gate_up=Linear(gate_up),
+            down=Linear(get(mlp + "down_proj.weight", self.dtype)),
         )
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """RoPE, neox layout: ``x * cos + rotate_half(x) * sin``."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
     def forward(
         self,
@@ -210,20 +211,22 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        signed_sin = self.rope_signed_sin[positions].unsqueeze(1)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             h = self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = self._rotate(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self._rotate(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            qkv = layer.qkv(h)
+            qk = qkv[:, : self._q_size + self._kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
+            q, k = self._rotate(qk, cos, signed_sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, self._q_size + self._kv_size :].view(
+                num_tokens, cfg.num_kv_heads, cfg.head_dim
+            )
             write_kv(k_cache, v_cache, k, v, meta)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            x = x + F.linear(attn.reshape(num_tokens, self._q_size), layer.o_proj)
+            x = x + layer.o_proj(attn.reshape(num_tokens, self._q_size))
             h = self._rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = self._rms_norm(x[sample_indices], self.norm)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

@@ -2,7 +2,8 @@
 one forward over the ragged batch, then sampling. It makes no policy
 decision; everything it does is spelled out by the plan.
 
-KV pools, one (K, V) pair per layer::
+KV pools, one (K, V) pair per layer (logical shapes; stored head-major, see
+kernels/kv_layout.py)::
 
     device pool  k_cache[num_device_blocks, block_size, num_kv_heads, head_dim]
     host pool    k_cache[num_host_blocks,   block_size, num_kv_heads, head_dim]
@@ -20,6 +21,7 @@ import torch
 
 from slipstream.kernels.attention import build_attention_metadata
 from slipstream.kernels.block_copy import copy_blocks
+from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.kernels.sampling import sample
 from slipstream.scheduler.plan import StepPlan
 from slipstream.service.llama import LlamaModel
@@ -28,12 +30,10 @@ KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def allocate_pool(model: LlamaModel, num_blocks: int, block_size: int) -> KVPool:
-    """Zero-filled pool: padded attention reads masked slots, and zeros (unlike
-    uninitialised memory) can never be NaN there."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        (allocate_kv_cache(*shape, model.dtype), allocate_kv_cache(*shape, model.dtype))
         for _ in range(cfg.num_layers)
     ]
 
@@ -114,4 +114,6 @@ class ModelRunner:
             [s.sampling.seed for s in sampled_seqs],
             [s.output_index for s in sampled_seqs],
         )
-        return StepResult({s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}, len(token_ids))
+        return StepResult(
+            {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}, len(token_ids)
+        )

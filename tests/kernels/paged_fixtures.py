@@ -28,6 +28,7 @@ def make_paged_batch(
     dtype: torch.dtype,
     generator: torch.Generator,
     spare_blocks: int = 5,
+    head_major: bool = False,
 ) -> PagedBatch:
     """Scatters each sequence's KV over shuffled blocks; every other slot holds
     random (finite) garbage, so reading past a sequence shows up in the output."""
@@ -51,7 +52,14 @@ def make_paged_batch(
         v_cache[blocks, positions % block_size] = v
         keys.append(k)
         values.append(v)
+    if head_major:
+        k_cache, v_cache = to_head_major(k_cache), to_head_major(v_cache)
     return PagedBatch(query_lens, seq_lens, tables, block_size, keys, values, k_cache, v_cache)
+
+
+def to_head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same logical cache stored head-major, as the engine allocates it."""
+    return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
 
 
 def dense_attention(q: torch.Tensor, batch: PagedBatch, scale: float) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_fixtures import to_head_major
 
 from slipstream.kernels.attention import build_attention_metadata
 from slipstream.kernels.block_copy import copy_blocks, reference_copy_blocks
@@ -21,12 +22,15 @@ def _pool(num_layers: int, num_blocks: int, seed: int) -> list[tuple[torch.Tenso
     ]
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token_major", "head_major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_matches_reference(dtype: torch.dtype) -> None:
+def test_write_kv_matches_reference(dtype: torch.dtype, head_major: bool) -> None:
     query_lens, seq_lens, tables = [3, 1, 6], [3, 10, 9], [[5], [0, 2, 7], [1, 6, 3]]
     meta = build_attention_metadata(query_lens, seq_lens, tables, 4, CPU, dtype)
     k_cache = torch.randn(8, 4, 2, 8).to(dtype)
     v_cache = torch.randn(8, 4, 2, 8).to(dtype)
+    if head_major:
+        k_cache, v_cache = to_head_major(k_cache), to_head_major(v_cache)
     k, v = torch.randn(10, 2, 8).to(dtype), torch.randn(10, 2, 8).to(dtype)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     reference_write_kv(expected_k, expected_v, k, v, meta)
@@ -59,10 +63,14 @@ def test_write_kv_rejects_wrong_shapes() -> None:
         (10, 6, [(9, 1)]),  # swap in
     ],
 )
+@pytest.mark.parametrize("head_major", [False, True], ids=["token_major", "head_major"])
 def test_copy_blocks_between_pools(
-    src_blocks: int, dst_blocks: int, pairs: list[tuple[int, int]]
+    src_blocks: int, dst_blocks: int, pairs: list[tuple[int, int]], head_major: bool
 ) -> None:
     src, dst = _pool(3, src_blocks, 0), _pool(3, dst_blocks, 1)
+    if head_major:
+        src = [(to_head_major(k), to_head_major(v)) for k, v in src]
+        dst = [(to_head_major(k), to_head_major(v)) for k, v in dst]
     expected = [(k.clone(), v.clone()) for k, v in dst]
     reference_copy_blocks(src, expected, pairs)
     copy_blocks(src, dst, pairs)

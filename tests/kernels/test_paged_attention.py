@@ -33,12 +33,14 @@ def _run(
     num_kv_heads: int,
     dtype: torch.dtype,
     seed: int = 0,
+    head_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     query_lens, seq_lens = lens
     batch = make_paged_batch(
-        query_lens, seq_lens, block_size, num_kv_heads, HEAD_DIM, dtype, generator
-    )
+        query_lens, seq_lens, block_size, num_kv_heads, HEAD_DIM, dtype, generator,
+        head_major=head_major,
+    )  # fmt: skip
     q = torch.randn((sum(query_lens), num_heads, HEAD_DIM), generator=generator).to(dtype)
     meta = _meta(batch, dtype)
     scale = HEAD_DIM**-0.5
@@ -59,6 +61,7 @@ def _meta(batch: PagedBatch, dtype: torch.dtype):  # type: ignore[no-untyped-def
     )
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["token_major", "head_major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (8, 2)])
@@ -69,8 +72,11 @@ def test_matches_dense_attention(
     num_kv_heads: int,
     block_size: int,
     dtype: torch.dtype,
+    head_major: bool,
 ) -> None:
-    fast, reference, dense = _run(lens, block_size, num_heads, num_kv_heads, dtype)
+    fast, reference, dense = _run(
+        lens, block_size, num_heads, num_kv_heads, dtype, head_major=head_major
+    )
     assert fast.shape == dense.shape and fast.dtype == dtype
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(fast.double(), dense, atol=tol, rtol=tol)
@@ -127,5 +133,3 @@ def test_metadata_rejects_bad_batches() -> None:
         build_attention_metadata([1], [9], [[0, 1]], 4, cpu, torch.float32)
     with pytest.raises(ValueError, match="query_len <= seq_len"):
         build_attention_metadata([3], [2], [[0]], 4, cpu, torch.float32)
-    with pytest.raises(ValueError, match="unknown attention backend"):
-        build_attention_metadata([1], [1], [[0]], 4, cpu, torch.float32, backend="cuda")
