@@ -101,39 +101,40 @@ def _scenarios(rng: random.Random) -> list[tuple[str, list[int], list[int]]]:
     return scenarios
 
 
+def _measure(
+    query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, reps: int, rng: random.Random
+) -> dict[str, tuple[float, float]]:
+    q, k_cache, v_cache, tables = _batch(query_lens, seq_lens, dtype, rng)
+    scale = HEAD_DIM**-0.5
+
+    def build() -> AttentionMetadata:
+        return build_attention_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, CPU, dtype)
+
+    meta = build()
+    with _no_length_grouping():
+        padded_meta = build()
+    return {
+        "meta-build": _time(build, reps),
+        "fast": _time(lambda: attention.paged_attention(q, k_cache, v_cache, meta, scale), reps),
+        "one-group": _time(
+            lambda: attention.paged_attention(q, k_cache, v_cache, padded_meta, scale), reps
+        ),
+        "per-seq": _time(lambda: _per_sequence(q, k_cache, v_cache, meta, scale), reps),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    scale = HEAD_DIM**-0.5
     print(f"threads={args.threads} reps={args.reps}; ms per layer call: median / min")
     for dtype in (torch.bfloat16, torch.float32):
         rng = random.Random(0)
         for name, query_lens, seq_lens in _scenarios(rng):
-            q, k_cache, v_cache, tables = _batch(query_lens, seq_lens, dtype, rng)
-
-            def build(query_lens=query_lens, seq_lens=seq_lens, tables=tables):
-                return build_attention_metadata(
-                    query_lens, seq_lens, tables, BLOCK_SIZE, CPU, dtype
-                )
-
-            meta = build()
-            with _no_length_grouping():
-                padded_meta = build()
             reps = max(5, args.reps // 5) if max(query_lens) > 1 else args.reps
-            results = {
-                "meta-build": _time(build, reps),
-                "fast": _time(
-                    lambda: attention.paged_attention(q, k_cache, v_cache, meta, scale), reps
-                ),
-                "one-group": _time(
-                    lambda: attention.paged_attention(q, k_cache, v_cache, padded_meta, scale),
-                    reps,
-                ),
-                "per-seq": _time(lambda: _per_sequence(q, k_cache, v_cache, meta, scale), reps),
-            }
+            results = _measure(query_lens, seq_lens, dtype, reps, rng)
             cells = "  ".join(f"{k} {med:7.3f}/{low:7.3f}" for k, (med, low) in results.items())
             print(f"{str(dtype)[6:]:9s} {name:36s} {cells}")
 

@@ -3,6 +3,8 @@ policy and preemption decisions. Standard library only (no torch, no grpc)."""
 
 from .block_manager import BlockAccountingError, BlockPool
 from .config import SchedulerConfig
+from .cost_model import CostCoefficients, CostModel, StepShape
+from .deadline_policy import DeadlinePolicy
 from .errors import (
     DeadlineInfeasible,
     Draining,
@@ -12,22 +14,20 @@ from .errors import (
     SchedulerError,
 )
 from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
-from .policy import (
-    POLICIES,
-    FcfsPolicy,
-    PreemptionMode,
-    PriorityPolicy,
-    SchedulingPolicy,
-    make_policy,
-)
+from .policies import DEFAULT_POLICY, POLICY_NAMES, make_policy
+from .policy import FcfsPolicy, PreemptionMode, PriorityPolicy, SchedulingPolicy
 from .request import FinishReason, Request, RequestStatus, SamplingParams
 from .scheduler import Scheduler
 
 __all__ = [
-    "POLICIES",
+    "DEFAULT_POLICY",
+    "POLICY_NAMES",
     "BlockAccountingError",
     "BlockPool",
+    "CostCoefficients",
+    "CostModel",
     "DeadlineInfeasible",
+    "DeadlinePolicy",
     "Draining",
     "DuplicateRequest",
     "FcfsPolicy",
@@ -47,5 +47,6 @@ __all__ = [
     "SchedulerError",
     "SchedulingPolicy",
     "StepPlan",
+    "StepShape",
     "make_policy",
 ]

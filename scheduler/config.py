@@ -14,7 +14,14 @@ class SchedulerConfig:
     per-step token budget shared by decodes and prefill chunks;
     ``max_num_seqs`` bounds the running batch; ``max_queue_len`` bounds the
     waiting queue (admission answers QueueFull beyond it). ``policy`` names a
-    policy registered in ``slipstream.scheduler.policy``.
+    policy registered in ``slipstream.scheduler.policies``.
+
+    Knobs of the ``deadline`` policy: ``reject_infeasible`` turns on early
+    rejection (DeadlineInfeasible) of a request that would miss its deadline
+    even running alone from its arrival; ``aging_s`` promotes a request by one
+    priority class per that many seconds in the system (0 disables aging);
+    ``min_residency_s`` protects a request just admitted or resumed from
+    being pushed out for waiting work (the thrash guard).
     """
 
     num_device_blocks: int
@@ -24,7 +31,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     num_host_blocks: int = 0
     max_queue_len: int = 4096
-    policy: str = "fcfs"
+    policy: str = "deadline"
+    reject_infeasible: bool = True
+    aging_s: float = 60.0
+    min_residency_s: float = 0.05
 
     def __post_init__(self) -> None:
         positive = {
@@ -38,5 +48,7 @@ class SchedulerConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.aging_s < 0 or self.min_residency_s < 0:
+            raise ValueError("aging_s and min_residency_s must be >= 0")
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")

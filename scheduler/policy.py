@@ -23,9 +23,13 @@ Policies by name (``SchedulerConfig.policy``):
 - ``fcfs``: arrival order; preempt the latest arrival, by recompute.
 - ``priority``: vLLM V1-style — (priority class, arrival); preempt only when
   KV runs out, the least urgent first, by recompute.
-- ``deadline`` (next): class, then slack ``deadline - now - estimated
-  remaining time`` from a step-cost model; overrides ``admission_victim`` to
-  let urgent work in and ``preemption_mode`` to pick swap vs recompute by cost.
+- ``deadline`` (``deadline_policy.py``): class, then slack ``deadline - now -
+  estimated remaining time`` from a step-cost model; overrides
+  ``admission_victim`` to let urgent work in, ``preemption_mode`` to pick swap
+  vs recompute by cost, and ``check_admission`` to reject infeasible
+  deadlines early.
+
+The registry of policies by name lives in ``policies.py``.
 """
 
 from __future__ import annotations
@@ -84,6 +88,23 @@ class SchedulingPolicy(abc.ABC):
         ``None``. Default: waiting work never preempts running work."""
         return None
 
+    @property
+    def is_urgency_driven(self) -> bool:
+        """True for policies that rank all queues by ``urgency_key`` (those
+        that preempt for admission): waiting work they make room for reserves
+        its share of the token budget ahead of less urgent running prefills,
+        and swapped work resumes only ahead of less urgent waiting work."""
+        return False
+
+    def check_admission(self, req: Request, now: float) -> str:
+        """Why ``req`` cannot meet its deadline even alone from ``now``, or
+        "" — the scheduler then raises DeadlineInfeasible (if configured)."""
+        return ""
+
+    def forget(self, req_id: str) -> None:
+        """``req_id`` finished: drop anything cached about it."""
+        return None  # nothing cached by default
+
 
 class FcfsPolicy(SchedulingPolicy):
     """First come, first served. The waiting queue keeps its own order: new
@@ -106,19 +127,3 @@ class PriorityPolicy(SchedulingPolicy):
 
     def urgency_key(self, req: Request, now: float) -> tuple[float, ...]:
         return (req.priority, req.arrival_time, req.arrival_index)
-
-
-# The deadline policy registers here next to the others.
-POLICIES: dict[str, type[SchedulingPolicy]] = {
-    FcfsPolicy.name: FcfsPolicy,
-    PriorityPolicy.name: PriorityPolicy,
-}
-
-
-def make_policy(name: str) -> SchedulingPolicy:
-    """The policy registered under ``name``; ValueError lists the known ones."""
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        known = ", ".join(sorted(POLICIES))
-        raise ValueError(f"unknown scheduling policy {name!r} (known: {known})") from None

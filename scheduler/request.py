@@ -90,6 +90,7 @@ class Request:
     finish_message: str = ""
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    last_resumed_time: float | None = None  # last admission or swap-in
     first_token_time: float | None = None
 
     @property

@@ -28,6 +28,7 @@ Invariants kept by every public method:
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -35,9 +36,11 @@ from dataclasses import dataclass, field
 from .admission import check_request_fits, check_request_shape
 from .block_manager import BlockPool
 from .config import SchedulerConfig
-from .errors import DuplicateRequest, QueueFull
+from .cost_model import CostModel
+from .errors import DeadlineInfeasible, DuplicateRequest, QueueFull
 from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
-from .policy import PreemptionMode, SchedulingPolicy, make_policy
+from .policies import make_policy
+from .policy import PreemptionMode, SchedulingPolicy
 from .request import FinishReason, Request, RequestStatus
 
 
@@ -56,6 +59,9 @@ class _StepState:
     # A running request had to preempt for blocks: admitting new work now would
     # only take the blocks the running ones need next step.
     is_kv_exhausted: bool = False
+    # (urgency key, tokens) of waiting work that budget is held back for,
+    # ascending: running work less urgent than a key leaves those tokens.
+    reservations: list[tuple[tuple[float, ...], int]] = field(default_factory=list)
 
     def to_plan(self) -> StepPlan:
         return StepPlan(
@@ -74,9 +80,16 @@ class Scheduler:
     Never reads a clock: every time comes in as ``now``.
     """
 
-    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        policy: SchedulingPolicy | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
         self.config = config
-        self.policy = policy if policy is not None else make_policy(config.policy)
+        self.policy = (
+            policy if policy is not None else make_policy(config.policy, config, cost_model)
+        )
         self.device_pool = BlockPool(config.num_device_blocks, config.block_size)
         self.host_pool = BlockPool(config.num_host_blocks, config.block_size)
         self._requests: dict[str, Request] = {}  # every live request
@@ -89,22 +102,33 @@ class Scheduler:
         self._in_flight: dict[str, Request] = {}
         self._num_preemptions = {mode: 0 for mode in PreemptionMode}
         self._num_expired = 0
+        # (time, arrival_index, req) per deadline / first-token deadline;
+        # entries of finished requests are dropped lazily when they surface.
+        self._deadlines: list[tuple[float, int, Request]] = []
 
     # == requests in and out ==============================================
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, now: float | None = None) -> None:
         """Queues ``req`` (WAITING). Raises ValueError, DuplicateRequest,
-        PromptTooLong or QueueFull — and then changes nothing."""
+        PromptTooLong, DeadlineInfeasible or QueueFull — and then changes
+        nothing. ``now`` defaults to ``req.arrival_time``."""
         check_request_shape(req)
         if req.req_id in self._requests:
             raise DuplicateRequest(f"request {req.req_id!r} is already live")
         check_request_fits(req, self.config)
+        if self.config.reject_infeasible:
+            reason = self.policy.check_admission(req, req.arrival_time if now is None else now)
+            if reason:
+                raise DeadlineInfeasible(reason)
         if len(self._waiting) >= self.config.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.config.max_queue_len} requests)")
         req.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self._requests[req.req_id] = req
         self._waiting.append(req)
+        for when in (req.deadline, req.first_token_deadline):
+            if when is not None:
+                heapq.heappush(self._deadlines, (when, req.arrival_index, req))
 
     def abort_request(
         self, req_id: str, reason: FinishReason = FinishReason.CANCELLED, message: str = ""
@@ -134,7 +158,12 @@ class Scheduler:
         return state.to_plan()
 
     def _expire_deadlines(self, state: _StepState, now: float) -> None:
-        for req in list(self._requests.values()):
+        due: dict[int, Request] = {}
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, index, req = heapq.heappop(self._deadlines)
+            if self._requests.get(req.req_id) is req:
+                due[index] = req
+        for _, req in sorted(due.items()):
             message = _expiry_message(req, now)
             if message:
                 self._finish(req, FinishReason.DEADLINE_EXCEEDED, message)
@@ -145,19 +174,32 @@ class Scheduler:
 
     def _make_room_for_waiting(self, state: _StepState, now: float) -> None:
         """Lets the policy push running work out for waiting work before the
-        pools are exhausted. FCFS and priority never do; the walk stops at the
-        first waiting request the policy does not make room for."""
-        reserved_blocks = 0
-        for num_admitted, candidate in enumerate(self.policy.order_waiting(self._waiting, now)):
+        pools are exhausted (blocks, ``max_num_seqs`` or, for policies that
+        ``is_urgency_driven``, the token budget). FCFS and priority never do;
+        the walk stops at the first waiting request the policy does not make
+        room for."""
+        policy = self.policy
+        budget = self.config.max_num_batched_tokens if policy.is_urgency_driven else 0
+        rigid = self._rigid_running_tokens() if budget else 0
+        reserved_blocks = reserved_tokens = 0
+        for num_admitted, candidate in enumerate(policy.order_waiting(self._waiting, now)):
             chunk = min(candidate.num_uncomputed_tokens, self.config.max_num_batched_tokens)
             need = reserved_blocks + self.device_pool.blocks_for(chunk)
-            while not self._fits(need, num_admitted + 1):
-                victim = self.policy.admission_victim(candidate, self._running_list(), now)
+            min_tokens = min(chunk, self.config.block_size) if budget else 0
+            while not self._fits(need, num_admitted + 1) or (
+                rigid + reserved_tokens + min_tokens > budget
+            ):
+                victim = policy.admission_victim(candidate, self._running_list(), now)
                 if victim is None:
                     return
                 self._check_is_running(victim)
+                rigid -= self._rigid_tokens(victim) if budget else 0
                 self._preempt(state, victim, now)
             reserved_blocks = need
+            if budget:
+                tokens = min(chunk, budget - rigid - reserved_tokens)
+                reserved_tokens += tokens
+                state.reservations.append((policy.urgency_key(candidate, now), tokens))
 
     def _schedule_running(self, state: _StepState, now: float) -> None:
         for req in self.policy.order_running(self._running_list(), now):
@@ -165,7 +207,9 @@ class Scheduler:
                 return
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            num_new = min(req.num_uncomputed_tokens, state.token_budget)
+            num_new = min(
+                req.num_uncomputed_tokens, state.token_budget - self._held(state, req, now)
+            )
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
                 self._add_seq(state, req, num_new)
 
@@ -192,15 +236,23 @@ class Scheduler:
     def _schedule_swapped(self, state: _StepState, now: float) -> None:
         if state.preempted_ids:
             return  # anti-thrash: see the module invariants
+        head = self._most_urgent_waiting_key(now)
         for req in self.policy.order_swapped(self._swapped.values(), now):
             if not self._has_room_for_another(state):
                 return
-            num_new = min(req.num_uncomputed_tokens, state.token_budget)
+            if head is not None and head < self.policy.urgency_key(req, now):
+                return  # the slot and blocks go to more urgent waiting work
+            num_new = min(
+                req.num_uncomputed_tokens, state.token_budget - self._held(state, req, now)
+            )
+            if num_new <= 0:
+                return
             target = req.num_computed_tokens + num_new
             need = max(len(req.host_block_ids), self.device_pool.blocks_for(target))
             if not self.device_pool.can_allocate(need):
                 return
             self._swap_in(state, req)
+            req.last_resumed_time = now
             req.block_ids.extend(self.device_pool.append(req.block_ids, target))
             self._add_seq(state, req, num_new)
 
@@ -243,6 +295,7 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
+        req.last_resumed_time = now
         self._running[req.req_id] = req
 
     def _preempt(self, state: _StepState, victim: Request, now: float) -> None:
@@ -303,6 +356,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_message = message
         del self._requests[req.req_id]
+        self.policy.forget(req.req_id)
 
     # == results of a step ================================================
 
@@ -428,6 +482,26 @@ class Scheduler:
 
     def _has_room_for_another(self, state: _StepState) -> bool:
         return state.token_budget > 0 and len(self._running) < self.config.max_num_seqs
+
+    def _most_urgent_waiting_key(self, now: float) -> tuple[float, ...] | None:
+        if not self.policy.is_urgency_driven or not self._waiting:
+            return None
+        return min(self.policy.urgency_key(r, now) for r in self._waiting)
+
+    def _held(self, state: _StepState, req: Request, now: float) -> int:
+        """Budget held back from ``req`` for more urgent waiting work."""
+        if not state.reservations:
+            return 0
+        key = self.policy.urgency_key(req, now)
+        return sum(tokens for k, tokens in state.reservations if k < key)
+
+    def _rigid_running_tokens(self) -> int:
+        return sum(self._rigid_tokens(r) for r in self._running.values())
+
+    def _rigid_tokens(self, req: Request) -> int:
+        """The share of the budget a running request needs to make progress:
+        one token for a decode, one block's worth of a prefill chunk."""
+        return min(req.num_uncomputed_tokens, self.config.block_size)
 
     def _fits(self, num_blocks: int, num_seqs: int) -> bool:
         return (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from slipstream.service.config import EngineConfig
@@ -60,7 +61,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="on SIGTERM, how long running requests may finish",
     )
     add_engine_args(parser)
+    add_telemetry_args(parser)
     parser.set_defaults(func=run)
+
+
+def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "telemetry", "tracing is configured by the standard OTEL_* environment variables"
+    )
+    group.add_argument(
+        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any)"
+    )
+    group.add_argument("--metrics-host", default=None, help="default: the --host address")
+    group.add_argument(
+        "--log-level",
+        default=os.environ.get("SLIPSTREAM_LOG_LEVEL", "info"),
+        help="debug, info, warning, error (env SLIPSTREAM_LOG_LEVEL)",
+    )
+    group.add_argument(
+        "--log-format",
+        default=os.environ.get("SLIPSTREAM_LOG_FORMAT", "auto"),
+        choices=("auto", "json", "console"),
+        help="auto: console on a TTY, else JSON (env SLIPSTREAM_LOG_FORMAT)",
+    )
+
+
+def telemetry(args: argparse.Namespace) -> object:
+    """Logging configured, metrics served (if asked), tracing from OTEL_*."""
+    from slipstream.service.logging_setup import configure_logging
+    from slipstream.service.metrics import ServerMetrics, serve_metrics
+    from slipstream.service.telemetry import Telemetry
+
+    configure_logging(args.log_level, args.log_format)
+    metrics = None
+    if args.metrics_port is not None:
+        metrics = ServerMetrics()
+        _, port = serve_metrics(metrics.registry, args.metrics_host or args.host, args.metrics_port)
+        print(f"slipstream: metrics on http://{args.metrics_host or args.host}:{port}/metrics")
+    return Telemetry.from_env(os.environ, metrics)
 
 
 def usage_hint(host: str, port: int, model: str) -> str:
@@ -83,12 +121,20 @@ def run(args: argparse.Namespace) -> int:
     from slipstream.service.server import run as run_server
 
     config = engine_config(args)
+    observability = telemetry(args)
 
     def on_ready(port: int, engine: object) -> None:
         print(usage_hint(args.host, port, config.model), flush=True)
 
     asyncio.run(
-        run_server(lambda: Engine(config), args.host, args.port, args.grace_s, on_ready=on_ready)
+        run_server(
+            lambda: Engine(config),
+            args.host,
+            args.port,
+            args.grace_s,
+            on_ready=on_ready,
+            telemetry=observability,  # type: ignore[arg-type]
+        )
     )
     print("slipstream: stopped", file=sys.stderr, flush=True)
     return 0

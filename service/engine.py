@@ -43,6 +43,7 @@ from slipstream.service.events import (
 )
 from slipstream.service.llama import LlamaModel
 from slipstream.service.model_store import resolve_model
+from slipstream.service.observer import EngineObserver
 from slipstream.service.runner import ModelRunner, kv_bytes_per_block
 
 log = structlog.get_logger(__name__)
@@ -147,6 +148,8 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition(self._lock)
+        # Telemetry hook; set before start(). None: no call, no cost.
+        self.observer: EngineObserver | None = None
         log.info(
             "engine_ready",
             model=str(model_dir),
@@ -202,6 +205,8 @@ class Engine:
                 raise Draining("the server is draining and takes no new requests")
             self.scheduler.add_request(sched_request)
             self._live[request.req_id] = _Live(request, sched_request, on_event, detokenizer)
+            if self.observer is not None:
+                self.observer.on_submit(request, sched_request)
         self._wakeup.set()
 
     def abort(
@@ -270,16 +275,24 @@ class Engine:
 
     def _step(self) -> None:
         with self._lock:
-            plan = self.scheduler.schedule(time.monotonic())
+            started = time.monotonic()
+            plan = self.scheduler.schedule(started)
         for finished in plan.finished:
             self._finish(finished.req_id, finished.reason, finished.message)
         if not plan.seqs and not plan.swap_in and not plan.swap_out:
+            self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
             return
         result = self.runner.execute(plan)
         with self._lock:
             outputs = self.scheduler.update(plan, result.sampled, time.monotonic())
+        self._observe(plan, outputs, started)
         self._publish(plan, outputs)
+
+    def _observe(self, plan: StepPlan, outputs: list[RequestOutput], started: float) -> None:
+        # Before _publish, so an observer sees a request's last tokens before its finish.
+        if self.observer is not None and (plan.seqs or plan.preempted_req_ids):
+            self.observer.on_step(plan, outputs, started, time.monotonic())
 
     def _publish(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
         batch_size = len(plan.seqs)
@@ -348,6 +361,8 @@ class Engine:
             del self._live[req_id]
             if not self._live:
                 self._idle.notify_all()
+        if self.observer is not None:
+            self.observer.on_finish(event)
         live.on_event(event)
 
 

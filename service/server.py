@@ -26,6 +26,7 @@ from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from slipstream.service.engine import Engine
+    from slipstream.service.telemetry import Telemetry
 
 log = structlog.get_logger(__name__)
 
@@ -41,10 +42,12 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def build_server(lifecycle: Lifecycle, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+def build_server(
+    lifecycle: Lifecycle, host: str, port: int, telemetry: Telemetry | None = None
+) -> tuple[grpc.aio.Server, int]:
     """A server (not started) for ``lifecycle``; returns it and the bound port."""
     server = grpc.aio.server(options=_CHANNEL_OPTIONS)
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle), server)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle, telemetry), server)
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -54,11 +57,14 @@ def build_server(lifecycle: Lifecycle, host: str, port: int) -> tuple[grpc.aio.S
 
 
 async def create_server(
-    engine: Engine, host: str = "127.0.0.1", port: int = 0
+    engine: Engine, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry | None = None
 ) -> tuple[grpc.aio.Server, int]:
-    """A started server around a loaded engine, health SERVING."""
+    """A started server around a loaded engine, health SERVING; ``telemetry``
+    (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
-    server, bound = build_server(lifecycle, host, port)
+    server, bound = build_server(lifecycle, host, port, telemetry)
+    if telemetry is not None:
+        telemetry.attach(engine)
     await server.start()
     await lifecycle.serve()
     return server, bound
@@ -82,10 +88,11 @@ async def run(
     port: int,
     grace_s: float,
     on_ready: Callable[[int, Engine], None] | None = None,
+    telemetry: Telemetry | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully."""
     lifecycle = Lifecycle()
-    server, bound = build_server(lifecycle, host, port)
+    server, bound = build_server(lifecycle, host, port, telemetry)
     await server.start()
     await lifecycle.report_loading()
     log.info("server_loading", host=host, port=bound)
@@ -94,6 +101,8 @@ async def run(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     engine = await asyncio.to_thread(load_engine)
+    if telemetry is not None:
+        telemetry.attach(engine)
     await lifecycle.serve(engine)
     log.info("server_serving", host=host, port=bound, model=engine.info.name)
     if on_ready is not None:
@@ -101,4 +110,6 @@ async def run(
     await stop.wait()
     log.info("server_draining", grace_s=grace_s)
     await shutdown(server, lifecycle, grace_s)
+    if telemetry is not None:
+        await asyncio.to_thread(telemetry.shutdown)
     log.info("server_stopped")

@@ -20,11 +20,13 @@ from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from slipstream.service.engine import Engine
+    from slipstream.service.telemetry import Telemetry
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, lifecycle: Lifecycle) -> None:
+    def __init__(self, lifecycle: Lifecycle, telemetry: Telemetry | None = None) -> None:
         self._lifecycle = lifecycle
+        self._telemetry = telemetry
 
     async def Generate(
         self,
@@ -35,7 +37,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        session = StreamSession(engine, asyncio.get_running_loop(), _call_deadline(context))
+        session = StreamSession(
+            engine,
+            asyncio.get_running_loop(),
+            _call_deadline(context),
+            self._telemetry,
+            context.invocation_metadata() or (),
+        )
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
         context.add_done_callback(lambda _: session.abort_all())

@@ -26,7 +26,10 @@ from slipstream.service.events import Event, EventCallback, FinishEvent
 from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from slipstream.service.engine import Engine
+    from slipstream.service.telemetry import Telemetry
 
 
 class ProtocolViolation(Exception):
@@ -35,9 +38,16 @@ class ProtocolViolation(Exception):
 
 class StreamSession:
     def __init__(
-        self, engine: Engine, loop: asyncio.AbstractEventLoop, call_deadline: float | None
+        self,
+        engine: Engine,
+        loop: asyncio.AbstractEventLoop,
+        call_deadline: float | None,
+        telemetry: Telemetry | None = None,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
     ) -> None:
         self._engine = engine
+        self._telemetry = telemetry
+        self._metadata = metadata  # the call's, for trace context
         self._loop = loop
         self._call_deadline = call_deadline
         self.stream_id = uuid.uuid4().hex
@@ -93,6 +103,10 @@ class StreamSession:
             if rejection is None:
                 raise
             self._reject(request_id, rejection, str(exc))
+            if self._telemetry is not None:
+                self._telemetry.rejected(
+                    request_id, rejection, str(exc), self._metadata, submit.trace_context
+                )
 
     def _admit(self, submit: pb.Submit, request_id: str) -> None:
         engine = self._engine
@@ -108,10 +122,14 @@ class StreamSession:
         # may publish before submit() returns; withdrawn if submit raises.
         ack = wire.accepted(request_id, engine.stats().waiting, len(request.prompt_token_ids))
         self._outbox.append(ack)
+        if self._telemetry is not None:
+            self._telemetry.begin(request, request_id, self._metadata, submit.trace_context)
         try:
             engine.submit(request, self._callback(request_id))
         except Exception:
             self._outbox.remove(ack)
+            if self._telemetry is not None:
+                self._telemetry.abandon(request.req_id)
             raise
         self._live[request_id] = request.req_id
         self._wakeup.set()

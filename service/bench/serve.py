@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import re
 import signal
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,13 +157,20 @@ def remote_vocab_size(target: str) -> int:
 
 
 @contextmanager
-def spawned_server(args: argparse.Namespace) -> Iterator[str]:
-    """``slipstream serve`` on a free loopback port, stopped (SIGTERM) on exit."""
+def spawned_server(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """``slipstream serve`` on a free loopback port, stopped (SIGTERM) on exit;
+    ``env`` replaces the inherited environment when given."""
     command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
     command += ["--model", args.model, "--dtype", args.dtype]
     if args.threads:
         command += ["--threads", str(args.threads)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=None if env is None else dict(env),
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -255,6 +263,12 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
     parser.add_argument("--no-local", action="store_true", help="skip the in-process run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument(
+        "--trace-overhead",
+        action="store_true",
+        help="serve twice, tracing off and exporting OTLP to a local receiver; compare",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="off/on pairs (--trace-overhead)")
     parser.set_defaults(func=run)
 
 
@@ -289,6 +303,14 @@ def run(args: argparse.Namespace) -> int:
     if args.server is None and args.model is None:
         raise SystemExit("bench serve: give --server HOST:PORT or --model NAME")
     shape = LoadShape(args.rate, args.burstiness, args.concurrency, args.seed)
+    if args.trace_overhead:
+        from slipstream.service.bench.trace_overhead import tracing_comparison
+
+        if args.model is None:
+            raise SystemExit("bench serve --trace-overhead: give --model NAME")
+        report = tracing_comparison(args, shape)
+        _write(args, report)
+        return 0
     report = _timed_runs(args, shape)
     if "in_process" in report:
         ratio = (
@@ -301,10 +323,19 @@ def run(args: argparse.Namespace) -> int:
         if k != "func"
     }
     print(_table(report))
+    _write(args, report)
+    return 0
+
+
+def _write(args: argparse.Namespace, report: dict) -> None:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
-    return 0
+
+
+def environ_without_otel() -> dict[str, str]:
+    """This process's environment minus ``OTEL_*``: a server that traces nothing."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
 
 
 def _table(report: dict) -> str:

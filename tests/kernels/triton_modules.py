@@ -2,12 +2,13 @@
 triton's CPU interpreter.
 
 Triton decides interpreter-or-compiled when a function is decorated: its own
-``triton.language`` helpers (``tl.zeros``, ...) when ``triton`` is first
-imported, Slipstream's kernels when their module is. Importing this module
-sets ``TRITON_INTERPRET=1``; Triton test modules import it before anything
-else can import triton (pytest imports every test module before running any
-test), and import the kernel modules only through ``interpreted(name)``,
-which fails loudly if either was decorated for compilation.
+jitted library functions (``tl.sum``, ``tl.zeros``, ...) when ``triton`` is
+first imported, Slipstream's kernels when their module is. So
+``TRITON_INTERPRET=1`` must be set before anything imports triton, and in a
+whole-suite run torch._dynamo does so while pytest collects tests/bench
+(through transformers): only the top-level ``tests/conftest.py`` runs early
+enough. ``interpreted(name)`` sets the variable (enough when the Triton tests
+run alone) and fails with that instruction when triton came first.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from types import ModuleType
 
 import pytest
 
-os.environ["TRITON_INTERPRET"] = "1"
-
 
 def interpreted(name: str) -> ModuleType:
     """``slipstream.kernels.<name>``, every ``@triton.jit`` kernel in it interpreted."""
@@ -30,8 +29,12 @@ def interpreted(name: str) -> ModuleType:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    if isinstance(tl.zeros, JITFunction):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set")
+    if isinstance(tl.sum, JITFunction):
+        pytest.fail(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its library is "
+            "compiled-only; add os.environ.setdefault('TRITON_INTERPRET', '1') to "
+            "tests/conftest.py"
+        )
     module = importlib.import_module(f"slipstream.kernels.{name}")
     compiled = [k for k, v in vars(module).items() if isinstance(v, JITFunction)]
     if compiled:

@@ -6,6 +6,8 @@ both pools are all free."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sched_fakes import (
@@ -19,6 +21,9 @@ from sched_fakes import (
 )
 
 from slipstream.scheduler import (
+    CostCoefficients,
+    CostModel,
+    DeadlinePolicy,
     FinishReason,
     PriorityPolicy,
     Request,
@@ -28,11 +33,18 @@ from slipstream.scheduler import (
 )
 from slipstream.scheduler.policy import FcfsPolicy
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {
-    "fcfs": FcfsPolicy,
-    "priority": PriorityPolicy,
-    "swap": SwapPolicy,
-    "self-first": SelfFirstPolicy,
+# Step costs on the fake clock's scale (1 s per step): deadlines of a few
+# steps are feasible, infeasible or hopeless depending on the draw.
+CHEAP_SWAP = CostCoefficients(1.0, 0.05, 0.0, 0.0, 0.001)
+DEAR_SWAP = CostCoefficients(1.0, 0.0, 0.0, 0.0, 10.0)
+
+POLICIES: dict[str, Callable[[SchedulerConfig], SchedulingPolicy]] = {
+    "fcfs": lambda _: FcfsPolicy(),
+    "priority": lambda _: PriorityPolicy(),
+    "swap": lambda _: SwapPolicy(),
+    "self-first": lambda _: SelfFirstPolicy(),
+    "deadline-swap": lambda config: DeadlinePolicy(config, CostModel(CHEAP_SWAP)),
+    "deadline-recompute": lambda config: DeadlinePolicy(config, CostModel(DEAR_SWAP)),
 }
 
 MAX_REQUEST_TOKENS = 16  # prompt (<= 10) + max_new_tokens (<= 6)
@@ -50,8 +62,11 @@ def configs(draw: st.DrawFn) -> SchedulerConfig:
         max_model_len=24,
         max_num_seqs=draw(st.integers(2, 4)),
         max_num_batched_tokens=draw(st.integers(1, 16)),
-        num_host_blocks=draw(st.integers(0, 12)),
+        num_host_blocks=draw(st.sampled_from([0, 1, 2, 3, 4, 6, 12])),  # small: exhaustion
         max_queue_len=draw(st.integers(2, 8)),
+        aging_s=draw(st.sampled_from([0.0, 3.0, 60.0])),
+        min_residency_s=draw(st.sampled_from([0.0, 2.0])),
+        reject_infeasible=draw(st.booleans()),
     )
 
 
@@ -81,19 +96,25 @@ ops = st.lists(
 )
 
 
+# The deadline policies are drawn more often: they have the most paths.
+POLICY_DRAWS = [*sorted(POLICIES), "deadline-swap", "deadline-swap", "deadline-recompute"]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(config=configs(), policy_name=st.sampled_from(sorted(POLICIES)), script=ops)
+@given(config=configs(), policy_name=st.sampled_from(POLICY_DRAWS), script=ops)
 def test_random_interleavings_keep_every_invariant(
     config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]]
 ) -> None:
-    sched = Scheduler(config, POLICIES[policy_name]())
+    sched = Scheduler(config, POLICIES[policy_name](config))
     driver = Driver(sched)
     submitted: dict[str, Request] = {}
+    host_was_full = False
     for op in script:
         _apply(op, sched, driver, submitted)
         check_pools(sched)
+        host_was_full |= config.num_host_blocks > 0 and sched.num_free_host_blocks == 0
     driver.run_until_idle(max_steps=5_000)
-    _record_coverage(sched, submitted)
+    _record_coverage(sched, submitted, host_was_full)
     check_pools(sched)
     assert sched.num_used_device_blocks == sched.num_used_host_blocks == 0
     assert sched.num_waiting == sched.num_running == sched.num_swapped == 0
@@ -109,13 +130,14 @@ def test_random_interleavings_keep_every_invariant(
             assert produced == expected[: len(produced)]
 
 
-def _record_coverage(sched: Scheduler, submitted: dict[str, Request]) -> None:
+def _record_coverage(sched: Scheduler, submitted: dict[str, Request], host_was_full: bool) -> None:
     """Shown by ``pytest --hypothesis-show-statistics``: proof the random
     scripts reach preemption, swaps and expiry, not just the easy path."""
     event(f"submitted>=5: {len(submitted) >= 5}")
     event(f"recompute preemption: {sched.num_recompute_preemptions > 0}")
     event(f"swap preemption: {sched.num_swap_preemptions > 0}")
     event(f"deadline expiry: {sched.num_expired > 0}")
+    event(f"host pool exhausted: {host_was_full}")
 
 
 def _apply(

@@ -1,0 +1,209 @@
+"""Step-cost model: how long one engine step takes, as a function of its shape.
+
+A step's time is modelled as linear in four features::
+
+    seconds = base + per_prefill_token * prefill_tokens
+                   + per_decode_seq    * decode_seqs
+                   + per_context_token * context_tokens
+
+where ``context_tokens`` is the sum over scheduled sequences of the tokens
+their attention reads (``start_pos + len(token_ids)``). Moving one KV block
+between the device and host pools costs ``swap_s_per_block`` (per direction).
+
+Coefficients come from outside: the engine times a few synthetic steps at
+start-up (``slipstream.service.cost_model.calibrate``) and then feeds every
+measured step to ``CostModel.observe``, which refits them online by
+exponentially weighted recursive least squares (older samples decay by
+``forgetting`` per sample). Pure standard library; never reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import StepPlan
+
+# Features are scaled to similar magnitudes so one initial covariance suits
+# all four: [1, prefill tokens / 100, decode seqs / 10, context tokens / 1000].
+_SCALES = (1.0, 100.0, 10.0, 1000.0)
+_MIN_STEP_S = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step's time depends on. A sequence that samples after one new
+    token is a decode; every other scheduled token is prefill."""
+
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    num_context_tokens: int = 0
+    num_swapped_blocks: int = 0  # swap-out plus swap-in block copies
+
+    @staticmethod
+    def of(plan: StepPlan) -> StepShape:
+        prefill = decodes = context = 0
+        for seq in plan.seqs:
+            n = len(seq.token_ids)
+            if n == 1 and seq.sample and seq.output_index > 0:
+                decodes += 1
+            else:
+                prefill += n
+            context += seq.start_pos + n
+        return StepShape(prefill, decodes, context, len(plan.swap_out) + len(plan.swap_in))
+
+
+@dataclass(frozen=True, slots=True)
+class CostCoefficients:
+    """Seconds per unit of each feature. Defaults are a CPU-sized guess
+    (the ``small`` model on two cores); calibrate before trusting them."""
+
+    base_s: float = 0.010
+    per_prefill_token_s: float = 0.0004
+    per_decode_seq_s: float = 0.0015
+    per_context_token_s: float = 0.000002
+    swap_s_per_block: float = 0.00005
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    def as_vector(self) -> list[float]:
+        raw = (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s)
+        return [c * s for c, s in zip((*raw, self.per_context_token_s), _SCALES, strict=True)]
+
+
+class CostModel:
+    """Predicts step and service times; refits itself from measured steps.
+
+    Invariant: every prediction is positive and finite; coefficients used for
+    prediction are clamped at zero (a noisy fit may dip below).
+    """
+
+    def __init__(
+        self,
+        coefficients: CostCoefficients | None = None,
+        *,
+        forgetting: float = 0.995,
+        prior_weight: float = 10.0,
+    ) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+        if prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight}")
+        coeffs = coefficients if coefficients is not None else CostCoefficients()
+        self._swap_s_per_block = coeffs.swap_s_per_block
+        self._theta = coeffs.as_vector()
+        # Covariance of the estimate; a small prior weight lets the first
+        # measured samples dominate the start-up guess.
+        self._p = [[1.0 / prior_weight if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._forgetting = forgetting
+        self._num_samples = 0
+
+    # -- coefficients ----------------------------------------------------
+
+    @property
+    def coefficients(self) -> CostCoefficients:
+        c = [max(0.0, t) / s for t, s in zip(self._theta, _SCALES, strict=True)]
+        return CostCoefficients(c[0], c[1], c[2], c[3], self._swap_s_per_block)
+
+    @property
+    def num_samples(self) -> int:
+        return self._num_samples
+
+    def set_swap_cost(self, seconds_per_block: float) -> None:
+        if seconds_per_block < 0:
+            raise ValueError(f"swap cost must be >= 0, got {seconds_per_block}")
+        self._swap_s_per_block = seconds_per_block
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """One measured step (forward only: swap time excluded). Exponentially
+        weighted recursive least squares; O(16) float operations."""
+        if seconds <= 0 or seconds != seconds:
+            return  # a clock glitch, not information
+        x = _features(shape)
+        px = [sum(self._p[i][j] * x[j] for j in range(4)) for i in range(4)]
+        denom = self._forgetting + sum(x[i] * px[i] for i in range(4))
+        gain = [v / denom for v in px]
+        error = seconds - sum(t * xi for t, xi in zip(self._theta, x, strict=True))
+        self._theta = [t + g * error for t, g in zip(self._theta, gain, strict=True)]
+        lam = self._forgetting
+        self._p = [[(self._p[i][j] - gain[i] * px[j]) / lam for j in range(4)] for i in range(4)]
+        self._num_samples += 1
+
+    def observe_plan(self, plan: StepPlan, seconds: float) -> None:
+        """A measured ``runner.execute(plan)``: the predicted swap time is
+        taken off and the rest fits the forward (plans without a forward
+        teach only the swap cost)."""
+        num_blocks = len(plan.swap_out) + len(plan.swap_in)
+        if not plan.seqs:
+            self.observe_swap(num_blocks, seconds)
+            return
+        self.observe(StepShape.of(plan), seconds - self.swap_seconds(num_blocks))
+
+    def observe_swap(self, num_blocks: int, seconds: float) -> None:
+        """A measured block copy; blends into the per-block cost (EWMA)."""
+        if num_blocks > 0 and seconds > 0:
+            sample = seconds / num_blocks
+            self._swap_s_per_block = 0.9 * self._swap_s_per_block + 0.1 * sample
+
+    # -- predictions -----------------------------------------------------
+
+    def step_seconds(self, shape: StepShape) -> float:
+        x = _features(shape)
+        forward = sum(max(0.0, t) * xi for t, xi in zip(self._theta, x, strict=True))
+        return max(_MIN_STEP_S, forward) + self.swap_seconds(shape.num_swapped_blocks)
+
+    def plan_seconds(self, plan: StepPlan) -> float:
+        """Predicted wall time of executing ``plan`` (swaps plus forward)."""
+        if not plan.seqs:
+            return self.swap_seconds(len(plan.swap_out) + len(plan.swap_in))
+        return self.step_seconds(StepShape.of(plan))
+
+    def idle_seconds(self) -> float:
+        """A step's fixed cost: how far a simulator's clock moves when idle."""
+        return max(_MIN_STEP_S, self.coefficients.base_s)
+
+    def swap_seconds(self, num_blocks: int) -> float:
+        return num_blocks * self._swap_s_per_block
+
+    def prefill_seconds(self, num_tokens: int, token_budget: int, start: int = 0) -> float:
+        """Prefilling positions ``[start, start + num_tokens)`` alone, in
+        chunks of at most ``token_budget`` tokens (one step per chunk)."""
+        total = 0.0
+        pos, end = start, start + num_tokens
+        while pos < end:
+            n = min(token_budget, end - pos)
+            total += self.step_seconds(StepShape(n, 0, pos + n))
+            pos += n
+        return total
+
+    def decode_seconds(self, context: int, num_tokens: int) -> float:
+        """``num_tokens`` decode steps alone, starting at ``context`` tokens.
+        Closed form: the context feature grows by one per step."""
+        if num_tokens <= 0:
+            return 0.0
+        c = self.coefficients
+        per_step = c.base_s + c.per_decode_seq_s + c.per_context_token_s * (context + 1)
+        growth = c.per_context_token_s * num_tokens * (num_tokens - 1) / 2
+        return max(_MIN_STEP_S * num_tokens, per_step * num_tokens + growth)
+
+    def service_seconds(
+        self, num_computed: int, num_tokens: int, num_outputs_left: int, token_budget: int
+    ) -> float:
+        """A request's remaining time if it ran alone: finish the prefill of
+        ``num_tokens - num_computed`` known tokens (its last chunk samples one
+        output), then ``num_outputs_left - 1`` more decode steps."""
+        prefill = self.prefill_seconds(num_tokens - num_computed, token_budget, num_computed)
+        return prefill + self.decode_seconds(num_tokens, max(0, num_outputs_left - 1))
+
+
+def _features(shape: StepShape) -> list[float]:
+    raw = (1.0, shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens)
+    return [v / s for v, s in zip(raw, _SCALES, strict=True)]
+
+
+def recompute_beats_swap(model: CostModel, num_blocks: int, num_tokens: int, budget: int) -> bool:
+    """True when re-prefilling ``num_tokens`` is cheaper than swapping
+    ``num_blocks`` out and back in."""
+    return model.prefill_seconds(num_tokens, budget) < model.swap_seconds(2 * num_blocks)

@@ -1,0 +1,220 @@
+"""The policy simulator: the real ``Scheduler`` driven by a fake clock, with
+the cost model standing in for the model.
+
+Each iteration is one engine step::
+
+    submit every request that has arrived by now
+    plan = scheduler.schedule(now)
+    now += cost_model.plan_seconds(plan)       # swaps + one forward
+    scheduler.update(plan, {sampling seq: token}, now)
+
+Requests ignore EOS and make exactly ``output_len`` tokens (unless they
+expire). A step's seconds are charged to its sequences in proportion to
+their scheduled tokens, so the compute a request consumed is known even when
+it later misses its deadline. Deterministic: same inputs, same result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .config import SchedulerConfig
+from .cost_model import CostModel
+from .errors import SchedulerError
+from .plan import RequestOutput, StepPlan
+from .policy import SchedulingPolicy
+from .request import FinishReason, Request
+from .scheduler import Scheduler
+
+_TOKEN = 5  # every prompt and output token; the simulated "model" ignores content
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One simulated request; times are seconds from the start of the run."""
+
+    req_id: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    priority: int = 0
+    deadline: float | None = None
+    expected_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimOutcome:
+    """What happened to one request. ``rejection`` names the domain error of
+    an early rejection ("" when admitted); times are None when not reached."""
+
+    req_id: str
+    priority: int
+    arrival: float
+    deadline: float | None
+    finish_reason: FinishReason
+    rejection: str
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float
+    num_output_tokens: int
+    compute_s: float
+    num_preemptions: int
+
+    @property
+    def met_deadline(self) -> bool:
+        completed = self.finish_reason in (FinishReason.MAX_TOKENS, FinishReason.EOS)
+        return completed and (self.deadline is None or self.finish_time <= self.deadline)
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    outcomes: list[SimOutcome]
+    makespan_s: float
+    busy_s: float
+    num_steps: int
+    num_swap_preemptions: int
+    num_recompute_preemptions: int
+    num_swapped_out_blocks: int
+
+
+@dataclass(slots=True)
+class _Track:
+    spec: SimRequest
+    req: Request
+    compute_s: float = 0.0
+    finish_time: float | None = None
+
+
+class Simulator:
+    """Replays ``requests`` through a fresh scheduler; one ``run()`` each."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cost_model: CostModel,
+        policy: SchedulingPolicy | None = None,
+        max_steps: int = 10_000_000,
+    ) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.scheduler = Scheduler(config, policy, cost_model)
+        self._max_steps = max_steps
+        self._tracks: dict[str, _Track] = {}
+        self._outcomes: dict[str, SimOutcome] = {}
+        self._busy_s = 0.0
+        self._swapped_out = 0
+        self.now = 0.0
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
+        sched = self.scheduler
+        next_index, steps = 0, 0
+        while next_index < len(pending) or sched.has_unfinished():
+            while next_index < len(pending) and pending[next_index].arrival <= self.now:
+                self._submit(pending[next_index])
+                next_index += 1
+            if not sched.has_unfinished():
+                if next_index < len(pending):
+                    self.now = max(self.now, pending[next_index].arrival)
+                continue
+            steps += 1
+            if steps > self._max_steps:
+                raise RuntimeError(f"simulation did not finish in {self._max_steps} steps")
+            next_arrival = pending[next_index].arrival if next_index < len(pending) else None
+            self._step(next_arrival)
+        outcomes = [self._outcomes[r.req_id] for r in requests]
+        return SimResult(
+            outcomes=outcomes,
+            makespan_s=self.now,
+            busy_s=self._busy_s,
+            num_steps=steps,
+            num_swap_preemptions=sched.num_swap_preemptions,
+            num_recompute_preemptions=sched.num_recompute_preemptions,
+            num_swapped_out_blocks=self._swapped_out,
+        )
+
+    def _submit(self, spec: SimRequest) -> None:
+        req = Request(
+            req_id=spec.req_id,
+            prompt_token_ids=[_TOKEN] * spec.prompt_len,
+            max_new_tokens=spec.output_len,
+            ignore_eos=True,
+            priority=spec.priority,
+            arrival_time=spec.arrival,
+            deadline=spec.deadline,
+            expected_output_tokens=spec.expected_output_tokens,
+        )
+        track = _Track(spec, req)
+        try:
+            self.scheduler.add_request(req, self.now)
+        except SchedulerError as exc:
+            track.finish_time = self.now
+            self._close(track, FinishReason.REJECTED, type(exc).__name__)
+            return
+        self._tracks[spec.req_id] = track
+
+    def _step(self, next_arrival: float | None) -> None:
+        plan = self.scheduler.schedule(self.now)
+        for finished in plan.finished:
+            self._finish(finished.req_id, finished.reason)
+        if plan.is_empty:
+            # Nothing runnable right now: idle until the next arrival (or a
+            # tick, so deadlines of the queued work still come due).
+            tick = self.cost_model.idle_seconds()
+            self.now = self.now + tick if next_arrival is None else max(self.now, next_arrival)
+            return
+        seconds = self.cost_model.plan_seconds(plan)
+        self._charge(plan, seconds)
+        self.now += seconds
+        self._busy_s += seconds
+        self._swapped_out += len(plan.swap_out)
+        sampled = {seq.req_id: _TOKEN for seq in plan.seqs if seq.sample}
+        self._record(self.scheduler.update(plan, sampled, self.now))
+
+    def _charge(self, plan: StepPlan, seconds: float) -> None:
+        num_tokens = plan.num_tokens
+        for seq in plan.seqs:
+            track = self._tracks.get(seq.req_id)
+            if track is not None and num_tokens:
+                track.compute_s += seconds * len(seq.token_ids) / num_tokens
+
+    def _record(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._finish(out.req_id, out.finish_reason)
+
+    def _finish(self, req_id: str, reason: FinishReason) -> None:
+        track = self._tracks.pop(req_id)
+        track.finish_time = self.now
+        self._close(track, reason, "")
+
+    def _close(self, track: _Track, reason: FinishReason, rejection: str) -> None:
+        spec, req = track.spec, track.req
+        if spec.req_id in self._outcomes:
+            raise RuntimeError(f"request {spec.req_id!r} finished twice")
+        assert track.finish_time is not None
+        self._outcomes[spec.req_id] = SimOutcome(
+            req_id=spec.req_id,
+            priority=spec.priority,
+            arrival=spec.arrival,
+            deadline=spec.deadline,
+            finish_reason=reason,
+            rejection=rejection,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finish_time=track.finish_time,
+            num_output_tokens=req.num_output_tokens,
+            compute_s=track.compute_s,
+            num_preemptions=req.num_preemptions,
+        )
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    config: SchedulerConfig,
+    cost_model: CostModel,
+    policy: SchedulingPolicy | None = None,
+) -> SimResult:
+    """One run of ``requests`` (ids unique) under ``config.policy`` (or ``policy``)."""
+    return Simulator(config, cost_model, policy).run(requests)

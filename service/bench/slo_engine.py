@@ -1,0 +1,181 @@
+"""Engine mode of ``slipstream bench slo``: the same workloads replayed in
+real time through the real ``Engine``.
+
+The engine builds its scheduler without a cost model, so this mode
+calibrates one on the engine's runner (``service.cost_model.calibrate``)
+and installs a scheduler that uses it before the engine starts. Per-request
+compute is not observable from outside the engine: ``missed_compute_s`` is
+reported as 0 here.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from slipstream.scheduler.errors import SchedulerError
+from slipstream.scheduler.request import FinishReason
+from slipstream.scheduler.scheduler import Scheduler
+from slipstream.scheduler.simulator import SimOutcome, SimRequest
+from slipstream.service.bench.slo_workload import make_requests, run_metrics, saturating_requests
+from slipstream.service.config import EngineConfig
+from slipstream.service.cost_model import calibrate
+from slipstream.service.engine import Engine
+from slipstream.service.events import Event, FinishEvent, GenerationRequest, TokenEvent
+from slipstream.service.runner import kv_bytes_per_block
+
+if TYPE_CHECKING:
+    from slipstream.scheduler.cost_model import CostModel
+    from slipstream.service.bench.slo import SloOptions
+
+
+def run_engine_bench(opts: SloOptions) -> dict[str, object]:
+    from slipstream.service.bench.slo import scheduler_config, workload_spec
+
+    engines: dict[str, Engine] = {}
+    cost: CostModel | None = None
+    for policy in opts.policies:
+        engine = Engine(
+            EngineConfig(
+                model=opts.model,
+                dtype=opts.dtype,
+                block_size=opts.block_size,
+                num_device_blocks=opts.num_device_blocks,
+                num_host_blocks=opts.num_host_blocks,
+                max_num_seqs=opts.max_num_seqs,
+                max_num_batched_tokens=opts.max_num_batched_tokens,
+                policy=policy,
+            )
+        )
+        if cost is None:
+            cost = calibrate(engine.runner, opts.max_num_batched_tokens, opts.max_num_seqs)
+        config = replace(
+            scheduler_config(opts, policy), max_model_len=engine.scheduler.config.max_model_len
+        )
+        engine.scheduler = Scheduler(config, cost_model=cost)
+        engine.start()
+        engines[policy] = engine
+    assert cost is not None
+    try:
+        first = engines[opts.policies[0]]
+        batch = saturating_requests(workload_spec(opts, 1.0, 1.0), opts.capacity_requests)
+        started = time.monotonic()
+        _replay(first, batch, started, first.info.vocab_size)
+        capacity = len(batch) / (time.monotonic() - started)
+        runs = []
+        for cv in opts.cvs:
+            for load in opts.loads:
+                spec = workload_spec(opts, load * capacity, cv)
+                requests = make_requests(spec, cost, opts.max_num_batched_tokens)
+                for policy, engine in engines.items():
+                    runs.append(_engine_run(engine, policy, load, cv, requests, opts))
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return {"runs": runs, "capacity_rps": capacity, "coefficients": _coeffs(cost)}
+
+
+def _engine_run(
+    engine: Engine,
+    policy: str,
+    load: float,
+    cv: float,
+    requests: list[SimRequest],
+    opts: SloOptions,
+) -> dict[str, object]:
+    sched = engine.scheduler
+    swaps0, recomputes0 = sched.num_swap_preemptions, sched.num_recompute_preemptions
+    outcomes = _replay(engine, requests, time.monotonic(), engine.info.vocab_size)
+    window = requests[-1].arrival - requests[0].arrival if len(requests) > 1 else 1.0
+    swaps = sched.num_swap_preemptions - swaps0
+    return {
+        "policy": policy,
+        "load": load,
+        "cv": cv,
+        "mode": "engine",
+        **run_metrics(outcomes, window),
+        "num_requests": len(requests),
+        "preemptions_swap": swaps,
+        "preemptions_recompute": sched.num_recompute_preemptions - recomputes0,
+        "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(engine.model, opts.block_size),
+        "swapped_bytes": None,
+    }
+
+
+def _replay(engine: Engine, requests: list[SimRequest], t0: float, vocab: int) -> list[SimOutcome]:
+    """Submits each request at ``t0 + arrival``; waits for every finish."""
+    rng = random.Random(0)
+    done = threading.Event()
+    lock = threading.Lock()
+    first_token: dict[str, float] = {}
+    finished: dict[str, tuple[FinishEvent | None, float, str]] = {}
+
+    def on_event(event: Event) -> None:
+        now = time.monotonic()
+        with lock:
+            if isinstance(event, TokenEvent):
+                first_token.setdefault(event.req_id, now)
+            else:
+                finished[event.req_id] = (event, now, "")
+                if len(finished) == len(requests):
+                    done.set()
+
+    for spec in sorted(requests, key=lambda r: r.arrival):
+        delay = t0 + spec.arrival - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        request = GenerationRequest(
+            req_id=spec.req_id,
+            prompt_token_ids=[rng.randrange(4, vocab) for _ in range(spec.prompt_len)],
+            max_new_tokens=spec.output_len,
+            ignore_eos=True,
+            priority=spec.priority,
+            deadline=None if spec.deadline is None else t0 + spec.deadline,
+            expected_output_tokens=spec.expected_output_tokens,
+            arrival_time=t0 + spec.arrival,
+        )
+        try:
+            engine.submit(request, on_event)
+        except SchedulerError as exc:
+            with lock:
+                finished[spec.req_id] = (None, time.monotonic(), type(exc).__name__)
+                if len(finished) == len(requests):
+                    done.set()
+    done.wait()
+    return [
+        _outcome(spec, t0, finished[spec.req_id], first_token.get(spec.req_id)) for spec in requests
+    ]
+
+
+def _outcome(
+    spec: SimRequest, t0: float, end: tuple[FinishEvent | None, float, str], first: float | None
+) -> SimOutcome:
+    event, when, rejection = end
+    reason = FinishReason.REJECTED if event is None else event.reason
+    wait = (
+        None
+        if event is None or (event.ttft_s is None and event.num_output_tokens == 0)
+        else event.queue_wait_s
+    )
+    return SimOutcome(
+        req_id=spec.req_id,
+        priority=spec.priority,
+        arrival=spec.arrival,
+        deadline=spec.deadline,
+        finish_reason=reason,
+        rejection=rejection,
+        first_scheduled_time=None if wait is None else spec.arrival + wait,
+        first_token_time=None if first is None else first - t0,
+        finish_time=when - t0,
+        num_output_tokens=0 if event is None else event.num_output_tokens,
+        compute_s=0.0,
+        num_preemptions=0 if event is None else event.num_preemptions,
+    )
+
+
+def _coeffs(cost: CostModel) -> dict[str, float]:
+    c = cost.coefficients
+    return {name: getattr(c, name) for name in c.__slots__}

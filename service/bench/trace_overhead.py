@@ -1,0 +1,100 @@
+"""``slipstream bench serve --trace-overhead``: what per-token tracing costs.
+
+The same seeded workload is served by a fresh ``slipstream serve`` process
+twice per round, once with tracing off (no ``OTEL_*`` in its environment)
+and once exporting OTLP/gRPC to a receiver in this process (every request
+sampled, one ``slipstream.token`` event per token). Rounds alternate
+off/on and on/off so drift on a shared machine hits both alike; the report gives each
+run, the medians, their ratio, and whether the receiver got exactly one
+token event per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+from slipstream.service.bench.otlp_receiver import OtlpReceiver
+from slipstream.service.bench.serve import (
+    LoadShape,
+    environ_without_otel,
+    metrics,
+    remote_vocab_size,
+    run_remote,
+    spawned_server,
+)
+from slipstream.service.bench.workload import make_workload, workload_summary
+
+MODES = ("tracing_off", "tracing_on")
+
+
+def _one_run(args: argparse.Namespace, shape: LoadShape, env: dict[str, str]) -> tuple[dict, int]:
+    """Metrics of one served run and the tokens it generated (warmup included)."""
+    with spawned_server(args, env) as target:
+        vocab = remote_vocab_size(target)
+        workload = make_workload(args.requests, args.seed, vocab)
+        warmup = make_workload(args.warmup, args.seed + 1000, vocab, output_len=(4, 16))
+        run_remote(target, warmup, LoadShape(math.inf, 1.0, None, 0), args.streams)
+        traces, wall = run_remote(target, workload, shape, args.streams)
+    num_tokens = sum(r.max_tokens for r in workload) + sum(r.max_tokens for r in warmup)
+    report = metrics(traces, workload, wall)
+    report["workload"] = workload_summary(workload)
+    return report, num_tokens
+
+
+def tracing_comparison(args: argparse.Namespace, shape: LoadShape) -> dict:
+    receiver = OtlpReceiver(keep_spans=False).start()
+    off = environ_without_otel()
+    envs = {
+        "tracing_off": off,
+        "tracing_on": {**off, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint},
+    }
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    traced_tokens = 0
+    try:
+        for round_index in range(max(1, args.rounds)):
+            # Alternate which mode goes first: the first server of a pair
+            # also pays for a cold page cache.
+            for mode in MODES if round_index % 2 == 0 else MODES[::-1]:
+                report, num_tokens = _one_run(args, shape, envs[mode])
+                runs[mode].append(report)
+                traced_tokens += num_tokens if mode == "tracing_on" else 0
+    finally:
+        receiver.stop()  # each server flushed its spans on SIGTERM before exiting
+    medians = {
+        mode: statistics.median(r["output_tokens_per_s"] for r in runs[mode]) for mode in MODES
+    }
+    result = {
+        mode: {"output_tokens_per_s_median": medians[mode], "runs": runs[mode]} for mode in MODES
+    }
+    result["ratio_on_vs_off_output_tokens_per_s"] = medians["tracing_on"] / medians["tracing_off"]
+    token_events = receiver.event_counts.get("slipstream.token", 0)
+    result["export"] = {
+        "spans": receiver.num_spans,
+        "events": receiver.num_events,
+        "token_events": token_events,
+        "generated_tokens": traced_tokens,
+        "one_event_per_token": token_events == traced_tokens,
+        "export_calls": receiver.num_exports,
+    }
+    result["settings"] = {
+        k: (str(v) if not isinstance(v, int | float | str | bool | None) or v == math.inf else v)
+        for k, v in vars(args).items()
+        if k != "func"
+    }
+    print(_table(result))
+    return result
+
+
+def _table(result: dict) -> str:
+    lines = [f"{'':14}{'tok/s (median)':>16}  per run"]
+    for mode in MODES:
+        per_run = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in result[mode]["runs"])
+        lines.append(f"{mode:14}{result[mode]['output_tokens_per_s_median']:16.1f}  {per_run}")
+    export = result["export"]
+    lines.append(
+        f"tracing on / off: {result['ratio_on_vs_off_output_tokens_per_s']:.1%}; "
+        f"token events {export['token_events']} for {export['generated_tokens']} tokens"
+    )
+    return "\n".join(lines)

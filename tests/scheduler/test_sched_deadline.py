@@ -1,0 +1,189 @@
+"""The deadline policy and the cost model: fake clock, tiny pools, the paged
+fake runner."""
+
+from __future__ import annotations
+
+import pytest
+from sched_fakes import Driver, check_pools, make_request, reference_outputs
+
+from slipstream.scheduler import (
+    CostCoefficients,
+    CostModel,
+    DeadlineInfeasible,
+    DeadlinePolicy,
+    FinishReason,
+    PreemptionMode,
+    Scheduler,
+    SchedulerConfig,
+    StepShape,
+)
+
+# One step costs 1 s plus 0.01 s per prefill token: easy to reason about.
+COEFFS = CostCoefficients(1.0, 0.01, 0.0, 0.0, 0.001)
+
+
+def make_sched(**kwargs: object) -> Scheduler:
+    fields: dict[str, object] = {
+        "num_device_blocks": 64,
+        "block_size": 4,
+        "max_model_len": 64,
+        "num_host_blocks": 64,
+        "policy": "deadline",
+        "min_residency_s": 0.0,
+    }
+    fields.update(kwargs)
+    return Scheduler(SchedulerConfig(**fields), cost_model=CostModel(COEFFS))  # type: ignore[arg-type]
+
+
+def test_urgent_request_preempts_less_urgent_running_work_for_a_seq_slot() -> None:
+    sched = make_sched(max_num_seqs=2)
+    driver = Driver(sched)
+    for i in range(2):
+        sched.add_request(make_request(f"low{i}", 4, 8, priority=2, arrival=0.0))
+    driver.step()
+    sched.add_request(make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=50.0))
+    driver.step()
+    plan = driver.plans[-1]
+    assert plan.preempted_req_ids == ["low1"]  # same class and slack: the later arrival
+    assert "urgent" in {s.req_id for s in plan.seqs}
+    driver.run_until_idle()
+    for req_id in ("low0", "low1"):
+        assert driver.finishes[req_id] == [FinishReason.MAX_TOKENS]
+    check_pools(sched)
+
+
+def test_fcfs_and_priority_never_preempt_for_admission() -> None:
+    for policy in ("fcfs", "priority"):
+        sched = make_sched(max_num_seqs=2, policy=policy)
+        driver = Driver(sched)
+        for i in range(2):
+            sched.add_request(make_request(f"low{i}", 4, 8, priority=2))
+        driver.step()
+        sched.add_request(make_request("urgent", 4, 2, priority=0, arrival=driver.now))
+        driver.step()
+        assert not driver.plans[-1].preempted_req_ids
+
+
+def test_victim_is_least_urgent_class_then_most_slack() -> None:
+    sched = make_sched(max_num_seqs=3)
+    driver = Driver(sched)
+    sched.add_request(make_request("c1", 4, 20, priority=1, deadline=500.0))
+    sched.add_request(make_request("c2-tight", 4, 20, priority=2, deadline=200.0))
+    sched.add_request(make_request("c2-loose", 4, 20, priority=2, deadline=400.0))
+    driver.step()
+    sched.add_request(make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=60.0))
+    driver.step()
+    assert driver.plans[-1].preempted_req_ids == ["c2-loose"]
+
+
+def test_same_class_waiting_work_does_not_preempt() -> None:
+    sched = make_sched(max_num_seqs=1)
+    driver = Driver(sched)
+    sched.add_request(make_request("a", 4, 10, priority=1, deadline=900.0))
+    driver.step()
+    sched.add_request(make_request("b", 4, 2, priority=1, arrival=driver.now, deadline=30.0))
+    driver.step()
+    assert not driver.plans[-1].preempted_req_ids
+
+
+def test_infeasible_deadline_is_rejected_early_unless_switched_off() -> None:
+    # Alone, 8 prompt tokens + 4 outputs take 4 steps of >= 1 s.
+    sched = make_sched()
+    with pytest.raises(DeadlineInfeasible, match="needs an estimated"):
+        sched.add_request(make_request("x", 8, 4, arrival=10.0, deadline=12.0))
+    assert sched.get_request("x") is None and sched.num_waiting == 0
+    sched.add_request(make_request("ok", 8, 4, arrival=10.0, deadline=15.0))
+    permissive = make_sched(reject_infeasible=False)
+    permissive.add_request(make_request("x", 8, 4, arrival=10.0, deadline=12.0))
+    assert permissive.num_waiting == 1
+
+
+def test_past_deadline_finishes_deadline_exceeded_and_is_not_preempted() -> None:
+    sched = make_sched(max_num_seqs=1, reject_infeasible=False)
+    driver = Driver(sched)
+    sched.add_request(make_request("late", 4, 20, priority=2, deadline=3.5))
+    driver.step()
+    sched.add_request(make_request("urgent", 4, 2, priority=0, arrival=driver.now))
+    while "late" not in driver.finishes:
+        driver.step()
+    assert driver.finishes["late"] == [FinishReason.DEADLINE_EXCEEDED]
+    # Hopeless work is preempted first (no time to waste on it) but never swapped.
+    assert sched.num_swap_preemptions == 0
+
+
+def test_aging_bounds_the_wait_of_the_least_urgent_class() -> None:
+    def first_start(aging_s: float) -> float | None:
+        sched = make_sched(max_num_seqs=1, aging_s=aging_s)
+        driver = Driver(sched)
+        background = make_request("bg", 2, 2, priority=2, arrival=0.0)
+        sched.add_request(background)
+        for i in range(60):  # a class-0 request always waiting: without aging, bg starves
+            sched.add_request(make_request(f"u{i}", 2, 2, priority=0, arrival=driver.now))
+            driver.step()
+            driver.step()
+        return background.first_scheduled_time
+
+    started = first_start(aging_s=20.0)
+    assert started is not None and started <= 2 * 20.0 + 3.0
+    assert first_start(aging_s=0.0) is None
+
+
+def test_resumed_request_is_protected_for_min_residency() -> None:
+    sched = make_sched(max_num_seqs=1, min_residency_s=5.0)
+    driver = Driver(sched)
+    sched.add_request(make_request("low", 4, 20, priority=2))
+    driver.step()  # admitted at t=1
+    sched.add_request(make_request("urgent", 2, 2, priority=0, arrival=driver.now))
+    preempted_at = None
+    while preempted_at is None:
+        driver.step()
+        if driver.plans[-1].preempted_req_ids:
+            preempted_at = driver.now
+    assert preempted_at >= 1.0 + 5.0
+
+
+def test_swap_or_recompute_by_cost() -> None:
+    config = SchedulerConfig(num_device_blocks=8, block_size=4, max_model_len=32)
+    victim = make_request("v", 16, 4)
+    victim.block_ids = [0, 1, 2, 3]
+    victim.num_computed_tokens = 16
+    cheap_swap = DeadlinePolicy(config, CostModel(CostCoefficients(1.0, 0.01, 0, 0, 0.001)))
+    dear_swap = DeadlinePolicy(config, CostModel(CostCoefficients(0.001, 0.0, 0, 0, 1.0)))
+    assert cheap_swap.preemption_mode(victim, True, 0.0) is PreemptionMode.SWAP
+    assert dear_swap.preemption_mode(victim, True, 0.0) is PreemptionMode.RECOMPUTE
+    assert cheap_swap.preemption_mode(victim, False, 0.0) is PreemptionMode.RECOMPUTE
+
+
+def test_deadline_policy_runs_mixed_work_exactly_with_swaps() -> None:
+    sched = make_sched(num_device_blocks=10, block_size=2, max_model_len=20, num_host_blocks=6)
+    driver = Driver(sched)
+    reqs = [
+        make_request(f"r{i}", 4 + i % 3, 6, priority=i % 3, arrival=float(i), deadline=400.0 + i)
+        for i in range(8)
+    ]
+    for req in reqs:
+        sched.add_request(req)
+    driver.run_until_idle()
+    assert sched.num_swap_preemptions + sched.num_recompute_preemptions > 0
+    for req in reqs:
+        assert driver.outputs[req.req_id] == reference_outputs(req)
+    check_pools(sched)
+    assert sched.num_used_device_blocks == sched.num_used_host_blocks == 0
+
+
+def test_cost_model_online_fit_recovers_the_true_coefficients() -> None:
+    truth = CostModel(CostCoefficients(0.02, 0.0005, 0.003, 0.00001, 0.0))
+    model = CostModel()  # starts from the default guess
+    shapes = [StepShape(p, d, c) for p in (0, 64, 512) for d in (0, 4, 32) for c in (100, 5000)]
+    for _ in range(20):
+        for shape in shapes:
+            if shape.num_prefill_tokens or shape.num_decode_seqs:
+                model.observe(shape, truth.step_seconds(shape))
+    for shape in shapes:
+        assert model.step_seconds(shape) == pytest.approx(truth.step_seconds(shape), rel=0.02)
+
+
+def test_service_time_counts_chunks_and_decode_steps() -> None:
+    model = CostModel(CostCoefficients(1.0, 0.0, 0.0, 0.0, 0.0))
+    # 10 prompt tokens in chunks of 4: 3 steps; then 4 more outputs: 4 steps.
+    assert model.service_seconds(0, 10, 5, token_budget=4) == pytest.approx(7.0)
