@@ -216,10 +216,10 @@ async def _follow(generation: AsyncGeneration, cancel_after: int | None) -> Resu
 
 
 def run(args: argparse.Namespace) -> int:
-    import structlog
+    from slipstream.service.logging_setup import configure_logging
 
     # stdout carries the results (JSON lines); logs go to stderr.
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    configure_logging(level="warning")
     specs = load_prompts(args)
     outputs = run_local(specs, args) if args.local else asyncio.run(run_remote(specs, args))
     for out in outputs:

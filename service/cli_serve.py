@@ -9,6 +9,7 @@ import asyncio
 import os
 import sys
 
+from slipstream.scheduler.policies import POLICY_NAMES
 from slipstream.service.config import EngineConfig
 
 DEFAULT_PORT = 50051
@@ -28,7 +29,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)
-    group.add_argument("--policy", default=defaults.policy)
+    group.add_argument(
+        "--policy",
+        default=defaults.policy,
+        choices=POLICY_NAMES,
+        help="deadline: priority classes, slack order, preemption by swap or recompute; "
+        "priority: priority heap, preempts only when KV runs out; fcfs: arrival order",
+    )
+    group.add_argument(
+        "--no-reject-infeasible",
+        dest="reject_infeasible",
+        action="store_false",
+        help="admit requests whose deadline looks unreachable instead of rejecting them",
+    )
+    group.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="skip timing synthetic steps at start-up (the cost model then learns online)",
+    )
+    group.add_argument("--aging-s", type=float, default=defaults.aging_s)
+    group.add_argument("--min-residency-s", type=float, default=defaults.min_residency_s)
+    group.add_argument(
+        "--attention-backend",
+        default=defaults.attention_backend,
+        choices=("auto", "torch", "triton"),
+        help="auto: Triton on CUDA devices, torch on the CPU",
+    )
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
 
@@ -45,6 +72,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         max_queue_len=args.max_queue_len,
         policy=args.policy,
+        reject_infeasible=args.reject_infeasible,
+        calibrate_cost_model=args.calibrate,
+        aging_s=args.aging_s,
+        min_residency_s=args.min_residency_s,
+        attention_backend=args.attention_backend,
         num_threads=args.threads,
         kv_cache_memory_gb=args.kv_cache_gb,
     )

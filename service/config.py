@@ -24,7 +24,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     max_queue_len: int = 4096
-    policy: str = "fcfs"
+    policy: str = "deadline"
+    reject_infeasible: bool = True
+    aging_s: float = 60.0
+    min_residency_s: float = 0.05
+    # Time synthetic steps at start-up to seed the deadline policy's cost
+    # model (seconds on `small`); otherwise it starts from built-in guesses and
+    # converges online from measured steps. The CLI turns it on.
+    calibrate_cost_model: bool = False
     attention_backend: str = "auto"
     num_threads: int | None = None
     kv_cache_memory_gb: float = 2.0

@@ -25,11 +25,14 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from slipstream.scheduler.config import SchedulerConfig
+from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import Draining
 from slipstream.scheduler.plan import RequestOutput, StepPlan
 from slipstream.scheduler.request import FinishReason, Request
+from slipstream.scheduler.policies import DEFAULT_POLICY
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.config import EngineConfig
+from slipstream.service.cost_model import calibrate
 from slipstream.service.detokenizer import IncrementalDetokenizer
 from slipstream.service.events import (
     EngineStats,
@@ -115,6 +118,16 @@ class Engine:
             model_cfg.max_position_embeddings,
         )
         num_device_blocks, num_host_blocks = self._pool_sizes(max_model_len)
+        self.runner = ModelRunner(self.model, num_device_blocks, num_host_blocks, config.block_size)
+        # The deadline policy estimates service times from measured step costs;
+        # calibrate on the real runner while the pools are still empty.
+        self.cost_model: CostModel | None = None
+        if config.policy == DEFAULT_POLICY:
+            self.cost_model = (
+                calibrate(self.runner, config.max_num_batched_tokens, config.max_num_seqs)
+                if config.calibrate_cost_model
+                else CostModel(CostCoefficients())
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_device_blocks=num_device_blocks,
@@ -125,9 +138,12 @@ class Engine:
                 num_host_blocks=num_host_blocks,
                 max_queue_len=config.max_queue_len,
                 policy=config.policy,
-            )
+                reject_infeasible=config.reject_infeasible,
+                aging_s=config.aging_s,
+                min_residency_s=config.min_residency_s,
+            ),
+            cost_model=self.cost_model,
         )
-        self.runner = ModelRunner(self.model, num_device_blocks, num_host_blocks, config.block_size)
         self.eos_token_ids = _eos_token_ids(model_dir, model_cfg.eos_token_ids)
         self.info = ModelInfo(
             name=config.model,
@@ -283,8 +299,12 @@ class Engine:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
             return
+        executed = time.perf_counter()
         result = self.runner.execute(plan)
+        seconds = time.perf_counter() - executed
         with self._lock:
+            if self.cost_model is not None:  # keep the estimate current (online refit)
+                self.cost_model.observe_plan(plan, seconds)
             outputs = self.scheduler.update(plan, result.sampled, time.monotonic())
         self._observe(plan, outputs, started)
         self._publish(plan, outputs)

@@ -19,3 +19,13 @@ def tiny_model_dir() -> Path:
     from slipstream.service.model_store import resolve_model
 
     return resolve_model("tiny")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> object:
+    """Commands run in-process configure logging onto pytest's captured
+    streams, which close after the test; start every test from defaults."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()

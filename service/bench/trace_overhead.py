@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import resource
 import statistics
 
 from slipstream.service.bench.otlp_receiver import OtlpReceiver
@@ -30,7 +31,12 @@ MODES = ("tracing_off", "tracing_on")
 
 
 def _one_run(args: argparse.Namespace, shape: LoadShape, env: dict[str, str]) -> tuple[dict, int]:
-    """Metrics of one served run and the tokens it generated (warmup included)."""
+    """Metrics of one served run and the tokens it generated (warmup included).
+
+    ``server_cpu_s`` is the server process's whole CPU time (user + system,
+    load and warmup included), read once it has exited: contention from
+    other processes inflates it far less than it does wall-clock figures."""
+    cpu_before = _children_cpu_s()
     with spawned_server(args, env) as target:
         vocab = remote_vocab_size(target)
         workload = make_workload(args.requests, args.seed, vocab)
@@ -39,8 +45,14 @@ def _one_run(args: argparse.Namespace, shape: LoadShape, env: dict[str, str]) ->
         traces, wall = run_remote(target, workload, shape, args.streams)
     num_tokens = sum(r.max_tokens for r in workload) + sum(r.max_tokens for r in warmup)
     report = metrics(traces, workload, wall)
+    report["server_cpu_s"] = _children_cpu_s() - cpu_before
     report["workload"] = workload_summary(workload)
     return report, num_tokens
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def tracing_comparison(args: argparse.Namespace, shape: LoadShape) -> dict:
@@ -65,10 +77,17 @@ def tracing_comparison(args: argparse.Namespace, shape: LoadShape) -> dict:
     medians = {
         mode: statistics.median(r["output_tokens_per_s"] for r in runs[mode]) for mode in MODES
     }
+    cpu = {mode: statistics.median(r["server_cpu_s"] for r in runs[mode]) for mode in MODES}
     result = {
-        mode: {"output_tokens_per_s_median": medians[mode], "runs": runs[mode]} for mode in MODES
+        mode: {
+            "output_tokens_per_s_median": medians[mode],
+            "server_cpu_s_median": cpu[mode],
+            "runs": runs[mode],
+        }
+        for mode in MODES
     }
     result["ratio_on_vs_off_output_tokens_per_s"] = medians["tracing_on"] / medians["tracing_off"]
+    result["ratio_on_vs_off_server_cpu_s"] = cpu["tracing_on"] / cpu["tracing_off"]
     token_events = receiver.event_counts.get("slipstream.token", 0)
     result["export"] = {
         "spans": receiver.num_spans,
@@ -88,13 +107,20 @@ def tracing_comparison(args: argparse.Namespace, shape: LoadShape) -> dict:
 
 
 def _table(result: dict) -> str:
-    lines = [f"{'':14}{'tok/s (median)':>16}  per run"]
+    lines = [f"{'':14}{'tok/s (median)':>16}{'server CPU s':>14}  per run (tok/s, CPU s)"]
     for mode in MODES:
-        per_run = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in result[mode]["runs"])
-        lines.append(f"{mode:14}{result[mode]['output_tokens_per_s_median']:16.1f}  {per_run}")
+        m = result[mode]
+        per_run = ", ".join(
+            f"{r['output_tokens_per_s']:.1f}/{r['server_cpu_s']:.1f}" for r in m["runs"]
+        )
+        lines.append(
+            f"{mode:14}{m['output_tokens_per_s_median']:16.1f}"
+            f"{m['server_cpu_s_median']:14.1f}  {per_run}"
+        )
     export = result["export"]
     lines.append(
-        f"tracing on / off: {result['ratio_on_vs_off_output_tokens_per_s']:.1%}; "
+        f"tracing on / off: tok/s {result['ratio_on_vs_off_output_tokens_per_s']:.1%}, "
+        f"server CPU {result['ratio_on_vs_off_server_cpu_s']:.1%}; "
         f"token events {export['token_events']} for {export['generated_tokens']} tokens"
     )
     return "\n".join(lines)

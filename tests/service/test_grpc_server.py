@@ -31,7 +31,10 @@ from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 # fp32 so greedy output cannot depend on how requests happen to be batched.
-CONFIG = EngineConfig(model="tiny", dtype="float32", max_queue_len=4096)
+# Early rejection of infeasible deadlines is off so the expiry path is what
+# the deadline tests exercise; test_infeasible_deadline_is_rejected_early
+# covers rejection on an engine of its own.
+CONFIG = EngineConfig(model="tiny", dtype="float32", max_queue_len=4096, reject_infeasible=False)
 LONG = 960  # tokens: outlives anything a test does to it (tiny: ~5 s alone)
 
 
@@ -255,6 +258,32 @@ def test_dropped_channel_aborts_requests(server: ServerThread, client: Client) -
 
 
 # ---------------------------------------------------------------- deadlines
+
+
+def test_infeasible_deadline_is_rejected_early() -> None:
+    # With early rejection on (the default), a deadline that even a request
+    # running alone cannot meet is answered at once, and only that request fails.
+    from slipstream.service.engine import Engine
+
+    eng = Engine(EngineConfig(model="tiny", dtype="float32"))
+    eng.start()
+    srv = ServerThread(eng)
+    try:
+        with Client(srv.target) as c:
+            stream = c.stream()
+            doomed = stream.generate(
+                prompts(1)[0], max_tokens=900, ignore_eos=True, deadline_s=0.01
+            )
+            neighbour = stream.generate(prompts(2)[1], max_tokens=5, ignore_eos=True)
+            stream.close()
+            result = doomed.result(timeout=10)
+            assert result.finish_reason == "rejected", result
+            assert result.reject_reason == "deadline_infeasible"
+            assert result.token_ids == []
+            assert neighbour.result(timeout=30).finish_reason == "max_tokens"
+    finally:
+        srv.stop()
+        eng.shutdown()
 
 
 def test_request_deadline_finishes_deadline_exceeded(client: Client) -> None:
