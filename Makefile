@@ -11,7 +11,7 @@ PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit protos bench bench-offline clean
+.PHONY: run test test-slow lint typecheck unit protos bench-offline bench-serve bench-slo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,20 @@ unit: $(STAMP) protos
 
 test: lint typecheck unit
 
-bench-offline: $(STAMP)
+test-slow: $(STAMP) protos
+	$(BIN)/python -m pytest -m slow
+
+bench-offline: $(STAMP) protos
+	mkdir -p bench-results
 	$(BIN)/slipstream bench offline --model small --requests 64 --seed 0 --json bench-results/offline.json
+
+bench-serve: $(STAMP) protos
+	mkdir -p bench-results
+	$(BIN)/slipstream bench serve --model small --requests 64 --seed 0 --json bench-results/serve.json
+
+bench-slo: $(STAMP) protos
+	mkdir -p bench-results
+	$(BIN)/slipstream bench slo --sim --json bench-results/slo.json --plot bench-results/slo.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

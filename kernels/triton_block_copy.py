@@ -4,9 +4,11 @@ sharing, compaction); swaps between devices go through torch's copy engine.
     pool = [(k_cache, v_cache) per layer], each [num_blocks, block_size, kv_heads, head_dim]
     pairs [(src, dst), ...]:  dst_pool[layer][kv][dst] = src_pool[layer][kv][src]
 
-One launch per layer, grid ``(num_pairs, cdiv(block_numel, CHUNK))``: each
-program moves one ``CHUNK``-element slice of a block for K and V (a block is
-one contiguous run, so loads and stores are fully coalesced).
+One launch per layer, grid ``(num_pairs, kv_heads)``: each program moves one
+KV head's ``[block_size, head_dim]`` tile of one block, K and V, addressed
+through the caches' strides. Source and destination may be laid out
+differently (token-major or head-major, see ``kv_layout``); either way every
+row is ``head_dim`` contiguous elements, so loads and stores are coalesced.
 
 Device <-> host swaps are not a kernel's job: a kernel cannot address pageable
 host memory, and a DMA copy from pinned memory already runs at PCIe speed, so
@@ -30,8 +32,6 @@ __all__ = ["reference_copy_blocks", "triton_copy_blocks"]
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
-_CHUNK = 4096
-
 
 @triton.jit
 def _block_copy_kernel(
@@ -41,14 +41,26 @@ def _block_copy_kernel(
     dst_v_ptr,
     src_ids_ptr,
     dst_ids_ptr,
-    block_numel,
-    CHUNK: tl.constexpr,
+    src_stride_b,
+    src_stride_s,
+    src_stride_h,
+    dst_stride_b,
+    dst_stride_s,
+    dst_stride_h,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SIZE_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
 ):
     pair = tl.program_id(0)
-    offsets = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    mask = offsets < block_numel
-    src = tl.load(src_ids_ptr + pair).to(tl.int64) * block_numel + offsets
-    dst = tl.load(dst_ids_ptr + pair).to(tl.int64) * block_numel + offsets
+    head = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, SIZE_PAD)
+    d = tl.arange(0, DIM_PAD)
+    mask = (s[:, None] < BLOCK_SIZE) & (d[None, :] < HEAD_DIM)
+    src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
+    dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
+    src = src_block * src_stride_b + head * src_stride_h + s[:, None] * src_stride_s + d[None, :]
+    dst = dst_block * dst_stride_b + head * dst_stride_h + s[:, None] * dst_stride_s + d[None, :]
     tl.store(dst_k_ptr + dst, tl.load(src_k_ptr + src, mask=mask), mask=mask)
     tl.store(dst_v_ptr + dst, tl.load(src_v_ptr + src, mask=mask), mask=mask)
 
@@ -85,12 +97,17 @@ def _launch(
 ) -> None:
     src_ids = torch.tensor(sources, dtype=torch.int64, device=device)
     dst_ids = torch.tensor(destinations, dtype=torch.int64, device=device)
-    block_numel = src_caches[0][0][0].numel()
-    grid = (len(sources), triton.cdiv(block_numel, _CHUNK))
+    _, block_size, num_kv_heads, head_dim = src_caches[0][0].shape
     for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches, strict=True):
-        _block_copy_kernel[grid](
-            src_k, src_v, dst_k, dst_v, src_ids, dst_ids, block_numel, CHUNK=_CHUNK
-        )
+        _block_copy_kernel[(len(sources), num_kv_heads)](
+            src_k, src_v, dst_k, dst_v, src_ids, dst_ids,
+            src_k.stride(0), src_k.stride(1), src_k.stride(2),
+            dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
+            BLOCK_SIZE=block_size,
+            HEAD_DIM=head_dim,
+            SIZE_PAD=triton.next_power_of_2(block_size),
+            DIM_PAD=triton.next_power_of_2(head_dim),
+        )  # fmt: skip
 
 
 def _aliases(src_caches: KVPool, dst_caches: KVPool) -> bool:
@@ -102,6 +119,7 @@ def _aliases(src_caches: KVPool, dst_caches: KVPool) -> bool:
 
 
 def _scratch_pool(like: KVPool, num_blocks: int) -> KVPool:
+    """Token-major scratch blocks (any layout works: the kernel follows strides)."""
     k = like[0][0]
     shape = (num_blocks, *k.shape[1:])
     return [
@@ -121,8 +139,8 @@ def _check(src_caches: KVPool, dst_caches: KVPool, pairs: list[tuple[int, int]])
             check_launchable(_block_copy_kernel, cache, src_caches[0][0])
             if cache.shape[1:] != src_shape[1:] or cache.dtype != dtype:
                 raise ValueError(f"block shapes differ: {tuple(src_shape)} vs {tuple(cache.shape)}")
-            if not cache.is_contiguous():
-                raise ValueError("KV caches must be contiguous")
+            if cache.stride() != layer[0].stride() or cache.stride(3) != 1:
+                raise ValueError("a layer's K and V need equal strides, unit along head_dim")
     destinations = [d for _, d in pairs]
     if len(set(destinations)) != len(destinations):
         raise ValueError("destination blocks must be distinct")

@@ -1,12 +1,15 @@
 """Triton KV write: scatter the step's new K/V rows into their paged cache slots.
 
     k [T, kv_heads, head_dim] (any row/head stride, unit dim stride)
-      row t ──slot_mapping[t]──▶ k_cache.view(-1, kv_heads, head_dim)[slot]
+      row t ──slot_mapping[t] = block * block_size + offset──▶ k_cache[block, offset]
 
-One program per token copies that token's K and V for all KV heads (one
-contiguous ``kv_heads * head_dim`` run in the cache). A negative slot marks a
-padding token (e.g. a CUDA-graph batch padded to a captured size) and is
-skipped. Reference: ``kv_write.reference_write_kv`` (re-exported here).
+The cache is addressed through its strides, so both layouts of
+``kv_layout`` work: token-major (a slot's heads are one contiguous run) and
+head-major (each head's ``head_dim`` row sits in that head's own plane).
+One program per token copies that token's K and V for all KV heads. A
+negative slot marks a padding token (e.g. a CUDA-graph batch padded to a
+captured size) and is skipped. Reference: ``kv_write.reference_write_kv``
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def _kv_write_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
@@ -46,7 +53,8 @@ def _kv_write_kernel(
     # rejects broadcasting a scalar boolean into a mask).
     num_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
     mask = (heads[:, None] < num_heads) & (dims[None, :] < HEAD_DIM)
-    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
+    cache_row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    dst = cache_row + heads[:, None].to(tl.int64) * stride_ch + dims[None, :]
     k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
@@ -82,6 +90,8 @@ def write_kv_slots(
     _kv_write_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
@@ -99,8 +109,8 @@ def _check(
     check_launchable(_kv_write_kernel, k_cache, v_cache, k, v, slot_mapping)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"k/v caches must be one 4-d shape, got {tuple(k_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1:
+        raise ValueError("k/v caches need equal strides and a unit stride along head_dim")
     expected = (slot_mapping.shape[0], k_cache.shape[2], k_cache.shape[3])
     if tuple(k.shape) != expected or tuple(v.shape) != expected:
         raise ValueError(f"k, v must be {expected}, got {tuple(k.shape)}, {tuple(v.shape)}")

@@ -10,6 +10,10 @@ traffic). It walks its share of the context in tiles of ``TILE`` tokens::
     block id   table[b, pos // block_size]    (a tile spans whole blocks)
     K rows     k_cache[block, pos % block_size, kv_head, :]   (head_dim contiguous)
 
+The cache is addressed through its strides: token-major and head-major
+(``kv_layout``) caches both work; head-major makes each (block, kv head) one
+contiguous ``block_size * head_dim`` run.
+
 keeping an online softmax (running max, running sum, fp32 accumulator). With
 ``num_splits > 1`` each split covers a contiguous range of tiles and writes a
 partial output plus its log-sum-exp; ``_merge_kernel`` combines the splits.
@@ -108,13 +112,14 @@ def _decode_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_ch
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(seq_len, TILE))
     for tile in range(first, last):
         pos = tile * TILE + tl.arange(0, TILE)
         key_ok = pos < seq_len
         block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         scores = attention_dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain

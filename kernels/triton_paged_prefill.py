@@ -90,6 +90,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    head_offset = kv_head.to(tl.int64) * stride_ch
     # Keys up to the last valid row's position; none when the block is past the chunk.
     last_key = tl.minimum(prefix + (m_block + 1) * BLOCK_M, seq_len)
     num_tiles = tl.where(m_block * BLOCK_M < q_len, tl.cdiv(last_key, TILE), 0)
@@ -97,7 +98,7 @@ def _prefill_kernel(
         pos = tile * TILE + tl.arange(0, TILE)
         key_ok = pos < seq_len
         block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        kv_rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         scores = attention_dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain

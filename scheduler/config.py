@@ -20,6 +20,8 @@ class SchedulerConfig:
     rejection (DeadlineInfeasible) of a request that would miss its deadline
     even running alone from its arrival; ``aging_s`` promotes a request by one
     priority class per that many seconds in the system (0 disables aging);
+    ``abandon_hopeless`` ends work the policy judges unable to make its
+    deadline at the current load (DEADLINE_EXCEEDED) before it expires;
     ``min_residency_s`` protects a request just admitted or resumed from
     being pushed out for waiting work (the thrash guard).
     """
@@ -33,6 +35,7 @@ class SchedulerConfig:
     max_queue_len: int = 4096
     policy: str = "deadline"
     reject_infeasible: bool = True
+    abandon_hopeless: bool = True
     aging_s: float = 60.0
     min_residency_s: float = 0.05
 

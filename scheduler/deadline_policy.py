@@ -1,51 +1,76 @@
 """The ``deadline`` policy: priority classes, deadline slack within a class,
-preemption of less urgent running work to admit more urgent work, swap vs
-recompute by cost.
+preemption of less urgent running work only when urgent work would
+otherwise miss, early abandonment of work that can no longer make its
+deadline, swap vs recompute by cost.
+
+Estimates. For each request the policy caches, per progress (computed
+tokens, outputs, status), the *isolated* remaining time (the cost model's
+service time if it ran alone: rest of the prefill, in budget-sized chunks,
+then the decodes to ``expected_output_tokens`` or ``max_new_tokens``, plus
+a swap-in when swapped) and the number of steps that takes. Under load a
+step is slower than an isolated one, so the *loaded* remaining time is
+``max(isolated, steps * loaded_step_s)`` where ``loaded_step_s`` is an
+exponential average of the predicted seconds of the plans actually made
+(``observe_plan``). Caching the components keeps every estimate O(1);
+only the multiplication by the current step time is redone.
 
 Urgency (smaller sorts first)::
 
-    (is_hopeless, effective_class, deadline - remaining, arrival_index)
+    (is_hopeless, effective_class, deadline - loaded_remaining, arrival_index)
 
-- ``remaining`` is the cost model's estimate of the request's remaining time
-  if it ran alone: finish its prefill (all of prompt + outputs after a
-  recompute preemption), then decode ``expected_output_tokens`` (or
-  ``max_new_tokens``) minus what it already produced. Slack is
-  ``deadline - now - remaining``; ordering by ``deadline - remaining`` is the
-  same order at every ``now``, and cacheable.
-- ``is_hopeless``: slack < 0 — even running alone from now it would miss
-  (the isolated estimate is a lower bound). Such work sorts last and is the
-  first victim: spending compute on it only makes others miss too.
+- ``is_hopeless``: ``now + loaded_remaining > deadline``. The scheduler
+  abandons such work (DEADLINE_EXCEEDED, "cannot meet deadline") when
+  ``SchedulerConfig.abandon_hopeless``; compute spent on it is wasted and
+  only makes others miss too.
 - ``effective_class``: ``priority`` lowered by one per ``aging_s`` seconds
-  since arrival, down to 0 — so class 2 reaches class 0 after ``2 * aging_s``
-  and then competes on slack; a waiting request's slack only shrinks, so it
-  eventually leads (or, with a deadline, expires). That bounds its wait.
-  Promotion changes order only, never the right to preempt.
+  since arrival, down to 0: the least urgent class competes on slack with
+  class 0 after ``2 * aging_s`` — its wait is bounded by that (or by its own
+  deadline, when abandoned). Promotion changes order only, never the right
+  to preempt.
 
-Preemption for admission (``admission_victim``): a waiting request may push
-out the least urgent running one only when that one is in a strictly less
-urgent *base* class (or hopeless) and has run for at least
-``min_residency_s`` since it was last admitted or resumed. The class gap and
-the residency are the thrash guard: the pushed-out request cannot push back
-(its class is not more urgent; promotion grants no preemption right) and
-a resumed request is not immediately
-pushed out again.
+Preemption for admission (``admission_victim``): a waiting request pushes
+out a running one only when (1) the victim is in a strictly less urgent
+*base* class, or hopeless; (2) the victim has run ``min_residency_s`` since
+it was last admitted or resumed; and (3) the candidate cannot afford to wait
+for the next running request to finish — its loaded slack is below that
+finish time plus a margin of ``_MARGIN_STEPS`` steps. (3) is what stops
+churn: background work is pushed out only at the last responsible moment,
+not by every urgent arrival. Victims: hopeless first, then the least urgent
+base class, then the least computed progress (the least sunk work), then
+the most slack.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 from .config import SchedulerConfig
 from .cost_model import CostModel
+from .plan import StepPlan
 from .policy import PreemptionMode, SchedulingPolicy
 from .request import Request, RequestStatus
 
+# Steps of headroom an urgent waiting request keeps before it preempts.
+_MARGIN_STEPS = 3.0
+# A request is hopeless when even this fraction of its loaded remaining time
+# overruns its deadline: the loaded estimate is an average, and a wrong
+# "hopeless" costs a request that might have made it.
+HOPELESS_LOAD_FRACTION = 1.0
+# Weight of the newest plan in the loaded step-time average.
+_STEP_EWMA = 0.05
+
+
+class _Estimate(NamedTuple):
+    stamp: tuple[int, int, int]
+    isolated_s: float
+    num_steps: int
+
 
 class DeadlinePolicy(SchedulingPolicy):
-    """Slack-ordered priority classes; preempts for urgent work; swap or
-    recompute, whichever the cost model says is cheaper."""
+    """Slack-ordered priority classes; preempts for urgent work only when it
+    must; abandons hopeless work; swap or recompute, whichever is cheaper."""
 
     name: ClassVar[str] = "deadline"
 
@@ -54,47 +79,57 @@ class DeadlinePolicy(SchedulingPolicy):
         self._budget = config.max_num_batched_tokens
         self._aging_s = config.aging_s
         self._min_residency_s = config.min_residency_s
-        # req_id -> ((num_computed, num_outputs, status), remaining, deadline - remaining)
-        self._refs: dict[str, tuple[tuple[int, int, int], float, float]] = {}
+        self._estimates: dict[str, _Estimate] = {}
+        c = self.cost_model.coefficients
+        self.loaded_step_s = c.base_s + c.per_decode_seq_s  # one isolated decode step
 
     # -- estimates -------------------------------------------------------
 
+    def observe_plan(self, plan: StepPlan) -> None:
+        if plan.seqs:
+            seconds = self.cost_model.plan_seconds(plan)
+            self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
+
     def remaining_seconds(self, req: Request) -> float:
         """Isolated remaining service time (swap-in included when swapped)."""
+        return self._estimate(req).isolated_s
+
+    def loaded_remaining_seconds(self, req: Request) -> float:
+        """Remaining time at the current loaded step time (never below isolated)."""
+        est = self._estimate(req)
+        return max(est.isolated_s, est.num_steps * self.loaded_step_s)
+
+    def _estimate(self, req: Request) -> _Estimate:
+        stamp = (req.num_computed_tokens, len(req.output_token_ids), int(req.status))
+        cached = self._estimates.get(req.req_id)
+        if cached is not None and cached.stamp == stamp:
+            return cached
         target = req.expected_output_tokens or req.max_new_tokens
         target = min(max(target, req.num_output_tokens + 1), req.max_new_tokens)
         outputs_left = max(1, target - req.num_output_tokens)
         cost = self.cost_model
-        seconds = cost.service_seconds(
+        isolated = cost.service_seconds(
             req.num_computed_tokens, req.num_tokens, outputs_left, self._budget
         )
         if req.status is RequestStatus.SWAPPED:
-            seconds += cost.swap_seconds(len(req.host_block_ids))
-        return seconds
+            isolated += cost.swap_seconds(len(req.host_block_ids))
+        chunks = -(-req.num_uncomputed_tokens // self._budget)
+        est = _Estimate(stamp, isolated, chunks + outputs_left - 1)
+        self._estimates[req.req_id] = est
+        return est
 
     def slack(self, req: Request, now: float) -> float:
         return self._latest_start(req) - now
 
     def _latest_start(self, req: Request) -> float:
-        """``deadline - remaining``: the last moment it could start alone and
-        still finish in time (+inf without a deadline)."""
-        return self._estimate(req)[1]
-
-    def _estimate(self, req: Request) -> tuple[float, float]:
-        """(remaining, latest start), cached per progress of the request."""
+        """``deadline - loaded remaining``: the last moment it could start
+        under the current load and still finish in time (+inf without one)."""
         if req.deadline is None:
-            return (0.0, math.inf)
-        stamp = (req.num_computed_tokens, req.num_output_tokens, int(req.status))
-        cached = self._refs.get(req.req_id)
-        if cached is not None and cached[0] == stamp:
-            return cached[1], cached[2]
-        remaining = self.remaining_seconds(req)
-        latest = req.deadline - remaining
-        self._refs[req.req_id] = (stamp, remaining, latest)
-        return remaining, latest
+            return math.inf
+        return req.deadline - self.loaded_remaining_seconds(req)
 
     def forget(self, req_id: str) -> None:
-        self._refs.pop(req_id, None)
+        self._estimates.pop(req_id, None)
 
     def effective_class(self, req: Request, now: float) -> int:
         if self._aging_s <= 0 or req.priority <= 0:
@@ -103,14 +138,25 @@ class DeadlinePolicy(SchedulingPolicy):
         return max(0, req.priority - promoted)
 
     def is_hopeless(self, req: Request, now: float) -> bool:
-        return self._latest_start(req) < now
+        """Waiting or swapped work: it would miss at the current load.
+        Running work, and work of effective class 0: it would miss even
+        alone — the loaded average is too noisy a reason to throw away work
+        that is making progress, and class 0 preempts its way in and so
+        fares better than the average request."""
+        if req.deadline is None:
+            return False
+        est = self._estimate(req)
+        needed = est.isolated_s
+        if req.status is not RequestStatus.RUNNING and self.effective_class(req, now) > 0:
+            needed = max(needed, HOPELESS_LOAD_FRACTION * est.num_steps * self.loaded_step_s)
+        return now + needed > req.deadline
 
     # -- the policy seam -------------------------------------------------
 
     def urgency_key(self, req: Request, now: float) -> tuple[float, ...]:
         latest = self._latest_start(req)
         return (
-            float(latest < now),
+            float(self.is_hopeless(req, now)),
             float(self.effective_class(req, now)),
             latest,
             float(req.arrival_index),
@@ -118,9 +164,16 @@ class DeadlinePolicy(SchedulingPolicy):
 
     def victim_key(self, req: Request, now: float) -> tuple[float, ...]:
         """Larger is a better victim: hopeless first, then the least urgent
-        *base* class, then the most slack (aging never makes a victim)."""
+        *base* class (aging never protects), then the least computed work,
+        then the most slack."""
         latest = self._latest_start(req)
-        return (float(latest < now), float(req.priority), latest, float(req.arrival_index))
+        return (
+            float(self.is_hopeless(req, now)),
+            float(req.priority),
+            -float(req.num_computed_tokens),
+            latest,
+            float(req.arrival_index),
+        )
 
     def choose_victim(
         self, candidates: Sequence[Request], requester: Request, now: float
@@ -136,9 +189,19 @@ class DeadlinePolicy(SchedulingPolicy):
         victim = max(eligible, key=lambda r: self.victim_key(r, now), default=None)
         if victim is None:
             return None
-        if self.is_hopeless(victim, now) or victim.priority > candidate.priority:
+        if self.is_hopeless(victim, now):
             return victim
-        return None
+        if victim.priority <= candidate.priority or self._can_wait(candidate, running, now):
+            return None
+        return victim
+
+    def _can_wait(self, candidate: Request, running: Sequence[Request], now: float) -> bool:
+        """True when the candidate's slack outlasts the next finish among
+        ``running`` (plus a margin): a slot frees up in time without a push."""
+        if candidate.deadline is None:
+            return True
+        next_free = min((self.loaded_remaining_seconds(r) for r in running), default=0.0)
+        return self.slack(candidate, now) > next_free + _MARGIN_STEPS * self.loaded_step_s
 
     def _is_protected(self, req: Request, now: float) -> bool:
         since = req.last_resumed_time
@@ -162,6 +225,14 @@ class DeadlinePolicy(SchedulingPolicy):
         return (
             f"deadline in {req.deadline - now:.3f}s, but running alone it needs "
             f"an estimated {remaining:.3f}s"
+        )
+
+    def abandon_reason(self, req: Request, now: float) -> str:
+        if req.deadline is None or not self.is_hopeless(req, now):
+            return ""
+        return (
+            f"cannot meet deadline: {req.deadline - now:.3f}s left, an estimated "
+            f"{self.loaded_remaining_seconds(req):.3f}s needed at the current load"
         )
 
     @property

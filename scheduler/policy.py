@@ -39,6 +39,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
+from .plan import StepPlan
 from .request import Request
 
 
@@ -100,6 +101,16 @@ class SchedulingPolicy(abc.ABC):
         """Why ``req`` cannot meet its deadline even alone from ``now``, or
         "" — the scheduler then raises DeadlineInfeasible (if configured)."""
         return ""
+
+    def abandon_reason(self, req: Request, now: float) -> str:
+        """Why live ``req`` can no longer meet its deadline, or "" — the
+        scheduler then ends it DEADLINE_EXCEEDED (if configured) instead of
+        spending compute on it. Default: never abandon early."""
+        return ""
+
+    def observe_plan(self, plan: StepPlan) -> None:
+        """The plan ``schedule()`` just made (e.g. to track the loaded step time)."""
+        return None
 
     def forget(self, req_id: str) -> None:
         """``req_id`` finished: drop anything cached about it."""

@@ -3,7 +3,7 @@ which are preempted; pure Python, deterministic given (requests, clock).
 
 One step::
 
-    plan = scheduler.schedule(now)        # expire -> make room -> running -> swapped -> waiting
+    plan = scheduler.schedule(now)   # expire, abandon -> make room -> running -> swapped -> waiting
     sampled = runner.execute(plan)        # swaps, copies, one ragged forward
     outputs = scheduler.update(plan, sampled, now)
 
@@ -102,6 +102,7 @@ class Scheduler:
         self._in_flight: dict[str, Request] = {}
         self._num_preemptions = {mode: 0 for mode in PreemptionMode}
         self._num_expired = 0
+        self._num_abandoned = 0
         # (time, arrival_index, req) per deadline / first-token deadline;
         # entries of finished requests are dropped lazily when they surface.
         self._deadlines: list[tuple[float, int, Request]] = []
@@ -119,6 +120,7 @@ class Scheduler:
         if self.config.reject_infeasible:
             reason = self.policy.check_admission(req, req.arrival_time if now is None else now)
             if reason:
+                self.policy.forget(req.req_id)
                 raise DeadlineInfeasible(reason)
         if len(self._waiting) >= self.config.max_queue_len:
             raise QueueFull(f"waiting queue is full ({self.config.max_queue_len} requests)")
@@ -144,18 +146,22 @@ class Scheduler:
     # == planning a step ==================================================
 
     def schedule(self, now: float) -> StepPlan:
-        """Plans one step. Requests ended while planning (deadline expiry)
+        """Plans one step. Requests ended while planning (deadline expiry, abandonment)
         appear only in ``plan.finished``, never in ``update()``'s outputs."""
         self._step += 1
         state = _StepState(step=self._step, token_budget=self.config.max_num_batched_tokens)
         self._expire_deadlines(state, now)
+        if self.config.abandon_hopeless:
+            self._abandon_hopeless(state, now)
         self._make_room_for_waiting(state, now)
         self._schedule_running(state, now)
         self._schedule_swapped(state, now)
         self._schedule_waiting(state, now)
         self._in_flight_step = state.step
         self._in_flight = state.scheduled
-        return state.to_plan()
+        plan = state.to_plan()
+        self.policy.observe_plan(plan)
+        return plan
 
     def _expire_deadlines(self, state: _StepState, now: float) -> None:
         due: dict[int, Request] = {}
@@ -171,6 +177,21 @@ class Scheduler:
                 state.finished.append(
                     FinishedRequest(req.req_id, FinishReason.DEADLINE_EXCEEDED, message)
                 )
+
+    def _abandon_hopeless(self, state: _StepState, now: float) -> None:
+        """Ends, in arrival order, live work the policy says can no longer
+        make its deadline: its compute would be wasted."""
+        doomed = [
+            (req, reason)
+            for req in self._requests.values()
+            if req.deadline is not None and (reason := self.policy.abandon_reason(req, now))
+        ]
+        for req, reason in doomed:
+            self._finish(req, FinishReason.DEADLINE_EXCEEDED, reason)
+            self._num_abandoned += 1
+            state.finished.append(
+                FinishedRequest(req.req_id, FinishReason.DEADLINE_EXCEEDED, reason)
+            )
 
     def _make_room_for_waiting(self, state: _StepState, now: float) -> None:
         """Lets the policy push running work out for waiting work before the
@@ -452,6 +473,11 @@ class Scheduler:
     def num_expired(self) -> int:
         """Requests finished DEADLINE_EXCEEDED by ``schedule()``."""
         return self._num_expired
+
+    @property
+    def num_abandoned(self) -> int:
+        """Requests ended early by ``schedule()`` as unable to make their deadline."""
+        return self._num_abandoned
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)

@@ -34,8 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # bad model path, unsupported checkpoint, backend, flags
+        parser.exit(2, f"slipstream: error: {exc}\n")
 
 
 if __name__ == "__main__":

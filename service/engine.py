@@ -24,12 +24,13 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from slipstream.kernels.backend import resolve_backend
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import Draining
 from slipstream.scheduler.plan import RequestOutput, StepPlan
-from slipstream.scheduler.request import FinishReason, Request
 from slipstream.scheduler.policies import DEFAULT_POLICY
+from slipstream.scheduler.request import FinishReason, Request
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.config import EngineConfig
 from slipstream.service.cost_model import calibrate
@@ -109,7 +110,8 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         model_dir = resolve_model(config.model)
-        self.model = LlamaModel(model_dir, DTYPES[config.dtype])
+        backend = resolve_backend(config.attention_backend, torch.device("cpu"))
+        self.model = LlamaModel(model_dir, DTYPES[config.dtype], backend)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
         self._fast_tokenizer = self.tokenizer.backend_tokenizer
         model_cfg = self.model.config
@@ -153,7 +155,7 @@ class Engine:
             vocab_size=model_cfg.vocab_size,
             dtype=config.dtype,
             block_size=config.block_size,
-            attention_backend="torch",
+            attention_backend=backend,
             eos_token_ids=self.eos_token_ids,
         )
         self._lock = threading.Lock()
@@ -174,6 +176,7 @@ class Engine:
             host_blocks=num_host_blocks,
             block_size=config.block_size,
             max_model_len=max_model_len,
+            attention_backend=backend,
         )
 
     def _pool_sizes(self, max_model_len: int) -> tuple[int, int]:
@@ -194,7 +197,9 @@ class Engine:
         with self._lock:
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(target=self._loop, name="slipstream-engine", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="slipstream-engine", daemon=True
+            )
             self._thread.start()
 
     def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
@@ -372,7 +377,9 @@ class Engine:
             num_prompt_tokens=state.num_prompt_tokens,
             num_output_tokens=state.num_output_tokens,
             queue_wait_s=_queue_wait(state, now),
-            ttft_s=None if state.first_token_time is None else state.first_token_time - state.arrival_time,
+            ttft_s=None
+            if state.first_token_time is None
+            else state.first_token_time - state.arrival_time,
             total_s=now - state.arrival_time,
             num_preemptions=state.num_preemptions,
             text=live.detokenizer.flush(),
@@ -415,7 +422,9 @@ class _Collector:
     def wait(self, req_id: str) -> FinishedResult:
         self._done.wait()
         assert self.finish is not None
-        return FinishedResult(req_id, self.token_ids, "".join(self.text), self.finish, self.token_times)
+        return FinishedResult(
+            req_id, self.token_ids, "".join(self.text), self.finish, self.token_times
+        )
 
 
 _ids = itertools.count()

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from slipstream.kernels.attention import AttentionMetadata, paged_attention
-from slipstream.kernels.kv_write import write_kv
+from slipstream.kernels.attention import AttentionMetadata
+from slipstream.kernels.backend import paged_attention_for, write_kv_for
 from slipstream.kernels.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -148,9 +148,14 @@ class LlamaModel:
     """Weights and the forward pass. Holds no per-request state: the KV cache
     belongs to the runner and is passed in."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: torch.dtype, attention_backend: str = "torch"
+    ) -> None:
         self.config = LlamaConfig.from_dir(model_dir)
         self.dtype = dtype
+        self.attention_backend = attention_backend
+        self._write_kv = write_kv_for(attention_backend)
+        self._paged_attention = paged_attention_for(attention_backend)
         cfg = self.config
         weights = _Weights(model_dir)
         self.embed = weights.get("model.embed_tokens.weight", dtype)
@@ -222,8 +227,8 @@ class LlamaModel:
             v = qkv[:, self._q_size + self._kv_size :].view(
                 num_tokens, cfg.num_kv_heads, cfg.head_dim
             )
-            write_kv(k_cache, v_cache, k, v, meta)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            self._write_kv(k_cache, v_cache, k, v, meta)
+            attn = self._paged_attention(q, k_cache, v_cache, meta, self.scale)
             x = x + layer.o_proj(attn.reshape(num_tokens, self._q_size))
             h = self._rms_norm(x, layer.post_norm)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

@@ -13,14 +13,18 @@ context, and ends when the request finishes::
                slipstream.token × one per generated token
 
 Cost model: the engine thread only appends plain tuples per step
-(``on_step``); spans and events are built once, when the request ends, and
-exported by the batch processor's thread. Sampled-out and untraced
-requests are not tracked at all. Names of the ``slipstream.token`` event and
+(``on_step``) and hands a finished request over in one queue put
+(``on_finish``); the ``slipstream-trace`` thread builds its spans, events and
+log line, mostly while the engine thread runs a forward pass without the
+GIL, and the batch processor's thread exports them. Sampled-out and
+untraced requests are not tracked per step at all. Names of the ``slipstream.token`` event and
 its attributes are a contract: dashboards and queries are built on them.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -91,6 +95,18 @@ class _Timeline:
         self.waiting_since = at
 
 
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    """A request handed from the engine thread to the trace thread; ``at``
+    is when it ended (monotonic seconds)."""
+
+    event: FinishEvent
+    timeline: _Timeline | None
+    client_request_id: str
+    context: SpanContext | None
+    at: float
+
+
 class RequestTracer:
     """The engine observer that traces requests and writes their log lines."""
 
@@ -100,7 +116,10 @@ class RequestTracer:
         self._bytes_per_block = bytes_per_block  # of KV, for slipstream.swapped_bytes
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         self._timelines: dict[str, _Timeline] = {}  # recording spans only
-        self._contexts: dict[str, tuple[str, SpanContext]] = {}  # every begun request
+        self._contexts: dict[str, tuple[str, SpanContext | None]] = {}  # every begun request
+        self._finished: queue.SimpleQueue[_Finished | threading.Event | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._worker_lock = threading.Lock()
 
     def bind_engine(self, engine: Engine) -> None:
         from slipstream.service.runner import kv_bytes_per_block
@@ -217,15 +236,56 @@ class RequestTracer:
                 timeline.tokens.extend([token] * len(out.new_token_ids))
 
     def on_finish(self, event: FinishEvent) -> None:
-        now = time.monotonic()
         timeline = self._timelines.pop(event.req_id, None)
-        if timeline is not None:
-            self._end(timeline, event, now)
         client_request_id, context = self._contexts.pop(event.req_id, ("", None))
+        self._start_worker()
+        self._finished.put(_Finished(event, timeline, client_request_id, context, time.monotonic()))
+
+    # -- the slipstream-trace thread ----------------------------------------
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            with self._worker_lock:
+                if self._worker is None:
+                    self._worker = threading.Thread(
+                        target=self._drain, name="slipstream-trace", daemon=True
+                    )
+                    self._worker.start()
+
+    def _drain(self) -> None:
+        while (item := self._finished.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                self._record(item)
+            except Exception:  # a tracing bug must not stop the next request's trace
+                log.exception("request_trace_failed", request_id=item.event.req_id)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits until every request finished so far is recorded."""
+        if self._worker is None:
+            return True
+        done = threading.Event()
+        self._finished.put(done)
+        return done.wait(timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Records what is queued, then stops the thread."""
+        with self._worker_lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            self._finished.put(None)
+            worker.join(timeout)
+
+    def _record(self, finished: _Finished) -> None:
+        event, context = finished.event, finished.context
+        if finished.timeline is not None:
+            self._end(finished.timeline, event, finished.at)
         log.info(
             "request_finished",
             request_id=event.req_id,
-            client_request_id=client_request_id,
+            client_request_id=finished.client_request_id,
             reason=event.reason.name.lower(),
             prompt_tokens=event.num_prompt_tokens,
             output_tokens=event.num_output_tokens,
@@ -261,15 +321,20 @@ class RequestTracer:
         if event.reason is FinishReason.REJECTED:
             span.set_attribute("slipstream.rejection.reason", event.message or "rejected")
         if status.name != "OK":
-            span.set_status(Status(StatusCode.ERROR, f"{status.name}: {event.message}".rstrip()))
+            detail = f"{status.name}: {event.message}" if event.message else status.name
+            span.set_status(Status(StatusCode.ERROR, detail))
         span.end(end_time=self._wall_ns(now))
 
-    def _child(self, name: str, parent: Context, start: float, end: float, **attrs: object) -> None:
+    def _child(
+        self,
+        name: str,
+        parent: Context,
+        start: float,
+        end: float,
+        attributes: dict[str, str | int] | None = None,
+    ) -> None:
         span = self._tracer.start_span(
-            name,
-            context=parent,
-            start_time=self._wall_ns(start),
-            attributes=attrs,  # type: ignore[arg-type]
+            name, context=parent, start_time=self._wall_ns(start), attributes=attributes
         )
         span.end(end_time=self._wall_ns(end))
 
@@ -282,7 +347,7 @@ class RequestTracer:
                 parent,
                 start,
                 end,
-                **{
+                {
                     "slipstream.step": step,
                     "slipstream.batch.id": step,
                     "slipstream.batch.size": size,
@@ -296,7 +361,7 @@ class RequestTracer:
                 parent,
                 at,
                 now if resumed is None else resumed,
-                **{
+                {
                     "slipstream.preemption.kind": kind,
                     "slipstream.preemption.swapped_blocks": blocks,
                     "slipstream.step": step,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.kernels.attention import build_attention_metadata
-from slipstream.kernels.block_copy import copy_blocks
+from slipstream.kernels.backend import copy_blocks_for
 from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.kernels.sampling import sample
 from slipstream.scheduler.plan import StepPlan
@@ -60,15 +60,16 @@ class ModelRunner:
         self.block_size = block_size
         self.device_pool = allocate_pool(model, num_device_blocks, block_size)
         self.host_pool = allocate_pool(model, num_host_blocks, block_size)
+        self._copy_blocks = copy_blocks_for(model.attention_backend)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         if plan.swap_out:
-            copy_blocks(self.device_pool, self.host_pool, plan.swap_out)
+            self._copy_blocks(self.device_pool, self.host_pool, plan.swap_out)
         if plan.swap_in:
-            copy_blocks(self.host_pool, self.device_pool, plan.swap_in)
+            self._copy_blocks(self.host_pool, self.device_pool, plan.swap_in)
         if plan.copies:
-            copy_blocks(self.device_pool, self.device_pool, plan.copies)
+            self._copy_blocks(self.device_pool, self.device_pool, plan.copies)
         if not plan.seqs:
             return StepResult({}, 0)
         return self._forward(plan)

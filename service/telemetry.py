@@ -170,6 +170,8 @@ class Telemetry:
             self.metrics.rejected(reason)
 
     def shutdown(self) -> None:
-        """Flush spans still buffered (bounded by the exporter's timeout)."""
+        """Record finished requests still queued, then flush buffered spans
+        (bounded by the exporter's timeout)."""
+        self.requests.close()
         if self.provider is not None:
             self.provider.shutdown()

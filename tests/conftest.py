@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 
 # Set before anything imports the model store.
-os.environ.setdefault("SLIPSTREAM_HOME", str(Path(__file__).resolve().parent.parent / ".slipstream-home"))
+os.environ.setdefault(
+    "SLIPSTREAM_HOME", str(Path(__file__).resolve().parent.parent / ".slipstream-home")
+)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton reads this when it is first imported (transformers may import it):
+# Triton kernels are tested on CPU tensors through its interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -120,7 +120,7 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
             num_host_blocks=128,
             prompt_len=(16, 128),
             output_len=(8, 48),
-            capacity_requests=24,
+            capacity_requests=96,  # 3x max_num_seqs: saturated, not ramp-dominated
             aging_s=10.0,
         )
     if args.capacity_requests:

@@ -1,9 +1,12 @@
 """Engine mode of ``slipstream bench slo``: the same workloads replayed in
 real time through the real ``Engine``.
 
-The engine builds its scheduler without a cost model, so this mode
-calibrates one on the engine's runner (``service.cost_model.calibrate``)
-and installs a scheduler that uses it before the engine starts. Per-request
+This mode calibrates one cost model on the first engine's runner
+(``service.cost_model.calibrate``), uses it to set the workload's deadlines,
+and installs in every engine, before it starts, a scheduler reading its own
+copy of it, which the engine then refits online. Capacity is the throughput
+of a closed batch several times ``max_num_seqs`` (so the engine is
+saturated for most of it), measured on the first policy's engine. Per-request
 compute is not observable from outside the engine: ``missed_compute_s`` is
 reported as 0 here.
 """
@@ -16,6 +19,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from slipstream.scheduler.cost_model import CostModel
 from slipstream.scheduler.errors import SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
@@ -28,7 +32,6 @@ from slipstream.service.events import Event, FinishEvent, GenerationRequest, Tok
 from slipstream.service.runner import kv_bytes_per_block
 
 if TYPE_CHECKING:
-    from slipstream.scheduler.cost_model import CostModel
     from slipstream.service.bench.slo import SloOptions
 
 
@@ -55,7 +58,11 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
         config = replace(
             scheduler_config(opts, policy), max_model_len=engine.scheduler.config.max_model_len
         )
-        engine.scheduler = Scheduler(config, cost_model=cost)
+        # Each engine gets its own copy, refit online from its measured steps
+        # (the engine feeds ``engine.cost_model``; the scheduler reads the same one).
+        own = CostModel(cost.coefficients)
+        engine.scheduler = Scheduler(config, cost_model=own)
+        engine.cost_model = own
         engine.start()
         engines[policy] = engine
     assert cost is not None

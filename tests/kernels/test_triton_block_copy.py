@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_fixtures import to_head_major
 from triton_modules import interpreted
 
 pytestmark = pytest.mark.triton
@@ -14,10 +15,14 @@ def block_copy():
     return interpreted("triton_block_copy")
 
 
-def _pool(num_layers, num_blocks, dtype, seed, shape=(16, 2, 64)):
+def _pool(num_layers, num_blocks, dtype, seed, shape=(16, 2, 64), head_major=False):
     generator = torch.Generator().manual_seed(seed)
+    layout = to_head_major if head_major else (lambda cache: cache)
     return [
-        tuple(torch.randn((num_blocks, *shape), generator=generator).to(dtype) for _ in range(2))
+        tuple(
+            layout(torch.randn((num_blocks, *shape), generator=generator).to(dtype))
+            for _ in range(2)
+        )
         for _ in range(num_layers)
     ]
 
@@ -33,15 +38,17 @@ def _assert_pools_equal(actual, expected):
 
 
 @pytest.mark.parametrize(
-    ("src_blocks", "dst_blocks", "pairs", "dtype"),
+    ("src_blocks", "dst_blocks", "pairs", "dtype", "layouts"),
     [
-        (6, 10, [(0, 9), (5, 0), (2, 3)], torch.float32),  # swap out to a bigger host pool
-        (10, 6, [(9, 1)], torch.bfloat16),  # swap in
-        (8, 8, [(i, 7 - i) for i in range(8)], torch.bfloat16),  # every block
+        # swap out to a bigger host pool, both head-major as the engine allocates them
+        (6, 10, [(0, 9), (5, 0), (2, 3)], torch.float32, (True, True)),
+        (10, 6, [(9, 1)], torch.bfloat16, (False, False)),  # swap in
+        (8, 8, [(i, 7 - i) for i in range(8)], torch.bfloat16, (True, False)),  # every block
     ],
 )
-def test_copy_between_pools(block_copy, src_blocks, dst_blocks, pairs, dtype):
-    src, dst = _pool(3, src_blocks, dtype, 1), _pool(3, dst_blocks, dtype, 2)
+def test_copy_between_pools(block_copy, src_blocks, dst_blocks, pairs, dtype, layouts):
+    src = _pool(3, src_blocks, dtype, 1, head_major=layouts[0])
+    dst = _pool(3, dst_blocks, dtype, 2, head_major=layouts[1])
     expected = _clone(dst)
     block_copy.reference_copy_blocks(src, expected, pairs)
     block_copy.triton_copy_blocks(src, dst, pairs)
@@ -56,7 +63,7 @@ def test_copy_between_pools(block_copy, src_blocks, dst_blocks, pairs, dtype):
     ],
 )
 def test_copy_within_one_pool_reads_before_writing(block_copy, pairs):
-    pool = _pool(2, 6, torch.float32, 3, shape=(32, 4, 128))  # 16384 elements: two chunks
+    pool = _pool(2, 6, torch.float32, 3, shape=(32, 4, 128), head_major=True)
     expected = _clone(pool)
     block_copy.reference_copy_blocks(expected, expected, pairs)
     block_copy.triton_copy_blocks(pool, pool, pairs)

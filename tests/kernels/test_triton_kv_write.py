@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from paged_fixtures import to_head_major
 from triton_modules import interpreted
 
 from slipstream.kernels.attention import build_attention_metadata
@@ -20,7 +21,10 @@ def kv_write():
     return interpreted("triton_kv_write")
 
 
-def _step(seed: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+def _step(
+    seed: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    head_major: bool,
+):  # fmt: skip
     """A ragged step (decodes and chunks) over shuffled blocks, with random caches."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -33,6 +37,8 @@ def _step(seed: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: t
     meta = build_attention_metadata(query_lens, seq_lens, tables, block_size, CPU, dtype)
     shape = (len(order), block_size, num_kv_heads, head_dim)
     caches = [torch.randn(shape, generator=generator).to(dtype) for _ in range(2)]
+    if head_major:
+        caches = [to_head_major(cache) for cache in caches]
     # k and v as views of one fused projection row, as the model produces them.
     fused = torch.randn((meta.num_tokens, 3, num_kv_heads, head_dim), generator=generator)
     fused = fused.to(dtype)
@@ -40,13 +46,13 @@ def _step(seed: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: t
 
 
 @pytest.mark.parametrize(
-    ("block_size", "num_kv_heads", "head_dim", "dtype"),
-    [(16, 2, 64, torch.float32), (32, 4, 128, torch.bfloat16), (16, 1, 32, torch.bfloat16),
-     (32, 3, 80, torch.float32)],
+    ("block_size", "num_kv_heads", "head_dim", "dtype", "head_major"),
+    [(16, 2, 64, torch.float32, False), (32, 4, 128, torch.bfloat16, True),
+     (16, 1, 32, torch.bfloat16, False), (32, 3, 80, torch.float32, True)],
 )  # fmt: skip
-def test_write_matches_reference(kv_write, block_size, num_kv_heads, head_dim, dtype):
+def test_write_matches_reference(kv_write, block_size, num_kv_heads, head_dim, dtype, head_major):
     meta, (k_cache, v_cache), k, v = _step(block_size + head_dim, block_size, num_kv_heads,
-                                           head_dim, dtype)  # fmt: skip
+                                           head_dim, dtype, head_major)  # fmt: skip
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     kv_write.reference_write_kv(expected_k, expected_v, k, v, meta)
     kv_write.triton_write_kv(k_cache, v_cache, k, v, meta)
@@ -55,11 +61,11 @@ def test_write_matches_reference(kv_write, block_size, num_kv_heads, head_dim, d
 
 
 def test_padding_slots_are_skipped(kv_write):
-    k_cache, v_cache = torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64)
+    k_cache, v_cache = (to_head_major(torch.zeros(4, 16, 2, 64)) for _ in range(2))
     k, v = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
     kv_write.write_kv_slots(k_cache, v_cache, k, v, torch.tensor([17, -1, 63]))
     assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[3, 15], v[2])
-    assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 2  # only two slots written
+    assert int((k_cache != 0).any(dim=3).any(dim=2).sum()) == 2  # only two slots written
 
 
 def test_rejects_bad_inputs(kv_write):

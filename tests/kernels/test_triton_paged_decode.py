@@ -19,23 +19,28 @@ def decode():
     return interpreted("triton_paged_decode")
 
 
-# (batch, block_size, num_kv_heads, group, head_dim, dtype): every block size,
-# GQA ratio, head dim and dtype appears; the last row is the `small` model's shape.
+# (batch, block_size, num_kv_heads, group, head_dim, dtype, head_major): every
+# block size, GQA ratio, head dim, dtype and cache layout appears; the last row
+# is the `small` model's shape as the engine stores it.
 DECODE_MATRIX = [
-    (16, 16, 2, 1, 64, torch.float32),
-    (5, 32, 2, 2, 128, torch.float32),
-    (9, 16, 1, 4, 128, torch.bfloat16),
-    (3, 32, 2, 4, 64, torch.float32),
-    (1, 32, 2, 1, 128, torch.bfloat16),
-    (12, 16, 4, 2, 64, torch.bfloat16),
+    (16, 16, 2, 1, 64, torch.float32, False),
+    (5, 32, 2, 2, 128, torch.float32, True),
+    (9, 16, 1, 4, 128, torch.bfloat16, False),
+    (3, 32, 2, 4, 64, torch.float32, True),
+    (1, 32, 2, 1, 128, torch.bfloat16, False),
+    (12, 16, 4, 2, 64, torch.bfloat16, True),
 ]
 
 
-def _decode_case(batch, block_size, num_kv_heads, group, head_dim, dtype, seed, max_len=700):
+def _decode_case(
+    batch, block_size, num_kv_heads, group, head_dim, dtype, head_major, seed, max_len=700
+):
     rng = random.Random(seed)
     seq_lens = ragged_contexts(rng, batch, block_size, max_len)
     rng.shuffle(seq_lens)
-    return make_case([1] * batch, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed)
+    return make_case(
+        [1] * batch, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed, head_major
+    )
 
 
 def _run(decode, case, num_splits=None):
@@ -52,13 +57,14 @@ def _run(decode, case, num_splits=None):
 
 
 @pytest.mark.parametrize(
-    ("batch", "block_size", "num_kv_heads", "group", "head_dim", "dtype"), DECODE_MATRIX
+    ("batch", "block_size", "num_kv_heads", "group", "head_dim", "dtype", "head_major"),
+    DECODE_MATRIX,
 )
 def test_decode_matches_reference_and_dense(
-    decode, batch, block_size, num_kv_heads, group, head_dim, dtype
+    decode, batch, block_size, num_kv_heads, group, head_dim, dtype, head_major
 ):
-    seed = 1000 + DECODE_MATRIX.index((batch, block_size, num_kv_heads, group, head_dim, dtype))
-    case = _decode_case(batch, block_size, num_kv_heads, group, head_dim, dtype, seed)
+    shape = (batch, block_size, num_kv_heads, group, head_dim, dtype, head_major)
+    case = _decode_case(*shape, seed=1000 + DECODE_MATRIX.index(shape))
     out = _run(decode, case)
     reference = decode.reference_paged_attention(
         case.q, case.batch.k_cache, case.batch.v_cache, case.meta, case.scale
@@ -71,7 +77,7 @@ def test_decode_matches_reference_and_dense(
 @pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
 def test_split_k_gives_the_same_attention(decode, num_splits):
     """16 splits of a 700-token context leave some splits empty for short rows."""
-    case = make_case([1] * 4, [700, 1, 300, 33], 16, 2, 2, 64, torch.float32, seed=7)
+    case = make_case([1] * 4, [700, 1, 300, 33], 16, 2, 2, 64, torch.float32, 7, head_major=True)
     out = _run(decode, case, num_splits=num_splits)
     dense = dense_attention(case.q, case.batch, case.scale)
     torch.testing.assert_close(out.double(), dense, **TOLERANCES[torch.float32])
@@ -124,8 +130,9 @@ def test_decode_sweep(decode, seed):
     shape = (
         rng.randint(1, 16), rng.choice([16, 32]), rng.choice([1, 2, 4]),
         rng.choice([1, 2, 4]), rng.choice([64, 128]), rng.choice([torch.float32, torch.bfloat16]),
+        rng.random() < 0.5,
     )  # fmt: skip
     case = _decode_case(*shape, seed=seed, max_len=rng.choice([64, 700, 2048]))
     out = _run(decode, case)
     dense = dense_attention(case.q, case.batch, case.scale)
-    torch.testing.assert_close(out.double(), dense, **TOLERANCES[shape[-1]])
+    torch.testing.assert_close(out.double(), dense, **TOLERANCES[shape[5]])

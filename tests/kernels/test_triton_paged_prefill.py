@@ -58,24 +58,27 @@ def _check(out, case, dtype):
 # first chunks (no prefix), chunks over a prefix that ends mid-block and on a
 # block boundary, chunks longer than the 32-row query tile, and a 600-token prefix.
 PREFILL_MATRIX = [
-    ([5, 40], [0, 0], 16, 2, 1, 64, torch.float32),
-    ([33, 2, 17], [100, 16, 0], 32, 2, 2, 128, torch.float32),
-    ([64, 9], [600, 31], 16, 1, 4, 64, torch.bfloat16),
-    ([12, 3, 70], [32, 300, 5], 32, 2, 4, 128, torch.bfloat16),
-    ([20], [45], 16, 4, 2, 64, torch.bfloat16),
+    ([5, 40], [0, 0], 16, 2, 1, 64, torch.float32, False),
+    ([33, 2, 17], [100, 16, 0], 32, 2, 2, 128, torch.float32, True),
+    ([64, 9], [600, 31], 16, 1, 4, 64, torch.bfloat16, False),
+    ([12, 3, 70], [32, 300, 5], 32, 2, 4, 128, torch.bfloat16, True),
+    ([20], [45], 16, 4, 2, 64, torch.bfloat16, True),
 ]
 
 
 @pytest.mark.parametrize(
-    ("query_lens", "prefixes", "block_size", "num_kv_heads", "group", "head_dim", "dtype"),
+    ("query_lens", "prefixes", "block_size", "num_kv_heads", "group", "head_dim", "dtype",
+     "head_major"),
     PREFILL_MATRIX,
-)
+)  # fmt: skip
 def test_prefill_matches_reference_and_dense(
-    prefill, query_lens, prefixes, block_size, num_kv_heads, group, head_dim, dtype
+    prefill, query_lens, prefixes, block_size, num_kv_heads, group, head_dim, dtype, head_major
 ):
     seq_lens = [n + p for n, p in zip(query_lens, prefixes, strict=True)]
     seed = 2000 + len(seq_lens) * 7 + sum(seq_lens)
-    case = make_case(query_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed)
+    case = make_case(
+        query_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed, head_major
+    )
     _check(_run_prefill(prefill, case), case, dtype)
 
 
@@ -87,10 +90,10 @@ def test_prefill_leaves_decode_rows_alone(prefill):
 
 # Mixed steps as the engine builds them: decodes and chunks interleaved.
 MIXED_MATRIX = [
-    (16, 16, 2, 2, 64, torch.float32),
-    (12, 32, 2, 4, 128, torch.bfloat16),
-    (7, 16, 4, 2, 64, torch.bfloat16),
-    (4, 32, 2, 1, 128, torch.float32),
+    (16, 16, 2, 2, 64, torch.float32, True),
+    (12, 32, 2, 4, 128, torch.bfloat16, False),
+    (7, 16, 4, 2, 64, torch.bfloat16, True),
+    (4, 32, 2, 1, 128, torch.float32, False),
 ]
 
 
@@ -109,14 +112,18 @@ def _mixed_batch(rng: random.Random, batch: int) -> tuple[list[int], list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("batch", "block_size", "num_kv_heads", "group", "head_dim", "dtype"), MIXED_MATRIX
+    ("batch", "block_size", "num_kv_heads", "group", "head_dim", "dtype", "head_major"),
+    MIXED_MATRIX,
 )
 def test_mixed_step_through_backend(
-    backend, batch, block_size, num_kv_heads, group, head_dim, dtype
+    backend, batch, block_size, num_kv_heads, group, head_dim, dtype, head_major
 ):
-    seed = 3000 + MIXED_MATRIX.index((batch, block_size, num_kv_heads, group, head_dim, dtype))
+    shape = (batch, block_size, num_kv_heads, group, head_dim, dtype, head_major)
+    seed = 3000 + MIXED_MATRIX.index(shape)
     query_lens, seq_lens = _mixed_batch(random.Random(seed), batch)
-    case = make_case(query_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed)
+    case = make_case(
+        query_lens, seq_lens, block_size, num_kv_heads, group, head_dim, dtype, seed, head_major
+    )
     attend = backend.paged_attention_for("triton")
     out = attend(case.q, case.batch.k_cache, case.batch.v_cache, case.meta, case.scale)
     _check(out, case, dtype)
@@ -130,7 +137,7 @@ def test_mixed_sweep(backend, seed):
     query_lens, seq_lens = _mixed_batch(rng, rng.randint(1, 16))
     case = make_case(
         query_lens, seq_lens, rng.choice([16, 32]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4]),
-        rng.choice([64, 128]), dtype, seed,
+        rng.choice([64, 128]), dtype, seed, rng.random() < 0.5,
     )  # fmt: skip
     attend = backend.paged_attention_for("triton")
     out = attend(case.q, case.batch.k_cache, case.batch.v_cache, case.meta, case.scale)

@@ -42,11 +42,14 @@ def make_case(
     head_dim: int,
     dtype: torch.dtype,
     seed: int,
+    head_major: bool = False,
 ) -> Case:
+    """``head_major`` stores the cache as the engine allocates it (``kv_layout``)."""
     generator = torch.Generator().manual_seed(seed)
     batch = make_paged_batch(
-        query_lens, seq_lens, block_size, num_kv_heads, head_dim, dtype, generator
-    )
+        query_lens, seq_lens, block_size, num_kv_heads, head_dim, dtype, generator,
+        head_major=head_major,
+    )  # fmt: skip
     meta = build_attention_metadata(
         query_lens, seq_lens, batch.block_tables, block_size, CPU, dtype
     )

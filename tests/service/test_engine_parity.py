@@ -46,7 +46,9 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 def test_greedy_matches_transformers(tiny_model_dir, hf_model):
     engine = Engine(
-        EngineConfig(model=str(tiny_model_dir), dtype="float32", max_num_batched_tokens=96, block_size=16)
+        EngineConfig(
+            model=str(tiny_model_dir), dtype="float32", max_num_batched_tokens=96, block_size=16
+        )
     )
     prompts = _prompts(engine.info.vocab_size)
     max_tokens = [8 + (i * 5) % 17 for i in range(NUM_PROMPTS)]
@@ -63,7 +65,11 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model):
     for prompt, n, result in zip(prompts, max_tokens, results, strict=True):
         expected = _hf_greedy(hf_model, prompt, n)
         assert result.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
-        want = FinishReason.EOS if len(expected) < n or expected[-1] in engine.eos_token_ids else FinishReason.MAX_TOKENS
+        want = (
+            FinishReason.EOS
+            if len(expected) < n or expected[-1] in engine.eos_token_ids
+            else FinishReason.MAX_TOKENS
+        )
         assert result.finish.reason == want
     assert stats.device_blocks.used == 0
     assert stats.waiting == stats.running == 0

@@ -48,6 +48,7 @@ def test_a_swap_preemption_adds_its_wait_to_later_tokens() -> None:
     state.status = RequestStatus.RUNNING
     tracer.on_step(StepPlan(4, [seq("a", 6, 1)]), [out("a", [8, 9])], 103.0, 103.1)
     tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=3))
+    assert tracer.flush(timeout=10)
 
     spans = {s.name: s for s in exporter.get_finished_spans()}
     request = spans["text_completion m"]
@@ -73,4 +74,5 @@ def test_a_sampled_out_request_is_not_tracked() -> None:
     assert not tracer._timelines  # on_step returns at once: sampling never slows a step
     tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 1.0, 1.1)
     tracer.on_finish(FinishEvent("a", FinishReason.EOS))
+    assert tracer.flush(timeout=10)
     assert exporter.get_finished_spans() == ()

@@ -50,6 +50,7 @@ class ServerThread:
         start = create_server(engine, "127.0.0.1", 0, telemetry)  # type: ignore[arg-type]
         self.server, port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
         self.target = f"127.0.0.1:{port}"
+        self.telemetry = telemetry
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
@@ -248,7 +249,9 @@ def test_a_rejected_submit_is_traced_with_its_reason(
     assert span.status.code == span.status.STATUS_CODE_ERROR
 
 
-def test_request_log_lines_carry_request_and_trace_ids(client: Client) -> None:
+def test_request_log_lines_carry_request_and_trace_ids(
+    client: Client, server: ServerThread
+) -> None:
     from slipstream.service.logging_setup import configure_logging
 
     root = logging.getLogger()
@@ -258,6 +261,7 @@ def test_request_log_lines_carry_request_and_trace_ids(client: Client) -> None:
     try:
         trace_id, _, metadata = caller_context()
         client.generate([5, 6, 7], metadata=metadata, max_tokens=2).result(timeout=60)
+        assert server.telemetry.requests.flush(timeout=10)  # lines are written off-thread
     finally:
         structlog.reset_defaults()
         root.handlers[:], root.level = saved
