@@ -185,8 +185,8 @@ class ServerMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
-        # req_id -> (priority class, absolute deadline); touched by the
-        # engine thread only (on_submit runs under the engine's lock).
+        # req_id -> (priority class, absolute deadline): written on the
+        # submitting thread, read on the engine thread.
         self._requests: dict[str, tuple[str, float | None]] = {}
         self._lock = threading.Lock()
 

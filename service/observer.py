@@ -1,10 +1,11 @@
 """What the engine tells telemetry, from the engine thread.
 
 The engine holds at most one ``EngineObserver`` (``None`` costs nothing: no
-call is made). Every method runs on the engine thread, inside the step loop,
-so an implementation must be cheap and must never block: record plain values
-per step and defer SDK work (span events, exporting) to the end of a request
-or to another thread.
+call is made). ``on_step`` and ``on_finish`` run on the engine thread, inside
+the step loop; ``on_submit`` runs on the submitting thread while it holds the
+engine's lock. So an implementation must be cheap and must never block:
+record plain values per step and defer SDK work (span events, exporting) to
+another thread.
 
 Call order for one request: ``on_submit`` once (caller's thread, after the
 scheduler accepted it), then ``on_step`` for every step while it lives, then
