@@ -10,6 +10,7 @@ BENCH_MODULES = (
     "slipstream.service.bench.offline",
     "slipstream.service.bench.serve",
     "slipstream.service.bench.slo",
+    "slipstream.service.bench.swap",
 )
 
 

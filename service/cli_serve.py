@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="admit requests whose deadline looks unreachable instead of rejecting them",
     )
     group.add_argument(
+        "--no-abandon-hopeless",
+        dest="abandon_hopeless",
+        action="store_false",
+        help="keep running work the policy judges unable to meet its deadline "
+        "(by default it ends DEADLINE_EXCEEDED early and frees its KV)",
+    )
+    group.add_argument(
         "--no-calibrate",
         dest="calibrate",
         action="store_false",
@@ -73,6 +80,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_queue_len=args.max_queue_len,
         policy=args.policy,
         reject_infeasible=args.reject_infeasible,
+        abandon_hopeless=args.abandon_hopeless,
         calibrate_cost_model=args.calibrate,
         aging_s=args.aging_s,
         min_residency_s=args.min_residency_s,

@@ -26,6 +26,7 @@ class EngineConfig:
     max_queue_len: int = 4096
     policy: str = "deadline"
     reject_infeasible: bool = True
+    abandon_hopeless: bool = True
     aging_s: float = 60.0
     min_residency_s: float = 0.05
     # Time synthetic steps at start-up to seed the deadline policy's cost

@@ -141,6 +141,7 @@ class Engine:
                 max_queue_len=config.max_queue_len,
                 policy=config.policy,
                 reject_infeasible=config.reject_infeasible,
+                abandon_hopeless=config.abandon_hopeless,
                 aging_s=config.aging_s,
                 min_residency_s=config.min_residency_s,
             ),

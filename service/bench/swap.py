@@ -9,7 +9,7 @@ does). It also reports what the calibrated cost model predicts for both and
 the crossover the ``deadline`` policy uses: it swaps a victim when
 ``swap_seconds(2 * blocks) <= prefill_seconds(tokens)``.
 
-Also reachable as ``slipstream bench slo --swap-sweep``. JSON out:
+JSON out:
 ``{"block_size", "kv_bytes_per_block", "rows": [{"context_tokens",
 "num_blocks", "swap_bytes", "swap_out_s", "swap_in_s", "swap_s_per_block",
 "recompute_s", "recompute_over_swap", "model_swap_s", "model_recompute_s"}],

@@ -41,7 +41,10 @@ def test_urgent_request_preempts_less_urgent_running_work_for_a_seq_slot() -> No
     for i in range(2):
         sched.add_request(make_request(f"low{i}", 4, 8, priority=2, arrival=0.0))
     driver.step()
-    sched.add_request(make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=50.0))
+    # 6 s of deadline: too tight to wait ~7 s for a running request to finish.
+    sched.add_request(
+        make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=driver.now + 6.0)
+    )
     driver.step()
     plan = driver.plans[-1]
     assert plan.preempted_req_ids == ["low1"]  # same class and slack: the later arrival
@@ -71,9 +74,41 @@ def test_victim_is_least_urgent_class_then_most_slack() -> None:
     sched.add_request(make_request("c2-tight", 4, 20, priority=2, deadline=200.0))
     sched.add_request(make_request("c2-loose", 4, 20, priority=2, deadline=400.0))
     driver.step()
-    sched.add_request(make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=60.0))
+    sched.add_request(
+        make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=driver.now + 6.0)
+    )
     driver.step()
     assert driver.plans[-1].preempted_req_ids == ["c2-loose"]
+
+
+def test_urgent_work_with_slack_to_spare_waits_instead_of_preempting() -> None:
+    sched = make_sched(max_num_seqs=2)
+    driver = Driver(sched)
+    for i in range(2):
+        sched.add_request(make_request(f"low{i}", 4, 8, priority=2, arrival=0.0))
+    driver.step()
+    # The running requests finish in ~7 s; 40 s of deadline can wait for that.
+    sched.add_request(
+        make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=driver.now + 40.0)
+    )
+    driver.run_until_idle()
+    assert sched.num_swap_preemptions + sched.num_recompute_preemptions == 0
+    assert driver.finishes["urgent"] == [FinishReason.MAX_TOKENS]
+
+
+def test_waiting_work_that_cannot_make_its_deadline_is_abandoned_early() -> None:
+    sched = make_sched(max_num_seqs=1)
+    driver = Driver(sched)
+    sched.add_request(make_request("long", 4, 30, priority=1, arrival=0.0))
+    driver.step()
+    # Feasible alone at arrival (2 steps), but "long" holds the only slot for
+    # ~29 s: once less than 2 steps' time is left it is ended, before t = 8.
+    sched.add_request(make_request("doomed", 4, 2, priority=2, arrival=driver.now, deadline=8.0))
+    while "doomed" not in driver.finishes:
+        driver.step()
+    assert driver.finishes["doomed"] == [FinishReason.DEADLINE_EXCEEDED]
+    assert driver.now < 8.0 and sched.num_abandoned == 1 and sched.num_expired == 0
+    check_pools(sched)
 
 
 def test_same_class_waiting_work_does_not_preempt() -> None:
@@ -133,7 +168,9 @@ def test_resumed_request_is_protected_for_min_residency() -> None:
     driver = Driver(sched)
     sched.add_request(make_request("low", 4, 20, priority=2))
     driver.step()  # admitted at t=1
-    sched.add_request(make_request("urgent", 2, 2, priority=0, arrival=driver.now))
+    sched.add_request(
+        make_request("urgent", 2, 2, priority=0, arrival=driver.now, deadline=driver.now + 12.0)
+    )
     preempted_at = None
     while preempted_at is None:
         driver.step()

@@ -31,10 +31,17 @@ from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 # fp32 so greedy output cannot depend on how requests happen to be batched.
-# Early rejection of infeasible deadlines is off so the expiry path is what
-# the deadline tests exercise; test_infeasible_deadline_is_rejected_early
-# covers rejection on an engine of its own.
-CONFIG = EngineConfig(model="tiny", dtype="float32", max_queue_len=4096, reject_infeasible=False)
+# Early rejection and early abandonment of hopeless deadlines are off so the
+# expiry path is what the deadline tests exercise;
+# test_infeasible_deadline_is_rejected_early covers rejection on an engine of
+# its own.
+CONFIG = EngineConfig(
+    model="tiny",
+    dtype="float32",
+    max_queue_len=4096,
+    reject_infeasible=False,
+    abandon_hopeless=False,
+)
 LONG = 960  # tokens: outlives anything a test does to it (tiny: ~5 s alone)
 
 
