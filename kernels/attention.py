@@ -385,11 +385,11 @@ def _attend_decode_head_major(
     v = _gather_head_major(v_storage, group.block_ids, "v", workspace)
     k = k.view(num_kv_heads, n, -1, head_dim)
     v = v.view(num_kv_heads, n, -1, head_dim)
-    queries = rows.permute(1, 0, 2, 3)  # [kv, n, group, d]
-    scores = torch.matmul(queries, k.transpose(-1, -2)).float().mul_(scale)
+    queries = rows.permute(1, 0, 2, 3) * scale  # [kv, n, group, d]; scaled here, the small side
+    scores = torch.matmul(queries, k.transpose(-1, -2))
     if group.bias is not None:
-        scores.add_(group.bias)
-    probs = torch.softmax(scores, dim=-1).to(rows.dtype)
+        scores.add_(group.bias.to(scores.dtype))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
     out = torch.matmul(probs, v)  # [kv, n, group, d]
     return out.permute(1, 0, 2, 3).reshape(n, num_kv_heads * group_size, head_dim)
 
