@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable
 
 # Subcommand modules, each exposing add_parser(subparsers) that sets a `func`
 # default taking the parsed args and returning an exit code.
@@ -19,17 +20,15 @@ COMMAND_MODULES = (
 )
 
 
+def register_subcommands(subparsers: argparse._SubParsersAction, modules: Iterable[str]) -> None:  # type: ignore[type-arg]
+    """Lets each module add its subcommand: ``module.add_parser(subparsers)``."""
+    for name in modules:
+        importlib.import_module(name).add_parser(subparsers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.add_parser(subparsers)
+    register_subcommands(parser.add_subparsers(dest="command", required=True), COMMAND_MODULES)
     return parser
 
 

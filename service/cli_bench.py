@@ -1,10 +1,11 @@
 """``slipstream bench``: benchmark subcommands. Each module below exposes
-``add_parser(bench_subparsers)``; modules not present are skipped."""
+``add_parser(bench_subparsers)``."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from slipstream.service.cli import register_subcommands
 
 BENCH_MODULES = (
     "slipstream.service.bench.offline",
@@ -17,11 +18,4 @@ BENCH_MODULES = (
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("bench", help="benchmarks")
     bench_subparsers = parser.add_subparsers(dest="bench_command", required=True)
-    for name in BENCH_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.add_parser(bench_subparsers)
+    register_subcommands(bench_subparsers, BENCH_MODULES)
