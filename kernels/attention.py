@@ -35,10 +35,13 @@ import torch.nn.functional as F
 from slipstream.kernels.kv_layout import head_major
 from slipstream.kernels.workspace import Workspace, default_workspace
 
-# Splitting a decode group costs one more SDPA call (~60 us here); padding costs
-# ~3-4 us per (sequence x block) of bf16 work. Cut a group when the padding
-# saved exceeds this many (sequence x block) units.
-_SPLIT_COST_BLOCKS = 24
+# Splitting a decode group costs one more gather + two matmuls + a softmax per
+# layer; in the head-major matmul path padding is cheap. Cut a group only when
+# the padding saved exceeds this many (sequence x block) units. Measured per
+# layer call (bf16, 2 threads, contexts 150-700): batch 64 took 14.3 ms in 12
+# groups (threshold 24), 11.2 ms in 5 (96), 11.8 ms in 1; batch 128 took
+# 25.8 / 22.5 / 23.9 ms.
+_SPLIT_COST_BLOCKS = 96
 
 
 @dataclass(frozen=True, slots=True)

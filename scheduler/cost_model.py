@@ -99,13 +99,20 @@ class CostModel:
         self._p = [[1.0 / prior_weight if i == j else 0.0 for j in range(4)] for i in range(4)]
         self._forgetting = forgetting
         self._num_samples = 0
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Recomputes what predictions read, after any coefficient change:
+        predictions are far more frequent than refits."""
+        self._clamped = [max(0.0, t) for t in self._theta]
+        c = [t / s for t, s in zip(self._clamped, _SCALES, strict=True)]
+        self._coefficients = CostCoefficients(c[0], c[1], c[2], c[3], self._swap_s_per_block)
 
     # -- coefficients ----------------------------------------------------
 
     @property
     def coefficients(self) -> CostCoefficients:
-        c = [max(0.0, t) / s for t, s in zip(self._theta, _SCALES, strict=True)]
-        return CostCoefficients(c[0], c[1], c[2], c[3], self._swap_s_per_block)
+        return self._coefficients
 
     @property
     def num_samples(self) -> int:
@@ -115,6 +122,7 @@ class CostModel:
         if seconds_per_block < 0:
             raise ValueError(f"swap cost must be >= 0, got {seconds_per_block}")
         self._swap_s_per_block = seconds_per_block
+        self._refresh()
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One measured step (forward only: swap time excluded). Exponentially
@@ -130,6 +138,7 @@ class CostModel:
         lam = self._forgetting
         self._p = [[(self._p[i][j] - gain[i] * px[j]) / lam for j in range(4)] for i in range(4)]
         self._num_samples += 1
+        self._refresh()
 
     def observe_plan(self, plan: StepPlan, seconds: float) -> None:
         """A measured ``runner.execute(plan)``: the predicted swap time is
@@ -146,13 +155,22 @@ class CostModel:
         if num_blocks > 0 and seconds > 0:
             sample = seconds / num_blocks
             self._swap_s_per_block = 0.9 * self._swap_s_per_block + 0.1 * sample
+            self._refresh()
 
     # -- predictions -----------------------------------------------------
 
     def step_seconds(self, shape: StepShape) -> float:
-        x = _features(shape)
-        forward = sum(max(0.0, t) * xi for t, xi in zip(self._theta, x, strict=True))
+        forward = self._forward_seconds(
+            shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens
+        )
         return max(_MIN_STEP_S, forward) + self.swap_seconds(shape.num_swapped_blocks)
+
+    def _forward_seconds(self, prefill: int, decodes: int, context: int) -> float:
+        """The clamped dot product of ``_features``, unrolled in the same
+        order (so bit-identical): the hot path of every estimate."""
+        t0, t1, t2, t3 = self._clamped
+        s0, s1, s2, s3 = _SCALES
+        return t0 * (1.0 / s0) + t1 * (prefill / s1) + t2 * (decodes / s2) + t3 * (context / s3)
 
     def plan_seconds(self, plan: StepPlan) -> float:
         """Predicted wall time of executing ``plan`` (swaps plus forward)."""
@@ -174,7 +192,7 @@ class CostModel:
         pos, end = start, start + num_tokens
         while pos < end:
             n = min(token_budget, end - pos)
-            total += self.step_seconds(StepShape(n, 0, pos + n))
+            total += max(_MIN_STEP_S, self._forward_seconds(n, 0, pos + n))
             pos += n
         return total
 

@@ -43,7 +43,7 @@ the most slack.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import ClassVar, NamedTuple
 
 from .config import SchedulerConfig
@@ -68,6 +68,16 @@ class _Estimate(NamedTuple):
     num_steps: int
 
 
+class _Urgency(NamedTuple):
+    """A request's urgency at one ``(now, loaded_step_s)``; valid while
+    ``stamp`` (progress, status, deadline, class, arrival) is unchanged."""
+
+    stamp: tuple[int, int, int, float | None, int, float, int]
+    is_hopeless: bool
+    latest_start: float
+    key: tuple[float, ...]
+
+
 class DeadlinePolicy(SchedulingPolicy):
     """Slack-ordered priority classes; preempts for urgent work only when it
     must; abandons hopeless work; swap or recompute, whichever is cheaper."""
@@ -80,6 +90,10 @@ class DeadlinePolicy(SchedulingPolicy):
         self._aging_s = config.aging_s
         self._min_residency_s = config.min_residency_s
         self._estimates: dict[str, _Estimate] = {}
+        # Every queue is ranked several times per step at one (now, loaded
+        # step time); the parts of the ranking are computed once per step.
+        self._urgency: dict[str, _Urgency] = {}
+        self._urgency_at: tuple[float, float] | None = None
         c = self.cost_model.coefficients
         self.loaded_step_s = c.base_s + c.per_decode_seq_s  # one isolated decode step
 
@@ -104,6 +118,9 @@ class DeadlinePolicy(SchedulingPolicy):
         cached = self._estimates.get(req.req_id)
         if cached is not None and cached.stamp == stamp:
             return cached
+        return self._new_estimate(req, stamp)
+
+    def _new_estimate(self, req: Request, stamp: tuple[int, int, int]) -> _Estimate:
         target = req.expected_output_tokens or req.max_new_tokens
         target = min(max(target, req.num_output_tokens + 1), req.max_new_tokens)
         outputs_left = max(1, target - req.num_output_tokens)
@@ -130,6 +147,46 @@ class DeadlinePolicy(SchedulingPolicy):
 
     def forget(self, req_id: str) -> None:
         self._estimates.pop(req_id, None)
+        self._urgency.pop(req_id, None)
+
+    def _urgency_of(self, req: Request, now: float) -> _Urgency:
+        """``req``'s urgency at ``now``: exactly what ``is_hopeless``,
+        ``effective_class`` and ``_latest_start`` compute, memoized per step."""
+        at = (now, self.loaded_step_s)
+        if at != self._urgency_at:
+            self._urgency.clear()
+            self._urgency_at = at
+        status = req.status
+        computed, outputs = req.num_computed_tokens, len(req.output_token_ids)
+        stamp = (
+            computed,
+            outputs,
+            int(status),
+            req.deadline,
+            req.priority,
+            req.arrival_time,
+            req.arrival_index,
+        )
+        cached = self._urgency.get(req.req_id)
+        if cached is not None and cached.stamp == stamp:
+            return cached
+        progress = (computed, outputs, int(status))
+        est = self._estimates.get(req.req_id)
+        if est is None or est.stamp != progress:
+            est = self._new_estimate(req, progress)
+        effective = self.effective_class(req, now)
+        if req.deadline is None:
+            hopeless, latest = False, math.inf
+        else:
+            latest = req.deadline - max(est.isolated_s, est.num_steps * self.loaded_step_s)
+            needed = est.isolated_s
+            if status is not RequestStatus.RUNNING and effective > 0:
+                needed = max(needed, HOPELESS_LOAD_FRACTION * est.num_steps * self.loaded_step_s)
+            hopeless = now + needed > req.deadline
+        key = (float(hopeless), float(effective), latest, float(req.arrival_index))
+        parts = _Urgency(stamp, hopeless, latest, key)
+        self._urgency[req.req_id] = parts
+        return parts
 
     def effective_class(self, req: Request, now: float) -> int:
         if self._aging_s <= 0 or req.priority <= 0:
@@ -143,35 +200,32 @@ class DeadlinePolicy(SchedulingPolicy):
         alone — the loaded average is too noisy a reason to throw away work
         that is making progress, and class 0 preempts its way in and so
         fares better than the average request."""
-        if req.deadline is None:
-            return False
-        est = self._estimate(req)
-        needed = est.isolated_s
-        if req.status is not RequestStatus.RUNNING and self.effective_class(req, now) > 0:
-            needed = max(needed, HOPELESS_LOAD_FRACTION * est.num_steps * self.loaded_step_s)
-        return now + needed > req.deadline
+        return self._urgency_of(req, now).is_hopeless
 
     # -- the policy seam -------------------------------------------------
 
     def urgency_key(self, req: Request, now: float) -> tuple[float, ...]:
-        latest = self._latest_start(req)
-        return (
-            float(self.is_hopeless(req, now)),
-            float(self.effective_class(req, now)),
-            latest,
-            float(req.arrival_index),
-        )
+        return self._urgency_of(req, now).key
+
+    def order_waiting(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        return sorted(waiting, key=lambda r: self._urgency_of(r, now).key)
+
+    def order_swapped(self, swapped: Iterable[Request], now: float) -> list[Request]:
+        return sorted(swapped, key=lambda r: self._urgency_of(r, now).key)
+
+    def order_running(self, running: Iterable[Request], now: float) -> list[Request]:
+        return sorted(running, key=lambda r: self._urgency_of(r, now).key)
 
     def victim_key(self, req: Request, now: float) -> tuple[float, ...]:
         """Larger is a better victim: hopeless first, then the least urgent
         *base* class (aging never protects), then the least computed work,
         then the most slack."""
-        latest = self._latest_start(req)
+        parts = self._urgency_of(req, now)
         return (
-            float(self.is_hopeless(req, now)),
+            float(parts.is_hopeless),
             float(req.priority),
             -float(req.num_computed_tokens),
-            latest,
+            parts.latest_start,
             float(req.arrival_index),
         )
 
@@ -228,7 +282,7 @@ class DeadlinePolicy(SchedulingPolicy):
         )
 
     def abandon_reason(self, req: Request, now: float) -> str:
-        if req.deadline is None or not self.is_hopeless(req, now):
+        if req.deadline is None or not self._urgency_of(req, now).is_hopeless:
             return ""
         return (
             f"cannot meet deadline: {req.deadline - now:.3f}s left, an estimated "
