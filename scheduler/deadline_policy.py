@@ -72,7 +72,7 @@ class _Urgency(NamedTuple):
     """A request's urgency at one ``(now, loaded_step_s)``; valid while
     ``stamp`` (progress, status, deadline, class, arrival) is unchanged."""
 
-    stamp: tuple[int, int, int, float | None, int, float, int]
+    stamp: tuple[tuple[int, int, int], float | None, int, float, int]
     is_hopeless: bool
     latest_start: float
     key: tuple[float, ...]
@@ -93,7 +93,8 @@ class DeadlinePolicy(SchedulingPolicy):
         # Every queue is ranked several times per step at one (now, loaded
         # step time); the parts of the ranking are computed once per step.
         self._urgency: dict[str, _Urgency] = {}
-        self._urgency_at: tuple[float, float] | None = None
+        self._urgency_now = math.nan  # NaN equals nothing: the first call fills
+        self._urgency_step_s = math.nan
         c = self.cost_model.coefficients
         self.loaded_step_s = c.base_s + c.per_decode_seq_s  # one isolated decode step
 
@@ -152,25 +153,15 @@ class DeadlinePolicy(SchedulingPolicy):
     def _urgency_of(self, req: Request, now: float) -> _Urgency:
         """``req``'s urgency at ``now``: exactly what ``is_hopeless``,
         ``effective_class`` and ``_latest_start`` compute, memoized per step."""
-        at = (now, self.loaded_step_s)
-        if at != self._urgency_at:
+        if now != self._urgency_now or self.loaded_step_s != self._urgency_step_s:
             self._urgency.clear()
-            self._urgency_at = at
+            self._urgency_now, self._urgency_step_s = now, self.loaded_step_s
         status = req.status
-        computed, outputs = req.num_computed_tokens, len(req.output_token_ids)
-        stamp = (
-            computed,
-            outputs,
-            int(status),
-            req.deadline,
-            req.priority,
-            req.arrival_time,
-            req.arrival_index,
-        )
+        progress = (req.num_computed_tokens, len(req.output_token_ids), int(status))
+        stamp = (progress, req.deadline, req.priority, req.arrival_time, req.arrival_index)
         cached = self._urgency.get(req.req_id)
         if cached is not None and cached.stamp == stamp:
             return cached
-        progress = (computed, outputs, int(status))
         est = self._estimates.get(req.req_id)
         if est is None or est.stamp != progress:
             est = self._new_estimate(req, progress)
