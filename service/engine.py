@@ -12,7 +12,6 @@ step, so an abort takes effect within one step).
 
 from __future__ import annotations
 
-import itertools
 import json
 import queue
 import threading
@@ -426,11 +425,3 @@ class _Collector:
         return FinishedResult(
             req_id, self.token_ids, "".join(self.text), self.finish, self.token_times
         )
-
-
-_ids = itertools.count()
-
-
-def next_request_id(prefix: str = "req") -> str:
-    """Process-unique request ids for in-process callers."""
-    return f"{prefix}-{next(_ids)}"

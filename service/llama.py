@@ -1,8 +1,10 @@
 """Slipstream's Llama-family forward pass over a ragged batch and a paged KV cache.
 
-Covers Llama, Mistral (full attention) and Qwen2-style checkpoints (bias on
-q/k/v). Weights are read from safetensors by their Hugging Face names and
-fused where one matmul does the work of several:
+Covers Llama, Mistral and Qwen2-style checkpoints (bias on q/k/v, read when
+the checkpoint has it). Mistral's sliding window is not applied: attention is
+full, which is exact while a context stays within the window. Weights are
+read from safetensors by their Hugging Face names and fused where one matmul
+does the work of several:
 
     q_proj ┐                       gate_proj ┐
     k_proj ├─▶ qkv [(nq+2nkv)·d, h]  up_proj ├─▶ gate_up [2i, h]
@@ -48,7 +50,6 @@ class LlamaConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
     eos_token_ids: tuple[int, ...]
 
     @classmethod
@@ -59,9 +60,6 @@ class LlamaConfig:
             raise UnsupportedModel(
                 f"model_type {model_type!r} is not supported (supported: {SUPPORTED_MODEL_TYPES})"
             )
-        if model_type == "mistral" and raw.get("sliding_window"):
-            # Full attention is exact while contexts stay within the window.
-            pass
         num_heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -77,7 +75,6 @@ class LlamaConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
             eos_token_ids=eos_ids,
         )
 
