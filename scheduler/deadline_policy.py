@@ -69,10 +69,17 @@ class _Estimate(NamedTuple):
 
 
 class _Urgency(NamedTuple):
-    """A request's urgency at one ``(now, loaded_step_s)``; valid while
-    ``stamp`` (progress, status, deadline, class, arrival) is unchanged."""
+    """A request's urgency at one ``(now, loaded_step_s)``; valid while the
+    request's fields copied here (progress, status, deadline, class,
+    arrival) are unchanged."""
 
-    stamp: tuple[tuple[int, int, int], float | None, int, float, int]
+    num_computed_tokens: int
+    num_output_tokens: int
+    status: RequestStatus
+    deadline: float | None
+    priority: int
+    arrival_time: float
+    arrival_index: int
     is_hopeless: bool
     latest_start: float
     key: tuple[float, ...]
@@ -156,12 +163,21 @@ class DeadlinePolicy(SchedulingPolicy):
         if now != self._urgency_now or self.loaded_step_s != self._urgency_step_s:
             self._urgency.clear()
             self._urgency_now, self._urgency_step_s = now, self.loaded_step_s
-        status = req.status
-        progress = (req.num_computed_tokens, len(req.output_token_ids), int(status))
-        stamp = (progress, req.deadline, req.priority, req.arrival_time, req.arrival_index)
         cached = self._urgency.get(req.req_id)
-        if cached is not None and cached.stamp == stamp:
+        if (
+            cached is not None
+            and cached.num_computed_tokens == req.num_computed_tokens
+            and cached.num_output_tokens == len(req.output_token_ids)
+            and cached.status is req.status
+            and cached.deadline == req.deadline
+            and cached.priority == req.priority
+            and cached.arrival_time == req.arrival_time
+            and cached.arrival_index == req.arrival_index
+        ):
             return cached
+        status = req.status
+        computed, outputs = req.num_computed_tokens, len(req.output_token_ids)
+        progress = (computed, outputs, int(status))
         est = self._estimates.get(req.req_id)
         if est is None or est.stamp != progress:
             est = self._new_estimate(req, progress)
@@ -175,7 +191,18 @@ class DeadlinePolicy(SchedulingPolicy):
                 needed = max(needed, HOPELESS_LOAD_FRACTION * est.num_steps * self.loaded_step_s)
             hopeless = now + needed > req.deadline
         key = (float(hopeless), float(effective), latest, float(req.arrival_index))
-        parts = _Urgency(stamp, hopeless, latest, key)
+        parts = _Urgency(
+            computed,
+            outputs,
+            status,
+            req.deadline,
+            req.priority,
+            req.arrival_time,
+            req.arrival_index,
+            hopeless,
+            latest,
+            key,
+        )
         self._urgency[req.req_id] = parts
         return parts
 

@@ -239,8 +239,10 @@ class Scheduler:
         preempting policy-chosen victims (running requests not yet scheduled
         this step, ``req`` included) until the blocks are there. False if
         ``req`` itself was preempted or must wait."""
-        target = req.num_computed_tokens + num_new
-        while not self.device_pool.can_append(req.block_ids, target):
+        pool = self.device_pool
+        # Only other requests' blocks are freed below, so the need is fixed.
+        need = pool.num_blocks_to_append(req.block_ids, req.num_computed_tokens + num_new)
+        while not pool.can_allocate(need):
             candidates = [r for r in self._running.values() if r.req_id not in state.scheduled]
             victim = self.policy.choose_victim(candidates, req, now)
             if victim is None:
@@ -251,7 +253,8 @@ class Scheduler:
             self._preempt(state, victim, now)
             if victim is req:
                 return False
-        req.block_ids.extend(self.device_pool.append(req.block_ids, target))
+        if need:
+            req.block_ids.extend(pool.allocate(need))
         return True
 
     def _schedule_swapped(self, state: _StepState, now: float) -> None:

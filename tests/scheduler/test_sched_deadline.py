@@ -224,3 +224,51 @@ def test_service_time_counts_chunks_and_decode_steps() -> None:
     model = CostModel(CostCoefficients(1.0, 0.0, 0.0, 0.0, 0.0))
     # 10 prompt tokens in chunks of 4: 3 steps; then 4 more outputs: 4 steps.
     assert model.service_seconds(0, 10, 5, token_budget=4) == pytest.approx(7.0)
+
+
+def test_urgency_is_recomputed_when_the_load_or_the_request_changes_within_a_step() -> None:
+    config = SchedulerConfig(
+        num_device_blocks=64, block_size=4, max_model_len=64, policy="deadline", aging_s=10.0
+    )
+    policy = DeadlinePolicy(config, CostModel(COEFFS))
+    req = make_request("r", 8, 4, priority=2, arrival=0.0, deadline=12.0)
+
+    def fresh_key(now: float) -> tuple[float, ...]:
+        reference = DeadlinePolicy(config, CostModel(COEFFS))
+        reference.loaded_step_s = policy.loaded_step_s
+        return reference.urgency_key(req, now)
+
+    now = 1.0
+    first = policy.urgency_key(req, now)
+    assert first == fresh_key(now)
+    policy.loaded_step_s *= 3.0  # heavier load at the same instant: less slack, hopeless
+    loaded = policy.urgency_key(req, now)
+    assert loaded == fresh_key(now) and loaded[2] < first[2] and loaded[0] == 1.0
+    req.num_computed_tokens = 8  # progress at the same (now, load): one step less left
+    req.output_token_ids.append(5)
+    assert policy.urgency_key(req, now) == fresh_key(now)
+    assert policy.urgency_key(req, now)[2] > loaded[2]
+    req.priority = 0  # a request's class is read live, never from a stale entry
+    assert policy.urgency_key(req, now) == fresh_key(now)
+    assert policy.urgency_key(req, 25.0) == fresh_key(25.0)  # aged
+
+
+def test_cost_model_predictions_follow_every_refit() -> None:
+    model = CostModel(COEFFS)
+    shape = StepShape(num_prefill_tokens=10, num_decode_seqs=2, num_context_tokens=300)
+    before = model.step_seconds(shape)
+    assert before == pytest.approx(1.0 + 0.01 * 10)
+    for _ in range(50):
+        model.observe(shape, 5.0)
+    c = model.coefficients
+    expected = (
+        c.base_s + c.per_prefill_token_s * 10 + c.per_decode_seq_s * 2 + c.per_context_token_s * 300
+    )
+    assert model.step_seconds(shape) == pytest.approx(expected)
+    assert model.step_seconds(shape) > before + 2.0  # moved towards the 5 s it saw
+    assert model.prefill_seconds(10, 512) == pytest.approx(
+        c.base_s + c.per_prefill_token_s * 10 + c.per_context_token_s * 10
+    )
+    model.set_swap_cost(0.5)
+    assert model.coefficients.swap_s_per_block == 0.5
+    assert model.swap_seconds(2) == 1.0
