@@ -343,9 +343,7 @@ class Engine:
             if out.finish_reason is not None:
                 self._finish(out.req_id, out.finish_reason, out.message)
             elif live.detokenizer.stopped:
-                with self._lock:
-                    self.scheduler.abort_request(out.req_id, FinishReason.STOP_SEQUENCE)
-                self._finish(out.req_id, FinishReason.STOP_SEQUENCE)
+                self._end(out.req_id, FinishReason.STOP_SEQUENCE)
 
     def _apply_aborts(self) -> None:
         while True:
@@ -353,16 +351,22 @@ class Engine:
                 req_id, reason, message = self._aborts.get_nowait()
             except queue.Empty:
                 return
-            with self._lock:
-                out = self.scheduler.abort_request(req_id, reason, message)
-            if out is not None:
-                self._finish(req_id, reason, message)
+            self._end(req_id, reason, message)
 
     def _fail_all(self, message: str) -> None:
         for req_id in list(self._live):
-            with self._lock:
-                self.scheduler.abort_request(req_id, FinishReason.ERROR, message)
+            self._end(req_id, FinishReason.ERROR, message)
+            # A step that failed after update() may leave requests the scheduler
+            # already let go of; their callers still get exactly one finish.
             self._finish(req_id, FinishReason.ERROR, message)
+
+    def _end(self, req_id: str, reason: FinishReason, message: str = "") -> None:
+        """Ends a request the scheduler still holds: frees its blocks, tells its
+        caller. Unknown or already finished ids are ignored."""
+        with self._lock:
+            out = self.scheduler.abort_request(req_id, reason, message)
+        if out is not None:
+            self._finish(req_id, reason, message)
 
     def _finish(self, req_id: str, reason: FinishReason, message: str = "") -> None:
         live = self._live.get(req_id)
