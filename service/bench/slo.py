@@ -9,6 +9,16 @@ through the real engine (default; model ``small``, a few hundred requests).
 Capacity is measured first in the same mode: the makespan of a saturating
 batch of the same length mix (fcfs, no deadlines).
 
+The baselines run in two deadline modes (``deadlines`` in each run):
+``enforced`` — the scheduler ends a request when its deadline passes, as a
+client's gRPC deadline would — and ``unaware`` — the scheduler never sees the
+deadline, as in an engine without deadlines serving clients that wait; the
+deadline then only scores the result. ``deadline`` always runs enforced.
+``goodput_ratios`` compares its goodput with each baseline in each mode, and
+every run states its goodput as a fraction of capacity — the ceiling no
+policy passes over a long run (goodput is per second of the arrival window,
+so in a short run the drain after the last arrival can lift it above 1).
+
 Writes JSON ``{"runs": [{"policy", "load", "cv", "mode", "goodput_tokens_per_s",
 "classes": {"0": {"attainment", "ttft_p99_s", "tpot_p99_s", "max_wait_s", ...},
 ...}, ...}], ...}`` and a PNG of attainment vs load per policy.
@@ -19,23 +29,28 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.policies import POLICY_NAMES
-from slipstream.scheduler.simulator import simulate
+from slipstream.scheduler.simulator import SimRequest, SimResult, simulate
 from slipstream.service.bench.slo_workload import (
     DEFAULT_SLACK_FACTORS,
     WorkloadSpec,
+    hide_deadlines,
     make_requests,
     run_metrics,
     saturating_requests,
+    score_against,
 )
 
 LOADS = (0.8, 1.0, 1.5, 2.0)
 CVS = (1.0, 3.0)
+DEADLINE_MODES = ("enforced", "unaware")
+BASELINES = ("fcfs", "priority")
 # The small model in bfloat16: 2 * layers 8 * block 16 * kv heads 4 * head dim 64 * 2 bytes.
 SIM_KV_BYTES_PER_BLOCK = 131072
 
@@ -47,6 +62,7 @@ class SloOptions:
     loads: tuple[float, ...]
     cvs: tuple[float, ...]
     policies: tuple[str, ...]
+    baseline_deadlines: tuple[str, ...] = DEADLINE_MODES
     seed: int = 0
     slack_factors: tuple[float, float, float] = DEFAULT_SLACK_FACTORS
     num_device_blocks: int = 2048
@@ -79,6 +95,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--load", type=float, action="append", help="x capacity (repeatable)")
     parser.add_argument("--cv", type=float, action="append", help="arrival CV (repeatable)")
     parser.add_argument("--policy", action="append", choices=POLICY_NAMES)
+    parser.add_argument(
+        "--baseline-deadlines",
+        action="append",
+        choices=DEADLINE_MODES,
+        help="how fcfs/priority treat deadlines (repeatable; default both)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slack", type=float, nargs=3, metavar=("S0", "S1", "S2"))
     parser.add_argument("--num-device-blocks", type=int, default=None)
@@ -104,6 +126,7 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
         loads=tuple(args.load or LOADS),
         cvs=tuple(args.cv or CVS),
         policies=tuple(args.policy or POLICY_NAMES),
+        baseline_deadlines=tuple(args.baseline_deadlines or DEADLINE_MODES),
         seed=args.seed,
         max_num_seqs=args.max_num_seqs,
         max_queue_len=args.max_queue_len,
@@ -180,41 +203,89 @@ def workload_spec(opts: SloOptions, rate_rps: float, cv: float) -> WorkloadSpec:
     )
 
 
-def sim_capacity_rps(opts: SloOptions) -> float:
-    """Requests per second of a saturating batch, fcfs, no deadlines."""
-    spec = workload_spec(opts, 1.0, 1.0)
-    batch = saturating_requests(spec, opts.capacity_requests)
-    result = simulate(batch, scheduler_config(opts, "fcfs"), CostModel(opts.coefficients))
-    return len(batch) / result.makespan_s
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Throughput of a saturating batch: the ceiling of any policy's goodput."""
+
+    rps: float
+    tokens_per_s: float
+
+    @staticmethod
+    def of(batch: Sequence[SimRequest], makespan_s: float) -> Capacity:
+        tokens = sum(r.output_len for r in batch)
+        return Capacity(len(batch) / makespan_s, tokens / makespan_s)
 
 
-def run_sim_bench(opts: SloOptions) -> dict[str, object]:
-    capacity = sim_capacity_rps(opts)
-    runs = []
+def run_grid(opts: SloOptions) -> Iterator[tuple[float, float, str, str]]:
+    """(cv, load, policy, deadline mode) of every run, in report order."""
     for cv in opts.cvs:
         for load in opts.loads:
             for policy in opts.policies:
-                runs.append(sim_run(opts, policy, load, cv, capacity))
-    return {"runs": runs, "capacity_rps": capacity, "options": _options_json(opts)}
+                modes = opts.baseline_deadlines if policy in BASELINES else ("enforced",)
+                for deadlines in modes:
+                    yield cv, load, policy, deadlines
+
+
+def sim_capacity(opts: SloOptions, cost: CostModel | None = None) -> Capacity:
+    """Throughput of a saturating batch, fcfs, no deadlines."""
+    spec = workload_spec(opts, 1.0, 1.0)
+    batch = saturating_requests(spec, opts.capacity_requests)
+    cost = cost if cost is not None else CostModel(opts.coefficients)
+    result = simulate(batch, scheduler_config(opts, "fcfs"), cost)
+    return Capacity.of(batch, result.makespan_s)
+
+
+def run_sim_bench(opts: SloOptions) -> dict[str, object]:
+    capacity = sim_capacity(opts)
+    runs = [
+        sim_run(opts, policy, load, cv, capacity, deadlines)
+        for cv, load, policy, deadlines in run_grid(opts)
+    ]
+    return {
+        "runs": runs,
+        "capacity_rps": capacity.rps,
+        "capacity_tokens_per_s": capacity.tokens_per_s,
+        "goodput_ratios": goodput_ratios(runs),
+        "options": _options_json(opts),
+    }
+
+
+def simulate_workload(
+    opts: SloOptions,
+    policy: str,
+    requests: Sequence[SimRequest],
+    cost: CostModel,
+    deadlines: str = "enforced",
+) -> tuple[SimResult, dict[str, object]]:
+    """One simulated replay and its metrics, scored against the real deadlines."""
+    seen = requests if deadlines == "enforced" else hide_deadlines(requests)
+    result = simulate(seen, scheduler_config(opts, policy), cost)
+    window = requests[-1].arrival - requests[0].arrival if len(requests) > 1 else 1.0
+    return result, run_metrics(score_against(result.outcomes, requests), window)
 
 
 def sim_run(
-    opts: SloOptions, policy: str, load: float, cv: float, capacity_rps: float
+    opts: SloOptions,
+    policy: str,
+    load: float,
+    cv: float,
+    capacity: Capacity,
+    deadlines: str = "enforced",
 ) -> dict[str, object]:
     cost = CostModel(opts.coefficients)
-    spec = workload_spec(opts, load * capacity_rps, cv)
+    spec = workload_spec(opts, load * capacity.rps, cv)
     requests = make_requests(spec, cost, opts.max_num_batched_tokens)
     started = time.perf_counter()
-    result = simulate(requests, scheduler_config(opts, policy), cost)
+    result, metrics = simulate_workload(opts, policy, requests, cost, deadlines)
     wall = time.perf_counter() - started
-    window = requests[-1].arrival - requests[0].arrival if len(requests) > 1 else 1.0
-    metrics = run_metrics(result.outcomes, window)
     return {
         "policy": policy,
+        "deadlines": deadlines,
         "load": load,
         "cv": cv,
         "mode": "sim",
         **metrics,
+        "goodput_fraction_of_capacity": _fraction(metrics["goodput_tokens_per_s"], capacity),
         "arrival_rate_rps": spec.rate_rps,
         "num_requests": len(requests),
         "preemptions_swap": result.num_swap_preemptions,
@@ -224,6 +295,39 @@ def sim_run(
         "num_steps": result.num_steps,
         "sim_wall_s": wall,
     }
+
+
+def _fraction(goodput: object, capacity: Capacity) -> float:
+    return float(goodput) / capacity.tokens_per_s  # type: ignore[arg-type]
+
+
+def goodput_ratios(runs: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+    """``deadline``'s goodput over each baseline's, per (mode, cv, load) and
+    baseline deadline mode; None where the baseline is absent or met nothing."""
+    goodput = {
+        (r["mode"], r["cv"], r["load"], r["policy"], r["deadlines"]): r["goodput_tokens_per_s"]
+        for r in runs
+    }
+    ratios: list[dict[str, object]] = []
+    for (mode, cv, load, policy, _), ours in goodput.items():
+        if policy != "deadline":
+            continue
+        for baseline_mode in DEADLINE_MODES:
+            theirs = {b: goodput.get((mode, cv, load, b, baseline_mode)) for b in BASELINES}
+            if all(v is None for v in theirs.values()):
+                continue
+            row: dict[str, object] = {
+                "mode": mode,
+                "cv": cv,
+                "load": load,
+                "baseline_deadlines": baseline_mode,
+            }
+            for baseline, value in theirs.items():
+                row[f"over_{baseline}"] = (
+                    float(ours) / float(value) if value else None  # type: ignore[arg-type]
+                )
+            ratios.append(row)
+    return ratios
 
 
 def _options_json(opts: SloOptions) -> dict[str, object]:
@@ -256,20 +360,30 @@ def plot_attainment(report: dict[str, object], path: str) -> None:
     cvs = sorted({r["cv"] for r in runs})
     fig, axes = plt.subplots(1, len(cvs), figsize=(5 * len(cvs), 4), squeeze=False)
     for ax, cv in zip(axes[0], cvs, strict=True):
-        for policy in sorted({r["policy"] for r in runs}):
+        for policy, deadlines in sorted({(r["policy"], r["deadlines"]) for r in runs}):
             rows = sorted(
-                (r for r in runs if r["cv"] == cv and r["policy"] == policy),
+                (
+                    r
+                    for r in runs
+                    if r["cv"] == cv and r["policy"] == policy and r["deadlines"] == deadlines
+                ),
                 key=lambda r: r["load"],
             )
             loads = [r["load"] for r in rows]
+            name = policy if deadlines == "enforced" else f"{policy} (unaware)"
+            style = "-" if deadlines == "enforced" else ":"
             line = ax.plot(
-                loads, [r["attainment"] for r in rows], marker="o", label=f"{policy} all"
+                loads,
+                [r["attainment"] for r in rows],
+                marker="o",
+                linestyle=style,
+                label=f"{name} all",
             )
+            if deadlines != "enforced":
+                continue
             color = line[0].get_color()
             class0 = [r["classes"]["0"]["attainment"] for r in rows]
-            ax.plot(
-                loads, class0, linestyle="--", marker="x", color=color, label=f"{policy} class 0"
-            )
+            ax.plot(loads, class0, linestyle="--", marker="x", color=color, label=f"{name} class 0")
         ax.set_title(f"{rows[0]['mode'] if rows else ''} CV {cv:g}")
         ax.set_xlabel("load (x capacity)")
         ax.set_ylabel("deadline attainment")
@@ -285,22 +399,60 @@ def format_summary(report: dict[str, object]) -> str:
     runs = report["runs"]
     assert isinstance(runs, list)
     header = (
-        f"{'mode':<6} {'cv':>3} {'load':>4} {'policy':<8} {'attain':>6} {'c0':>5} {'c1':>5} "
-        f"{'c2':>5} {'goodput':>8} {'c2 p99 wait':>11} {'c2 max wait':>11} {'swap':>5} "
-        f"{'recomp':>6} {'reject':>6} {'missed s':>8}"
+        f"{'mode':<6} {'cv':>3} {'load':>4} {'policy':<8} {'dl':<4} {'attain':>6} {'c0':>5} "
+        f"{'c1':>5} {'c2':>5} {'goodput':>8} {'of cap':>6} {'c2 p99 wait':>11} "
+        f"{'c2 max wait':>11} {'swap':>5} {'recomp':>6} {'reject':>6} {'missed s':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in runs:
         c = r["classes"]
         lines.append(
             f"{r['mode']:<6} {r['cv']:>3g} {r['load']:>4g} {r['policy']:<8} "
+            f"{str(r['deadlines'])[:4]:<4} "
             f"{_pct(r['attainment'])} {_pct(c['0']['attainment'])} {_pct(c['1']['attainment'])} "
             f"{_pct(c['2']['attainment'])} {r['goodput_tokens_per_s']:>8.1f} "
+            f"{_pct(r.get('goodput_fraction_of_capacity')):>6} "
             f"{_num(c['2']['wait_p99_s']):>11} {_num(c['2']['max_wait_s']):>11} "
             f"{r['preemptions_swap']:>5} {r['preemptions_recompute']:>6} "
             f"{r['early_rejections']:>6} {r['missed_compute_s']:>8.1f}"
         )
+    twins = [r for r in runs if "sim_twin" in r]
+    if twins:
+        lines += ["", _capacity_line(report), "engine vs its simulated twin (attainment %):"]
+        lines += [_twin_line(r) for r in twins]
+    ratios = report.get("goodput_ratios") or []
+    assert isinstance(ratios, list)
+    if ratios:
+        lines += ["", "goodput of deadline over the baselines (baseline deadline mode):"]
+        for row in ratios:
+            lines.append(
+                f"  {row['mode']:<6} cv {row['cv']:g} load {row['load']:g} "
+                f"{row['baseline_deadlines']:<8}  x priority {_num(row['over_priority']):>6}  "
+                f"x fcfs {_num(row['over_fcfs']):>6}"
+            )
     return "\n".join(lines)
+
+
+def _capacity_line(report: dict[str, object]) -> str:
+    return (
+        f"capacity: engine {_num(report['capacity_rps'])} req/s, cost model (simulated) "
+        f"{_num(report['sim_capacity_rps'])} req/s"
+    )
+
+
+def _twin_line(run: dict[str, object]) -> str:
+    twin = run["sim_twin"]
+    assert isinstance(twin, dict)
+    ours, theirs = run["classes"], twin["classes"]
+    assert isinstance(ours, dict)
+    per_class = "  ".join(
+        f"c{c} {_pct(ours[c]['attainment'])}/{_pct(theirs[c]['attainment'])}"
+        for c in ("0", "1", "2")
+    )
+    return (
+        f"  cv {run['cv']:g} load {run['load']:g} {run['policy']:<8} {str(run['deadlines'])[:4]:<4}"
+        f" all {_pct(run['attainment'])}/{_pct(twin['attainment'])}  {per_class}"
+    )
 
 
 def _pct(value: object) -> str:

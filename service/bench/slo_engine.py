@@ -9,6 +9,11 @@ of a closed batch several times ``max_num_seqs`` (so the engine is
 saturated for most of it), measured on the first policy's engine. Per-request
 compute is not observable from outside the engine: ``missed_compute_s`` is
 reported as 0 here.
+
+Every engine run carries ``sim_twin``: the same requests, scheduler
+configuration and deadline mode through the simulator, with the cost model
+the engine held when the run started — where the two disagree, the report
+says by how much (``capacity_rps`` vs ``sim_capacity_rps`` too).
 """
 
 from __future__ import annotations
@@ -23,8 +28,14 @@ from slipstream.scheduler.cost_model import CostModel
 from slipstream.scheduler.errors import SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
-from slipstream.scheduler.simulator import SimOutcome, SimRequest
-from slipstream.service.bench.slo_workload import make_requests, run_metrics, saturating_requests
+from slipstream.scheduler.simulator import SimOutcome, SimRequest, SimResult
+from slipstream.service.bench.slo_workload import (
+    hide_deadlines,
+    make_requests,
+    run_metrics,
+    saturating_requests,
+    score_against,
+)
 from slipstream.service.config import EngineConfig
 from slipstream.service.cost_model import calibrate
 from slipstream.service.engine import Engine
@@ -36,7 +47,14 @@ if TYPE_CHECKING:
 
 
 def run_engine_bench(opts: SloOptions) -> dict[str, object]:
-    from slipstream.service.bench.slo import scheduler_config, workload_spec
+    from slipstream.service.bench.slo import (
+        Capacity,
+        goodput_ratios,
+        run_grid,
+        scheduler_config,
+        sim_capacity,
+        workload_spec,
+    )
 
     engines: dict[str, Engine] = {}
     cost: CostModel | None = None
@@ -71,44 +89,83 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
         batch = saturating_requests(workload_spec(opts, 1.0, 1.0), opts.capacity_requests)
         started = time.monotonic()
         _replay(first, batch, started, first.info.vocab_size)
-        capacity = len(batch) / (time.monotonic() - started)
+        capacity = Capacity.of(batch, time.monotonic() - started)
+        predicted = sim_capacity(opts, CostModel(cost.coefficients))
+        workloads: dict[tuple[float, float], list[SimRequest]] = {}
         runs = []
-        for cv in opts.cvs:
-            for load in opts.loads:
-                spec = workload_spec(opts, load * capacity, cv)
-                requests = make_requests(spec, cost, opts.max_num_batched_tokens)
-                for policy, engine in engines.items():
-                    runs.append(_engine_run(engine, policy, load, cv, requests, opts))
+        for cv, load, policy, deadlines in run_grid(opts):
+            if (cv, load) not in workloads:
+                spec = workload_spec(opts, load * capacity.rps, cv)
+                workloads[cv, load] = make_requests(spec, cost, opts.max_num_batched_tokens)
+            requests = workloads[cv, load]
+            run = _engine_run(engines[policy], policy, deadlines, load, cv, requests, opts)
+            run["goodput_fraction_of_capacity"] = (
+                float(run["goodput_tokens_per_s"]) / capacity.tokens_per_s  # type: ignore[arg-type]
+            )
+            runs.append(run)
     finally:
         for engine in engines.values():
             engine.shutdown()
-    return {"runs": runs, "capacity_rps": capacity, "coefficients": _coeffs(cost)}
+    return {
+        "runs": runs,
+        "capacity_rps": capacity.rps,
+        "capacity_tokens_per_s": capacity.tokens_per_s,
+        "sim_capacity_rps": predicted.rps,
+        "sim_capacity_tokens_per_s": predicted.tokens_per_s,
+        "goodput_ratios": goodput_ratios(runs),
+        "coefficients": _coeffs(cost),
+    }
 
 
 def _engine_run(
     engine: Engine,
     policy: str,
+    deadlines: str,
     load: float,
     cv: float,
     requests: list[SimRequest],
     opts: SloOptions,
 ) -> dict[str, object]:
+    from slipstream.service.bench.slo import simulate_workload
+
     sched = engine.scheduler
+    assert engine.cost_model is not None
+    held = CostModel(engine.cost_model.coefficients)  # what the engine knew at the start
     swaps0, recomputes0 = sched.num_swap_preemptions, sched.num_recompute_preemptions
-    outcomes = _replay(engine, requests, time.monotonic(), engine.info.vocab_size)
+    seen = requests if deadlines == "enforced" else hide_deadlines(requests)
+    outcomes = _replay(engine, seen, time.monotonic(), engine.info.vocab_size)
     window = requests[-1].arrival - requests[0].arrival if len(requests) > 1 else 1.0
     swaps = sched.num_swap_preemptions - swaps0
+    twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines)
     return {
         "policy": policy,
+        "deadlines": deadlines,
         "load": load,
         "cv": cv,
         "mode": "engine",
-        **run_metrics(outcomes, window),
+        **run_metrics(score_against(outcomes, requests), window),
         "num_requests": len(requests),
         "preemptions_swap": swaps,
         "preemptions_recompute": sched.num_recompute_preemptions - recomputes0,
         "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(engine.model, opts.block_size),
         "swapped_bytes": None,
+        "sim_twin": _twin_summary(twin_metrics, twin),
+    }
+
+
+def _twin_summary(metrics: dict[str, object], result: SimResult) -> dict[str, object]:
+    classes = metrics["classes"]
+    assert isinstance(classes, dict)
+    return {
+        "attainment": metrics["attainment"],
+        "goodput_tokens_per_s": metrics["goodput_tokens_per_s"],
+        "early_rejections": metrics["early_rejections"],
+        "preemptions_swap": result.num_swap_preemptions,
+        "preemptions_recompute": result.num_recompute_preemptions,
+        "classes": {
+            name: {key: c[key] for key in ("attainment", "ttft_p99_s", "max_wait_s")}
+            for name, c in classes.items()
+        },
     }
 
 

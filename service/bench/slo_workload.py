@@ -5,6 +5,11 @@ variation (CV 1 is Poisson; CV 3 is bursty) at a given rate; three priority
 classes; each request's deadline is ``arrival + s[class] * isolated``, where
 ``isolated`` is the cost model's service time of the request running alone.
 
+Deadline modes: a baseline policy runs ``enforced`` (the scheduler sees the
+deadline and ends the request when it passes, as when a client's gRPC
+deadline cancels it) or ``unaware`` (the scheduler never sees it; it only
+scores the result — an engine without deadlines serving clients that wait).
+
 Metrics (per class and overall): deadline attainment (met / submitted; early
 rejections count as misses), goodput (output tokens of requests that met
 their deadline per second of the arrival window — the same denominator for
@@ -18,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slipstream.scheduler.cost_model import CostModel
 from slipstream.scheduler.request import FinishReason
@@ -94,6 +99,24 @@ def saturating_requests(spec: WorkloadSpec, num: int) -> list[SimRequest]:
         )
         for i in range(num)
     ]
+
+
+def hide_deadlines(requests: Sequence[SimRequest]) -> list[SimRequest]:
+    """``requests`` as a deadline-``unaware`` scheduler receives them."""
+    return [replace(r, deadline=None) for r in requests]
+
+
+def score_against(
+    outcomes: Sequence[SimOutcome], requests: Sequence[SimRequest]
+) -> list[SimOutcome]:
+    """``outcomes`` (in the order of ``requests``) judged against the
+    requests' deadlines, whether or not the scheduler saw them."""
+    scored = []
+    for outcome, request in zip(outcomes, requests, strict=True):
+        if outcome.req_id != request.req_id:
+            raise ValueError(f"outcome {outcome.req_id!r} is not request {request.req_id!r}")
+        scored.append(replace(outcome, deadline=request.deadline))
+    return scored
 
 
 def isolated_seconds(cost: CostModel, prompt: int, output: int, token_budget: int) -> float:

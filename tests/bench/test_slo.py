@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
 from slipstream.service.bench import slo
-from slipstream.service.bench.slo_workload import gamma_arrivals
+from slipstream.service.bench.slo_workload import gamma_arrivals, hide_deadlines, score_against
 
 CLASS_KEYS = {"attainment", "goodput_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s"}
 CLASS_KEYS |= {"tpot_p99_s", "max_wait_s", "wait_p99_s", "preemptions", "early_rejections"}
@@ -34,7 +35,7 @@ def report() -> dict[str, object]:
 
 def test_json_has_the_documented_shape(report: dict[str, object]) -> None:
     runs = report["runs"]
-    assert isinstance(runs, list) and len(runs) == 3
+    assert isinstance(runs, list) and len(runs) == 5  # baselines enforced and unaware
     for run in runs:
         assert set(run) >= RUN_KEYS
         assert run["mode"] == "sim" and run["load"] == 1.5 and run["cv"] == 1.0
@@ -45,19 +46,75 @@ def test_json_has_the_documented_shape(report: dict[str, object]) -> None:
 
 
 def test_deadline_beats_fcfs_on_class_0_attainment_at_1_5x(report: dict[str, object]) -> None:
-    by_policy = {r["policy"]: r for r in report["runs"]}  # type: ignore[union-attr]
+    by_policy = {
+        r["policy"]: r
+        for r in report["runs"]  # type: ignore[union-attr]
+        if r["deadlines"] == "enforced"
+    }
     class0 = {p: r["classes"]["0"]["attainment"] for p, r in by_policy.items()}
     assert class0["deadline"] >= 0.95
     assert class0["deadline"] > class0["fcfs"] + 0.2
     assert by_policy["deadline"]["goodput_tokens_per_s"] > by_policy["fcfs"]["goodput_tokens_per_s"]
 
 
+def test_unaware_baselines_never_expire_but_are_scored_against_deadlines(
+    report: dict[str, object],
+) -> None:
+    runs = {(r["policy"], r["deadlines"]): r for r in report["runs"]}  # type: ignore[union-attr]
+    for policy in ("fcfs", "priority"):
+        unaware, enforced = runs[policy, "unaware"], runs[policy, "enforced"]
+        assert all(c["deadline_exceeded"] == 0 for c in unaware["classes"].values())
+        assert unaware["early_rejections"] == 0
+        assert sum(c["deadline_exceeded"] for c in enforced["classes"].values()) > 0
+        # Overloaded and never dropping late work: some requests finish late.
+        assert unaware["attainment"] < 1.0
+        # Late work runs to completion, so more compute goes to misses.
+        assert unaware["missed_compute_s"] > enforced["missed_compute_s"]
+
+
+def test_goodput_ratios_compare_deadline_with_each_baseline_mode(
+    report: dict[str, object],
+) -> None:
+    goodput = {
+        (r["policy"], r["deadlines"]): r["goodput_tokens_per_s"]
+        for r in report["runs"]  # type: ignore[union-attr]
+    }
+    rows = {r["baseline_deadlines"]: r for r in report["goodput_ratios"]}  # type: ignore[union-attr]
+    assert set(rows) == {"enforced", "unaware"}
+    for mode, row in rows.items():
+        for baseline in ("fcfs", "priority"):
+            expected = goodput["deadline", "enforced"] / goodput[baseline, mode]
+            assert row[f"over_{baseline}"] == pytest.approx(expected)
+    capacity = report["capacity_tokens_per_s"]
+    for run in report["runs"]:  # type: ignore[union-attr]
+        fraction = run["goodput_tokens_per_s"] / capacity  # type: ignore[operator]
+        assert run["goodput_fraction_of_capacity"] == pytest.approx(fraction)
+
+
+def test_score_against_refuses_mismatched_outcomes() -> None:
+    from slipstream.scheduler.simulator import SimRequest
+
+    requests = [SimRequest(f"r{i}", float(i), 8, 4, deadline=float(i) + 1) for i in range(2)]
+    hidden = hide_deadlines(requests)
+    assert all(r.deadline is None for r in hidden)
+    outcomes = slo.simulate(hidden, slo.scheduler_config(_tiny_opts(), "fcfs"), slo.CostModel())
+    scored = score_against(outcomes.outcomes, requests)
+    assert [o.deadline for o in scored] == [1.0, 2.0]
+    with pytest.raises(ValueError, match="is not request"):
+        score_against(outcomes.outcomes, requests[::-1])
+
+
+def _tiny_opts() -> slo.SloOptions:
+    return slo.SloOptions(mode="sim", num_requests=2, loads=(1.0,), cvs=(1.0,), policies=("fcfs",))
+
+
 def test_simulation_is_deterministic() -> None:
     opts = slo.SloOptions(
         mode="sim", num_requests=150, loads=(1.5,), cvs=(3.0,), policies=("deadline",)
     )
-    first = slo.sim_run(opts, "deadline", 1.5, 3.0, capacity_rps=2.0)
-    second = slo.sim_run(opts, "deadline", 1.5, 3.0, capacity_rps=2.0)
+    capacity = slo.Capacity(rps=2.0, tokens_per_s=100.0)
+    first = slo.sim_run(opts, "deadline", 1.5, 3.0, capacity)
+    second = slo.sim_run(opts, "deadline", 1.5, 3.0, capacity)
     for run in (first, second):
         del run["sim_wall_s"]
     assert first == second
@@ -103,3 +160,36 @@ def test_cli_single_run_writes_json_and_plot(tmp_path) -> None:
     report = json.loads(out.read_text())
     assert [(r["policy"], r["load"], r["cv"]) for r in report["runs"]] == [("deadline", 1.0, 1.0)]
     assert png.stat().st_size > 1000
+
+
+def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) -> None:
+    opts = replace(
+        slo.options_from_args(_parse(["slo", "--requests", "24", "--model", "tiny"])),
+        loads=(1.5,),
+        cvs=(1.0,),
+        policies=("priority", "deadline"),
+        baseline_deadlines=("unaware",),
+        capacity_requests=16,
+    )
+    report = slo.run_engine_bench(opts)
+    runs = report["runs"]
+    assert [(r["policy"], r["deadlines"]) for r in runs] == [
+        ("priority", "unaware"),
+        ("deadline", "enforced"),
+    ]
+    for run in runs:
+        assert run["mode"] == "engine" and set(run) >= RUN_KEYS
+        assert sum(c["num_requests"] for c in run["classes"].values()) == 24
+        twin = run["sim_twin"]
+        assert 0.0 <= twin["attainment"] <= 1.0
+        assert set(twin["classes"]) == {"0", "1", "2"}
+    assert report["capacity_rps"] > 0 and report["sim_capacity_rps"] > 0
+    assert {r["baseline_deadlines"] for r in report["goodput_ratios"]} == {"unaware"}
+    summary = slo.format_summary(report)
+    assert "engine vs its simulated twin" in summary and "capacity: engine" in summary
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    slo.add_parser(parser.add_subparsers())
+    return parser.parse_args(argv)
