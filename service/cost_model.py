@@ -7,12 +7,20 @@ sizes at short and long context, and block swaps device <-> host — and fits
 engine then keeps it current by feeding every executed step to
 ``CostModel.observe_plan(plan, seconds)``.
 
+Each plan runs once untimed (the first call of a shape pays one-off
+kernel set-up) and then ``repeats`` times; the fit takes each plan's
+*fastest* run. Another process briefly holding a core slows a run by
+10-20x on a small CPU; the minimum shrugs that off, whereas a mean once
+turned a 27 ms step into a 650 ms estimate and made every deadline derived
+from it 20x too loose.
+
 The synthetic plans write garbage K/V into device blocks; run this only
-while the pool is empty (before ``Engine.start``). Typical cost: 1-3 s on CPU.
+while the pool is empty (before ``Engine.start``). Typical cost: 2-4 s on CPU.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
@@ -30,23 +38,27 @@ def calibrate(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     *,
-    repeats: int = 2,
+    repeats: int = 3,
 ) -> CostModel:
-    """A cost model fitted to timed synthetic steps on ``runner``."""
+    """A cost model fitted to the fastest of ``repeats`` timed runs of each
+    synthetic step on ``runner``."""
     num_blocks = runner.device_pool[0][0].shape[0]
     plans = list(
         _calibration_plans(runner.block_size, num_blocks, max_num_batched_tokens, max_num_seqs)
     )
-    runner.execute(plans[0])  # warm-up: first-call allocations stay out of the fit
     fit = CostModel(CostCoefficients(), forgetting=1.0, prior_weight=1e-3)
-    for _ in range(repeats):
-        for plan in plans:
-            start = time.perf_counter()
-            runner.execute(plan)
-            fit.observe_plan(plan, time.perf_counter() - start)
+    for plan in plans:
+        runner.execute(plan)  # warm-up: this shape's one-off set-up stays out of the fit
+        fit.observe_plan(plan, min(_timed(runner, plan) for _ in range(repeats)))
     model = CostModel(fit.coefficients)
     model.set_swap_cost(measure_swap_seconds_per_block(runner))
     return model
+
+
+def _timed(runner: ModelRunner, plan: StepPlan) -> float:
+    start = time.perf_counter()
+    runner.execute(plan)
+    return time.perf_counter() - start
 
 
 def measure_swap_seconds_per_block(runner: ModelRunner, num_blocks: int = 32) -> float:
@@ -57,10 +69,12 @@ def measure_swap_seconds_per_block(runner: ModelRunner, num_blocks: int = 32) ->
         return CostCoefficients().swap_s_per_block
     pairs = [(i, i) for i in range(num_blocks)]
     copy_blocks(runner.device_pool, runner.host_pool, pairs)
-    start = time.perf_counter()
+    fastest = math.inf
     for _ in range(3):
+        start = time.perf_counter()
         copy_blocks(runner.device_pool, runner.host_pool, pairs)
-    return (time.perf_counter() - start) / (3 * num_blocks)
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest / num_blocks
 
 
 def _calibration_plans(
