@@ -12,7 +12,8 @@ step is slower than an isolated one, so the *loaded* remaining time is
 ``max(isolated, steps * loaded_step_s)`` where ``loaded_step_s`` is an
 exponential average of the predicted seconds of the plans actually made
 (``observe_plan``). Caching the components keeps every estimate O(1);
-only the multiplication by the current step time is redone.
+only the multiplication by the current step time is redone, once per
+``(now, loaded_step_s)`` and request.
 
 Urgency (smaller sorts first)::
 
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 from .config import SchedulerConfig
 from .cost_model import CostModel
@@ -62,27 +63,43 @@ HOPELESS_LOAD_FRACTION = 1.0
 _STEP_EWMA = 0.05
 
 
-class _Estimate(NamedTuple):
-    stamp: tuple[int, int, int]
-    isolated_s: float
-    num_steps: int
+# The request fields an urgency depends on: (computed tokens, outputs,
+# status, deadline, priority, arrival time, arrival index). The first three
+# are the progress an estimate depends on.
+_Signature = tuple[int, int, RequestStatus, float | None, int, float, int]
+_Progress = tuple[int, int, RequestStatus]
 
 
-class _Urgency(NamedTuple):
-    """A request's urgency at one ``(now, loaded_step_s)``; valid while the
-    request's fields copied here (progress, status, deadline, class,
-    arrival) are unchanged."""
+class _Entry:
+    """What the policy knows about one live request: a record updated in
+    place, not rebuilt, every time the request is ranked in a new step.
 
-    num_computed_tokens: int
-    num_output_tokens: int
-    status: RequestStatus
-    deadline: float | None
-    priority: int
-    arrival_time: float
-    arrival_index: int
-    is_hopeless: bool
-    latest_start: float
-    key: tuple[float, ...]
+    The estimate (``isolated_s``, ``num_steps``) is valid while ``progress``
+    is the request's; the urgency (``is_hopeless``, ``latest_start``,
+    ``key``) while, in addition, ``epoch`` is the policy's current one (one
+    ``(now, loaded_step_s)``) and ``signature`` is the request's.
+    """
+
+    __slots__ = (
+        "epoch",
+        "is_hopeless",
+        "isolated_s",
+        "key",
+        "latest_start",
+        "num_steps",
+        "progress",
+        "signature",
+    )
+
+    def __init__(self) -> None:
+        self.progress: _Progress | None = None
+        self.isolated_s = 0.0
+        self.num_steps = 0
+        self.epoch = -1
+        self.signature: _Signature | None = None
+        self.is_hopeless = False
+        self.latest_start = math.inf
+        self.key: tuple[float, ...] = ()
 
 
 class DeadlinePolicy(SchedulingPolicy):
@@ -96,12 +113,12 @@ class DeadlinePolicy(SchedulingPolicy):
         self._budget = config.max_num_batched_tokens
         self._aging_s = config.aging_s
         self._min_residency_s = config.min_residency_s
-        self._estimates: dict[str, _Estimate] = {}
+        self._entries: dict[str, _Entry] = {}
         # Every queue is ranked several times per step at one (now, loaded
-        # step time); the parts of the ranking are computed once per step.
-        self._urgency: dict[str, _Urgency] = {}
-        self._urgency_now = math.nan  # NaN equals nothing: the first call fills
-        self._urgency_step_s = math.nan
+        # step time), an epoch: urgencies are computed once per epoch.
+        self._epoch = 0
+        self._epoch_now = math.nan  # NaN equals nothing: the first call starts epoch 1
+        self._epoch_step_s = math.nan
         c = self.cost_model.coefficients
         self.loaded_step_s = c.base_s + c.per_decode_seq_s  # one isolated decode step
 
@@ -121,27 +138,30 @@ class DeadlinePolicy(SchedulingPolicy):
         est = self._estimate(req)
         return max(est.isolated_s, est.num_steps * self.loaded_step_s)
 
-    def _estimate(self, req: Request) -> _Estimate:
-        stamp = (req.num_computed_tokens, len(req.output_token_ids), int(req.status))
-        cached = self._estimates.get(req.req_id)
-        if cached is not None and cached.stamp == stamp:
-            return cached
-        return self._new_estimate(req, stamp)
+    def _estimate(self, req: Request) -> _Entry:
+        """``req``'s entry with its estimate up to date."""
+        progress = (req.num_computed_tokens, len(req.output_token_ids), req.status)
+        entry = self._entries.get(req.req_id)
+        if entry is None:
+            entry = self._entries[req.req_id] = _Entry()
+        if entry.progress != progress:
+            self._new_estimate(entry, req, progress)
+        return entry
 
-    def _new_estimate(self, req: Request, stamp: tuple[int, int, int]) -> _Estimate:
+    def _new_estimate(self, entry: _Entry, req: Request, progress: _Progress) -> None:
+        computed, outputs, status = progress
         target = req.expected_output_tokens or req.max_new_tokens
-        target = min(max(target, req.num_output_tokens + 1), req.max_new_tokens)
-        outputs_left = max(1, target - req.num_output_tokens)
+        target = min(max(target, outputs + 1), req.max_new_tokens)
+        outputs_left = max(1, target - outputs)
+        num_tokens = len(req.prompt_token_ids) + outputs
         cost = self.cost_model
-        isolated = cost.service_seconds(
-            req.num_computed_tokens, req.num_tokens, outputs_left, self._budget
-        )
-        if req.status is RequestStatus.SWAPPED:
+        isolated = cost.service_seconds(computed, num_tokens, outputs_left, self._budget)
+        if status is RequestStatus.SWAPPED:
             isolated += cost.swap_seconds(len(req.host_block_ids))
-        chunks = -(-req.num_uncomputed_tokens // self._budget)
-        est = _Estimate(stamp, isolated, chunks + outputs_left - 1)
-        self._estimates[req.req_id] = est
-        return est
+        chunks = -(-(num_tokens - computed) // self._budget)
+        entry.progress = progress
+        entry.isolated_s = isolated
+        entry.num_steps = chunks + outputs_left - 1
 
     def slack(self, req: Request, now: float) -> float:
         return self._latest_start(req) - now
@@ -154,57 +174,56 @@ class DeadlinePolicy(SchedulingPolicy):
         return req.deadline - self.loaded_remaining_seconds(req)
 
     def forget(self, req_id: str) -> None:
-        self._estimates.pop(req_id, None)
-        self._urgency.pop(req_id, None)
+        self._entries.pop(req_id, None)
 
-    def _urgency_of(self, req: Request, now: float) -> _Urgency:
-        """``req``'s urgency at ``now``: exactly what ``is_hopeless``,
-        ``effective_class`` and ``_latest_start`` compute, memoized per step."""
-        if now != self._urgency_now or self.loaded_step_s != self._urgency_step_s:
-            self._urgency.clear()
-            self._urgency_now, self._urgency_step_s = now, self.loaded_step_s
-        cached = self._urgency.get(req.req_id)
-        if (
-            cached is not None
-            and cached.num_computed_tokens == req.num_computed_tokens
-            and cached.num_output_tokens == len(req.output_token_ids)
-            and cached.status is req.status
-            and cached.deadline == req.deadline
-            and cached.priority == req.priority
-            and cached.arrival_time == req.arrival_time
-            and cached.arrival_index == req.arrival_index
-        ):
-            return cached
-        status = req.status
-        computed, outputs = req.num_computed_tokens, len(req.output_token_ids)
-        progress = (computed, outputs, int(status))
-        est = self._estimates.get(req.req_id)
-        if est is None or est.stamp != progress:
-            est = self._new_estimate(req, progress)
-        effective = self.effective_class(req, now)
-        if req.deadline is None:
-            hopeless, latest = False, math.inf
-        else:
-            latest = req.deadline - max(est.isolated_s, est.num_steps * self.loaded_step_s)
-            needed = est.isolated_s
-            if status is not RequestStatus.RUNNING and effective > 0:
-                needed = max(needed, HOPELESS_LOAD_FRACTION * est.num_steps * self.loaded_step_s)
-            hopeless = now + needed > req.deadline
-        key = (float(hopeless), float(effective), latest, float(req.arrival_index))
-        parts = _Urgency(
-            computed,
-            outputs,
-            status,
+    def _urgency_of(self, req: Request, now: float) -> _Entry:
+        """``req``'s entry with its urgency at ``now``: exactly what
+        ``is_hopeless``, ``effective_class`` and ``_latest_start`` compute,
+        memoized per epoch."""
+        if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
+            self._epoch += 1
+            self._epoch_now, self._epoch_step_s = now, self.loaded_step_s
+        signature = (
+            req.num_computed_tokens,
+            len(req.output_token_ids),
+            req.status,
             req.deadline,
             req.priority,
             req.arrival_time,
             req.arrival_index,
-            hopeless,
-            latest,
-            key,
         )
-        self._urgency[req.req_id] = parts
-        return parts
+        entry = self._entries.get(req.req_id)
+        if entry is None:
+            entry = self._entries[req.req_id] = _Entry()
+        elif entry.epoch == self._epoch and entry.signature == signature:
+            return entry
+        self._new_urgency(entry, req, now, signature)
+        return entry
+
+    def _new_urgency(self, entry: _Entry, req: Request, now: float, signature: _Signature) -> None:
+        computed, outputs, status, deadline, priority, arrival_time, arrival_index = signature
+        if entry.progress != (computed, outputs, status):
+            self._new_estimate(entry, req, (computed, outputs, status))
+        effective = priority
+        if priority > 0 and self._aging_s > 0:  # effective_class, inlined: the hot path
+            effective -= int((now - arrival_time) // self._aging_s)
+            if effective < 0:
+                effective = 0
+        if deadline is None:
+            hopeless, latest = False, math.inf
+        else:
+            step_s = self.loaded_step_s
+            isolated, loaded = entry.isolated_s, entry.num_steps * step_s
+            latest = deadline - (loaded if loaded > isolated else isolated)  # max()
+            needed = isolated
+            if effective > 0 and status is not RequestStatus.RUNNING:
+                needed = max(needed, HOPELESS_LOAD_FRACTION * entry.num_steps * step_s)
+            hopeless = now + needed > deadline
+        entry.epoch = self._epoch
+        entry.signature = signature
+        entry.is_hopeless = hopeless
+        entry.latest_start = latest
+        entry.key = (1.0 if hopeless else 0.0, float(effective), latest, float(arrival_index))
 
     def effective_class(self, req: Request, now: float) -> int:
         if self._aging_s <= 0 or req.priority <= 0:
@@ -255,17 +274,25 @@ class DeadlinePolicy(SchedulingPolicy):
     def admission_victim(
         self, candidate: Request, running: Sequence[Request], now: float
     ) -> Request | None:
-        if self.is_hopeless(candidate, now):
+        """For a candidate that is not hopeless: the ``victim_key`` maximum
+        of the unprotected running requests when it is hopeless, or when it
+        is in a less urgent base class than the candidate and the candidate
+        cannot wait. The maximum is only looked for once it can matter: it is
+        hopeless if any one is, and otherwise in the least urgent base class
+        present."""
+        urgency_of = self._urgency_of
+        if urgency_of(candidate, now).is_hopeless:
             return None
         eligible = [r for r in running if not self._is_protected(r, now)]
-        victim = max(eligible, key=lambda r: self.victim_key(r, now), default=None)
-        if victim is None:
+        hopeless = [r for r in eligible if urgency_of(r, now).is_hopeless]
+        if hopeless:
+            return max(hopeless, key=lambda r: self.victim_key(r, now))
+        least_urgent = max((r.priority for r in eligible), default=None)
+        if least_urgent is None or least_urgent <= candidate.priority:
             return None
-        if self.is_hopeless(victim, now):
-            return victim
-        if victim.priority <= candidate.priority or self._can_wait(candidate, running, now):
+        if self._can_wait(candidate, running, now):
             return None
-        return victim
+        return max(eligible, key=lambda r: self.victim_key(r, now))
 
     def _can_wait(self, candidate: Request, running: Sequence[Request], now: float) -> bool:
         """True when the candidate's slack outlasts the next finish among
@@ -302,8 +329,19 @@ class DeadlinePolicy(SchedulingPolicy):
     def abandon_reason(self, req: Request, now: float) -> str:
         if req.deadline is None or not self._urgency_of(req, now).is_hopeless:
             return ""
+        return self._abandon_message(req, req.deadline, now)
+
+    def abandon_reasons(self, live: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+        urgency_of = self._urgency_of
+        return [
+            (req, self._abandon_message(req, deadline, now))
+            for req in live
+            if (deadline := req.deadline) is not None and urgency_of(req, now).is_hopeless
+        ]
+
+    def _abandon_message(self, req: Request, deadline: float, now: float) -> str:
         return (
-            f"cannot meet deadline: {req.deadline - now:.3f}s left, an estimated "
+            f"cannot meet deadline: {deadline - now:.3f}s left, an estimated "
             f"{self.loaded_remaining_seconds(req):.3f}s needed at the current load"
         )
 

@@ -18,6 +18,11 @@ only answers questions about order and victims:
 Convention: "more urgent" sorts first; ``urgency_key`` is the one ordering a
 policy usually needs to define.
 
+Within one ``schedule()`` call the scheduler may reuse an answer for
+unchanged inputs (e.g. one ``order_waiting`` for every walk of an unchanged
+waiting queue): answers may depend on policy state that ``observe_plan``
+updates between steps, not on the number or order of questions asked.
+
 Policies by name (``SchedulerConfig.policy``):
 
 - ``fcfs``: arrival order; preempt the latest arrival, by recompute.
@@ -107,6 +112,19 @@ class SchedulingPolicy(abc.ABC):
         scheduler then ends it DEADLINE_EXCEEDED (if configured) instead of
         spending compute on it. Default: never abandon early."""
         return ""
+
+    def abandon_reasons(self, live: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+        """``(req, abandon_reason(req, now))`` for each request of ``live``
+        that has a deadline and a non-empty reason, in ``live``'s order: what
+        the scheduler asks once per step about all its live requests. An
+        override may only be faster, never different."""
+        if type(self).abandon_reason is SchedulingPolicy.abandon_reason:
+            return []  # the default never abandons: no need to ask about each request
+        return [
+            (req, reason)
+            for req in live
+            if req.deadline is not None and (reason := self.abandon_reason(req, now))
+        ]
 
     def observe_plan(self, plan: StepPlan) -> None:
         """The plan ``schedule()`` just made (e.g. to track the loaded step time)."""

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .admission import check_request_fits, check_request_shape
@@ -62,6 +62,10 @@ class _StepState:
     # (urgency key, tokens) of waiting work that budget is held back for,
     # ascending: running work less urgent than a key leaves those tokens.
     reservations: list[tuple[tuple[float, ...], int]] = field(default_factory=list)
+    # The policy's order of the waiting queue at ``waiting_version``: one
+    # ranking serves every walk of an unchanged queue in this step.
+    waiting_order: list[Request] = field(default_factory=list)
+    waiting_version: int = -1
 
     def to_plan(self) -> StepPlan:
         return StepPlan(
@@ -94,6 +98,7 @@ class Scheduler:
         self.host_pool = BlockPool(config.num_host_blocks, config.block_size)
         self._requests: dict[str, Request] = {}  # every live request
         self._waiting: deque[Request] = deque()
+        self._waiting_version = 0  # bumped on every change to ``_waiting``
         self._running: dict[str, Request] = {}  # insertion order = admission order
         self._swapped: dict[str, Request] = {}
         self._step = 0
@@ -128,6 +133,7 @@ class Scheduler:
         self._num_arrivals += 1
         self._requests[req.req_id] = req
         self._waiting.append(req)
+        self._waiting_version += 1
         for when in (req.deadline, req.first_token_deadline):
             if when is not None:
                 heapq.heappush(self._deadlines, (when, req.arrival_index, req))
@@ -181,12 +187,7 @@ class Scheduler:
     def _abandon_hopeless(self, state: _StepState, now: float) -> None:
         """Ends, in arrival order, live work the policy says can no longer
         make its deadline: its compute would be wasted."""
-        doomed = [
-            (req, reason)
-            for req in self._requests.values()
-            if req.deadline is not None and (reason := self.policy.abandon_reason(req, now))
-        ]
-        for req, reason in doomed:
+        for req, reason in self.policy.abandon_reasons(self._requests.values(), now):
             self._finish(req, FinishReason.DEADLINE_EXCEEDED, reason)
             self._num_abandoned += 1
             state.finished.append(
@@ -201,23 +202,32 @@ class Scheduler:
         room for."""
         policy = self.policy
         budget = self.config.max_num_batched_tokens if policy.is_urgency_driven else 0
-        rigid = self._rigid_running_tokens() if budget else 0
+        # _rigid_running_tokens(), summed when a budget check first needs it:
+        # with the blocks or seqs full (the usual case under load) none does.
+        rigid: int | None = None
         reserved_blocks = reserved_tokens = 0
-        for num_admitted, candidate in enumerate(policy.order_waiting(self._waiting, now)):
+        for num_admitted, candidate in enumerate(self._ordered_waiting(state, now)):
             chunk = min(candidate.num_uncomputed_tokens, self.config.max_num_batched_tokens)
             need = reserved_blocks + self.device_pool.blocks_for(chunk)
             min_tokens = min(chunk, self.config.block_size) if budget else 0
-            while not self._fits(need, num_admitted + 1) or (
-                rigid + reserved_tokens + min_tokens > budget
-            ):
+            while True:
+                if self._fits(need, num_admitted + 1):
+                    if not budget:
+                        break
+                    if rigid is None:
+                        rigid = self._rigid_running_tokens()
+                    if rigid + reserved_tokens + min_tokens <= budget:
+                        break
                 victim = policy.admission_victim(candidate, self._running_list(), now)
                 if victim is None:
                     return
                 self._check_is_running(victim)
-                rigid -= self._rigid_tokens(victim) if budget else 0
+                if rigid is not None:
+                    rigid -= self._rigid_tokens(victim)
                 self._preempt(state, victim, now)
             reserved_blocks = need
             if budget:
+                assert rigid is not None  # the loop above only ends in budget once summed
                 tokens = min(chunk, budget - rigid - reserved_tokens)
                 reserved_tokens += tokens
                 state.reservations.append((policy.urgency_key(candidate, now), tokens))
@@ -228,9 +238,10 @@ class Scheduler:
                 return
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted as a victim earlier in this loop
-            num_new = min(
-                req.num_uncomputed_tokens, state.token_budget - self._held(state, req, now)
-            )
+            available = state.token_budget
+            if state.reservations:
+                available -= self._held(state, req, now)
+            num_new = min(req.num_uncomputed_tokens, available)
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
                 self._add_seq(state, req, num_new)
 
@@ -242,6 +253,8 @@ class Scheduler:
         pool = self.device_pool
         # Only other requests' blocks are freed below, so the need is fixed.
         need = pool.num_blocks_to_append(req.block_ids, req.num_computed_tokens + num_new)
+        if need == 0:
+            return True  # the usual decode: room left in the last block
         while not pool.can_allocate(need):
             candidates = [r for r in self._running.values() if r.req_id not in state.scheduled]
             victim = self.policy.choose_victim(candidates, req, now)
@@ -253,13 +266,14 @@ class Scheduler:
             self._preempt(state, victim, now)
             if victim is req:
                 return False
-        if need:
-            req.block_ids.extend(pool.allocate(need))
+        req.block_ids.extend(pool.allocate(need))
         return True
 
     def _schedule_swapped(self, state: _StepState, now: float) -> None:
         if state.preempted_ids:
             return  # anti-thrash: see the module invariants
+        if not self._swapped:
+            return
         head = self._most_urgent_waiting_key(now)
         for req in self.policy.order_swapped(self._swapped.values(), now):
             if not self._has_room_for_another(state):
@@ -283,7 +297,7 @@ class Scheduler:
     def _schedule_waiting(self, state: _StepState, now: float) -> None:
         if state.is_kv_exhausted:
             return
-        for req in self.policy.order_waiting(self._waiting, now):
+        for req in self._ordered_waiting(state, now):
             if not self._has_room_for_another(state):
                 return
             if req.req_id in state.preempted_ids:
@@ -298,15 +312,17 @@ class Scheduler:
 
     def _add_seq(self, state: _StepState, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
+        # Fields by position, in declaration order: keywords make the frozen
+        # dataclass's __init__ markedly slower, and this runs per sequence per step.
         state.seqs.append(
             ScheduledSeq(
-                req_id=req.req_id,
-                token_ids=req.token_slice(start, start + num_new),
-                start_pos=start,
-                block_ids=list(req.block_ids),
-                sample=start + num_new == req.num_tokens,
-                output_index=req.num_output_tokens,
-                sampling=req.sampling,
+                req.req_id,  # req_id
+                req.token_slice(start, start + num_new),  # token_ids
+                start,  # start_pos
+                list(req.block_ids),  # block_ids
+                start + num_new == req.num_tokens,  # sample
+                req.num_output_tokens,  # output_index
+                req.sampling,  # sampling
             )
         )
         state.token_budget -= num_new
@@ -316,6 +332,7 @@ class Scheduler:
 
     def _admit(self, req: Request, now: float) -> None:
         _remove_by_identity(self._waiting, req)
+        self._waiting_version += 1
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
@@ -345,6 +362,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self._waiting.appendleft(req)
+        self._waiting_version += 1
 
     def _swap_out(self, state: _StepState, req: Request) -> None:
         host_ids = self.host_pool.allocate(len(req.block_ids))
@@ -368,6 +386,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, message: str) -> None:
         if req.status is RequestStatus.WAITING:
             _remove_by_identity(self._waiting, req)
+            self._waiting_version += 1
         elif req.status is RequestStatus.RUNNING:
             del self._running[req.req_id]
         elif req.status is RequestStatus.SWAPPED:
@@ -392,7 +411,12 @@ class Scheduler:
         before changing anything — for a stale plan or a missing sample."""
         if plan.step != self._in_flight_step:
             raise ValueError(f"plan {plan.step} is not the plan in flight")
-        current = [(seq, req) for seq, req in self._in_flight_pairs(plan) if _is_current(seq, req)]
+        in_flight = self._in_flight
+        current = []
+        for seq in plan.seqs:
+            req = in_flight.get(seq.req_id)
+            if req is not None and _is_current(seq, req):
+                current.append((seq, req))
         missing = [seq.req_id for seq, _ in current if seq.sample and seq.req_id not in sampled]
         if missing:
             raise ValueError(f"no sampled token for {missing}")
@@ -405,12 +429,6 @@ class Scheduler:
                 outputs.append(self._append_token(req, sampled[seq.req_id], now))
         return outputs
 
-    def _in_flight_pairs(self, plan: StepPlan) -> Iterable[tuple[ScheduledSeq, Request]]:
-        for seq in plan.seqs:
-            req = self._in_flight.get(seq.req_id)
-            if req is not None:
-                yield seq, req
-
     def _append_token(self, req: Request, token_id: int, now: float) -> RequestOutput:
         req.output_token_ids.append(token_id)
         if req.first_token_time is None:
@@ -418,7 +436,7 @@ class Scheduler:
         reason = self._stop_reason(req, token_id)
         if reason is not None:
             self._finish(req, reason, "")
-        return RequestOutput(req_id=req.req_id, new_token_ids=[token_id], finish_reason=reason)
+        return RequestOutput(req.req_id, [token_id], reason)  # by position: see _add_seq
 
     def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
         if not req.ignore_eos and token_id in req.eos_token_ids:
@@ -505,6 +523,15 @@ class Scheduler:
         return dict(sorted(counts.items()))
 
     # == helpers ==========================================================
+
+    def _ordered_waiting(self, state: _StepState, now: float) -> list[Request]:
+        """``policy.order_waiting`` of the waiting queue, asked once per step
+        while the queue is unchanged (the seam lets an order depend only on
+        the queue, its requests and ``now`` within a step). Read-only."""
+        if state.waiting_version != self._waiting_version:
+            state.waiting_order = self.policy.order_waiting(self._waiting, now)
+            state.waiting_version = self._waiting_version
+        return state.waiting_order
 
     def _running_list(self) -> list[Request]:
         return list(self._running.values())

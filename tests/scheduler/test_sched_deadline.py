@@ -81,6 +81,24 @@ def test_victim_is_least_urgent_class_then_most_slack() -> None:
     assert driver.plans[-1].preempted_req_ids == ["c2-loose"]
 
 
+def test_urgent_work_pushes_out_just_enough_prefill_for_its_share_of_the_budget() -> None:
+    # Budget 8 tokens, blocks of 8: a running prefill needs 8 tokens to make
+    # progress, a decode 1 — 9 together, no room for the urgent 4-token prompt.
+    sched = make_sched(max_num_seqs=4, max_num_batched_tokens=8, block_size=8)
+    driver = Driver(sched)
+    sched.add_request(make_request("decode", 4, 20, priority=2))
+    sched.add_request(make_request("prefill", 40, 4, priority=2))
+    driver.step()
+    assert {s.req_id for s in driver.plans[-1].seqs} == {"decode", "prefill"}
+    sched.add_request(
+        make_request("urgent", 4, 2, priority=0, arrival=driver.now, deadline=driver.now + 6.0)
+    )
+    driver.step()
+    plan = driver.plans[-1]
+    assert plan.preempted_req_ids == ["prefill"]  # the decode alone leaves room
+    assert [(s.req_id, len(s.token_ids)) for s in plan.seqs] == [("decode", 1), ("urgent", 4)]
+
+
 def test_urgent_work_with_slack_to_spare_waits_instead_of_preempting() -> None:
     sched = make_sched(max_num_seqs=2)
     driver = Driver(sched)
