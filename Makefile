@@ -54,6 +54,7 @@ bench-serve: $(STAMP) protos
 bench-slo: $(STAMP) protos
 	mkdir -p bench-results
 	$(BIN)/slipstream bench slo --sim --json bench-results/slo.json --plot bench-results/slo.png
+	$(BIN)/slipstream bench slo --json bench-results/slo-engine.json --plot bench-results/slo-engine.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

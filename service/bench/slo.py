@@ -435,8 +435,9 @@ def format_summary(report: dict[str, object]) -> str:
 
 def _capacity_line(report: dict[str, object]) -> str:
     return (
-        f"capacity: engine {_num(report['capacity_rps'])} req/s, cost model (simulated) "
-        f"{_num(report['sim_capacity_rps'])} req/s"
+        f"capacity: engine {_num(report['capacity_rps'])} req/s; simulated with the start-up "
+        f"calibration {_num(report['sim_capacity_rps'])}, with the online refit "
+        f"{_num(report.get('sim_capacity_rps_refit'))} req/s"
     )
 
 
