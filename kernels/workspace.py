@@ -34,7 +34,12 @@ class Workspace:
             numel *= size
         key = (role, dtype)
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
+        # A buffer made under inference mode cannot be written outside it (a
+        # model run, then a plain call on the same thread): replace it then.
+        stale = (
+            buffer is not None and buffer.is_inference() and not torch.is_inference_mode_enabled()
+        )
+        if buffer is None or buffer.numel() < numel or stale:
             buffer = torch.empty(int(numel * _GROWTH) + 1, dtype=dtype, device=self.device)
             self._buffers[key] = buffer
         return buffer[:numel].view(shape)
