@@ -141,11 +141,15 @@ class DeadlinePolicy(SchedulingPolicy):
     def _estimate(self, req: Request) -> _Entry:
         """``req``'s entry with its estimate up to date."""
         progress = (req.num_computed_tokens, len(req.output_token_ids), req.status)
-        entry = self._entries.get(req.req_id)
-        if entry is None:
-            entry = self._entries[req.req_id] = _Entry()
+        entry = self._entry(req.req_id)
         if entry.progress != progress:
             self._new_estimate(entry, req, progress)
+        return entry
+
+    def _entry(self, req_id: str) -> _Entry:
+        entry = self._entries.get(req_id)
+        if entry is None:
+            entry = self._entries[req_id] = _Entry()
         return entry
 
     def _new_estimate(self, entry: _Entry, req: Request, progress: _Progress) -> None:
@@ -192,23 +196,17 @@ class DeadlinePolicy(SchedulingPolicy):
             req.arrival_time,
             req.arrival_index,
         )
-        entry = self._entries.get(req.req_id)
-        if entry is None:
-            entry = self._entries[req.req_id] = _Entry()
-        elif entry.epoch == self._epoch and entry.signature == signature:
+        entry = self._entry(req.req_id)
+        if entry.epoch == self._epoch and entry.signature == signature:
             return entry
         self._new_urgency(entry, req, now, signature)
         return entry
 
     def _new_urgency(self, entry: _Entry, req: Request, now: float, signature: _Signature) -> None:
-        computed, outputs, status, deadline, priority, arrival_time, arrival_index = signature
+        computed, outputs, status, deadline, _, _, arrival_index = signature
         if entry.progress != (computed, outputs, status):
             self._new_estimate(entry, req, (computed, outputs, status))
-        effective = priority
-        if priority > 0 and self._aging_s > 0:  # effective_class, inlined: the hot path
-            effective -= int((now - arrival_time) // self._aging_s)
-            if effective < 0:
-                effective = 0
+        effective = self.effective_class(req, now)
         if deadline is None:
             hopeless, latest = False, math.inf
         else:

@@ -312,7 +312,7 @@ class Engine:
         if self.cost_model is not None:
             # The refit sees the whole step — planning, forward, update, publishing —
             # because step-to-step time is what deadlines are spent in: timing the
-            # forward alone overstated capacity by ~55% on `small`.
+            # forward alone overstated capacity by about half on `small`.
             seconds = time.monotonic() - started
             with self._lock:
                 self.cost_model.observe_plan(plan, seconds)

@@ -40,11 +40,10 @@ from slipstream.scheduler.simulator import SimRequest, SimResult, simulate
 from slipstream.service.bench.slo_workload import (
     DEFAULT_SLACK_FACTORS,
     WorkloadSpec,
-    hide_deadlines,
+    as_scheduled,
     make_requests,
-    run_metrics,
     saturating_requests,
-    score_against,
+    scored_metrics,
 )
 
 LOADS = (0.8, 1.0, 1.5, 2.0)
@@ -258,10 +257,8 @@ def simulate_workload(
     deadlines: str = "enforced",
 ) -> tuple[SimResult, dict[str, object]]:
     """One simulated replay and its metrics, scored against the real deadlines."""
-    seen = requests if deadlines == "enforced" else hide_deadlines(requests)
-    result = simulate(seen, scheduler_config(opts, policy), cost)
-    window = requests[-1].arrival - requests[0].arrival if len(requests) > 1 else 1.0
-    return result, run_metrics(score_against(result.outcomes, requests), window)
+    result = simulate(as_scheduled(requests, deadlines), scheduler_config(opts, policy), cost)
+    return result, scored_metrics(result.outcomes, requests)
 
 
 def sim_run(
@@ -285,7 +282,7 @@ def sim_run(
         "cv": cv,
         "mode": "sim",
         **metrics,
-        "goodput_fraction_of_capacity": _fraction(metrics["goodput_tokens_per_s"], capacity),
+        "goodput_fraction_of_capacity": goodput_fraction(metrics, capacity),
         "arrival_rate_rps": spec.rate_rps,
         "num_requests": len(requests),
         "preemptions_swap": result.num_swap_preemptions,
@@ -297,8 +294,9 @@ def sim_run(
     }
 
 
-def _fraction(goodput: object, capacity: Capacity) -> float:
-    return float(goodput) / capacity.tokens_per_s  # type: ignore[arg-type]
+def goodput_fraction(metrics: dict[str, object], capacity: Capacity) -> float:
+    """A run's goodput as a fraction of ``capacity``'s token throughput."""
+    return float(metrics["goodput_tokens_per_s"]) / capacity.tokens_per_s  # type: ignore[arg-type]
 
 
 def goodput_ratios(runs: Sequence[dict[str, object]]) -> list[dict[str, object]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -32,11 +33,10 @@ from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.scheduler.simulator import SimOutcome, SimRequest, SimResult
 from slipstream.service.bench.slo_workload import (
-    hide_deadlines,
+    as_scheduled,
     make_requests,
-    run_metrics,
     saturating_requests,
-    score_against,
+    scored_metrics,
 )
 from slipstream.service.config import EngineConfig
 from slipstream.service.cost_model import calibrate
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 def run_engine_bench(opts: SloOptions) -> dict[str, object]:
     from slipstream.service.bench.slo import (
         Capacity,
+        goodput_fraction,
         goodput_ratios,
         run_grid,
         scheduler_config,
@@ -103,9 +104,7 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
                 workloads[cv, load] = make_requests(spec, cost, opts.max_num_batched_tokens)
             requests = workloads[cv, load]
             run = _engine_run(engines[policy], policy, deadlines, load, cv, requests, opts)
-            run["goodput_fraction_of_capacity"] = (
-                float(run["goodput_tokens_per_s"]) / capacity.tokens_per_s  # type: ignore[arg-type]
-            )
+            run["goodput_fraction_of_capacity"] = goodput_fraction(run, capacity)
             runs.append(run)
     finally:
         for engine in engines.values():
@@ -137,9 +136,8 @@ def _engine_run(
     assert engine.cost_model is not None
     held = CostModel(engine.cost_model.coefficients)  # what the engine knew at the start
     swaps0, recomputes0 = sched.num_swap_preemptions, sched.num_recompute_preemptions
-    seen = requests if deadlines == "enforced" else hide_deadlines(requests)
+    seen = as_scheduled(requests, deadlines)
     outcomes = _replay(engine, seen, time.monotonic(), engine.info.vocab_size)
-    window = requests[-1].arrival - requests[0].arrival if len(requests) > 1 else 1.0
     swaps = sched.num_swap_preemptions - swaps0
     twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines)
     return {
@@ -148,7 +146,7 @@ def _engine_run(
         "load": load,
         "cv": cv,
         "mode": "engine",
-        **run_metrics(score_against(outcomes, requests), window),
+        **scored_metrics(outcomes, requests),
         "num_requests": len(requests),
         "preemptions_swap": swaps,
         "preemptions_recompute": sched.num_recompute_preemptions - recomputes0,
@@ -174,7 +172,9 @@ def _twin_summary(metrics: dict[str, object], result: SimResult) -> dict[str, ob
     }
 
 
-def _replay(engine: Engine, requests: list[SimRequest], t0: float, vocab: int) -> list[SimOutcome]:
+def _replay(
+    engine: Engine, requests: Sequence[SimRequest], t0: float, vocab: int
+) -> list[SimOutcome]:
     """Submits each request at ``t0 + arrival``; waits for every finish."""
     rng = random.Random(0)
     done = threading.Event()

@@ -106,6 +106,11 @@ def hide_deadlines(requests: Sequence[SimRequest]) -> list[SimRequest]:
     return [replace(r, deadline=None) for r in requests]
 
 
+def as_scheduled(requests: Sequence[SimRequest], deadlines: str) -> Sequence[SimRequest]:
+    """``requests`` as the scheduler receives them in deadline mode ``deadlines``."""
+    return requests if deadlines == "enforced" else hide_deadlines(requests)
+
+
 def score_against(
     outcomes: Sequence[SimOutcome], requests: Sequence[SimRequest]
 ) -> list[SimOutcome]:
@@ -117,6 +122,18 @@ def score_against(
             raise ValueError(f"outcome {outcome.req_id!r} is not request {request.req_id!r}")
         scored.append(replace(outcome, deadline=request.deadline))
     return scored
+
+
+def arrival_window(requests: Sequence[SimRequest]) -> float:
+    """Seconds from the first arrival to the last: goodput's denominator."""
+    return requests[-1].arrival - requests[0].arrival if len(requests) > 1 else 1.0
+
+
+def scored_metrics(
+    outcomes: Sequence[SimOutcome], requests: Sequence[SimRequest]
+) -> dict[str, object]:
+    """``run_metrics`` of ``outcomes`` judged against ``requests``' deadlines."""
+    return run_metrics(score_against(outcomes, requests), arrival_window(requests))
 
 
 def isolated_seconds(cost: CostModel, prompt: int, output: int, token_budget: int) -> float:
