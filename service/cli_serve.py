@@ -10,7 +10,7 @@ import os
 import sys
 
 from slipstream.scheduler.policies import POLICY_NAMES
-from slipstream.service.config import EngineConfig
+from slipstream.service.config import DTYPE_CHOICES, EngineConfig
 
 DEFAULT_PORT = 50051
 
@@ -19,7 +19,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=defaults.model, help="tiny, small, or a checkpoint path")
-    group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"))
+    group.add_argument(
+        "--dtype",
+        default=defaults.dtype,
+        choices=DTYPE_CHOICES,
+        help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
+    )
     group.add_argument("--block-size", type=int, default=defaults.block_size)
     group.add_argument("--num-device-blocks", type=int, default=None)
     group.add_argument("--num-host-blocks", type=int, default=None)
@@ -158,6 +163,7 @@ def usage_hint(host: str, port: int, model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from slipstream.service.engine import Engine
+    from slipstream.service.server import StartupFailed
     from slipstream.service.server import run as run_server
 
     config = engine_config(args)
@@ -166,15 +172,19 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(port: int, engine: object) -> None:
         print(usage_hint(args.host, port, config.model), flush=True)
 
-    asyncio.run(
-        run_server(
-            lambda: Engine(config),
-            args.host,
-            args.port,
-            args.grace_s,
-            on_ready=on_ready,
-            telemetry=observability,  # type: ignore[arg-type]
+    try:
+        asyncio.run(
+            run_server(
+                lambda: Engine(config),
+                args.host,
+                args.port,
+                args.grace_s,
+                on_ready=on_ready,
+                telemetry=observability,  # type: ignore[arg-type]
+            )
         )
-    )
+    except StartupFailed as exc:
+        print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     print("slipstream: stopped", file=sys.stderr, flush=True)
     return 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# "auto" resolves per CPU (kernels/cpu_features.py): bf16 with native bf16, else fp32.
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -16,7 +19,8 @@ class EngineConfig:
     """
 
     model: str = "tiny"
-    dtype: str = "bfloat16"
+    # "auto": bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32.
+    dtype: str = "auto"
     block_size: int = 32
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from slipstream.kernels.backend import resolve_backend
+from slipstream.kernels.cpu_features import CpuFeatures, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import Draining
@@ -102,15 +103,28 @@ def validate(request: GenerationRequest) -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}")
+    def __init__(self, config: EngineConfig, cpu: CpuFeatures | None = None) -> None:
+        """``cpu`` overrides the detected CPU features (tests force either answer)."""
+        cpu = cpu or detect()
+        choice = choose_dtype(config.dtype, cpu)
+        log.info(
+            "cpu_features",
+            cpu=cpu.model_name,
+            flags=",".join(cpu.flags),
+            torch_capability=cpu.torch_capability,
+            dtype=choice.dtype,
+            requested_dtype=choice.requested,
+            weights_packed=choice.pack_weights,
+        )
+        if choice.warning:
+            log.warning("slow_dtype", dtype=choice.dtype, reason=choice.warning)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        self.dtype = choice.dtype
         model_dir = resolve_model(config.model)
         backend = resolve_backend(config.attention_backend, torch.device("cpu"))
-        self.model = LlamaModel(model_dir, DTYPES[config.dtype], backend)
+        self.model = LlamaModel(model_dir, DTYPES[choice.dtype], backend, choice.pack_weights)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
         self._fast_tokenizer = self.tokenizer.backend_tokenizer
         model_cfg = self.model.config
@@ -153,10 +167,13 @@ class Engine:
             architecture=model_cfg.model_type,
             max_model_len=max_model_len,
             vocab_size=model_cfg.vocab_size,
-            dtype=config.dtype,
+            dtype=choice.dtype,
             block_size=config.block_size,
             attention_backend=backend,
             eos_token_ids=self.eos_token_ids,
+            requested_dtype=choice.requested,
+            weights_packed=choice.pack_weights,
+            cpu=cpu.describe(),
         )
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -171,7 +188,7 @@ class Engine:
         log.info(
             "engine_ready",
             model=str(model_dir),
-            dtype=config.dtype,
+            dtype=choice.dtype,
             device_blocks=num_device_blocks,
             host_blocks=num_host_blocks,
             block_size=config.block_size,

@@ -81,6 +81,9 @@ class ModelInfo:
     block_size: int
     attention_backend: str
     eos_token_ids: list[int]
+    requested_dtype: str = ""
+    weights_packed: bool = False
+    cpu: dict[str, object] = field(default_factory=dict)  # CpuFeatures.describe()
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,13 @@ class LlamaConfig:
     @classmethod
     def from_dir(cls, model_dir: Path) -> LlamaConfig:
         raw = json.loads((model_dir / "config.json").read_text())
+        try:
+            return cls._from_raw(raw)
+        except KeyError as exc:
+            raise UnsupportedModel(f"{model_dir / 'config.json'} has no {exc}") from None
+
+    @classmethod
+    def _from_raw(cls, raw: dict[str, Any]) -> LlamaConfig:
         model_type = raw.get("model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -146,10 +154,17 @@ class LlamaModel:
     belongs to the runner and is passed in."""
 
     def __init__(
-        self, model_dir: Path, dtype: torch.dtype, attention_backend: str = "torch"
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        attention_backend: str = "torch",
+        pack_weights: bool = False,
     ) -> None:
+        """``pack_weights`` packs bf16 projections for oneDNN (only where the
+        CPU can: see ``kernels/cpu_features.py``)."""
         self.config = LlamaConfig.from_dir(model_dir)
         self.dtype = dtype
+        self.pack_weights = pack_weights
         self.attention_backend = attention_backend
         self._write_kv = write_kv_for(attention_backend)
         self._paged_attention = paged_attention_for(attention_backend)
@@ -159,7 +174,7 @@ class LlamaModel:
         self.layers = [self._load_layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = weights.get("model.norm.weight", dtype)
         tied = cfg.tie_word_embeddings or not weights.has("lm_head.weight")
-        self.lm_head = Linear(self.embed if tied else weights.get("lm_head.weight", dtype))
+        self.lm_head = self._linear(self.embed if tied else weights.get("lm_head.weight", dtype))
         inv_freq, scaling = rope_inv_freq(model_dir)
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -186,12 +201,15 @@ class LlamaModel:
         gate_up = torch.cat([get(mlp + f"{p}_proj.weight", self.dtype) for p in ("gate", "up")])
         return _Layer(
             input_norm=get(prefix + "input_layernorm.weight", self.dtype),
-            qkv=Linear(qkv, bias),
-            o_proj=Linear(get(attn + "o_proj.weight", self.dtype)),
+            qkv=self._linear(qkv, bias),
+            o_proj=self._linear(get(attn + "o_proj.weight", self.dtype)),
             post_norm=get(prefix + "post_attention_layernorm.weight", self.dtype),
-            gate_up=Linear(gate_up),
-            down=Linear(get(mlp + "down_proj.weight", self.dtype)),
+            gate_up=self._linear(gate_up),
+            down=self._linear(get(mlp + "down_proj.weight", self.dtype)),
         )
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear(weight, bias, pack=self.pack_weights)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)

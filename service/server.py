@@ -30,6 +30,15 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+
+class StartupFailed(Exception):
+    """The engine could not be loaded; the message says what failed and what to do.
+
+    Raised by ``run`` after the listening server is stopped, so nothing of the
+    half-started process is left to fail again while the interpreter exits.
+    """
+
+
 SERVICE_NAMES = (
     pb.DESCRIPTOR.services_by_name["Inference"].full_name,
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -82,6 +91,21 @@ async def shutdown(server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float
     await asyncio.to_thread(engine.shutdown)
 
 
+def startup_message(exc: BaseException) -> str:
+    """``exc`` from loading a model, as one line an operator can act on."""
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    # ValueError covers bad flags, unsupported checkpoints and weight packing
+    # refused by the CPU (kernels.linear.WeightPackingFailed).
+    if isinstance(exc, ValueError | FileNotFoundError):
+        return f"cannot load the model: {detail}"
+    if isinstance(exc, MemoryError):
+        return f"out of memory loading the model ({detail}); lower --kv-cache-gb"
+    return (
+        f"cannot load the model: {type(exc).__name__}: {detail} "
+        "(run with SLIPSTREAM_LOG_LEVEL=debug and check the model path and --dtype)"
+    )
+
+
 async def run(
     load_engine: Callable[[], Engine],
     host: str,
@@ -100,7 +124,12 @@ async def run(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    engine = await asyncio.to_thread(load_engine)
+    try:
+        engine = await asyncio.to_thread(load_engine)
+    except Exception as exc:  # anything at all: the process must end with one clear line
+        log.debug("server_start_failed", exc_info=True)  # the traceback, only when asked for
+        await server.stop(None)
+        raise StartupFailed(startup_message(exc)) from None
     if telemetry is not None:
         telemetry.attach(engine)
     await lifecycle.serve(engine)

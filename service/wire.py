@@ -200,6 +200,14 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         block_size=info.block_size,
         attention_backend=info.attention_backend,
         eos_token_ids=info.eos_token_ids,
+        requested_dtype=info.requested_dtype,
+        weights_packed=info.weights_packed,
+        cpu=pb.CpuInfo(
+            model=str(info.cpu.get("model", "")),
+            flags=list(info.cpu.get("flags", [])),  # type: ignore[call-overload]
+            torch_capability=str(info.cpu.get("torch_capability", "")),
+            native_bf16=bool(info.cpu.get("native_bf16", False)),
+        ),
     )
 
 

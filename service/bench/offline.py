@@ -29,6 +29,8 @@ from slipstream.service.bench.report import (
     check_token_counts,
     engine_metrics,
     format_table,
+    hardware,
+    resolved_dtype,
     throughput_ratios,
 )
 from slipstream.service.bench.workload import (
@@ -39,7 +41,7 @@ from slipstream.service.bench.workload import (
     save_workload,
     workload_summary,
 )
-from slipstream.service.config import EngineConfig
+from slipstream.service.config import DTYPE_CHOICES, EngineConfig
 from slipstream.service.events import Event, FinishEvent, GenerationRequest
 
 ENGINES = ("slipstream", "hf_static", "hf_cb")
@@ -57,8 +59,9 @@ class OfflineOptions:
     num_requests: int
     seed: int
     engines: tuple[str, ...]
-    dtype: str
+    dtype: str  # concrete (float32 | bfloat16): every engine of the run uses it
     num_threads: int
+    requested_dtype: str = "auto"
     prompt_len: tuple[int, int] = (16, 512)
     output_len: tuple[int, int] = (8, 256)
     workload_path: str | None = None
@@ -83,7 +86,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", help="write the report here")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument(
+        "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 only with native bf16"
+    )
     parser.add_argument("--threads", type=int, default=2, dest="num_threads")
     parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX")
@@ -124,7 +129,8 @@ def _options_from_args(args: argparse.Namespace) -> OfflineOptions:
         num_requests=args.num_requests,
         seed=args.seed,
         engines=engines,
-        dtype=args.dtype,
+        dtype=resolved_dtype(args.dtype),
+        requested_dtype=args.dtype,
         num_threads=args.num_threads,
         prompt_len=tuple(args.prompt_len),
         output_len=tuple(args.output_len),
@@ -340,7 +346,7 @@ def _environment(options: OfflineOptions, model_dir: str) -> dict[str, object]:
     return {
         "model": options.model,
         "model_dir": model_dir,
-        "dtype": options.dtype,
+        **hardware(options.requested_dtype),
         "num_threads": options.num_threads,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

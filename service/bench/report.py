@@ -39,6 +39,23 @@ class TokenCountMismatch(RuntimeError):
     for: its throughput would not be comparable."""
 
 
+def hardware(requested_dtype: str) -> dict[str, object]:
+    """The CPU a benchmark ran on and the dtype ``requested_dtype`` resolved to there."""
+    from slipstream.kernels.cpu_features import choose_dtype, detect
+
+    cpu = detect()
+    return {
+        "cpu": cpu.describe(),
+        "requested_dtype": requested_dtype,
+        "dtype": choose_dtype(requested_dtype, cpu).dtype,
+    }
+
+
+def resolved_dtype(requested_dtype: str) -> str:
+    """``auto`` made concrete for this CPU (what every engine of a run uses)."""
+    return str(hardware(requested_dtype)["dtype"])
+
+
 def check_token_counts(run: EngineRun, expected: Sequence[int]) -> None:
     """Raise ``TokenCountMismatch`` unless request i made exactly ``expected[i]`` tokens."""
     got = [t.num_output_tokens for t in run.timings]

@@ -31,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
+from slipstream.service.bench.report import hardware
 from slipstream.service.bench.workload import WorkloadRequest, make_workload, workload_summary
+from slipstream.service.config import DTYPE_CHOICES
 
 
 @dataclass(slots=True)
@@ -250,7 +252,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser = bench_subparsers.add_parser("serve", help="load-test a gRPC server")
     parser.add_argument("--server", metavar="HOST:PORT", help="an already running server")
     parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -317,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
             report["server"]["output_tokens_per_s"] / report["in_process"]["output_tokens_per_s"]
         )
         report["ratios"] = {"server_vs_in_process_output_tokens_per_s": ratio}
+    report["hardware"] = hardware(args.dtype)
     report["settings"] = {
         k: (str(v) if isinstance(v, Path) or (isinstance(v, float) and math.isinf(v)) else v)
         for k, v in vars(args).items()

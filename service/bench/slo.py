@@ -37,6 +37,7 @@ from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.policies import POLICY_NAMES
 from slipstream.scheduler.simulator import SimRequest, SimResult, simulate
+from slipstream.service.bench.report import hardware, resolved_dtype
 from slipstream.service.bench.slo_workload import (
     DEFAULT_SLACK_FACTORS,
     WorkloadSpec,
@@ -45,6 +46,7 @@ from slipstream.service.bench.slo_workload import (
     saturating_requests,
     scored_metrics,
 )
+from slipstream.service.config import DTYPE_CHOICES
 
 LOADS = (0.8, 1.0, 1.5, 2.0)
 CVS = (1.0, 3.0)
@@ -111,7 +113,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--coefficients", type=Path, help="cost-model JSON (sim mode)")
     parser.add_argument("--capacity-requests", type=int, default=None)
     parser.add_argument("--model", default="small")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--json", dest="json_path", default="slo.json")
     parser.add_argument("--plot", dest="plot_path", default="slo.png")
     parser.set_defaults(func=main)
@@ -131,7 +133,7 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
         max_queue_len=args.max_queue_len,
         reject_infeasible=not args.no_reject_infeasible,
         model=args.model,
-        dtype=args.dtype,
+        dtype=resolved_dtype(args.dtype) if mode == "engine" else args.dtype,
         json_path=args.json_path,
         plot_path=args.plot_path,
     )
@@ -164,6 +166,8 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
 def main(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     report = run_engine_bench(opts) if opts.mode == "engine" else run_sim_bench(opts)
+    if opts.mode == "engine":
+        report["hardware"] = hardware(args.dtype)
     if opts.json_path:
         Path(opts.json_path).write_text(json.dumps(report, indent=2))
     if opts.plot_path:

@@ -26,6 +26,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.service.bench.report import hardware, resolved_dtype
+from slipstream.service.config import DTYPE_CHOICES
+
 if TYPE_CHECKING:
     from slipstream.scheduler.plan import StepPlan
     from slipstream.service.runner import ModelRunner
@@ -41,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="small")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
@@ -50,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     report = run_sweep(
-        args.model, args.dtype, args.block_size, args.max_num_batched_tokens, args.repeats
+        args.model,
+        resolved_dtype(args.dtype),
+        args.block_size,
+        args.max_num_batched_tokens,
+        args.repeats,
     )
     Path(args.swap_json).write_text(json.dumps(report, indent=2))
     print(format_sweep(report))
@@ -128,7 +135,7 @@ def run_sweep(
     )
     return {
         "model": model,
-        "dtype": dtype,
+        **hardware(dtype),
         "block_size": block_size,
         "kv_bytes_per_block": block_bytes,
         "rows": rows,

@@ -429,6 +429,8 @@ def test_unary_calls(client: Client, engine: object) -> None:
     info = client.model_info()
     assert (info.name, info.max_context, info.vocab_size) == ("tiny", 1024, 4096)
     assert info.block_size == 32 and info.dtype == "float32"
+    assert info.cpu.model and info.cpu.torch_capability  # the CPU that decided the dtype
+    assert info.requested_dtype == CONFIG.dtype and not info.weights_packed
     assert client.tokenize("Hello world") == engine.tokenizer.encode("Hello world")  # type: ignore[attr-defined]
     stats = client.server_stats()
     assert stats.kv_blocks_free.device > 0 and not stats.draining

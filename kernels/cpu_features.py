@@ -1,0 +1,127 @@
+"""What this CPU can do, asked once: the flags that decide dtype and weight packing.
+
+Two choices depend on the CPU and are made here, never assumed:
+
+- **which dtype ``auto`` means.** bf16 halves the bytes of weights and KV, but
+  only CPUs with native bf16 arithmetic (AVX512-BF16 or AMX-BF16) run it fast;
+  elsewhere oneDNN emulates it (measured on an AVX2-only AMD EPYC, torch 2.13,
+  2 threads: one 1x512 by 512x1536 ``F.linear`` took ~7.9 ms in bf16 against
+  ~0.13 ms in fp32). So ``auto`` is bf16 with native support, fp32 without.
+- **whether bf16 weights are packed for oneDNN.** Packing needs AVX-512
+  (BW/VL/DQ) or AVX-NE-CONVERT; on other CPUs torch raises. The answer comes
+  from a probe that packs a tiny weight, so it is exactly torch's own.
+
+``detect()`` reads ``/proc/cpuinfo`` (flags, model name) and torch's reported
+capability; tests build ``CpuFeatures`` by hand to force either answer.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Flags every benchmark prints; the first two decide native bf16.
+REPORTED_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+_NATIVE_BF16_FLAGS = frozenset(REPORTED_FLAGS[:2])
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFeatures:
+    """The facts about the CPU that Slipstream's choices read."""
+
+    model_name: str
+    flags: tuple[str, ...]  # those of REPORTED_FLAGS this CPU has
+    torch_capability: str  # torch's kernel dispatch level: "AVX2", "AVX512", ...
+    can_pack_bf16: bool  # oneDNN accepted a packed bf16 weight
+
+    @property
+    def has_native_bf16(self) -> bool:
+        return bool(_NATIVE_BF16_FLAGS.intersection(self.flags))
+
+    def describe(self) -> dict[str, object]:
+        """A JSON-ready summary for logs, GetModelInfo and benchmark reports."""
+        return {
+            "model": self.model_name,
+            "flags": list(self.flags),
+            "torch_capability": self.torch_capability,
+            "native_bf16": self.has_native_bf16,
+            "can_pack_bf16": self.can_pack_bf16,
+        }
+
+
+@functools.cache
+def detect() -> CpuFeatures:
+    """This machine's features (computed once per process)."""
+    model_name, flags = _read_cpuinfo(Path("/proc/cpuinfo"))
+    return CpuFeatures(
+        model_name=model_name or platform.processor() or platform.machine(),
+        flags=tuple(f for f in REPORTED_FLAGS if f in flags),
+        torch_capability=torch.backends.cpu.get_cpu_capability(),
+        can_pack_bf16=probe_bf16_packing(),
+    )
+
+
+def _read_cpuinfo(path: Path) -> tuple[str, frozenset[str]]:
+    try:
+        text = path.read_text()
+    except OSError:
+        return "", frozenset()
+    model_name, flags = "", frozenset[str]()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model_name:
+            model_name = value.strip()
+        elif key == "flags" and not flags:
+            flags = frozenset(value.split())
+    return model_name, flags
+
+
+def probe_bf16_packing() -> bool:
+    """True if oneDNN packs a bf16 linear weight on this CPU (tried on 8x8)."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    """The dtype a model runs in and why: ``requested`` as the user said it."""
+
+    dtype: str  # "float32" | "bfloat16"
+    requested: str
+    pack_weights: bool
+    warning: str | None  # set when the choice is known to be slow here
+
+
+def choose_dtype(requested: str, features: CpuFeatures) -> DtypeChoice:
+    """Resolves ``auto`` and decides packing; raises ValueError on an unknown name."""
+    if requested not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {requested!r}")
+    dtype = requested
+    if requested == "auto":
+        dtype = "bfloat16" if features.has_native_bf16 else "float32"
+    is_bf16 = dtype == "bfloat16"
+    warning = None
+    if is_bf16 and not features.has_native_bf16:
+        warning = (
+            "bfloat16 on a CPU without native bf16 (no avx512_bf16/amx_bf16) is emulated "
+            "and several times slower than float32; --dtype auto picks float32 here"
+        )
+    return DtypeChoice(
+        dtype=dtype,
+        requested=requested,
+        pack_weights=is_bf16 and features.can_pack_bf16,
+        warning=warning,
+    )

@@ -1,0 +1,88 @@
+"""Dtype and weight-packing choices per CPU: both answers forced on any machine,
+and the real packing op exercised wherever this CPU allows it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels.cpu_features import (
+    CpuFeatures,
+    _read_cpuinfo,
+    choose_dtype,
+    detect,
+)
+from slipstream.kernels.linear import Linear, WeightPackingFailed
+
+AMX = CpuFeatures("Xeon (forced)", ("amx_bf16", "avx512f", "avx2"), "AVX512", can_pack_bf16=True)
+AVX2 = CpuFeatures("EPYC (forced)", ("avx2",), "AVX2", can_pack_bf16=False)
+# AVX-512 without bf16 arithmetic: oneDNN can pack, but bf16 math is emulated.
+AVX512 = CpuFeatures("Skylake (forced)", ("avx512f", "avx2"), "AVX512", can_pack_bf16=True)
+
+
+def test_auto_is_bf16_packed_with_native_bf16() -> None:
+    choice = choose_dtype("auto", AMX)
+    assert (choice.dtype, choice.pack_weights, choice.warning) == ("bfloat16", True, None)
+
+
+@pytest.mark.parametrize("cpu", [AVX2, AVX512])
+def test_auto_is_fp32_without_native_bf16(cpu: CpuFeatures) -> None:
+    choice = choose_dtype("auto", cpu)
+    assert (choice.dtype, choice.pack_weights, choice.warning) == ("float32", False, None)
+
+
+def test_explicit_bf16_without_native_support_runs_unpacked_with_a_warning() -> None:
+    choice = choose_dtype("bfloat16", AVX2)
+    assert (choice.dtype, choice.pack_weights) == ("bfloat16", False)
+    assert choice.warning is not None and "float32" in choice.warning
+
+
+def test_explicit_fp32_never_packs() -> None:
+    assert not choose_dtype("float32", AMX).pack_weights
+
+
+def test_unknown_dtype_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        choose_dtype("float16", AMX)
+
+
+def test_cpuinfo_parsing(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 amx_bf16\n\n"
+        "processor\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 amx_bf16\n"
+    )
+    assert _read_cpuinfo(info) == ("Some CPU", frozenset({"fpu", "avx2", "amx_bf16"}))
+    assert _read_cpuinfo(tmp_path / "missing") == ("", frozenset())
+
+
+def test_detect_agrees_with_the_packing_probe() -> None:
+    cpu = detect()
+    assert cpu.torch_capability
+    assert set(cpu.describe()) >= {"model", "flags", "native_bf16", "can_pack_bf16"}
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    w = torch.randn(8, 16, dtype=torch.bfloat16)
+    if cpu.can_pack_bf16:
+        packed = Linear(w, pack=True)
+        assert packed.is_packed
+        torch.testing.assert_close(packed(x), F.linear(x, w), rtol=2e-2, atol=2e-2)
+    else:
+        with pytest.raises(WeightPackingFailed, match="--dtype"):
+            Linear(w, pack=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpacked_linear_is_f_linear(dtype: torch.dtype) -> None:
+    x = torch.randn(5, 16, dtype=dtype)
+    w = torch.randn(8, 16, dtype=dtype)
+    b = torch.randn(8, dtype=dtype)
+    layer = Linear(w, b, pack=False)
+    assert not layer.is_packed
+    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+
+
+def test_fp32_weights_are_never_packed() -> None:
+    assert not Linear(torch.randn(8, 16), pack=True).is_packed
