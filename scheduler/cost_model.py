@@ -11,7 +11,7 @@ their attention reads (``start_pos + len(token_ids)``). Moving one KV block
 between the device and host pools costs ``swap_s_per_block`` (per direction).
 
 Coefficients come from outside: the engine times a few synthetic steps at
-start-up (``slipstream.service.cost_model.calibrate``) and then feeds every
+start-up (``slipstream.service.engine.calibration.calibrate``) and then feeds every
 measured step to ``CostModel.observe``, which refits them online by
 exponentially weighted recursive least squares (older samples decay by
 ``forgetting`` per sample). Pure standard library; never reads a clock.

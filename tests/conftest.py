@@ -4,6 +4,11 @@ created once (deterministically) and every test sees the same files."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    from slipstream.service.model_store import resolve_model
+    from slipstream.service.models.store import resolve_model
 
     return resolve_model("tiny")
 
@@ -34,3 +39,35 @@ def _fresh_logging() -> object:
     import structlog
 
     structlog.reset_defaults()
+
+
+ServerProcess = tuple[subprocess.Popen[str], str]
+
+
+@pytest.fixture
+def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
+    """Starts ``slipstream serve --port 0 ARGS...`` in a child process (this
+    environment) and returns it with its ``host:port``; killed at teardown if
+    the test left it running."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def spawn(*args: str) -> ServerProcess:
+        command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0", *args]
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:
+            match = re.search(r"listening on (\S+:\d+)", line)
+            if match:
+                return proc, match.group(1)
+            assert time.monotonic() < deadline, "server did not start"
+        raise AssertionError(f"server exited early ({proc.wait()})")
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _BLOCK_AND_IMPORT = """
@@ -88,9 +90,9 @@ def test_lower_layers_never_import_the_service() -> None:
 def test_service_import_detection_sees_every_spelling(tmp_path: Path) -> None:
     spellings = [
         "import slipstream.service",
-        "import slipstream.service.engine as e",
+        "import slipstream.service.engine.engine as e",
         "from slipstream import service",
-        "from slipstream.service.engine import Engine",
+        "from slipstream.service.engine.engine import Engine",
     ]
     for index, line in enumerate(spellings):
         path = tmp_path / f"m{index}.py"
@@ -99,3 +101,76 @@ def test_service_import_detection_sees_every_spelling(tmp_path: Path) -> None:
     clean = tmp_path / "clean.py"
     clean.write_text("from slipstream.scheduler import Scheduler\n", encoding="utf-8")
     assert not _imports_service(clean)
+
+
+# What each room of service/ must not reach (DESIGN.md; each room's __init__ says so).
+_ROOM_BLOCKS = {
+    "engine": ("grpc", "slipstream.v1", "slipstream.service.api", "slipstream.service.telemetry"),
+    "models": (
+        "grpc",
+        "slipstream.v1",
+        "slipstream.service.engine",
+        "slipstream.service.api",
+        "slipstream.service.telemetry",
+    ),
+    "api": (
+        "torch",
+        "transformers",
+        "slipstream.kernels",
+        "slipstream.service.models",
+        "slipstream.service.engine.engine",
+        "slipstream.service.engine.runner",
+    ),
+    "telemetry": (
+        "torch",
+        "transformers",
+        "slipstream.kernels",
+        "slipstream.service.models",
+        "slipstream.v1",
+        "slipstream.service.api",
+    ),
+}
+
+_ROOM_IMPORT = """
+import importlib, pkgutil, sys
+
+BLOCKED = {blocked!r}
+
+def blocked(name):
+    return any(name == b or name.startswith(b + ".") for b in BLOCKED)
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if blocked(name):
+            raise ImportError(f"{{name}} is blocked by the boundary test")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+import slipstream.service.{room} as pkg
+
+names = [m.name for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + ".")]
+for name in names:
+    importlib.import_module(name)
+leaked = sorted(m for m in sys.modules if blocked(m))
+assert not leaked, leaked
+print(len(names))
+"""
+
+
+@pytest.mark.parametrize("room", sorted(_ROOM_BLOCKS))
+def test_each_room_imports_without_what_it_must_not_reach(room: str) -> None:
+    code = _ROOM_IMPORT.format(blocked=_ROOM_BLOCKS[room], room=room)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    expected = {p.stem for p in (ROOT / "service" / room).glob("*.py")} - {"__init__"}
+    assert int(result.stdout.strip()) == len(expected)
+
+
+def test_the_room_blocker_really_blocks() -> None:
+    code = _ROOM_IMPORT.format(blocked=("slipstream.service.engine.engine",), room="engine")
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode != 0 and "blocked by the boundary test" in result.stderr

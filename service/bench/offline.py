@@ -41,8 +41,8 @@ from slipstream.service.bench.workload import (
     save_workload,
     workload_summary,
 )
-from slipstream.service.config import DTYPE_CHOICES, EngineConfig
-from slipstream.service.events import Event, FinishEvent, GenerationRequest
+from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest
 
 ENGINES = ("slipstream", "hf_static", "hf_cb")
 
@@ -181,7 +181,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
 
 def resolve_model_dir(model: str) -> str:
     """A model name (created on first use) or checkpoint path as a directory."""
-    from slipstream.service.model_store import resolve_model
+    from slipstream.service.models.store import resolve_model
 
     try:
         return str(resolve_model(model))
@@ -236,11 +236,13 @@ def run_slipstream(
     """Slipstream's in-process engine: every request submitted at ``t0``;
     latency is the engine thread's finish callback, TTFT its first token."""
     try:
-        from slipstream.service.engine import Engine
+        from slipstream.service.engine.engine import Engine
     except ModuleNotFoundError as exc:
-        if exc.name != "slipstream.service.engine":
+        if exc.name != "slipstream.service.engine.engine":
             raise
-        raise BenchError("the Slipstream engine (slipstream.service.engine) is missing") from exc
+        raise BenchError(
+            "the Slipstream engine (slipstream.service.engine.engine) is missing"
+        ) from exc
     config = _engine_config(model_dir, options)
     engine = Engine(config)
     engine.start()

@@ -33,7 +33,7 @@ import numpy as np
 
 from slipstream.service.bench.report import hardware
 from slipstream.service.bench.workload import WorkloadRequest, make_workload, workload_summary
-from slipstream.service.config import DTYPE_CHOICES
+from slipstream.service.engine.config import DTYPE_CHOICES
 
 
 @dataclass(slots=True)
@@ -200,7 +200,7 @@ def run_local(
     engine: object, workload: Sequence[WorkloadRequest], shape: LoadShape, tag: str
 ) -> tuple[list[Trace], float]:
     """The same workload and arrivals through ``engine.submit`` directly."""
-    from slipstream.service.events import FinishEvent, GenerationRequest
+    from slipstream.service.engine.events import FinishEvent, GenerationRequest
 
     traces = [Trace() for _ in workload]
     done = threading.Semaphore(0)
@@ -237,8 +237,8 @@ def run_local(
 
 
 def local_engine(args: argparse.Namespace) -> object:
-    from slipstream.service.config import EngineConfig
-    from slipstream.service.engine import Engine
+    from slipstream.service.engine.config import EngineConfig
+    from slipstream.service.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
     engine.start()

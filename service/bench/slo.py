@@ -46,7 +46,7 @@ from slipstream.service.bench.slo_workload import (
     saturating_requests,
     scored_metrics,
 )
-from slipstream.service.config import DTYPE_CHOICES
+from slipstream.service.engine.config import DTYPE_CHOICES
 
 LOADS = (0.8, 1.0, 1.5, 2.0)
 CVS = (1.0, 3.0)

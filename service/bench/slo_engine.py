@@ -38,11 +38,11 @@ from slipstream.service.bench.slo_workload import (
     saturating_requests,
     scored_metrics,
 )
-from slipstream.service.config import EngineConfig
-from slipstream.service.cost_model import calibrate
-from slipstream.service.engine import Engine
-from slipstream.service.events import Event, FinishEvent, GenerationRequest, TokenEvent
-from slipstream.service.runner import kv_bytes_per_block
+from slipstream.service.engine.calibration import calibrate
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.engine import Engine
+from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest, TokenEvent
+from slipstream.service.engine.runner import kv_bytes_per_block
 
 if TYPE_CHECKING:
     from slipstream.service.bench.slo import SloOptions

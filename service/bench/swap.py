@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slipstream.service.bench.report import hardware, resolved_dtype
-from slipstream.service.config import DTYPE_CHOICES
+from slipstream.service.engine.config import DTYPE_CHOICES
 
 if TYPE_CHECKING:
     from slipstream.scheduler.plan import StepPlan
-    from slipstream.service.runner import ModelRunner
+    from slipstream.service.engine.runner import ModelRunner
 
 CONTEXTS = (128, 256, 512, 1024, 2048, 4096)
 
@@ -68,10 +68,10 @@ def run_sweep(
     model: str, dtype: str, block_size: int, budget: int, repeats: int
 ) -> dict[str, object]:
     from slipstream.kernels.block_copy import copy_blocks
-    from slipstream.service.config import EngineConfig
-    from slipstream.service.cost_model import _plan, calibrate
-    from slipstream.service.engine import Engine
-    from slipstream.service.runner import kv_bytes_per_block
+    from slipstream.service.engine.calibration import _plan, calibrate
+    from slipstream.service.engine.config import EngineConfig
+    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.runner import kv_bytes_per_block
 
     max_blocks = -(-max(CONTEXTS) // block_size) + 1
     engine = Engine(

@@ -55,7 +55,7 @@ def test_unknown_engine_is_a_usage_error(tmp_path: Path, tiny_model_dir: Path) -
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("slipstream.service.engine") is None,
+    importlib.util.find_spec("slipstream.service.engine.engine") is None,
     reason="the Slipstream engine is not built yet",
 )
 def test_slipstream_against_peers(tmp_path: Path, tiny_model_dir: Path) -> None:

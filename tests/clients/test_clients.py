@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from slipstream.clients import AsyncClient, Client, StreamError
 from slipstream.clients.wire import GenerateOptions, build_submit, finish_reason_name
 from slipstream.scheduler.request import FinishReason
-from slipstream.service.errors_map import wire_finish
+from slipstream.service.api.status import wire_finish
 
 
 def test_sync_client_multiplexes_iterates_and_cancels(scripted: ScriptedServer) -> None:

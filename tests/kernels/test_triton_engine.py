@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 from triton_modules import count_launches, interpreted
 
-from slipstream.service.config import EngineConfig
+from slipstream.service.engine.config import EngineConfig
 
 pytestmark = pytest.mark.triton
 
@@ -24,7 +24,7 @@ MAX_NEW_TOKENS = [6, 8, 5, 7]
 
 
 def _engine(backend: str):
-    from slipstream.service.engine import Engine
+    from slipstream.service.engine.engine import Engine
 
     return Engine(
         EngineConfig(
@@ -35,7 +35,7 @@ def _engine(backend: str):
 
 
 def _generate(engine) -> list[list[int]]:
-    from slipstream.service.events import GenerationRequest
+    from slipstream.service.engine.events import GenerationRequest
 
     requests = [
         GenerationRequest(req_id=f"r{i}", prompt_token_ids=p, max_new_tokens=n, ignore_eos=True)

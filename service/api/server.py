@@ -1,0 +1,147 @@
+"""The gRPC server: ``slipstream.v1.Inference`` plus the standard health and
+reflection services, always on.
+
+``create_server`` builds a server around a loaded engine (tests use it on port
+0); ``run`` is the process's life: listen while loading (health NOT_SERVING),
+serve, and on SIGTERM/SIGINT drain within a grace period, then stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from slipstream.service.api.lifecycle import Lifecycle
+from slipstream.service.api.servicer import InferenceServicer
+from slipstream.service.api.status import finish_status
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from slipstream.service.engine.engine import Engine
+    from slipstream.service.telemetry.tracing import Telemetry
+
+log = structlog.get_logger(__name__)
+
+
+class StartupFailed(Exception):
+    """The engine could not be loaded; the message says what failed and what to do.
+
+    Raised by ``run`` after the listening server is stopped, so nothing of the
+    half-started process is left to fail again while the interpreter exits.
+    """
+
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["Inference"].full_name,
+    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+    reflection.SERVICE_NAME,
+)
+# Large prompts arrive as token-id lists; the default 4 MiB would cap them early.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.max_send_message_length", 64 * 2**20),
+]
+
+
+def build_server(
+    lifecycle: Lifecycle, host: str, port: int, telemetry: Telemetry | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A server (not started) for ``lifecycle``; returns it and the bound port."""
+    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+    if telemetry is not None:
+        telemetry.requests.finish_status = finish_status
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle, telemetry), server)
+    health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
+    reflection.enable_server_reflection(SERVICE_NAMES, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    return server, bound
+
+
+async def create_server(
+    engine: Engine, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """A started server around a loaded engine, health SERVING; ``telemetry``
+    (if given) is attached to the engine."""
+    lifecycle = Lifecycle(engine)
+    server, bound = build_server(lifecycle, host, port, telemetry)
+    if telemetry is not None:
+        telemetry.attach(engine)
+    await server.start()
+    await lifecycle.serve()
+    return server, bound
+
+
+async def shutdown(server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float) -> None:
+    """Drain: refuse new work, let running requests finish within ``grace_s``
+    (then they are cancelled), stop the server and the engine."""
+    await lifecycle.drain()
+    deadline = time.monotonic() + grace_s
+    engine = lifecycle.engine
+    await asyncio.to_thread(engine.wait_idle, grace_s)
+    # Streams whose requests all finished are ending now; give them the rest.
+    await server.stop(max(deadline - time.monotonic(), 0.5))
+    await asyncio.to_thread(engine.shutdown)
+
+
+def startup_message(exc: BaseException) -> str:
+    """``exc`` from loading a model, as one line an operator can act on."""
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    # ValueError covers bad flags, unsupported checkpoints and weight packing
+    # refused by the CPU (kernels.linear.WeightPackingFailed).
+    if isinstance(exc, ValueError | FileNotFoundError):
+        return f"cannot load the model: {detail}"
+    if isinstance(exc, MemoryError):
+        return f"out of memory loading the model ({detail}); lower --kv-cache-gb"
+    return (
+        f"cannot load the model: {type(exc).__name__}: {detail} "
+        "(run with SLIPSTREAM_LOG_LEVEL=debug and check the model path and --dtype)"
+    )
+
+
+async def run(
+    load_engine: Callable[[], Engine],
+    host: str,
+    port: int,
+    grace_s: float,
+    on_ready: Callable[[int, Engine], None] | None = None,
+    telemetry: Telemetry | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    lifecycle = Lifecycle()
+    server, bound = build_server(lifecycle, host, port, telemetry)
+    await server.start()
+    await lifecycle.report_loading()
+    log.info("server_loading", host=host, port=bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        engine = await asyncio.to_thread(load_engine)
+    except Exception as exc:  # anything at all: the process must end with one clear line
+        log.debug("server_start_failed", exc_info=True)  # the traceback, only when asked for
+        await server.stop(None)
+        raise StartupFailed(startup_message(exc)) from None
+    if telemetry is not None:
+        telemetry.attach(engine)
+    await lifecycle.serve(engine)
+    log.info("server_serving", host=host, port=bound, model=engine.info.name)
+    if on_ready is not None:
+        on_ready(bound, engine)
+    await stop.wait()
+    log.info("server_draining", grace_s=grace_s)
+    await shutdown(server, lifecycle, grace_s)
+    if telemetry is not None:
+        await asyncio.to_thread(telemetry.shutdown)
+    log.info("server_stopped")

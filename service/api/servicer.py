@@ -1,0 +1,94 @@
+"""``slipstream.v1.Inference``: thin handlers. Validation and conversion live
+in ``wire``, per-call request bookkeeping in ``stream_session``, the mapping
+of errors to statuses in ``errors_map``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from slipstream.service.api import wire
+from slipstream.service.api.lifecycle import Lifecycle, NotServing
+from slipstream.service.api.session import StreamSession
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from slipstream.service.engine.engine import Engine
+    from slipstream.service.telemetry.tracing import Telemetry
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, lifecycle: Lifecycle, telemetry: Telemetry | None = None) -> None:
+        self._lifecycle = lifecycle
+        self._telemetry = telemetry
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[pb.GenerateRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            engine = self._lifecycle.require_serving()
+        except NotServing as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        session = StreamSession(
+            engine,
+            asyncio.get_running_loop(),
+            _call_deadline(context),
+            self._telemetry,
+            context.invocation_metadata() or (),
+        )
+        # A dropped client or a passed call deadline ends the call without
+        # resuming this generator; the callback still frees the requests.
+        context.add_done_callback(lambda _: session.abort_all())
+        reader = asyncio.create_task(session.read(request_iterator))
+        try:
+            async for response in session.responses():
+                yield response
+            if session.error is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(session.error))
+        finally:
+            session.abort_all()
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        engine = await self._engine_or_abort(context)
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = engine.tokenizer.encode(request.text, add_special_tokens=add_special)
+        return pb.TokenizeResponse(
+            token_ids=ids, tokens=engine.tokenizer.convert_ids_to_tokens(ids)
+        )
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        engine = await self._engine_or_abort(context)
+        return wire.model_info(engine.info)
+
+    async def GetServerStats(
+        self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerStats:
+        engine = await self._engine_or_abort(context)
+        return wire.server_stats(engine.stats())
+
+    async def _engine_or_abort(self, context: grpc.aio.ServicerContext) -> Engine:
+        try:
+            return self._lifecycle.engine
+        except NotServing as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+def _call_deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's gRPC deadline as absolute ``time.monotonic()`` seconds."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining

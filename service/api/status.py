@@ -1,0 +1,91 @@
+"""The one table between Slipstream's domain outcomes and the wire.
+
+Every domain error a submit can raise maps to a ``RejectReason`` (the request
+alone finishes REJECTED) and to the gRPC status code the same condition has
+when it concerns a whole call. Every ``FinishReason`` maps to the wire's
+``FinishReason``. Nothing else in ``service/`` or ``clients/`` interprets
+these values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from slipstream.scheduler.errors import (
+    DeadlineInfeasible,
+    Draining,
+    DuplicateRequest,
+    PromptTooLong,
+    QueueFull,
+)
+from slipstream.scheduler.request import FinishReason
+from slipstream.service.telemetry.request_trace import WireStatus
+from slipstream.v1 import inference_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reject_reason: int  # pb.RejectReason
+    status: grpc.StatusCode
+
+    @property
+    def reason_name(self) -> str:
+        """``queue_full``, ``invalid``, ...: the reject reason as a label."""
+        return pb.RejectReason.Name(self.reject_reason).removeprefix("REJECT_REASON_").lower()
+
+    @property
+    def wire_status(self) -> WireStatus:
+        return WireStatus(self.status.name, self.status.value[0])
+
+
+INVALID = Rejection(pb.REJECT_REASON_INVALID, grpc.StatusCode.INVALID_ARGUMENT)
+
+# Most specific class first: lookups walk the exception's MRO.
+_REJECTIONS: dict[type[Exception], Rejection] = {
+    PromptTooLong: Rejection(pb.REJECT_REASON_PROMPT_TOO_LONG, grpc.StatusCode.INVALID_ARGUMENT),
+    DuplicateRequest: Rejection(
+        pb.REJECT_REASON_DUPLICATE_REQUEST_ID, grpc.StatusCode.ALREADY_EXISTS
+    ),
+    QueueFull: Rejection(pb.REJECT_REASON_QUEUE_FULL, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    DeadlineInfeasible: Rejection(
+        pb.REJECT_REASON_DEADLINE_INFEASIBLE, grpc.StatusCode.DEADLINE_EXCEEDED
+    ),
+    Draining: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
+    ValueError: INVALID,
+}
+
+# Domain finish reason -> (wire finish reason, equivalent gRPC status).
+_FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
+    FinishReason.EOS: (pb.FINISH_REASON_EOS, grpc.StatusCode.OK),
+    FinishReason.MAX_TOKENS: (pb.FINISH_REASON_MAX_TOKENS, grpc.StatusCode.OK),
+    FinishReason.STOP_SEQUENCE: (pb.FINISH_REASON_STOP_SEQUENCE, grpc.StatusCode.OK),
+    FinishReason.CANCELLED: (pb.FINISH_REASON_CANCELLED, grpc.StatusCode.CANCELLED),
+    FinishReason.DEADLINE_EXCEEDED: (
+        pb.FINISH_REASON_DEADLINE_EXCEEDED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    ),
+    FinishReason.REJECTED: (pb.FINISH_REASON_REJECTED, grpc.StatusCode.FAILED_PRECONDITION),
+    FinishReason.ERROR: (pb.FINISH_REASON_ERROR, grpc.StatusCode.INTERNAL),
+}
+
+
+def rejection_for(error: Exception) -> Rejection | None:
+    """The rejection for a domain error a submit raised, or None when the
+    error is not one a caller can cause (a server bug: let it propagate)."""
+    for cls in type(error).__mro__:
+        rejection = _REJECTIONS.get(cls)
+        if rejection is not None:
+            return rejection
+    return None
+
+
+def wire_finish(reason: FinishReason) -> tuple[int, grpc.StatusCode]:
+    return _FINISHES[reason]
+
+
+def finish_status(reason: FinishReason) -> WireStatus:
+    """The gRPC status of a finish, for telemetry (which never reads the wire)."""
+    _, status = _FINISHES[reason]
+    return WireStatus(status.name, status.value[0])

@@ -1,0 +1,231 @@
+"""Conversions between the wire (``slipstream.v1`` protos) and the engine's
+domain objects. Pure functions: no engine, no event loop.
+
+A submit that the wire layer itself finds malformed raises ``ValueError``;
+the engine raises the rest (domain errors) when it is submitted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from slipstream.scheduler.request import SamplingParams
+from slipstream.service.api.status import wire_finish
+from slipstream.service.engine.events import (
+    EngineStats,
+    FinishEvent,
+    GenerationRequest,
+    ModelInfo,
+    TokenEvent,
+)
+from slipstream.v1 import inference_pb2 as pb
+
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def encode_prompt(tokenizer: object, text: str) -> list[int]:
+    """Token ids of a text prompt as ``AutoTokenizer`` gives them by default
+    (special tokens added); ``slipstream generate --local`` uses the same."""
+    return list(tokenizer.encode(text))  # type: ignore[attr-defined]
+
+
+def _reject_unknown_fields(message: Message, where: str) -> None:
+    # A field this server does not know (a newer client) would otherwise be
+    # silently ignored and change the request's meaning without a word.
+    if len(UnknownFieldSet(message)):
+        raise ValueError(f"{where} has fields this server does not understand")
+
+
+def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[int]:
+    kind = submit.WhichOneof("prompt")
+    if kind == "text":
+        if not submit.text:
+            raise ValueError("prompt text is empty")
+        return encode_prompt(tokenizer, submit.text)
+    if kind == "token_ids":
+        ids = list(submit.token_ids.ids)
+        if any(t >= info.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be < vocab size {info.vocab_size}")
+        return ids
+    raise ValueError("submit has no prompt (set text or token_ids)")
+
+
+def _sampling(params: pb.SamplingParams) -> SamplingParams:
+    top_p = params.top_p if params.HasField("top_p") else 1.0
+    if not (math.isfinite(params.temperature) and math.isfinite(top_p)):
+        raise ValueError("temperature and top_p must be finite")
+    return SamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=top_p,
+        seed=params.seed if params.HasField("seed") else None,
+    )
+
+
+def _max_new_tokens(stopping: pb.StoppingCriteria, info: ModelInfo) -> int:
+    if not stopping.HasField("max_new_tokens"):
+        return DEFAULT_MAX_NEW_TOKENS
+    value = stopping.max_new_tokens
+    if not 1 <= value <= info.max_model_len:
+        raise ValueError(f"max_new_tokens must be in [1, {info.max_model_len}], got {value}")
+    return value
+
+
+def _deadline(submit: pb.Submit, now: float, call_deadline: float | None) -> float | None:
+    """The earliest of the submit's timeout, its absolute deadline and the
+    call's deadline, as absolute ``time.monotonic()`` seconds."""
+    candidates = [] if call_deadline is None else [call_deadline]
+    if submit.HasField("timeout"):
+        timeout_s = submit.timeout.ToTimedelta().total_seconds()
+        if timeout_s < 0:
+            raise ValueError("timeout must not be negative")
+        candidates.append(now + timeout_s)
+    if submit.HasField("deadline"):
+        wall_s = submit.deadline.seconds + submit.deadline.nanos / 1e9
+        candidates.append(now + (wall_s - time.time()))
+    return min(candidates, default=None)
+
+
+def to_generation_request(
+    submit: pb.Submit,
+    req_id: str,
+    tokenizer: object,
+    info: ModelInfo,
+    now: float,
+    call_deadline: float | None,
+) -> GenerationRequest:
+    """The engine request for a submit; raises ``ValueError`` if malformed."""
+    for message, where in (
+        (submit, "submit"),
+        (submit.sampling, "sampling"),
+        (submit.stopping, "stopping"),
+    ):
+        _reject_unknown_fields(message, where)
+    if submit.return_logprobs:
+        raise ValueError("logprobs are not available from this server")
+    return GenerationRequest(
+        req_id=req_id,
+        prompt_token_ids=_prompt_ids(submit, tokenizer, info),
+        max_new_tokens=_max_new_tokens(submit.stopping, info),
+        sampling=_sampling(submit.sampling),
+        stop_sequences=tuple(submit.stopping.stop_sequences),
+        ignore_eos=submit.stopping.ignore_eos,
+        priority=submit.priority,
+        deadline=_deadline(submit, now, call_deadline),
+        expected_output_tokens=(
+            submit.expected_output_tokens if submit.HasField("expected_output_tokens") else None
+        ),
+        arrival_time=now,
+    )
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _duration(seconds: float) -> Duration:
+    d = Duration()
+    d.FromNanoseconds(round(max(seconds, 0.0) * 1e9))
+    return d
+
+
+def accepted(request_id: str, queue_position: int, num_prompt_tokens: int) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=request_id,
+        accepted=pb.Accepted(queue_position=queue_position, num_prompt_tokens=num_prompt_tokens),
+    )
+
+
+def rejected(
+    request_id: str, reject_reason: int, status_name: str, message: str
+) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=request_id,
+        finished=pb.Finished(
+            reason=pb.FINISH_REASON_REJECTED,
+            reject_reason=reject_reason,
+            status_code=status_name,
+            message=message,
+        ),
+    )
+
+
+def token_chunk(request_id: str, event: TokenEvent) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=request_id,
+        chunk=pb.TokenChunk(
+            token_ids=event.token_ids,
+            text=event.text,
+            index=event.index,
+            step=event.step,
+            batch_size=event.batch_size,
+        ),
+    )
+
+
+def finished(request_id: str, event: FinishEvent) -> pb.GenerateResponse:
+    reason, status = wire_finish(event.reason)
+    timings = pb.Timings(queue_wait=_duration(event.queue_wait_s), total=_duration(event.total_s))
+    if event.ttft_s is not None:
+        timings.time_to_first_token.CopyFrom(_duration(event.ttft_s))
+    return pb.GenerateResponse(
+        request_id=request_id,
+        finished=pb.Finished(
+            reason=reason,
+            status_code=status.name,
+            message=event.message,
+            text=event.text,
+            usage=pb.Usage(
+                prompt_tokens=event.num_prompt_tokens,
+                output_tokens=event.num_output_tokens,
+                cached_tokens=event.num_cached_tokens,
+                preemptions=event.num_preemptions,
+            ),
+            timings=timings,
+        ),
+    )
+
+
+def model_info(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=info.name,
+        architecture=info.architecture,
+        max_context=info.max_model_len,
+        vocab_size=info.vocab_size,
+        dtype=info.dtype,
+        block_size=info.block_size,
+        attention_backend=info.attention_backend,
+        eos_token_ids=info.eos_token_ids,
+        requested_dtype=info.requested_dtype,
+        weights_packed=info.weights_packed,
+        cpu=pb.CpuInfo(
+            model=str(info.cpu.get("model", "")),
+            flags=list(info.cpu.get("flags", [])),  # type: ignore[call-overload]
+            torch_capability=str(info.cpu.get("torch_capability", "")),
+            native_bf16=bool(info.cpu.get("native_bf16", False)),
+        ),
+    )
+
+
+def server_stats(stats: EngineStats) -> pb.ServerStats:
+    return pb.ServerStats(
+        waiting=stats.waiting,
+        running=stats.running,
+        swapped=stats.swapped,
+        kv_blocks_used=pb.BlockCounts(device=stats.device_blocks.used, host=stats.host_blocks.used),
+        kv_blocks_free=pb.BlockCounts(device=stats.device_blocks.free, host=stats.host_blocks.free),
+        by_priority={
+            priority: pb.QueueCounts(
+                waiting=counts.get("waiting", 0),
+                running=counts.get("running", 0),
+                swapped=counts.get("swapped", 0),
+            )
+            for priority, counts in stats.by_priority.items()
+        },
+        step=stats.step,
+        draining=stats.is_draining,
+    )

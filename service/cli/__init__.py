@@ -1,0 +1,61 @@
+"""The ``slipstream`` command. Flags and environment variables are read here
+and nowhere else; each subcommand lives in its own module and registers itself
+through ``add_parser(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Iterable
+
+from slipstream.service.cli.extras import ServerExtraMissing, missing_server_modules
+
+# Subcommand modules, each exposing add_parser(subparsers) that sets a `func`
+# default taking the parsed args and returning an exit code.
+COMMAND_MODULES = (
+    "slipstream.service.cli.model",
+    "slipstream.service.cli.generate",
+    "slipstream.service.cli.serve",
+    "slipstream.service.cli.stats",
+    "slipstream.service.cli.bench",
+)
+
+
+def register_subcommands(subparsers: argparse._SubParsersAction, modules: Iterable[str]) -> None:  # type: ignore[type-arg]
+    """Lets each module add its subcommand: ``module.add_parser(subparsers)``.
+    A module that cannot be imported for want of the server extra still gets a
+    subcommand, which says what to install."""
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            if not missing_server_modules():
+                raise  # a real bug, not a light install
+            _add_unavailable(subparsers, name.rpartition(".")[2])
+            continue
+        module.add_parser(subparsers)
+
+
+def _add_unavailable(subparsers: argparse._SubParsersAction, command: str) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(command, help="(needs slipstream[server])", add_help=False)
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def unavailable(args: argparse.Namespace) -> int:
+        raise ServerExtraMissing(command, missing_server_modules())
+
+    parser.set_defaults(func=unavailable)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
+    register_subcommands(parser.add_subparsers(dest="command", required=True), COMMAND_MODULES)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, ServerExtraMissing) as exc:  # bad model, flags; a light install
+        parser.exit(2, f"slipstream: error: {exc}\n")

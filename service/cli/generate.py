@@ -1,0 +1,234 @@
+"""``slipstream generate``: run prompts through an in-process engine
+(``--local``) or a server (``--server HOST:PORT``). Both print the same
+output, so local and remote runs compare line for line; with ``--json`` one
+object per prompt, in prompt order: ``{"index", "token_ids", "text",
+"finish_reason"}``.
+
+A prompts file is JSON Lines: each line a JSON string, or an object with
+``prompt`` (text) or ``prompt_token_ids`` and optionally ``max_tokens``,
+``temperature``, ``seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slipstream.service.cli.extras import require_server_extra
+from slipstream.service.cli.serve import add_engine_args, engine_config
+
+if TYPE_CHECKING:
+    from slipstream.clients import AsyncGeneration, Result
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpec:
+    """One prompt and its per-prompt overrides of the command's flags."""
+
+    text: str | None
+    token_ids: list[int] | None
+    max_tokens: int
+    temperature: float
+    seed: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "index": self.index,
+                "token_ids": self.token_ids,
+                "text": self.text,
+                "finish_reason": self.finish_reason,
+            }
+        )
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("generate", help="generate text locally or from a server")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="run an in-process engine")
+    where.add_argument("--server", metavar="HOST:PORT", help="call a slipstream server")
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    prompts.add_argument("--prompts-file", type=Path, help="JSON Lines of prompts")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--priority", type=int, default=0, help="0 = most urgent")
+    parser.add_argument("--deadline-ms", type=float, default=None, help="per-request deadline")
+    parser.add_argument("--expected-tokens", type=int, default=None, help="output-length hint")
+    parser.add_argument(
+        "--cancel-after", type=int, default=None, metavar="N", help="cancel after N tokens"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_engine_args(parser)
+    parser.set_defaults(func=run)
+
+
+def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
+    if args.prompt:
+        return [_spec(text, None, {}, args) for text in args.prompt]
+    specs = []
+    for line_no, line in enumerate(args.prompts_file.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        item = json.loads(line)
+        if isinstance(item, str):
+            specs.append(_spec(item, None, {}, args))
+        elif isinstance(item, dict) and ("prompt" in item or "prompt_token_ids" in item):
+            specs.append(_spec(item.get("prompt"), item.get("prompt_token_ids"), item, args))
+        else:
+            raise SystemExit(
+                f"{args.prompts_file}:{line_no}: need a string or prompt/prompt_token_ids"
+            )
+    return specs
+
+
+def _spec(
+    text: str | None, token_ids: list[int] | None, item: dict, args: argparse.Namespace
+) -> PromptSpec:
+    return PromptSpec(
+        text=text,
+        token_ids=token_ids,
+        max_tokens=item.get("max_tokens", args.max_tokens),
+        temperature=item.get("temperature", args.temperature),
+        seed=item.get("seed", args.seed),
+    )
+
+
+# ---------------------------------------------------------------- local
+
+
+def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
+    from slipstream.scheduler.request import FinishReason, SamplingParams
+    from slipstream.service.api.wire import encode_prompt
+    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+
+    engine = Engine(engine_config(args))
+    engine.start()
+    collectors = [_LocalCollector(engine, str(i), args.cancel_after) for i in range(len(specs))]
+    now = time.monotonic()
+    try:
+        for spec, collector in zip(specs, collectors, strict=True):
+            ids = (
+                spec.token_ids if spec.text is None else encode_prompt(engine.tokenizer, spec.text)
+            )
+            request = GenerationRequest(
+                req_id=collector.req_id,
+                prompt_token_ids=list(ids or []),
+                max_new_tokens=spec.max_tokens,
+                sampling=SamplingParams(temperature=spec.temperature, seed=spec.seed),
+                ignore_eos=args.ignore_eos,
+                priority=args.priority,
+                deadline=None if args.deadline_ms is None else now + args.deadline_ms / 1000,
+                expected_output_tokens=args.expected_tokens,
+                arrival_time=now,
+            )
+            try:
+                if not spec.text and not spec.token_ids:
+                    raise ValueError("prompt is empty")
+                engine.submit(request, collector.on_event)
+            except Exception as exc:  # a bad prompt fails alone, as over the wire
+                reject = FinishEvent(collector.req_id, FinishReason.REJECTED, str(exc))
+                collector.on_event(reject)
+        return [c.wait(i) for i, c in enumerate(collectors)]
+    finally:
+        engine.shutdown()
+
+
+class _LocalCollector:
+    def __init__(self, engine: object, req_id: str, cancel_after: int | None) -> None:
+        self.req_id = req_id
+        self._engine = engine
+        self._cancel_after = cancel_after
+        self._token_ids: list[int] = []
+        self._text: list[str] = []
+        self._reason = ""
+        self._done = threading.Event()
+
+    def on_event(self, event: object) -> None:
+        from slipstream.service.engine.events import FinishEvent
+
+        self._text.append(event.text)  # type: ignore[attr-defined]
+        if isinstance(event, FinishEvent):
+            self._reason = event.reason.name.lower()
+            self._done.set()
+            return
+        self._token_ids.extend(event.token_ids)  # type: ignore[attr-defined]
+        if self._cancel_after is not None and len(self._token_ids) >= self._cancel_after:
+            self._engine.abort(self.req_id)  # type: ignore[attr-defined]
+
+    def wait(self, index: int) -> Output:
+        self._done.wait()
+        return Output(index, self._token_ids, "".join(self._text), self._reason)
+
+
+# ---------------------------------------------------------------- remote
+
+
+async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
+    from slipstream.clients import AsyncClient
+
+    async with AsyncClient(args.server) as client:
+        stream = client.stream()
+        generations = [
+            await stream.generate(
+                spec.token_ids if spec.token_ids is not None else spec.text or "",
+                request_id=str(i),
+                max_tokens=spec.max_tokens,
+                temperature=spec.temperature,
+                seed=spec.seed,
+                ignore_eos=args.ignore_eos,
+                priority=args.priority,
+                deadline_s=None if args.deadline_ms is None else args.deadline_ms / 1000,
+                expected_tokens=args.expected_tokens,
+            )
+            for i, spec in enumerate(specs)
+        ]
+        await stream.close()
+        results = await asyncio.gather(*(_follow(g, args.cancel_after) for g in generations))
+    return [Output(i, r.token_ids, r.text, r.finish_reason) for i, r in enumerate(results)]
+
+
+async def _follow(generation: AsyncGeneration, cancel_after: int | None) -> Result:
+    num_tokens = 0
+    async for chunk in generation:
+        num_tokens += len(chunk.token_ids)
+        if cancel_after is not None and num_tokens >= cancel_after:
+            await generation.cancel()
+            cancel_after = None
+    return await generation.result()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.local:
+        require_server_extra("generate --local")
+        from slipstream.service.telemetry.logs import configure_logging
+
+        # stdout carries the results (JSON lines); logs go to stderr.
+        configure_logging(level="warning")
+    specs = load_prompts(args)
+    outputs = run_local(specs, args) if args.local else asyncio.run(run_remote(specs, args))
+    for out in outputs:
+        if args.json:
+            print(out.to_json())
+        else:
+            print(f"[{out.index}] ({out.finish_reason}) {out.text}")
+    sys.stdout.flush()
+    return 0

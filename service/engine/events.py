@@ -1,0 +1,108 @@
+"""What crosses between the engine thread and its callers.
+
+A caller submits a ``GenerationRequest`` with a callback; the engine thread
+calls it with ``TokenEvent``s as tokens are made and exactly one
+``FinishEvent`` at the end. Callbacks run on the engine thread and must be
+cheap and non-blocking (hand off with ``loop.call_soon_threadsafe`` or a
+``queue.Queue``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slipstream.scheduler.request import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A request as the engine takes it. Times are absolute ``time.monotonic()``
+    seconds. ``req_id`` is unique across the engine (the gRPC layer prefixes
+    the stream's id to the client's request id)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+    deadline: float | None = None
+    expected_output_tokens: int | None = None
+    arrival_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New tokens of one request from one engine step. ``index`` is the
+    output index of ``token_ids[0]``; ``text`` is the detokenized delta (it
+    may lag the ids by a few bytes until a UTF-8 character is complete)."""
+
+    req_id: str
+    token_ids: list[int]
+    text: str
+    index: int
+    step: int
+    batch_id: int
+    batch_size: int
+    queue_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FinishEvent:
+    """The one final event of a request."""
+
+    req_id: str
+    reason: FinishReason
+    message: str = ""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_wait_s: float = 0.0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    num_preemptions: int = 0
+    text: str = ""  # any text held back until the end (incomplete UTF-8, stop-string lookahead)
+
+
+Event = TokenEvent | FinishEvent
+EventCallback = Callable[[Event], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    block_size: int
+    attention_backend: str
+    eos_token_ids: list[int]
+    kv_bytes_per_block: int = 0  # device + host KV bytes one block holds (all layers)
+    requested_dtype: str = ""
+    weights_packed: bool = False
+    cpu: dict[str, object] = field(default_factory=dict)  # CpuFeatures.describe()
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    used: int
+    free: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for GetServerStats and metrics. ``by_priority`` maps a
+    priority class to ``{"waiting": n, "running": n, "swapped": n}``."""
+
+    waiting: int
+    running: int
+    swapped: int
+    device_blocks: PoolStats
+    host_blocks: PoolStats
+    by_priority: dict[int, dict[str, int]]
+    step: int
+    is_draining: bool

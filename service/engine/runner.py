@@ -1,0 +1,120 @@
+"""The model runner: executes one ``StepPlan`` — block swaps and copies, then
+one forward over the ragged batch, then sampling. It makes no policy
+decision; everything it does is spelled out by the plan.
+
+KV pools, one (K, V) pair per layer (logical shapes; stored head-major, see
+kernels/kv_layout.py)::
+
+    device pool  k_cache[num_device_blocks, block_size, num_kv_heads, head_dim]
+    host pool    k_cache[num_host_blocks,   block_size, num_kv_heads, head_dim]
+
+On a CUDA device the host pool would be pinned CPU memory; on the CPU both
+pools are ordinary tensors and a swap is a copy between them, which still
+frees device blocks for more urgent work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.kernels.attention import build_attention_metadata
+from slipstream.kernels.backend import copy_blocks_for
+from slipstream.kernels.kv_layout import allocate_kv_cache
+from slipstream.kernels.sampling import sample
+from slipstream.scheduler.plan import StepPlan
+from slipstream.service.models.llama import LlamaModel
+
+KVPool = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def allocate_pool(model: LlamaModel, num_blocks: int, block_size: int) -> KVPool:
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (allocate_kv_cache(*shape, model.dtype), allocate_kv_cache(*shape, model.dtype))
+        for _ in range(cfg.num_layers)
+    ]
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    cfg = model.config
+    element_size = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Sampled token per request that sampled this step."""
+
+    sampled: dict[str, int]
+    num_tokens: int
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaModel, num_device_blocks: int, num_host_blocks: int, block_size: int
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device_pool = allocate_pool(model, num_device_blocks, block_size)
+        self.host_pool = allocate_pool(model, num_host_blocks, block_size)
+        self._copy_blocks = copy_blocks_for(model.attention_backend)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.swap_out:
+            self._copy_blocks(self.device_pool, self.host_pool, plan.swap_out)
+        if plan.swap_in:
+            self._copy_blocks(self.host_pool, self.device_pool, plan.swap_in)
+        if plan.copies:
+            self._copy_blocks(self.device_pool, self.device_pool, plan.copies)
+        if not plan.seqs:
+            return StepResult({}, 0)
+        return self._forward(plan)
+
+    def _forward(self, plan: StepPlan) -> StepResult:
+        token_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampled_seqs = []
+        for seq in plan.seqs:
+            num_new = len(seq.token_ids)
+            token_ids.extend(seq.token_ids)
+            positions.extend(range(seq.start_pos, seq.start_pos + num_new))
+            query_lens.append(num_new)
+            seq_lens.append(seq.start_pos + num_new)
+            if seq.sample:
+                sample_rows.append(len(token_ids) - 1)
+                sampled_seqs.append(seq)
+        meta = build_attention_metadata(
+            query_lens,
+            seq_lens,
+            [seq.block_ids for seq in plan.seqs],
+            self.block_size,
+            torch.device("cpu"),
+            self.model.dtype,
+        )
+        logits = self.model.forward(
+            torch.tensor(token_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            self.device_pool,
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long),
+        )
+        if not sampled_seqs:
+            return StepResult({}, len(token_ids))
+        tokens = sample(
+            logits,
+            [s.sampling.temperature for s in sampled_seqs],
+            [s.sampling.top_k for s in sampled_seqs],
+            [s.sampling.top_p for s in sampled_seqs],
+            [s.sampling.seed for s in sampled_seqs],
+            [s.output_index for s in sampled_seqs],
+        )
+        return StepResult(
+            {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}, len(token_ids)
+        )

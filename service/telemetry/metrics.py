@@ -1,0 +1,234 @@
+"""Prometheus metrics on an HTTP ``/metrics`` endpoint.
+
+Two sources, so the engine thread does almost nothing for metrics:
+
+- gauges and engine counters are read from the engine when scraped
+  (``EngineStats``, the scheduler's preemption counters);
+- per-request outcomes (latency histograms, deadline misses, rejections)
+  are recorded once per request, when it finishes or is refused.
+
+Series (``priority`` is the request's priority class, 0 = most urgent)::
+
+    slipstream_queue_depth{priority}                       gauge
+    slipstream_running_requests{priority}                  gauge
+    slipstream_swapped_requests{priority}                  gauge
+    slipstream_kv_blocks{pool=device|host, state=used|free} gauge
+    slipstream_engine_steps_total                           counter
+    slipstream_preemptions_total{kind=swap|recompute}       counter
+    slipstream_rejections_total{reason}                     counter
+    slipstream_requests_finished_total{priority, reason}    counter
+    slipstream_deadline_requests_total{priority}            counter (deadline, judged)
+    slipstream_deadline_misses_total{priority}              counter (expired or late)
+    gen_ai_server_time_to_first_token_seconds{priority}     histogram
+    gen_ai_server_time_per_output_token_seconds{priority}   histogram
+    gen_ai_server_request_duration_seconds{priority}        histogram
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from slipstream.scheduler.request import FinishReason, Request
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.metrics_core import Metric
+
+    from slipstream.scheduler.plan import RequestOutput, StepPlan
+    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+
+# Bucket boundaries recommended by the OpenTelemetry GenAI semantic conventions.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
+DURATION_BUCKETS = (
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+)  # fmt: skip
+_ENGINE_REJECTION = "scheduler"  # a request the scheduler refused after accepting it
+# Outcomes that say whether a deadline was met; a cancelled or failed request says neither.
+_JUDGED = frozenset(
+    {
+        FinishReason.EOS,
+        FinishReason.MAX_TOKENS,
+        FinishReason.STOP_SEQUENCE,
+        FinishReason.DEADLINE_EXCEEDED,
+    }
+)
+
+
+class _EngineCollector(Collector):
+    """Scrape-time gauges from the bound engine (none while loading)."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self._seen_priorities: set[int] = set()  # keep a class's series at 0 once seen
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine
+        if engine is None:
+            return
+        stats = engine.stats()
+        self._seen_priorities.update(stats.by_priority)
+        queues = {
+            "waiting": GaugeMetricFamily(
+                "slipstream_queue_depth", "Requests waiting to be scheduled", labels=["priority"]
+            ),
+            "running": GaugeMetricFamily(
+                "slipstream_running_requests", "Requests in the running batch", labels=["priority"]
+            ),
+            "swapped": GaugeMetricFamily(
+                "slipstream_swapped_requests",
+                "Preempted requests whose KV is in the host pool",
+                labels=["priority"],
+            ),
+        }
+        for priority in sorted(self._seen_priorities):
+            counts = stats.by_priority.get(priority, {})
+            for state, family in queues.items():
+                family.add_metric([str(priority)], counts.get(state, 0))
+        yield from queues.values()
+        blocks = GaugeMetricFamily(
+            "slipstream_kv_blocks", "KV cache blocks", labels=["pool", "state"]
+        )
+        for pool, pool_stats in (("device", stats.device_blocks), ("host", stats.host_blocks)):
+            blocks.add_metric([pool, "used"], pool_stats.used)
+            blocks.add_metric([pool, "free"], pool_stats.free)
+        yield blocks
+        yield CounterMetricFamily("slipstream_engine_steps", "Engine steps run", value=stats.step)
+        preemptions = CounterMetricFamily(
+            "slipstream_preemptions", "Preemptions by kind", labels=["kind"]
+        )
+        scheduler = engine.scheduler
+        preemptions.add_metric(["swap"], scheduler.num_swap_preemptions)
+        preemptions.add_metric(["recompute"], scheduler.num_recompute_preemptions)
+        yield preemptions
+
+
+class ServerMetrics:
+    """The engine observer behind ``/metrics``; thread-safe."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._engine_collector = _EngineCollector()
+        self.registry.register(self._engine_collector)
+        labels = ["priority"]
+        self.rejections = Counter(
+            "slipstream_rejections",
+            "Submits refused, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "slipstream_requests_finished",
+            "Requests finished, by priority class and finish reason",
+            ["priority", "reason"],
+            registry=self.registry,
+        )
+        self.deadline_requests = Counter(
+            "slipstream_deadline_requests",
+            "Finished requests that had a deadline",
+            labels,
+            registry=self.registry,
+        )
+        self.deadline_misses = Counter(
+            "slipstream_deadline_misses",
+            "Requests with a deadline that expired or finished after it",
+            labels,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "gen_ai_server_time_to_first_token",
+            "Time from arrival to the first output token",
+            labels,
+            unit="seconds",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "gen_ai_server_time_per_output_token",
+            "Mean time per output token after the first",
+            labels,
+            unit="seconds",
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "gen_ai_server_request_duration",
+            "Time from arrival to the end of the request",
+            labels,
+            unit="seconds",
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        # req_id -> (priority class, absolute deadline): written on the
+        # submitting thread, read on the engine thread.
+        self._requests: dict[str, tuple[str, float | None]] = {}
+        self._lock = threading.Lock()
+
+    def bind_engine(self, engine: Engine) -> None:
+        self._engine_collector.engine = engine
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    # -- engine thread (EngineObserver) -----------------------------------
+
+    def on_submit(self, request: GenerationRequest, state: Request) -> None:
+        with self._lock:
+            self._requests[request.req_id] = (str(request.priority), request.deadline)
+
+    def on_step(
+        self, plan: StepPlan, outputs: list[RequestOutput], started: float, ended: float
+    ) -> None:
+        pass  # everything per step is read from the engine at scrape time
+
+    def on_finish(self, event: FinishEvent) -> None:
+        with self._lock:
+            priority, deadline = self._requests.pop(event.req_id, ("unknown", None))
+        self.finished.labels(priority, event.reason.name.lower()).inc()
+        if event.reason is FinishReason.REJECTED:
+            self.rejections.labels(_ENGINE_REJECTION).inc()
+            return
+        if event.ttft_s is not None:
+            self.ttft.labels(priority).observe(event.ttft_s)
+            if event.num_output_tokens > 1:
+                per_token = (event.total_s - event.ttft_s) / (event.num_output_tokens - 1)
+                self.tpot.labels(priority).observe(per_token)
+        self.duration.labels(priority).observe(event.total_s)
+        if deadline is not None and event.reason in _JUDGED:
+            self.deadline_requests.labels(priority).inc()
+            # on_finish runs right as the request ends, so now is its finish time.
+            if event.reason is FinishReason.DEADLINE_EXCEEDED or time.monotonic() > deadline:
+                self.deadline_misses.labels(priority).inc()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, int]:
+    """Starts ``/metrics`` on a daemon thread; returns the server and its port
+    (``port`` 0 picks a free one)."""
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_port

@@ -1,0 +1,515 @@
+"""End to end over a real ``grpc.aio`` server on a loopback port, with the
+real engine on the ``tiny`` model: multiplexing, cancel, disconnect,
+deadlines, per-request rejection, health, reflection, and freshly generated
+stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from slipstream.clients import Client, StreamError
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.events import GenerationRequest
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parents[3]
+# fp32 so greedy output cannot depend on how requests happen to be batched.
+# Early rejection and early abandonment of hopeless deadlines are off so the
+# expiry path is what the deadline tests exercise;
+# test_infeasible_deadline_is_rejected_early covers rejection on an engine of
+# its own.
+CONFIG = EngineConfig(
+    model="tiny",
+    dtype="float32",
+    max_queue_len=4096,
+    reject_infeasible=False,
+    abandon_hopeless=False,
+)
+LONG = 960  # tokens: outlives anything a test does to it (tiny: ~5 s alone)
+
+
+class ServerThread:
+    """A started server on its own event loop thread, like a real process's."""
+
+    def __init__(self, engine: object) -> None:
+        from slipstream.service.api.server import create_server
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        start = create_server(engine, "127.0.0.1", 0)  # type: ignore[arg-type]
+        self.server, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
+        self.target = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[object]:
+    from slipstream.service.engine.engine import Engine
+
+    eng = Engine(CONFIG)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine: object) -> Iterator[ServerThread]:
+    srv = ServerThread(engine)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server: ServerThread) -> Iterator[Client]:
+    with Client(server.target) as c:
+        yield c
+
+
+@pytest.fixture
+def stub(server: ServerThread) -> Iterator[pb_grpc.InferenceStub]:
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.InferenceStub(channel)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def engine_idle(client: Client) -> bool:
+    stats = client.server_stats()
+    return (stats.waiting, stats.running, stats.swapped, stats.kv_blocks_used.device) == (
+        0,
+        0,
+        0,
+        0,
+    )
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[5 + (i * 37 + j * 11) % 4000 for j in range(3 + i % 29)] for i in range(n)]
+
+
+def local_greedy(
+    engine: object, token_prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    requests = [
+        GenerationRequest(req_id=f"local-{i}", prompt_token_ids=p, max_new_tokens=max_tokens)
+        for i, p in enumerate(token_prompts)
+    ]
+    return [r.token_ids for r in engine.generate(requests)]  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- multiplexing
+
+
+def test_64_concurrent_requests_on_one_stream(client: Client, engine: object) -> None:
+    token_prompts = prompts(64)
+    stream = client.stream()
+    generations = [stream.generate(p, max_tokens=12 + i % 5) for i, p in enumerate(token_prompts)]
+    stream.close()
+    results = [g.result(timeout=60) for g in generations]
+    by_length: dict[int, list[list[int]]] = {}
+    for i, p in enumerate(token_prompts):
+        by_length.setdefault(12 + i % 5, []).append(p)
+    expected = {n: iter(local_greedy(engine, ps, n)) for n, ps in by_length.items()}
+    for i, result in enumerate(results):
+        assert result.finish_reason in ("max_tokens", "eos"), result
+        assert result.token_ids == next(expected[12 + i % 5])
+        assert result.prompt_tokens == len(token_prompts[i])
+    assert wait_until(lambda: engine_idle(client))
+
+
+def test_64_requests_across_16_streams(client: Client) -> None:
+    streams = [client.stream() for _ in range(16)]
+    generations = [
+        (s, s.generate(p, max_tokens=8, ignore_eos=True))
+        for i, p in enumerate(prompts(64))
+        for s in [streams[i % 16]]
+    ]
+    for s in streams:
+        s.close()
+    chunks_seen = [sum(len(c.token_ids) for c in g) for _, g in generations]
+    results = [g.result(timeout=60) for _, g in generations]
+    assert all(r.finish_reason == "max_tokens" and len(r.token_ids) == 8 for r in results)
+    assert chunks_seen == [8] * 64
+    assert wait_until(lambda: engine_idle(client))
+
+
+def test_events_interleave_and_are_tagged(stub: pb_grpc.InferenceStub) -> None:
+    def requests() -> Iterator[pb.GenerateRequest]:
+        for rid in ("a", "b"):
+            yield pb.GenerateRequest(
+                submit=pb.Submit(
+                    request_id=rid,
+                    token_ids=pb.TokenIds(ids=[7, 8, 9]),
+                    stopping=pb.StoppingCriteria(max_new_tokens=20, ignore_eos=True),
+                )
+            )
+
+    events = [(r.request_id, r.WhichOneof("event")) for r in stub.Generate(requests(), timeout=30)]
+    for rid in ("a", "b"):
+        kinds = [kind for eid, kind in events if eid == rid]
+        assert kinds[0] == "accepted" and kinds[-1] == "finished"
+        assert kinds.count("finished") == 1
+    order = [eid for eid, kind in events if kind == "chunk"]
+    first_b, last_a = order.index("b"), len(order) - 1 - order[::-1].index("a")
+    assert first_b < last_a, "requests on one stream should run concurrently"
+
+
+# ---------------------------------------------------------------- local parity
+
+
+def test_greedy_over_the_wire_matches_local_cli(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slipstream.service.cli import main
+
+    lines = ['"Hello there"', '{"prompt": "The quick brown fox", "max_tokens": 9}']
+    lines += [json.dumps({"prompt_token_ids": p}) for p in prompts(6)]
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("\n".join(lines) + "\n")
+    common = ["--prompts-file", str(prompts_file), "--max-tokens", "16", "--json"]
+    outputs = {}
+    for where in (
+        ["--server", server.target],
+        ["--local", "--model", "tiny", "--dtype", "float32"],
+    ):
+        assert main(["generate", *where, *common]) == 0
+        outputs[where[0]] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert outputs["--server"] == outputs["--local"]
+    assert [o["index"] for o in outputs["--local"]] == list(range(8))
+    assert len(outputs["--local"][1]["token_ids"]) <= 9
+    assert all(o["token_ids"] for o in outputs["--local"])
+
+
+# ---------------------------------------------------------------- cancel / disconnect
+
+
+def test_cancel_mid_stream_frees_blocks(client: Client) -> None:
+    stream = client.stream()
+    victim = stream.generate(prompts(1)[0], max_tokens=LONG, ignore_eos=True)
+    neighbour = stream.generate(prompts(2)[1], max_tokens=10, ignore_eos=True)
+    seen = 0
+    for chunk in victim:
+        seen += len(chunk.token_ids)
+        if seen == 3:
+            victim.cancel()
+    result = victim.result(timeout=10)
+    assert result.finish_reason == "cancelled" and result.status_code == "CANCELLED"
+    assert 3 <= len(result.token_ids) < LONG
+    assert neighbour.result(timeout=30).finish_reason == "max_tokens"
+    stream.close()
+    assert wait_until(lambda: engine_idle(client), timeout_s=1.0)
+
+
+def test_cli_cancel_after(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    from slipstream.service.cli import main
+
+    argv = ["generate", "--server", server.target, "--prompt", "Hello", "--prompt", "Bye"]
+    argv += ["--max-tokens", str(LONG), "--ignore-eos", "--cancel-after", "3", "--json"]
+    assert main(argv) == 0
+    outputs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["finish_reason"] for o in outputs] == ["cancelled", "cancelled"]
+    assert all(3 <= len(o["token_ids"]) < LONG for o in outputs)
+
+
+def test_client_disconnect_aborts_all_its_requests(client: Client, server: ServerThread) -> None:
+    with Client(server.target) as other:
+        stream = other.stream()
+        generations = [stream.generate(p, max_tokens=LONG, ignore_eos=True) for p in prompts(4)]
+        next(iter(generations[0]))  # running
+        assert client.server_stats().running + client.server_stats().waiting >= 1
+        stream.abort()
+        for g in generations:
+            with pytest.raises(StreamError) as err:
+                g.result(timeout=10)
+            assert err.value.code == "CANCELLED"
+    assert wait_until(lambda: engine_idle(client), timeout_s=1.0)
+
+
+def test_dropped_channel_aborts_requests(server: ServerThread, client: Client) -> None:
+    # The whole connection goes away without a cancel, as when a client dies.
+    other = Client(server.target)
+    stream = other.stream()
+    g = stream.generate(prompts(1)[0], max_tokens=LONG, ignore_eos=True)
+    next(iter(g))
+    other._channel.close()
+    assert wait_until(lambda: engine_idle(client), timeout_s=1.0)
+
+
+# ---------------------------------------------------------------- deadlines
+
+
+def test_infeasible_deadline_is_rejected_early() -> None:
+    # With early rejection on (the default), a deadline that even a request
+    # running alone cannot meet is answered at once, and only that request fails.
+    from slipstream.service.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model="tiny", dtype="float32"))
+    eng.start()
+    srv = ServerThread(eng)
+    try:
+        with Client(srv.target) as c:
+            stream = c.stream()
+            doomed = stream.generate(
+                prompts(1)[0], max_tokens=900, ignore_eos=True, deadline_s=0.01
+            )
+            neighbour = stream.generate(prompts(2)[1], max_tokens=5, ignore_eos=True)
+            stream.close()
+            result = doomed.result(timeout=10)
+            assert result.finish_reason == "rejected", result
+            assert result.reject_reason == "deadline_infeasible"
+            assert result.token_ids == []
+            assert neighbour.result(timeout=30).finish_reason == "max_tokens"
+    finally:
+        srv.stop()
+        eng.shutdown()
+
+
+def test_request_deadline_finishes_deadline_exceeded(client: Client) -> None:
+    stream = client.stream()
+    late = stream.generate(prompts(1)[0], max_tokens=LONG, ignore_eos=True, deadline_s=0.3)
+    neighbour = stream.generate(prompts(2)[1], max_tokens=10, ignore_eos=True)
+    stream.close()
+    result = late.result(timeout=10)
+    assert result.finish_reason == "deadline_exceeded", result
+    assert 0.25 <= result.total_s < 2.0
+    assert len(result.token_ids) < LONG
+    assert neighbour.result(timeout=30).finish_reason == "max_tokens"
+    assert wait_until(lambda: engine_idle(client))
+
+
+def test_call_deadline_bounds_every_request(client: Client) -> None:
+    stream = client.stream(timeout=0.5)
+    generations = [stream.generate(p, max_tokens=LONG, ignore_eos=True) for p in prompts(3)]
+    for g in generations:
+        try:
+            outcome = g.result(timeout=10).finish_reason
+        except StreamError as exc:
+            outcome = exc.code
+        assert outcome in ("DEADLINE_EXCEEDED", "deadline_exceeded")
+    assert wait_until(lambda: engine_idle(client), timeout_s=1.0)
+
+
+# ---------------------------------------------------------------- rejection
+
+
+def _submit(request_id: str, **fields: object) -> pb.GenerateRequest:
+    fields.setdefault("token_ids", pb.TokenIds(ids=[11, 12, 13]))
+    fields.setdefault("stopping", pb.StoppingCriteria(max_new_tokens=8))
+    return pb.GenerateRequest(submit=pb.Submit(request_id=request_id, **fields))
+
+
+def _with_unknown_field() -> pb.GenerateRequest:
+    message = _submit("unknown-field")
+    raw = message.submit.SerializeToString() + bytes([0xF8, 0x3E, 0x01])  # field 999, varint 1
+    message.submit.Clear()
+    message.submit.MergeFromString(raw)
+    message.submit.request_id = "unknown-field"
+    return message
+
+
+MALFORMED = {
+    "empty-text": (_submit("empty-text", text="", token_ids=None), pb.REJECT_REASON_INVALID),
+    "no-prompt": (
+        pb.GenerateRequest(submit=pb.Submit(request_id="no-prompt")),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "too-long": (
+        _submit("too-long", token_ids=pb.TokenIds(ids=[9] * 1100)),
+        pb.REJECT_REASON_PROMPT_TOO_LONG,
+    ),
+    "zero-tokens": (
+        _submit("zero-tokens", stopping=pb.StoppingCriteria(max_new_tokens=0)),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "huge-tokens": (
+        _submit("huge-tokens", stopping=pb.StoppingCriteria(max_new_tokens=10**6)),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "negative-priority": (_submit("negative-priority", priority=-1), pb.REJECT_REASON_INVALID),
+    "bad-token": (
+        _submit("bad-token", token_ids=pb.TokenIds(ids=[1, 10**6])),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "negative-temperature": (
+        _submit("negative-temperature", sampling=pb.SamplingParams(temperature=-1)),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "zero-top-p": (
+        _submit("zero-top-p", sampling=pb.SamplingParams(top_p=0.0)),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "logprobs": (_submit("logprobs", return_logprobs=True), pb.REJECT_REASON_INVALID),
+    "unknown-field": (_with_unknown_field(), pb.REJECT_REASON_INVALID),
+    "neighbour": (  # a duplicate of the running neighbour's id
+        _submit("neighbour"),
+        pb.REJECT_REASON_DUPLICATE_REQUEST_ID,
+    ),
+    "": (_submit(""), pb.REJECT_REASON_INVALID),
+}
+
+
+def test_each_malformed_submit_is_rejected_alone(
+    stub: pb_grpc.InferenceStub, client: Client
+) -> None:
+    neighbour = _submit(
+        "neighbour", stopping=pb.StoppingCriteria(max_new_tokens=24, ignore_eos=True)
+    )
+    finished: dict[str, pb.Finished] = {}
+    chunks: dict[str, int] = {}
+    for response in stub.Generate(
+        iter([neighbour, *(m for m, _ in MALFORMED.values())]), timeout=30
+    ):
+        kind = response.WhichOneof("event")
+        if kind == "chunk":
+            chunks[response.request_id] = chunks.get(response.request_id, 0) + 1
+        elif kind == "finished":
+            finished.setdefault(response.request_id, response.finished)
+    # The neighbour's own Finished is the first one under its id; the duplicate's
+    # rejection arrives while it is still running.
+    rejected = {rid: f for rid, f in finished.items() if f.reason == pb.FINISH_REASON_REJECTED}
+    for rid, (_, reason) in MALFORMED.items():
+        if rid == "neighbour":
+            continue
+        assert rid in rejected, rid
+        assert rejected[rid].reject_reason == reason, (rid, rejected[rid])
+        assert rejected[rid].message
+    assert chunks.get("neighbour", 0) >= 1
+
+
+def test_duplicate_id_rejected_while_original_finishes(stub: pb_grpc.InferenceStub) -> None:
+    original = _submit("dup", stopping=pb.StoppingCriteria(max_new_tokens=30, ignore_eos=True))
+    events = [
+        (r.request_id, r.WhichOneof("event"), r.finished.reason, r.finished.reject_reason)
+        for r in stub.Generate(iter([original, _submit("dup")]), timeout=30)
+    ]
+    finishes = [(reason, why) for rid, kind, reason, why in events if kind == "finished"]
+    assert (pb.FINISH_REASON_REJECTED, pb.REJECT_REASON_DUPLICATE_REQUEST_ID) in finishes
+    assert (pb.FINISH_REASON_MAX_TOKENS, pb.REJECT_REASON_UNSPECIFIED) in finishes
+
+
+def test_message_without_submit_or_cancel_fails_the_call(stub: pb_grpc.InferenceStub) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(iter([pb.GenerateRequest()]), timeout=10))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---------------------------------------------------------------- unary, health, reflection
+
+
+def test_unary_calls(client: Client, engine: object) -> None:
+    info = client.model_info()
+    assert (info.name, info.max_context, info.vocab_size) == ("tiny", 1024, 4096)
+    assert info.block_size == 32 and info.dtype == "float32"
+    assert info.cpu.model and info.cpu.torch_capability  # the CPU that decided the dtype
+    assert info.requested_dtype == CONFIG.dtype and not info.weights_packed
+    assert client.tokenize("Hello world") == engine.tokenizer.encode("Hello world")  # type: ignore[attr-defined]
+    stats = client.server_stats()
+    assert stats.kv_blocks_free.device > 0 and not stats.draining
+
+
+def test_health_serving(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "slipstream.v1.Inference"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_services_and_serves_descriptors(server: ServerThread) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        asks = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="slipstream.v1.Inference"
+            ),
+        ]
+        listed, described = list(reflection.ServerReflectionInfo(iter(asks), timeout=5))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"slipstream.v1.Inference", "grpc.health.v1.Health"} <= names
+    assert any("reflection" in n for n in names)
+    files = described.file_descriptor_response.file_descriptor_proto
+    protos = [descriptor_pb2.FileDescriptorProto.FromString(f) for f in files]
+    services = {s.name for p in protos for s in p.service}
+    assert "Inference" in services
+
+
+# ---------------------------------------------------------------- freshly generated stubs
+
+# Runs with no site-packages .pth files (python -S), so `slipstream` can only
+# be the freshly generated folder: the path a team in any language takes.
+DRIVER = textwrap.dedent(
+    """
+    import json, sys
+    import grpc
+    from slipstream.v1 import inference_pb2 as pb, inference_pb2_grpc as pb_grpc
+    assert pb.__file__.startswith(sys.argv[2]), pb.__file__
+    channel = grpc.insecure_channel(sys.argv[1])
+    stub = pb_grpc.InferenceStub(channel)
+    def requests():
+        for rid in ("x", "y"):
+            yield pb.GenerateRequest(submit=pb.Submit(
+                request_id=rid, text="Hello from a fresh stub",
+                stopping=pb.StoppingCriteria(max_new_tokens=6, ignore_eos=True)))
+        yield pb.GenerateRequest(cancel=pb.Cancel(request_id="y"))
+    out = {"ids": {}, "reasons": {}}
+    for r in stub.Generate(requests(), timeout=30):
+        if r.HasField("chunk"):
+            out["ids"].setdefault(r.request_id, []).extend(r.chunk.token_ids)
+        elif r.HasField("finished"):
+            out["reasons"][r.request_id] = pb.FinishReason.Name(r.finished.reason)
+    out["vocab"] = stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
+    print(json.dumps(out))
+    """
+)
+
+
+def test_freshly_generated_stubs_drive_the_server(server: ServerThread, tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, str(REPO / "protos" / "generate.py"), "--out", str(tmp_path)], check=True
+    )
+    assert (tmp_path / "slipstream" / "v1" / "inference_pb2_grpc.py").exists()
+    assert (tmp_path / "slipstream" / "v1" / "inference_pb2.pyi").exists()
+    site = sysconfig.get_paths()["purelib"]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{site}"}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", DRIVER, server.target, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["vocab"] == 4096
+    assert out["reasons"]["x"] == "FINISH_REASON_MAX_TOKENS" and len(out["ids"]["x"]) == 6
+    assert out["reasons"]["y"] in ("FINISH_REASON_CANCELLED", "FINISH_REASON_MAX_TOKENS")

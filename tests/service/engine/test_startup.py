@@ -1,0 +1,82 @@
+"""Start-up on any CPU: the engine follows the CPU's answer (forced here both
+ways), and a failed start ends the process with one line, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slipstream.kernels.cpu_features import CpuFeatures, detect
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.engine import Engine
+from slipstream.service.engine.events import GenerationRequest
+
+NATIVE = CpuFeatures("forced native bf16", ("amx_bf16", "avx2"), "AVX512", can_pack_bf16=False)
+EMULATED = CpuFeatures("forced avx2", ("avx2",), "AVX2", can_pack_bf16=False)
+CLAIMS_PACKING = CpuFeatures("forced packing", ("amx_bf16",), "AVX512", can_pack_bf16=True)
+
+
+def _generate(engine: Engine) -> list[int]:
+    request = GenerationRequest(req_id="a", prompt_token_ids=[5, 6, 7], max_new_tokens=4)
+    (result,) = engine.generate([request])
+    engine.shutdown()
+    return result.token_ids
+
+
+@pytest.mark.parametrize(
+    ("cpu", "dtype"), [(NATIVE, "bfloat16"), (EMULATED, "float32")], ids=["native", "emulated"]
+)
+def test_auto_dtype_follows_the_cpu(cpu: CpuFeatures, dtype: str) -> None:
+    engine = Engine(EngineConfig(model="tiny", num_device_blocks=16, num_host_blocks=0), cpu=cpu)
+    assert (engine.info.dtype, engine.info.requested_dtype) == (dtype, "auto")
+    assert not engine.info.weights_packed
+    assert engine.info.cpu["model"] == cpu.model_name
+    assert len(_generate(engine)) == 4
+
+
+def test_packed_start_where_the_cpu_allows_it_else_a_clear_error() -> None:
+    config = EngineConfig(model="tiny", num_device_blocks=16, num_host_blocks=0)
+    if detect().can_pack_bf16:
+        engine = Engine(config, cpu=CLAIMS_PACKING)
+        assert engine.info.weights_packed and engine.info.dtype == "bfloat16"
+        assert len(_generate(engine)) == 4
+    else:
+        with pytest.raises(ValueError, match="cannot pack bf16 weights"):
+            Engine(config, cpu=CLAIMS_PACKING)
+
+
+def _serve(args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SLIPSTREAM_LOG_FORMAT": "json"}
+    command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+
+def _broken_checkpoint(root: Path, config: dict[str, object]) -> Path:
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "gpt2"},  # an architecture Slipstream does not run
+        {"model_type": "llama", "vocab_size": 8},  # config keys missing
+    ],
+    ids=["unsupported", "incomplete"],
+)
+def test_failed_start_prints_one_line_and_no_traceback(
+    tmp_path: Path, config: dict[str, object]
+) -> None:
+    model = _broken_checkpoint(tmp_path / "model", config)
+    proc = _serve(["--model", str(model), "--no-calibrate"])
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slipstream: error:")]
+    assert len(errors) == 1 and "cannot load the model" in errors[0]
+    assert "serving" not in proc.stdout  # never announced SERVING

@@ -1,0 +1,152 @@
+"""``/metrics`` over real HTTP, parsed with prometheus_client's own parser,
+while real requests run through a real gRPC server on the ``tiny`` model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from slipstream.clients import Client
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.telemetry.metrics import ServerMetrics, serve_metrics
+from slipstream.service.telemetry.tracing import Telemetry
+
+CONFIG = EngineConfig(
+    model="tiny",
+    dtype="float32",
+    block_size=4,
+    num_device_blocks=16,
+    num_host_blocks=8,
+    max_model_len=64,
+)
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+class ServerThread:
+    def __init__(self, engine: object, telemetry: Telemetry) -> None:
+        from slipstream.service.api.server import create_server
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        start = create_server(engine, "127.0.0.1", 0, telemetry)  # type: ignore[arg-type]
+        self.server, port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
+        self.target = f"127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[tuple[ServerThread, Callable[[], Samples]]]:
+    from slipstream.service.engine.engine import Engine
+
+    metrics = ServerMetrics()
+    http, port = serve_metrics(metrics.registry, "127.0.0.1", 0)
+    engine = Engine(CONFIG)
+    engine.start()
+    srv = ServerThread(engine, Telemetry(None, metrics))
+
+    def scrape() -> Samples:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    yield srv, scrape
+    srv.stop()
+    engine.shutdown()
+    http.shutdown()
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def total(samples: Samples, name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def test_series_move_as_requests_run(
+    setup: tuple[ServerThread, Callable[[], Samples]],
+) -> None:
+    server, scrape = setup
+    before = scrape()
+    assert value(before, "slipstream_kv_blocks", pool="device", state="free") == 16
+    assert value(before, "slipstream_kv_blocks", pool="host", state="free") == 8
+
+    with Client(server.target) as client:
+        stream = client.stream()
+        long = stream.generate([5, 6, 7, 8], max_tokens=56, ignore_eos=True, priority=1)
+        next(iter(long))  # it is running now
+        during = scrape()
+        assert value(during, "slipstream_running_requests", priority="1") == 1
+        assert value(during, "slipstream_kv_blocks", pool="device", state="used") > 0
+        long.cancel()
+        ok = [
+            stream.generate(
+                [5 + i, 6, 7], max_tokens=30, ignore_eos=True, priority=2, deadline_s=60
+            )
+            for i in range(3)
+        ]
+        rejected = stream.generate(list(range(5, 105)), max_tokens=4)  # longer than the context
+        assert [g.result(timeout=120).output_tokens for g in ok] == [30, 30, 30]
+        assert rejected.result(timeout=60).reject_reason is not None
+        stream.close()
+
+    after = scrape()
+    ttft = "gen_ai_server_time_to_first_token_seconds_count"
+    assert value(after, ttft, priority="2") - value(before, ttft, priority="2") == 3
+    tpot = "gen_ai_server_time_per_output_token_seconds_count"
+    assert value(after, tpot, priority="2") - value(before, tpot, priority="2") == 3
+    assert value(after, "gen_ai_server_request_duration_seconds_sum", priority="2") > 0
+    duration_buckets = [
+        v
+        for (n, labels), v in after.items()
+        if n == "gen_ai_server_request_duration_seconds_bucket" and ("priority", "2") in labels
+    ]
+    assert max(duration_buckets) == 3  # the +Inf bucket
+    finished = "slipstream_requests_finished_total"
+    assert value(after, finished, priority="1", reason="cancelled") == 1
+    assert value(after, finished, priority="2", reason="max_tokens") == 3
+    assert value(after, "slipstream_deadline_requests_total", priority="2") == 3
+    assert value(after, "slipstream_deadline_misses_total", priority="2") == 0
+    assert value(after, "slipstream_rejections_total", reason="prompt_too_long") == 1
+    assert value(after, "slipstream_engine_steps_total") > value(
+        before, "slipstream_engine_steps_total"
+    )
+    # Three 33-token requests cannot share 16 four-token blocks: someone was preempted.
+    assert total(after, "slipstream_preemptions_total") > 0
+    assert value(after, "slipstream_kv_blocks", pool="device", state="free") == 16
+    assert value(after, "slipstream_running_requests", priority="1") == 0, "series stays at 0"
+    assert value(after, "slipstream_queue_depth", priority="2") == 0
+
+
+def test_an_expired_deadline_is_a_miss_of_its_class(
+    setup: tuple[ServerThread, Callable[[], Samples]],
+) -> None:
+    server, scrape = setup
+    before = scrape()
+    with Client(server.target) as client:
+        result = client.generate(
+            [5, 6, 7], max_tokens=56, ignore_eos=True, priority=3, deadline_s=0.05
+        ).result(timeout=60)
+    time.sleep(0.01)
+    after = scrape()
+    if result.finish_reason == "rejected":  # a policy that rejects infeasible deadlines early
+        assert value(after, "slipstream_rejections_total", reason="deadline_infeasible") == 1
+        return
+    assert result.finish_reason == "deadline_exceeded"
+    miss = "slipstream_deadline_misses_total"
+    assert value(after, miss, priority="3") - value(before, miss, priority="3") == 1

@@ -1,0 +1,78 @@
+"""``RequestTracer`` driven by hand-made plans, no model: the timeline
+arithmetic (queue wait across a swap preemption, swapped bytes, prefill
+chunks) and what it costs to not trace."""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+from slipstream.scheduler.plan import RequestOutput, ScheduledSeq, StepPlan
+from slipstream.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from slipstream.service.engine.events import FinishEvent, GenerationRequest
+from slipstream.service.telemetry.request_trace import RequestTracer
+
+BYTES_PER_BLOCK = 1024
+
+
+def seq(req_id: str, start: int, num: int) -> ScheduledSeq:
+    return ScheduledSeq(req_id, [7] * num, start, [0], True, 0, SamplingParams())
+
+
+def traced(sampler: object = None) -> tuple[RequestTracer, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return RequestTracer(provider.get_tracer("t"), "m", BYTES_PER_BLOCK), exporter
+
+
+def submit(tracer: RequestTracer) -> Request:
+    request = GenerationRequest("a", [1, 2, 3, 4, 5, 6], max_new_tokens=3, arrival_time=100.0)
+    tracer.begin(request, "client-a", trace.set_span_in_context(trace.INVALID_SPAN))
+    state = Request("a", [1, 2, 3, 4, 5, 6], 3, arrival_time=100.0)
+    tracer.on_submit(request, state)
+    return state
+
+
+def test_a_swap_preemption_adds_its_wait_to_later_tokens() -> None:
+    tracer, exporter = traced()
+    state = submit(tracer)
+    out = RequestOutput
+    tracer.on_step(StepPlan(1, [seq("a", 0, 4)]), [], 100.5, 100.6)  # queued 0.5 s, chunk 1
+    tracer.on_step(StepPlan(2, [seq("a", 4, 2), seq("b", 9, 1)]), [out("a", [9])], 100.6, 100.7)
+    state.status, state.host_block_ids = RequestStatus.SWAPPED, [3, 4]
+    tracer.on_step(StepPlan(3, [seq("b", 10, 1)], preempted_req_ids=["a"]), [], 101.0, 101.1)
+    state.status = RequestStatus.RUNNING
+    tracer.on_step(StepPlan(4, [seq("a", 6, 1)]), [out("a", [8, 9])], 103.0, 103.1)
+    tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=3))
+    assert tracer.flush(timeout=10)
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    request = spans["text_completion m"]
+    attrs = request.attributes
+    assert attrs["slipstream.preemptions"] == 0  # from the FinishEvent, which said 0 here
+    assert attrs["slipstream.swapped_bytes"] == 2 * BYTES_PER_BLOCK
+    assert abs(attrs["slipstream.queue.wait_ms"] - 2500.0) < 1e-6  # 0.5 s queued + 2 s swapped
+    tokens = [e.attributes for e in request.events if e.name == "slipstream.token"]
+    assert [t["slipstream.token.index"] for t in tokens] == [0, 1, 2]
+    assert [round(t["slipstream.queue.wait_ms"]) for t in tokens] == [500, 2500, 2500]
+    assert [t["slipstream.batch.size"] for t in tokens] == [2, 1, 1]
+    assert [t["slipstream.step"] for t in tokens] == [2, 4, 4]
+    assert spans["slipstream.preempted"].attributes["slipstream.preemption.kind"] == "swap"
+    pause = spans["slipstream.preempted"]
+    assert (pause.end_time - pause.start_time) / 1e9 == 2.0
+    prefills = [s for s in exporter.get_finished_spans() if s.name == "slipstream.prefill"]
+    assert [s.attributes["slipstream.prefill.num_tokens"] for s in prefills] == [4, 2]
+
+
+def test_a_sampled_out_request_is_not_tracked() -> None:
+    tracer, exporter = traced(ALWAYS_OFF)
+    submit(tracer)
+    assert not tracer._timelines  # on_step returns at once: sampling never slows a step
+    tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 1.0, 1.1)
+    tracer.on_finish(FinishEvent("a", FinishReason.EOS))
+    assert tracer.flush(timeout=10)
+    assert exporter.get_finished_spans() == ()
