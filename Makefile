@@ -19,7 +19,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml requirements-lock.txt
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -c requirements-lock.txt -e '.[dev]'
+	$(BIN)/pip install -q -c requirements-lock.txt -e '.[server,dev]'
 	touch $(STAMP)
 
 protos: $(STAMP)
