@@ -7,8 +7,12 @@ Two choices depend on the CPU and are made here, never assumed:
   elsewhere oneDNN emulates it (measured on an AVX2-only AMD EPYC, torch 2.13,
   2 threads: one 1x512 by 512x1536 ``F.linear`` took ~7.9 ms in bf16 against
   ~0.13 ms in fp32). So ``auto`` is bf16 with native support, fp32 without.
-- **whether bf16 weights are packed for oneDNN.** Packing needs AVX-512
-  (BW/VL/DQ) or AVX-NE-CONVERT; on other CPUs torch raises. The answer comes
+- **whether weights are packed for oneDNN.** A packed weight skips the
+  per-call re-layout and oneDNN's small-batch kernels beat MKL's there
+  (fp32, AVX2-only AMD EPYC, 2 threads, one ``small`` layer's four
+  projections: batch 1 1.33 -> 0.56 ms, batch 8 3.58 -> 1.47 ms, batch 64
+  6.71 -> 4.49 ms, batch 256 17.6 -> 15.5 ms). bf16 packing needs AVX-512
+  (BW/VL/DQ) or AVX-NE-CONVERT; on other CPUs torch raises. Each answer comes
   from a probe that packs a tiny weight, so it is exactly torch's own.
 
 ``detect()`` reads ``/proc/cpuinfo`` (flags, model name) and torch's reported
@@ -38,6 +42,7 @@ class CpuFeatures:
     flags: tuple[str, ...]  # those of REPORTED_FLAGS this CPU has
     torch_capability: str  # torch's kernel dispatch level: "AVX2", "AVX512", ...
     can_pack_bf16: bool  # oneDNN accepted a packed bf16 weight
+    can_pack_fp32: bool = False  # oneDNN accepted a packed fp32 weight
 
     @property
     def has_native_bf16(self) -> bool:
@@ -51,6 +56,7 @@ class CpuFeatures:
             "torch_capability": self.torch_capability,
             "native_bf16": self.has_native_bf16,
             "can_pack_bf16": self.can_pack_bf16,
+            "can_pack_fp32": self.can_pack_fp32,
         }
 
 
@@ -62,7 +68,8 @@ def detect() -> CpuFeatures:
         model_name=model_name or platform.processor() or platform.machine(),
         flags=tuple(f for f in REPORTED_FLAGS if f in flags),
         torch_capability=torch.backends.cpu.get_cpu_capability(),
-        can_pack_bf16=probe_bf16_packing(),
+        can_pack_bf16=probe_packing(torch.bfloat16),
+        can_pack_fp32=probe_packing(torch.float32),
     )
 
 
@@ -82,14 +89,14 @@ def _read_cpuinfo(path: Path) -> tuple[str, frozenset[str]]:
     return model_name, flags
 
 
-def probe_bf16_packing() -> bool:
-    """True if oneDNN packs a bf16 linear weight on this CPU (tried on 8x8)."""
+def probe_packing(dtype: torch.dtype) -> bool:
+    """True if oneDNN packs a linear weight of ``dtype`` on this CPU (tried on 8x8)."""
     if not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype))
     except RuntimeError:
         return False
     return True
@@ -122,6 +129,6 @@ def choose_dtype(requested: str, features: CpuFeatures) -> DtypeChoice:
     return DtypeChoice(
         dtype=dtype,
         requested=requested,
-        pack_weights=is_bf16 and features.can_pack_bf16,
+        pack_weights=features.can_pack_bf16 if is_bf16 else features.can_pack_fp32,
         warning=warning,
     )

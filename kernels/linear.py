@@ -1,13 +1,12 @@
-"""Dense projections, with bf16 weights optionally packed once for oneDNN.
+"""Dense projections, with weights optionally packed once for oneDNN.
 
 ``F.linear`` on the CPU re-lays out a bf16 weight into oneDNN's blocked format
 on every call; packing it once at load time removes that from every step
 (measured on an AVX-512/AMX CPU, 1 thread, the ``small`` model's shapes: batch
 1 2.35 -> 1.82 ms, batch 64 18.6 -> 10.9 ms per layer's four projections).
-Packing needs AVX-512 or AVX-NE-CONVERT: the caller decides, from
-``cpu_features.choose_dtype``, and asks only where the probe said yes. fp32
-weights always keep ``F.linear``, which is also what transformers computes, so
-fp32 results stay comparable token for token.
+bf16 packing needs AVX-512 or AVX-NE-CONVERT. fp32 weights gain too: oneDNN's
+small-batch kernels beat MKL's (see ``cpu_features.py``). The caller decides,
+from ``cpu_features.choose_dtype``, and asks only where the probe said yes.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ class WeightPackingFailed(ValueError):
 class Linear:
     """``y = x @ weight.T + bias`` for 2-D ``x`` of shape ``[tokens, in_features]``.
 
-    ``pack`` asks for the oneDNN-packed layout; it applies to bf16 CPU weights
-    only and raises ``WeightPackingFailed`` where oneDNN cannot pack.
+    ``pack`` asks for the oneDNN-packed layout of a bf16 or fp32 CPU weight; it
+    raises ``WeightPackingFailed`` where oneDNN cannot pack.
     """
 
     __slots__ = ("bias", "is_packed", "out_features", "weight")
@@ -37,7 +36,9 @@ class Linear:
             raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
         self.out_features = weight.shape[0]
         self.bias = bias
-        self.is_packed = pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.is_packed = (
+            pack and weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
+        )
         self.weight = _packed(weight) if self.is_packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,7 @@ def _packed(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight)
     except RuntimeError as exc:
         raise WeightPackingFailed(
-            f"cannot pack bf16 weights for oneDNN on this CPU ({exc}); "
+            f"cannot pack {str(weight.dtype).removeprefix('torch.')} weights for oneDNN "
+            f"on this CPU ({exc}); "
             "run with --dtype auto or --dtype float32"
         ) from None

@@ -17,10 +17,12 @@ from slipstream.kernels.cpu_features import (
 )
 from slipstream.kernels.linear import Linear, WeightPackingFailed
 
-AMX = CpuFeatures("Xeon (forced)", ("amx_bf16", "avx512f", "avx2"), "AVX512", can_pack_bf16=True)
-AVX2 = CpuFeatures("EPYC (forced)", ("avx2",), "AVX2", can_pack_bf16=False)
+AMX = CpuFeatures("Xeon (forced)", ("amx_bf16", "avx512f", "avx2"), "AVX512", True, True)
+AVX2 = CpuFeatures("EPYC (forced)", ("avx2",), "AVX2", can_pack_bf16=False, can_pack_fp32=True)
 # AVX-512 without bf16 arithmetic: oneDNN can pack, but bf16 math is emulated.
-AVX512 = CpuFeatures("Skylake (forced)", ("avx512f", "avx2"), "AVX512", can_pack_bf16=True)
+AVX512 = CpuFeatures("Skylake (forced)", ("avx512f", "avx2"), "AVX512", True, True)
+# No oneDNN at all (a torch build without it): nothing is ever packed.
+BARE = CpuFeatures("bare (forced)", ("avx2",), "DEFAULT", can_pack_bf16=False, can_pack_fp32=False)
 
 
 def test_auto_is_bf16_packed_with_native_bf16() -> None:
@@ -29,9 +31,14 @@ def test_auto_is_bf16_packed_with_native_bf16() -> None:
 
 
 @pytest.mark.parametrize("cpu", [AVX2, AVX512])
-def test_auto_is_fp32_without_native_bf16(cpu: CpuFeatures) -> None:
+def test_auto_is_fp32_packed_without_native_bf16(cpu: CpuFeatures) -> None:
     choice = choose_dtype("auto", cpu)
-    assert (choice.dtype, choice.pack_weights, choice.warning) == ("float32", False, None)
+    assert (choice.dtype, choice.pack_weights, choice.warning) == ("float32", True, None)
+
+
+def test_nothing_is_packed_where_onednn_cannot() -> None:
+    for dtype in ("float32", "bfloat16"):
+        assert not choose_dtype(dtype, BARE).pack_weights
 
 
 def test_explicit_bf16_without_native_support_runs_unpacked_with_a_warning() -> None:
@@ -40,8 +47,8 @@ def test_explicit_bf16_without_native_support_runs_unpacked_with_a_warning() -> 
     assert choice.warning is not None and "float32" in choice.warning
 
 
-def test_explicit_fp32_never_packs() -> None:
-    assert not choose_dtype("float32", AMX).pack_weights
+def test_explicit_fp32_packs_where_onednn_can() -> None:
+    assert choose_dtype("float32", AMX).pack_weights
 
 
 def test_unknown_dtype_is_a_value_error() -> None:
@@ -65,6 +72,7 @@ def test_detect_agrees_with_the_packing_probe() -> None:
     assert set(cpu.describe()) >= {"model", "flags", "native_bf16", "can_pack_bf16"}
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     w = torch.randn(8, 16, dtype=torch.bfloat16)
+    assert cpu.can_pack_fp32 == torch.backends.mkldnn.is_available()
     if cpu.can_pack_bf16:
         packed = Linear(w, pack=True)
         assert packed.is_packed
@@ -84,5 +92,14 @@ def test_unpacked_linear_is_f_linear(dtype: torch.dtype) -> None:
     torch.testing.assert_close(layer(x), F.linear(x, w, b))
 
 
-def test_fp32_weights_are_never_packed() -> None:
-    assert not Linear(torch.randn(8, 16), pack=True).is_packed
+def test_packed_fp32_linear_matches_f_linear() -> None:
+    if not detect().can_pack_fp32:
+        pytest.skip("oneDNN cannot pack fp32 weights here")
+    x, w, b = torch.randn(5, 16), torch.randn(8, 16), torch.randn(8)
+    layer = Linear(w, b, pack=True)
+    assert layer.is_packed
+    torch.testing.assert_close(layer(x), F.linear(x, w, b))
+
+
+def test_int_weights_are_never_packed() -> None:
+    assert not Linear(torch.ones(8, 16, dtype=torch.int32), pack=True).is_packed

@@ -16,9 +16,9 @@ from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import GenerationRequest
 
-NATIVE = CpuFeatures("forced native bf16", ("amx_bf16", "avx2"), "AVX512", can_pack_bf16=False)
-EMULATED = CpuFeatures("forced avx2", ("avx2",), "AVX2", can_pack_bf16=False)
-CLAIMS_PACKING = CpuFeatures("forced packing", ("amx_bf16",), "AVX512", can_pack_bf16=True)
+NATIVE = CpuFeatures("forced native bf16", ("amx_bf16", "avx2"), "AVX512", False, False)
+EMULATED = CpuFeatures("forced avx2", ("avx2",), "AVX2", can_pack_bf16=False, can_pack_fp32=False)
+CLAIMS_PACKING = CpuFeatures("forced packing", ("amx_bf16",), "AVX512", True, True)
 
 
 def _generate(engine: Engine) -> list[int]:
@@ -46,7 +46,7 @@ def test_packed_start_where_the_cpu_allows_it_else_a_clear_error() -> None:
         assert engine.info.weights_packed and engine.info.dtype == "bfloat16"
         assert len(_generate(engine)) == 4
     else:
-        with pytest.raises(ValueError, match="cannot pack bf16 weights"):
+        with pytest.raises(ValueError, match="cannot pack bfloat16 weights"):
             Engine(config, cpu=CLAIMS_PACKING)
 
 
