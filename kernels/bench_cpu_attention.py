@@ -2,16 +2,19 @@
 
     python -m slipstream.kernels.bench_cpu_attention [--threads 2] [--reps 30] [--home DIR]
 
-Decode batches of 1, 8, 64 and 256 sequences with contexts drawn from
-250..350 tokens (plus one batch-1 row at 2000 tokens, where the work is split
-over keys), 8 query heads, 4 KV heads, head_dim 64, block_size 32, in float32
-and bfloat16. Prints median ms per call for each path and the K/V bandwidth the
-fused kernel reaches (bytes of K and V it must read / median time).
+8 query heads, 4 KV heads, head_dim 64, block_size 32, float32 and bfloat16:
+decode batches of 1, 8, 64 and 256 sequences with contexts drawn from
+250..350 tokens, one decode at 2000 tokens (where the kernel splits the keys
+over threads), and a 512-token prefill chunk over a 512-token cached prefix.
+Prints the median ms per call of each path and the K/V bandwidth of the fused
+kernel: the bytes of K and V the step must read (each cached token once) over
+its median time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -28,12 +31,25 @@ from slipstream.kernels.workspace import Workspace
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 32
 CPU = torch.device("cpu")
-CASES = [(1, 300), (8, 300), (64, 300), (256, 300), (1, 2000)]  # (batch, mean context)
+# (label, query_lens, seq_lens) built from a seeded generator
+CASES = [
+    ("decode", 1, 300),
+    ("decode", 8, 300),
+    ("decode", 64, 300),
+    ("decode", 256, 300),
+    ("decode", 1, 2000),
+    ("prefill", 512, 1024),
+]
 
 
-def _decode_step(batch: int, context: int, dtype: torch.dtype, rng: random.Random):  # type: ignore[no-untyped-def]
+def _lens(kind: str, size: int, context: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    if kind == "prefill":  # one chunk of `size` tokens ending at position `context`
+        return [size], [context]
     spread = 0 if context > 1000 else 50
-    seq_lens = [rng.randint(context - spread, context + spread) for _ in range(batch)]
+    return [1] * size, [rng.randint(context - spread, context + spread) for _ in range(size)]
+
+
+def _step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, rng: random.Random):  # type: ignore[no-untyped-def]
     needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
     blocks = list(range(sum(needed) + 16))
     rng.shuffle(blocks)
@@ -45,9 +61,9 @@ def _decode_step(batch: int, context: int, dtype: torch.dtype, rng: random.Rando
     v_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
     k_cache.copy_(torch.randn(k_cache.shape))
     v_cache.copy_(torch.randn(v_cache.shape))
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM).to(dtype)
+    q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM).to(dtype)
     meta = build_attention_metadata(
-        [1] * batch, seq_lens, tables, BLOCK_SIZE, CPU, dtype, workspace=Workspace(CPU)
+        query_lens, seq_lens, tables, BLOCK_SIZE, CPU, dtype, workspace=Workspace(CPU)
     )
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
     return q, k_cache, v_cache, meta, kv_bytes
@@ -90,19 +106,21 @@ def main() -> None:
         raise SystemExit(f"fused kernel unavailable: {cpu_attention.failure()}")
     isa = torch.ops.slipstream.paged_attention_cpu_isa()
     print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}")
-    print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}, decode")
-    print(f"{'dtype':>8} {'batch':>5} {'ctx':>5} {'torch ms':>9} {'fused ms':>9} "
+    print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(f"{'dtype':>8} {'step':>8} {'size':>5} {'ctx':>5} {'torch ms':>9} {'fused ms':>9} "
           f"{'speedup':>7} {'fused GB/s':>10}")  # fmt: skip
     rng = random.Random(0)
     for dtype in (torch.float32, torch.bfloat16):
-        for batch, context in CASES:
-            q, k_cache, v_cache, meta, kv_bytes = _decode_step(batch, context, dtype, rng)
+        for kind, size, context in CASES:
+            query_lens, seq_lens = _lens(kind, size, context, rng)
+            q, k_cache, v_cache, meta, kv_bytes = _step(query_lens, seq_lens, dtype, rng)
             inputs = (q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
             with torch.inference_mode():
                 torch_ms = _median_ms(paged_attention, inputs, args.reps)
                 fused_ms = _median_ms(cpu_attention.paged_attention, inputs, args.reps)
             name = str(dtype).removeprefix("torch.")
-            print(f"{name:>8} {batch:>5} {context:>5} {torch_ms:>9.3f} {fused_ms:>9.3f} "
+            print(f"{name:>8} {kind:>8} {size:>5} {context:>5} {torch_ms:>9.3f} {fused_ms:>9.3f} "
                   f"{torch_ms / fused_ms:>6.1f}x {kv_bytes / fused_ms / 1e6:>10.1f}")  # fmt: skip
 
 
