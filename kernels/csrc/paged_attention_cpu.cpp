@@ -515,71 +515,114 @@ SLIP_INLINE v8f exp2_neg(v8f x) {
   return x < splat(-125.0f) ? splat(0.0f) : r;
 }
 
-// Scores of one row against 8 consecutive keys (rows of k, stride d).
-SLIP_INLINE v8f dot8(const float* q, const float* k, int64_t d) {
-  v8f a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
-  int64_t c = 0;
-  for (; c + 8 <= d; c += 8) {
-    const v8f x = load8(q + c);
-    a0 += x * load8(k + 0 * d + c);
-    a1 += x * load8(k + 1 * d + c);
-    a2 += x * load8(k + 2 * d + c);
-    a3 += x * load8(k + 3 * d + c);
-    a4 += x * load8(k + 4 * d + c);
-    a5 += x * load8(k + 5 * d + c);
-    a6 += x * load8(k + 6 * d + c);
-    a7 += x * load8(k + 7 * d + c);
+// How the inner loops read K/V rows: kStep elements at a time, as kStep / 8
+// float vectors. Float rows (fp32 storage, or a bf16 tile converted into
+// scratch) are read in order. Bf16 rows are read straight from the storage,
+// 16 elements per 32-byte load, as two vectors: the even elements (shifted
+// up) and the odd ones (masked). Their q and O rows are kept "paired" in that
+// same order, [even 8 | odd 8] per 16 elements, so the pairing costs nothing
+// in the loops; rows are unpaired once, when a task writes its result.
+struct FloatRows {
+  using E = float;
+  static constexpr int kVecs = 1;
+  static SLIP_INLINE void load(const float* p, v8f* x) { x[0] = load8(p); }
+};
+
+struct Bf16Rows {
+  using E = bf16_bits;
+  static constexpr int kVecs = 2;
+  static SLIP_INLINE void load(const bf16_bits* p, v8f* x) {
+    v8u w;
+    std::memcpy(&w, p, sizeof(w));
+    x[0] = (v8f)(w << 16);           // elements 0, 2, .., 14
+    x[1] = (v8f)(w & 0xFFFF0000u);   // elements 1, 3, .., 15
   }
-  v8f s = reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
-  for (; c < d; ++c)
-    for (int i = 0; i < 8; ++i) s[i] += q[c] * k[i * d + c];
+};
+
+template <typename R>
+constexpr bool kPaired = std::is_same_v<R, Bf16Rows>;
+
+// Scores of one row against 8 consecutive keys (rows of k, stride d).
+template <typename R>
+SLIP_INLINE v8f dot8(const float* q, const typename R::E* k, int64_t d) {
+  constexpr int kStep = 8 * R::kVecs;
+  v8f a[8] = {};
+  int64_t c = 0;
+  for (; c + kStep <= d; c += kStep) {
+    v8f x[R::kVecs];
+    for (int v = 0; v < R::kVecs; ++v) x[v] = load8(q + c + 8 * v);
+    for (int i = 0; i < 8; ++i) {
+      v8f y[R::kVecs];
+      R::load(k + i * d + c, y);
+      for (int v = 0; v < R::kVecs; ++v) a[i] += x[v] * y[v];
+    }
+  }
+  v8f s = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+  if constexpr (std::is_same_v<R, FloatRows>) {  // paired rows have no tail (d % 16 == 0)
+    for (; c < d; ++c)
+      for (int i = 0; i < 8; ++i) s[i] += q[c] * k[i * d + c];
+  }
   return s;
 }
 
 // o[0, 8 * NV) = o * alpha + sum_t p[t] * v[t, 0 .. 8 * NV)
-template <int NV>
-SLIP_INLINE void accumulate_pv(float* o, const float* v, int64_t d, const float* p, int n,
-                               float alpha) {
+template <typename R, int NV>
+SLIP_INLINE void accumulate_pv(float* o, const typename R::E* v, int64_t d, const float* p,
+                               int n, float alpha) {
+  static_assert(NV % R::kVecs == 0, "a load fills kVecs accumulators");
   v8f acc[NV];
   for (int i = 0; i < NV; ++i) acc[i] = load8(o + 8 * i) * alpha;
   for (int t = 0; t < n; ++t) {
     const v8f w = splat(p[t]);
-    const float* row = v + t * d;
-    for (int i = 0; i < NV; ++i) acc[i] += w * load8(row + 8 * i);
+    for (int i = 0; i < NV; i += R::kVecs) {
+      v8f y[R::kVecs];
+      R::load(v + t * d + 8 * i, y);
+      for (int j = 0; j < R::kVecs; ++j) acc[i + j] += w * y[j];
+    }
   }
   for (int i = 0; i < NV; ++i) store8(o + 8 * i, acc[i]);
 }
 
+template <typename R, int NV>
+SLIP_INLINE void accumulate_pv_if(float* o, const typename R::E* v, int64_t d, const float* p,
+                                  int n, float alpha) {
+  if constexpr (NV % R::kVecs == 0) accumulate_pv<R, NV>(o, v, d, p, n, alpha);
+}
+
 // Up to 8 vectors of accumulators stay in registers; head_dim is walked in
-// such chunks, then the d % 8 tail one lane at a time.
-SLIP_INLINE void accumulate_row(float* o, const float* v, int64_t d, const float* p, int n,
-                                float alpha) {
+// such chunks, then (float rows) the d % 8 tail one lane at a time.
+template <typename R>
+SLIP_INLINE void accumulate_row(float* o, const typename R::E* v, int64_t d, const float* p,
+                                int n, float alpha) {
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) accumulate_pv<8>(o + c, v + c, d, p, n, alpha);
+  for (; c + 64 <= d; c += 64) accumulate_pv<R, 8>(o + c, v + c, d, p, n, alpha);
   switch ((d - c) / 8) {
-    case 7: accumulate_pv<7>(o + c, v + c, d, p, n, alpha); break;
-    case 6: accumulate_pv<6>(o + c, v + c, d, p, n, alpha); break;
-    case 5: accumulate_pv<5>(o + c, v + c, d, p, n, alpha); break;
-    case 4: accumulate_pv<4>(o + c, v + c, d, p, n, alpha); break;
-    case 3: accumulate_pv<3>(o + c, v + c, d, p, n, alpha); break;
-    case 2: accumulate_pv<2>(o + c, v + c, d, p, n, alpha); break;
-    case 1: accumulate_pv<1>(o + c, v + c, d, p, n, alpha); break;
+    case 7: accumulate_pv_if<R, 7>(o + c, v + c, d, p, n, alpha); break;
+    case 6: accumulate_pv_if<R, 6>(o + c, v + c, d, p, n, alpha); break;
+    case 5: accumulate_pv_if<R, 5>(o + c, v + c, d, p, n, alpha); break;
+    case 4: accumulate_pv_if<R, 4>(o + c, v + c, d, p, n, alpha); break;
+    case 3: accumulate_pv_if<R, 3>(o + c, v + c, d, p, n, alpha); break;
+    case 2: accumulate_pv_if<R, 2>(o + c, v + c, d, p, n, alpha); break;
+    case 1: accumulate_pv_if<R, 1>(o + c, v + c, d, p, n, alpha); break;
     default: break;
   }
-  for (c += (d - c) / 8 * 8; c < d; ++c) {
-    float acc = o[c] * alpha;
-    for (int t = 0; t < n; ++t) acc += p[t] * v[t * d + c];
-    o[c] = acc;
+  if constexpr (std::is_same_v<R, FloatRows>) {
+    for (c += (d - c) / 8 * 8; c < d; ++c) {
+      float acc = o[c] * alpha;
+      for (int t = 0; t < n; ++t) acc += p[t] * v[t * d + c];
+      o[c] = acc;
+    }
   }
 }
 
 // One row against the first n keys of a tile whose k rows are readable up to
 // a multiple of 8: the online-softmax update of (m, l, o).
-SLIP_INLINE void attend_row(const float* q, const float* k, const float* v, int64_t d, int n,
-                            float& m, float& l, float* o) {
+template <typename R>
+SLIP_INLINE void attend_row(const float* q, const typename R::E* k, const typename R::E* v,
+                            int64_t d, int n, float& m, float& l, float* o) {
   const int groups = (n + 7) / 8;
   v8f s[kKeyTile / 8];
-  for (int g = 0; g < groups; ++g) s[g] = dot8(q, k + g * 8 * d, d);
+  for (int g = 0; g < groups; ++g) s[g] = dot8<R>(q, k + g * 8 * d, d);
   const int tail = n - (groups - 1) * 8;
   if (tail < 8) {  // keys past n: beyond the row's position or the task's range
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -598,7 +641,7 @@ SLIP_INLINE void attend_row(const float* q, const float* k, const float* v, int6
   }
   l = l * alpha + hsum(sum);
   m = m_new;
-  accumulate_row(o, v, d, p, n, alpha);
+  accumulate_row<R>(o, v, d, p, n, alpha);
 }
 
 // `rows` rows of a tile as fp32, of which `readable` exist in the block: in
@@ -611,9 +654,7 @@ SLIP_INLINE const float* tile_f32(const T* src, int64_t rows, int64_t readable, 
     if (rows <= readable) return src;
   }
   const int64_t n = std::min(rows, readable) * d;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(buf + i, load8(src + i));
-  for (; i < n; ++i) buf[i] = to_float(src[i]);
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i]);
   std::fill(buf + n, buf + rows * d, 0.0f);
   return buf;
 }
@@ -626,8 +667,37 @@ SLIP_INLINE void prefetch_head(const void* p) {
   for (int i = 0; i < 256; i += 64) __builtin_prefetch(bytes + i);
 }
 
-template <typename T>
-__attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, Scratch& scratch) {
+// Row of q (scaled) into the order R's loops expect.
+template <typename R, typename T>
+SLIP_INLINE void load_q_row(float* dst, const T* src, float scale, int64_t d) {
+  if constexpr (kPaired<R>) {
+    for (int64_t c = 0; c < d; c += 16)
+      for (int j = 0; j < 8; ++j) {
+        dst[c + j] = to_float(src[c + 2 * j]) * scale;
+        dst[c + 8 + j] = to_float(src[c + 2 * j + 1]) * scale;
+      }
+  } else {
+    for (int64_t c = 0; c < d; ++c) dst[c] = to_float(src[c]) * scale;
+  }
+}
+
+// A row of O back in element order (in place for unpaired rows).
+template <typename R>
+SLIP_INLINE const float* natural_row(const float* o, int64_t d, float* tmp) {
+  if constexpr (kPaired<R>) {
+    for (int64_t c = 0; c < d; c += 16)
+      for (int j = 0; j < 8; ++j) {
+        tmp[c + 2 * j] = o[c + j];
+        tmp[c + 2 * j + 1] = o[c + 8 + j];
+      }
+    return tmp;
+  } else {
+    return o;
+  }
+}
+
+template <typename T, typename R>
+SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& scratch) {
   const int64_t d = p.head_dim, g = p.group;
   const int64_t rows = task.num_tokens * g;
   float* q = scratch.q.data();
@@ -635,9 +705,9 @@ __attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, S
   float* m = scratch.m.data();
   float* l = scratch.l.data();
   // Rows are (token, head of the group), token-major.
-  for (int64_t i = 0; i < task.num_tokens; ++i) {
-    const T* src = p.q + (task.token0 + i) * p.q_stride + task.kv_head * g * d;
-    for (int64_t j = 0; j < g * d; ++j) q[i * g * d + j] = to_float(src[j]) * p.qk_scale;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = p.q + (task.token0 + r / g) * p.q_stride + (task.kv_head * g + r % g) * d;
+    load_q_row<R>(q + r * d, src, p.qk_scale, d);
   }
   std::fill(o, o + rows * d, 0.0f);
   std::fill(m, m + rows, kNegInf);
@@ -658,27 +728,50 @@ __attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, S
       prefetch_head(p.k + slab(next));
       prefetch_head(p.v + slab(next));
     }
-    const int64_t readable = p.block_size - key % p.block_size;  // rows left in the block
-    const float* kt = tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, d, scratch.k.data());
-    const float* vt = tile_f32(p.v + offset, n, readable, d, scratch.v.data());
+    const typename R::E* kt;
+    const typename R::E* vt;
+    if constexpr (kPaired<R>) {  // in place: run_task checked block_size % 8 == 0
+      kt = p.k + offset;
+      vt = p.v + offset;
+    } else {
+      const int64_t readable = p.block_size - key % p.block_size;  // rows left in the block
+      kt = tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, d, scratch.k.data());
+      vt = tile_f32(p.v + offset, n, readable, d, scratch.v.data());
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(n, task.pos0 + r / g + 1 - key);  // causal
-      if (visible > 0) attend_row(q + r * d, kt, vt, d, int(visible), m[r], l[r], o + r * d);
+      if (visible > 0) attend_row<R>(q + r * d, kt, vt, d, int(visible), m[r], l[r], o + r * d);
     }
     key = next;
   }
 
-  if (task.partial < 0) {
-    for (int64_t r = 0; r < rows; ++r) {
+  float* record = task.partial < 0 ? nullptr : p.partials + task.partial;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = natural_row<R>(o + r * d, d, scratch.k.data());  // k: free by now
+    if (record == nullptr) {
       const int64_t token = task.token0 + r / g, head = task.kv_head * g + r % g;
-      store_row(p.out + (token * p.num_heads + head) * d, o + r * d, 1.0f / l[r], d);
+      store_row(p.out + (token * p.num_heads + head) * d, row, 1.0f / l[r], d);
+    } else {
+      std::copy(row, row + d, record + r * d);
     }
-  } else {
-    float* record = p.partials + task.partial;
-    std::copy(o, o + rows * d, record);
+  }
+  if (record != nullptr) {
     std::copy(m, m + rows, record + rows * d);
     std::copy(l, l + rows, record + rows * d + rows);
   }
+}
+
+// bf16 storage is read in place when every tile is readable to a multiple of
+// 8 rows and head_dim is a multiple of 16; fp32 storage whenever the tile is
+// readable (tile_f32). Otherwise each tile is first converted (and padded)
+// into fp32 scratch.
+template <typename T>
+__attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, Scratch& scratch) {
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    if (p.block_size % 8 == 0 && p.head_dim % 16 == 0)
+      return run_task_rows<T, Bf16Rows>(p, task, scratch);
+  }
+  run_task_rows<T, FloatRows>(p, task, scratch);
 }
 
 #undef SLIP_INLINE
