@@ -96,6 +96,7 @@ class AttentionMetadata:
 
     query_lens: list[int]
     seq_lens: list[int]
+    seq_lens_t: torch.Tensor  # int64 [B], seq_lens as a tensor (built once per step)
     query_start_loc: torch.Tensor  # int64 [B + 1]
     slot_mapping: torch.Tensor  # int64 [T]
     block_tables: torch.Tensor  # int64 [B, max_num_blocks]
@@ -131,6 +132,7 @@ def build_attention_metadata(
     return AttentionMetadata(
         query_lens=list(query_lens),
         seq_lens=list(seq_lens),
+        seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
         slot_mapping=_slot_mapping(query_lens, seq_lens, block_tables, block_size, device),
         block_tables=table,

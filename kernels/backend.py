@@ -1,9 +1,15 @@
-"""Attention backend selection and dispatch: the torch path or Slipstream's Triton kernels.
+"""Attention backend selection and dispatch: the torch path, the fused CPU
+kernel, or Slipstream's Triton kernels.
 
-``resolve_backend`` turns the user's ``auto|torch|triton`` into a concrete name;
-``write_kv_for`` / ``paged_attention_for`` / ``copy_blocks_for`` return callables
-with the signatures of the torch ones in ``kv_write.py``, ``attention.py`` and
-``block_copy.py``, so the model code calls them the same way whichever runs.
+``resolve_backend`` turns the user's ``auto|torch|cpu|triton`` into a concrete
+name; ``write_kv_for`` / ``paged_attention_for`` / ``copy_blocks_for`` return
+callables with the signatures of the torch ones in ``kv_write.py``,
+``attention.py`` and ``block_copy.py``, so the model code calls them the same
+way whichever runs.
+
+``cpu`` is the fused C++ paged-attention kernel (``cpu_attention.py``); it
+needs a C++ compiler once, to build the extension, and a head-major KV cache.
+Writing K/V and copying blocks are plain indexing, so it reuses the torch ones.
 
 Triton modules are imported only when the Triton backend is asked for: a
 torch-only install never imports triton, and ``TRITON_INTERPRET=1`` set by a
@@ -19,14 +25,19 @@ reused by the other layers of the same step (see ``triton_step``).
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from slipstream.kernels import cpu_attention
 from slipstream.kernels.attention import AttentionMetadata
 
-BACKEND_CHOICES = ("auto", "torch", "triton")
+BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
+
+log = logging.getLogger(__name__)
 
 WriteKV = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], None
@@ -45,10 +56,19 @@ class BackendUnavailable(ValueError):
     """The requested attention backend cannot run on this machine or device."""
 
 
-def resolve_backend(requested: str, device: torch.device) -> str:
-    """``"torch"`` or ``"triton"``: ``auto`` is Triton on CUDA devices (when triton
-    is installed), torch elsewhere. An explicit ``triton`` off CUDA is only
-    allowed under the Triton interpreter (``TRITON_INTERPRET=1``)."""
+def resolve_backend(
+    requested: str,
+    device: torch.device,
+    *,
+    home: Path | None = None,
+    build_extension: bool = True,
+) -> str:
+    """``"torch"``, ``"cpu"`` or ``"triton"``. ``auto`` is Triton on CUDA devices
+    (when triton is installed); on the CPU it is the fused kernel when its
+    extension builds and loads (cached under ``home``, see ``cpu_attention``),
+    else torch, said in one log line. ``build_extension=False`` never builds or
+    loads it (``auto`` gives torch, ``cpu`` is refused). An explicit ``triton``
+    off CUDA is only allowed under the Triton interpreter (``TRITON_INTERPRET=1``)."""
     if requested not in BACKEND_CHOICES:
         raise BackendUnavailable(
             f"unknown attention backend {requested!r}; choose one of {BACKEND_CHOICES}"
@@ -56,7 +76,25 @@ def resolve_backend(requested: str, device: torch.device) -> str:
     if requested == "torch":
         return "torch"
     if requested == "auto":
-        return "triton" if device.type == "cuda" and is_triton_installed() else "torch"
+        if device.type == "cuda" and is_triton_installed():
+            return "triton"
+        if device.type == "cpu":
+            return "cpu" if _fused_cpu_kernel(home, build_extension) else "torch"
+        return "torch"
+    if requested == "cpu":
+        if device.type != "cpu":
+            raise BackendUnavailable(
+                f"attention backend 'cpu' runs on the CPU, not {device.type!r}"
+            )
+        if not build_extension:
+            raise BackendUnavailable(
+                "attention backend 'cpu' asked for with the extension disabled"
+            )
+        if not cpu_attention.is_available(home):
+            raise BackendUnavailable(
+                f"attention backend 'cpu' is unavailable: {cpu_attention.failure()}"
+            )
+        return "cpu"
     if not is_triton_installed():
         raise BackendUnavailable("attention backend 'triton' needs the triton package")
     if device.type != "cuda" and not is_interpreting():
@@ -65,6 +103,14 @@ def resolve_backend(requested: str, device: torch.device) -> str:
             "(set TRITON_INTERPRET=1 to run the kernels on the CPU, slowly)"
         )
     return "triton"
+
+
+def _fused_cpu_kernel(home: Path | None, build_extension: bool) -> bool:
+    """Whether ``auto`` may use the fused kernel; a refusal is logged once by its cause."""
+    if not build_extension:
+        log.info("fused CPU attention kernel disabled; using the torch attention path")
+        return False
+    return cpu_attention.is_available(home)  # logs its own failure
 
 
 def is_triton_installed() -> bool:
@@ -79,7 +125,7 @@ def is_interpreting() -> bool:
 
 
 def write_kv_for(backend: str) -> WriteKV:
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         from slipstream.kernels.kv_write import write_kv
 
         return write_kv
@@ -94,12 +140,18 @@ def paged_attention_for(backend: str) -> PagedAttention:
         from slipstream.kernels.attention import paged_attention
 
         return paged_attention
+    if backend == "cpu":
+        if not cpu_attention.is_available():  # loaded already when resolve_backend chose it
+            raise BackendUnavailable(
+                f"the fused CPU kernel is unavailable: {cpu_attention.failure()}"
+            )
+        return cpu_attention.paged_attention
     _require_triton(backend)
     return triton_paged_attention
 
 
 def copy_blocks_for(backend: str) -> CopyBlocks:
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         from slipstream.kernels.block_copy import copy_blocks
 
         return copy_blocks
@@ -111,7 +163,7 @@ def copy_blocks_for(backend: str) -> CopyBlocks:
 
 def _require_triton(backend: str) -> None:
     if backend != "triton":
-        raise BackendUnavailable(f"unknown resolved backend {backend!r}; expected torch|triton")
+        raise BackendUnavailable(f"unknown resolved backend {backend!r}; expected torch|cpu|triton")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,128 @@
+"""Micro-benchmark: the fused CPU kernel against the torch path, one layer call.
+
+    python -m slipstream.kernels.bench_cpu_attention [--threads 2] [--reps 30] [--home DIR]
+
+8 query heads, 4 KV heads, head_dim 64, block_size 32, float32 and bfloat16:
+decode batches of 1, 8, 64 and 256 sequences with contexts drawn from
+250..350 tokens, one decode at 2000 tokens (where the kernel splits the keys
+over threads), and a 512-token prefill chunk over a 512-token cached prefix.
+Prints the median ms per call of each path and the K/V bandwidth of the fused
+kernel: the bytes of K and V the step must read (each cached token once) over
+its median time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from slipstream.kernels import cpu_attention
+from slipstream.kernels.attention import build_attention_metadata, paged_attention
+from slipstream.kernels.kv_layout import allocate_kv_cache
+from slipstream.kernels.workspace import Workspace
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 32
+CPU = torch.device("cpu")
+# (label, query_lens, seq_lens) built from a seeded generator
+CASES = [
+    ("decode", 1, 300),
+    ("decode", 8, 300),
+    ("decode", 64, 300),
+    ("decode", 256, 300),
+    ("decode", 1, 2000),
+    ("prefill", 512, 1024),
+]
+
+
+def _lens(kind: str, size: int, context: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    if kind == "prefill":  # one chunk of `size` tokens ending at position `context`
+        return [size], [context]
+    spread = 0 if context > 1000 else 50
+    return [1] * size, [rng.randint(context - spread, context + spread) for _ in range(size)]
+
+
+def _step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, rng: random.Random):  # type: ignore[no-untyped-def]
+    needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    blocks = list(range(sum(needed) + 16))
+    rng.shuffle(blocks)
+    tables, used = [], 0
+    for count in needed:
+        tables.append(blocks[used : used + count])
+        used += count
+    k_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
+    v_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
+    k_cache.copy_(torch.randn(k_cache.shape))
+    v_cache.copy_(torch.randn(v_cache.shape))
+    q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM).to(dtype)
+    meta = build_attention_metadata(
+        query_lens, seq_lens, tables, BLOCK_SIZE, CPU, dtype, workspace=Workspace(CPU)
+    )
+    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    return q, k_cache, v_cache, meta, kv_bytes
+
+
+def _median_ms(attend: Callable[..., torch.Tensor], inputs: tuple[object, ...], reps: int) -> float:
+    for _ in range(3):
+        attend(*inputs)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        attend(*inputs)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _cpu_name() -> str:
+    flags: set[str] = set()
+    name = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+    return f"{name} [{' '.join(f for f in wanted if f in flags)}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--home", type=Path, default=None, help="extension cache root")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not cpu_attention.is_available(args.home):
+        raise SystemExit(f"fused kernel unavailable: {cpu_attention.failure()}")
+    isa = torch.ops.slipstream.paged_attention_cpu_isa()
+    print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}")
+    print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(f"{'dtype':>8} {'step':>8} {'size':>5} {'ctx':>5} {'torch ms':>9} {'fused ms':>9} "
+          f"{'speedup':>7} {'fused GB/s':>10}")  # fmt: skip
+    rng = random.Random(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind, size, context in CASES:
+            query_lens, seq_lens = _lens(kind, size, context, rng)
+            q, k_cache, v_cache, meta, kv_bytes = _step(query_lens, seq_lens, dtype, rng)
+            inputs = (q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+            with torch.inference_mode():
+                torch_ms = _median_ms(paged_attention, inputs, args.reps)
+                fused_ms = _median_ms(cpu_attention.paged_attention, inputs, args.reps)
+            name = str(dtype).removeprefix("torch.")
+            print(f"{name:>8} {kind:>8} {size:>5} {context:>5} {torch_ms:>9.3f} {fused_ms:>9.3f} "
+                  f"{torch_ms / fused_ms:>6.1f}x {kv_bytes / fused_ms / 1e6:>10.1f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

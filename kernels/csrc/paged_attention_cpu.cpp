@@ -1,0 +1,783 @@
+// Fused paged attention on the CPU: decodes and prefill chunks of a ragged
+// batch in one call, reading K/V straight from the paged pool.
+//
+// Semantics (those of kernels/attention.py): token i of sequence b, whose
+// query length is n = qsl[b+1] - qsl[b], sits at position seq_len[b] - n + i
+// and attends keys 0..position inclusive.
+//
+// Memory walk of one task (sequence b, kv head h, a tile of query tokens, a
+// range of keys). The cache is head-major, so the keys of one block of one kv
+// head are a contiguous [block_size, head_dim] slab:
+//
+//   k_storage [kv_heads, num_blocks, block_size, head_dim]
+//              h ----> block_tables[b] = [7, 2, 9]
+//                      |  slab(h,7) |  slab(h,2) |  slab(h,9)  | ...
+//   keys                  0..15       16..31       32..seq_len-1
+//
+//   for each key tile (<= 32 keys, never crossing a block):
+//     prefetch the head of the next tile's K and V slabs (another block, another page)
+//     K tile, V tile -> fp32 (bf16: widen and shift; fp32: read in place)
+//     for each row r = (query token, head of the GQA group):
+//       s = (q_r . K^T) * scale * log2(e)         8 keys per reduction
+//       causal: row r sees keys <= its position
+//       online softmax in base 2: m_r, l_r, O_r (fp32) rescaled by 2^(m_old - m_new)
+//       O_r += p . V
+//
+// All G query heads of a kv head are rows of the same task, so each K/V tile
+// is read from memory once per task. Long key ranges are split over several
+// tasks ("split-K"); each split leaves (O, m, l) per row in a scratch buffer
+// and a second pass merges them. Tasks run on OpenMP threads, largest first.
+//
+// Instruction sets: the part below "per-variant code" is compiled twice, by
+// including this file into itself (the pattern of Google's Highway): once
+// for the baseline and once under `#pragma GCC target("avx2,fma")`. The
+// variant is picked at run time, so the binary does not depend on the build
+// machine's CPU.
+
+#ifndef SLIPSTREAM_VARIANT  // ============================== shared code, first pass
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace slipstream {
+namespace {
+
+// GCC vector extensions, 8 float lanes: ymm registers in the AVX2 variant,
+// pairs of xmm registers in the baseline one.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+using bf16_bits = uint16_t;  // element type of bfloat16 tensors
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kKeyTile = 32;  // keys per tile; a multiple of 8
+
+// A unit of work: rows (token, head of the group) of one sequence and kv head
+// against keys [key_begin, key_end). partial < 0: the task covers all keys
+// and writes the output; else it writes its (O, m, l) record at partials + partial.
+struct Task {
+  int64_t seq;
+  int64_t token0;  // row of q of the first query token
+  int64_t pos0;    // its position in the sequence
+  int64_t key_begin;
+  int64_t key_end;
+  int64_t partial;
+  int64_t cost;
+  int32_t kv_head;
+  int32_t num_tokens;
+};
+
+// The split tasks of one (sequence, kv head, token tile): num_splits
+// consecutive records of rows * (head_dim + 2) floats, O [rows, head_dim]
+// then m [rows] then l [rows].
+struct Merge {
+  int64_t token0;
+  int64_t partial;
+  int32_t kv_head;
+  int32_t num_tokens;
+  int32_t num_splits;
+};
+
+template <typename T>
+struct Problem {
+  const T* q;
+  int64_t q_stride;  // elements between tokens of q; heads are packed
+  const T* k;        // [kv_heads, num_blocks, block_size, head_dim]
+  const T* v;
+  T* out;            // [tokens, num_heads, head_dim] contiguous
+  const int64_t* block_tables;
+  int64_t max_blocks;
+  int64_t num_heads;
+  int64_t group;     // query heads per kv head
+  int64_t head_dim;
+  int64_t block_size;
+  int64_t num_blocks;
+  float qk_scale;    // scale * log2(e): scores in base 2
+  float* partials;
+};
+
+// Per-thread fp32 scratch, grown on demand and kept across calls.
+struct Scratch {
+  std::vector<float> q, o, m, l, k, v;
+  void reserve(int64_t rows, int64_t head_dim) {
+    auto grow = [](std::vector<float>& b, int64_t n) {
+      if (int64_t(b.size()) < n) b.resize(n);
+    };
+    grow(q, rows * head_dim);
+    grow(o, rows * head_dim);
+    grow(m, rows);
+    grow(l, rows);
+    grow(k, kKeyTile * head_dim);
+    grow(v, kKeyTile * head_dim);
+  }
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16_bits x) {
+  const uint32_t w = uint32_t(x) << 16;  // bfloat16 is the top half of a float32
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion does.
+inline bf16_bits to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t w;
+  std::memcpy(&w, &f, sizeof(w));
+  return bf16_bits((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
+
+inline void store_row(float* dst, const float* src, float mul, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
+}
+inline void store_row(bf16_bits* dst, const float* src, float mul, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_bf16(src[i] * mul);
+}
+
+}  // namespace
+}  // namespace slipstream
+
+#define SLIPSTREAM_VARIANT portable
+#include __FILE__
+#undef SLIPSTREAM_VARIANT
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define SLIPSTREAM_VARIANT avx2
+#include __FILE__
+#undef SLIPSTREAM_VARIANT
+#pragma GCC pop_options
+#endif
+
+namespace slipstream {
+namespace {
+
+enum class Isa { kPortable, kAvx2 };
+
+Isa best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+#endif
+  return Isa::kPortable;
+}
+
+Isa parse_isa(c10::string_view name) {
+  if (name == "auto") return best_isa();
+  if (name == "portable") return Isa::kPortable;
+  TORCH_CHECK(name == "avx2", "paged_attention: isa must be auto, avx2 or portable, got ", name);
+  TORCH_CHECK(best_isa() == Isa::kAvx2, "paged_attention: this CPU has no AVX2+FMA");
+  return Isa::kAvx2;
+}
+
+std::string cpu_isa() { return best_isa() == Isa::kAvx2 ? "avx2" : "portable"; }
+
+// ------------------------------------------------------------------ work split
+
+// Work is counted in (row x key) units. Below kSerialCost a call stays on one
+// thread (waking the pool costs more than it saves); a task costing more than
+// both kMinSplitCost and its share of the call is split over keys, in
+// block-aligned pieces of at least kMinSplitKeys keys.
+constexpr int64_t kSerialCost = 16384;
+constexpr int64_t kMinSplitCost = 2048;
+constexpr int64_t kMinSplitKeys = 64;
+constexpr int64_t kTasksPerThread = 4;
+constexpr int64_t kRowsPerTask = 64;  // query rows (tokens x group) of a prefill tile
+
+struct Plan {
+  std::vector<Task> tasks;
+  std::vector<Merge> merges;
+  int64_t partial_floats = 0;
+  int64_t max_rows = 0;
+  int64_t total_cost = 0;
+};
+
+void split_over_keys(Plan& plan, int64_t group, int64_t head_dim, int64_t block_size,
+                     int64_t num_threads) {
+  const int64_t cap = std::max(kMinSplitCost, plan.total_cost / (num_threads * kTasksPerThread));
+  const int64_t min_keys = (kMinSplitKeys + block_size - 1) / block_size * block_size;
+  const size_t num_whole = plan.tasks.size();
+  for (size_t i = 0; i < num_whole; ++i) {
+    const Task whole = plan.tasks[i];  // a copy: push_back below may move the vector
+    const int64_t keys = whole.key_end;
+    const int64_t wanted = std::min((whole.cost + cap - 1) / cap, keys / min_keys);
+    if (wanted < 2) continue;
+    const int64_t blocks = (keys + block_size - 1) / block_size;
+    const int64_t piece = (blocks + wanted - 1) / wanted * block_size;
+    const int64_t splits = (keys + piece - 1) / piece;
+    const int64_t record = whole.num_tokens * group * (head_dim + 2);
+    plan.merges.push_back(Merge{whole.token0, plan.partial_floats, whole.kv_head,
+                                whole.num_tokens, int32_t(splits)});
+    for (int64_t s = 0; s < splits; ++s) {
+      Task part = whole;
+      part.key_begin = s * piece;
+      part.key_end = std::min(keys, part.key_begin + piece);
+      part.partial = plan.partial_floats + s * record;
+      part.cost = whole.cost * (part.key_end - part.key_begin) / keys;
+      if (s == 0)
+        plan.tasks[i] = part;
+      else
+        plan.tasks.push_back(part);
+    }
+    plan.partial_floats += splits * record;
+  }
+}
+
+// One task per (sequence, kv head, tile of up to kRowsPerTask / group query
+// tokens), then split-K where one task would hold up the others.
+Plan make_plan(const int64_t* seq_lens, const int64_t* qsl, int64_t num_seqs,
+               int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+               int64_t num_threads) {
+  Plan plan;
+  const int64_t tile_tokens = std::max<int64_t>(1, kRowsPerTask / group);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t query_len = qsl[b + 1] - qsl[b];
+    const int64_t prefix = seq_lens[b] - query_len;
+    for (int64_t i = 0; i < query_len; i += tile_tokens) {
+      const int32_t n = int32_t(std::min(tile_tokens, query_len - i));
+      const int64_t keys = prefix + i + n;  // the tile's last token sees them all
+      const int64_t cost = (n * group + 2) * (keys - (n - 1) / 2);  // + 2: K/V conversion
+      for (int64_t h = 0; h < num_kv_heads; ++h)
+        plan.tasks.push_back(Task{b, qsl[b] + i, prefix + i, 0, keys, -1, cost, int32_t(h), n});
+      plan.total_cost += cost * num_kv_heads;
+      plan.max_rows = std::max(plan.max_rows, n * group);
+    }
+  }
+  if (num_threads > 1 && plan.total_cost >= kSerialCost)
+    split_over_keys(plan, group, head_dim, block_size, num_threads);
+  // Largest first, so the last tasks to start are short ones.
+  std::stable_sort(plan.tasks.begin(), plan.tasks.end(),
+                   [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return plan;
+}
+
+// Combines the split records of each row: weights 2^(m_s - max m), which is 0
+// for a split holding only keys the row cannot see (m_s = -inf).
+template <typename T>
+void run_merge(const Problem<T>& p, const Merge& merge) {
+  const int64_t d = p.head_dim, g = p.group;
+  const int64_t rows = merge.num_tokens * g;
+  const int64_t stride = rows * (d + 2);
+  const float* base = p.partials + merge.partial;
+  std::vector<float> acc(d);
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = kNegInf;
+    for (int s = 0; s < merge.num_splits; ++s) top = std::max(top, base[s * stride + rows * d + r]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float total = 0.0f;
+    for (int s = 0; s < merge.num_splits; ++s) {
+      const float* rec = base + s * stride;
+      const float w = std::exp2(rec[rows * d + r] - top);
+      total += w * rec[rows * d + rows + r];
+      for (int64_t c = 0; c < d; ++c) acc[c] += w * rec[r * d + c];
+    }
+    const int64_t token = merge.token0 + r / g, head = merge.kv_head * g + r % g;
+    store_row(p.out + (token * p.num_heads + head) * d, acc.data(), 1.0f / total, d);
+  }
+}
+
+template <typename T>
+void run_plan(const Problem<T>& p, const Plan& plan, Isa isa, int64_t num_threads) {
+  const int64_t num_tasks = int64_t(plan.tasks.size());
+  const bool parallel = num_threads > 1 && num_tasks > 1 && plan.total_cost >= kSerialCost;
+#pragma omp parallel num_threads(int(num_threads)) if (parallel)
+  {
+    thread_local Scratch scratch;
+    scratch.reserve(plan.max_rows, p.head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) {
+#if defined(__x86_64__)
+      if (isa == Isa::kAvx2) {
+        avx2::run_task(p, plan.tasks[i], scratch);
+        continue;
+      }
+#endif
+      portable::run_task(p, plan.tasks[i], scratch);
+    }
+  }
+  const int64_t num_merges = int64_t(plan.merges.size());
+#pragma omp parallel for num_threads(int(num_threads)) if (parallel && num_merges > 1)
+  for (int64_t i = 0; i < num_merges; ++i) run_merge(p, plan.merges[i]);
+}
+
+// ---------------------------------------------------------------------- the op
+
+// Bounds every index the tasks will follow, so a bad table cannot read outside the pool.
+void check_metadata(const int64_t* seq_lens, const int64_t* qsl, const int64_t* tables,
+                    int64_t num_seqs, int64_t max_blocks, int64_t block_size,
+                    int64_t num_blocks, int64_t num_tokens) {
+  TORCH_CHECK(qsl[0] == 0 && qsl[num_seqs] == num_tokens,
+              "paged_attention: query_start_loc must run from 0 to ", num_tokens);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t query_len = qsl[b + 1] - qsl[b], seq_len = seq_lens[b];
+    TORCH_CHECK(1 <= query_len && query_len <= seq_len, "paged_attention: sequence ", b,
+                " needs 1 <= query_len <= seq_len, got ", query_len, ", ", seq_len);
+    const int64_t used = (seq_len + block_size - 1) / block_size;
+    TORCH_CHECK(used <= max_blocks, "paged_attention: sequence ", b, " has ", seq_len,
+                " tokens but block_tables holds ", max_blocks, " blocks");
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t id = tables[b * max_blocks + j];
+      TORCH_CHECK(0 <= id && id < num_blocks, "paged_attention: block id ", id,
+                  " out of range [0, ", num_blocks, ")");
+    }
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_storage,
+                           const at::Tensor& v_storage, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                           double scale, c10::string_view isa_name) {
+  for (const at::Tensor* t :
+       {&q, &k_storage, &v_storage, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: all tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && k_storage.dim() == 4,
+              "paged_attention: q [T, H, D], K/V storage [kv_heads, num_blocks, block_size, D]");
+  TORCH_CHECK(k_storage.sizes() == v_storage.sizes(), "paged_attention: K and V shapes differ");
+  TORCH_CHECK(k_storage.is_contiguous() && v_storage.is_contiguous(),
+              "paged_attention: K/V storage must be contiguous (head-major)");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_attention: q heads must be packed (strides [*, D, 1])");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "paged_attention: float32 or bfloat16, got ", dtype);
+  TORCH_CHECK(k_storage.scalar_type() == dtype && v_storage.scalar_type() == dtype,
+              "paged_attention: q and the K/V storage must share a dtype");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_storage.size(0), num_blocks = k_storage.size(1);
+  const int64_t block_size = k_storage.size(2);
+  TORCH_CHECK(k_storage.size(3) == head_dim && head_dim > 0, "paged_attention: head dims differ");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+              "paged_attention: num_heads must be a multiple of num_kv_heads");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "paged_attention: block_tables, seq_lens, query_start_loc: contiguous int64");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  seq_lens.dim() == 1 && query_start_loc.dim() == 1 &&
+                  query_start_loc.size(0) == num_seqs + 1,
+              "paged_attention: block_tables [B, max_blocks], seq_lens [B], "
+              "query_start_loc [B + 1]");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  check_metadata(lens, qsl, tables, num_seqs, max_blocks, block_size, num_blocks, num_tokens);
+  const Isa isa = parse_isa(isa_name);
+
+  at::Tensor out = at::empty({num_tokens, num_heads, head_dim}, q.options());
+  if (num_tokens == 0) return out;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t num_threads = at::get_num_threads();
+  const Plan plan =
+      make_plan(lens, qsl, num_seqs, num_kv_heads, group, head_dim, block_size, num_threads);
+  std::vector<float> partials(plan.partial_floats);
+  const float qk_scale = float(scale * 1.4426950408889634);  // log2(e)
+
+  auto run = [&](auto element) {
+    using T = decltype(element);
+    const Problem<T> p{static_cast<const T*>(q.data_ptr()),
+                       q.stride(0),
+                       static_cast<const T*>(k_storage.data_ptr()),
+                       static_cast<const T*>(v_storage.data_ptr()),
+                       static_cast<T*>(out.data_ptr()),
+                       tables,
+                       max_blocks,
+                       num_heads,
+                       group,
+                       head_dim,
+                       block_size,
+                       num_blocks,
+                       qk_scale,
+                       partials.data()};
+    run_plan(p, plan, isa, num_threads);
+  };
+  if (dtype == at::kFloat)
+    run(float{});
+  else
+    run(bf16_bits{});
+  return out;
+}
+
+// How a call would be cut into tasks, for tests: [tasks, split groups].
+std::vector<int64_t> plan_summary(const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                                  int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                                  int64_t block_size, int64_t num_threads) {
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "paged_attention_plan: contiguous int64 tensors");
+  const Plan plan = make_plan(seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
+                              seq_lens.size(0), num_kv_heads, group, head_dim, block_size,
+                              num_threads);
+  return {int64_t(plan.tasks.size()), int64_t(plan.merges.size())};
+}
+
+}  // namespace
+
+// A fragment, so other Slipstream extensions may add ops to the namespace.
+TORCH_LIBRARY_FRAGMENT(slipstream, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_storage, Tensor v_storage, Tensor block_tables, "
+      "Tensor seq_lens, Tensor query_start_loc, float scale, str isa=\"auto\") -> Tensor");
+  m.def("paged_attention_cpu_isa() -> str", &cpu_isa);
+  m.def(
+      "paged_attention_plan(Tensor seq_lens, Tensor query_start_loc, int num_kv_heads, "
+      "int group, int head_dim, int block_size, int num_threads) -> int[]",
+      &plan_summary);
+}
+
+TORCH_LIBRARY_IMPL(slipstream, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+}  // namespace slipstream
+
+#else  // ==================================== per-variant code, once per instruction set
+
+namespace slipstream {
+namespace {
+namespace SLIPSTREAM_VARIANT {
+
+#define SLIP_INLINE inline __attribute__((always_inline))
+
+SLIP_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+SLIP_INLINE v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+SLIP_INLINE v8f load8(const bf16_bits* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
+SLIP_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+SLIP_INLINE v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+
+SLIP_INLINE float hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+SLIP_INLINE float hsum(v8f v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+// Pairwise sums within 128-bit halves, as x86's haddps.
+SLIP_INLINE v8f hadd(v8f a, v8f b) {
+  return __builtin_shuffle(a, b, v8i{0, 2, 8, 10, 4, 6, 12, 14}) +
+         __builtin_shuffle(a, b, v8i{1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+// Lane i of the result is the sum of the lanes of a_i.
+SLIP_INLINE v8f reduce8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
+  const v8f lo = hadd(hadd(a0, a1), hadd(a2, a3));  // [a0..a3 low halves | a0..a3 high halves]
+  const v8f hi = hadd(hadd(a4, a5), hadd(a6, a7));
+  return __builtin_shuffle(lo, hi, v8i{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(lo, hi, v8i{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// 2^x for x <= 0; 0 below -125 (weights that small cannot move an fp32 sum).
+// Round-to-nearest splits x = n + f, |f| <= 1/2; 2^f by its degree-6 Taylor
+// polynomial (relative error < 2e-7); 2^n is added to the exponent bits.
+SLIP_INLINE v8f exp2_neg(v8f x) {
+  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: x + magic rounds x to an integer
+  const v8f xc = vmax(x, splat(-125.0f));
+  const v8f t = xc + magic;
+  const v8f f = xc - (t - magic);
+  const v8i n = (v8i)t - (v8i)magic;
+  v8f p = splat(1.5403530393381608e-4f);
+  p = p * f + splat(1.3333558146428443e-3f);
+  p = p * f + splat(9.6181291076284772e-3f);
+  p = p * f + splat(5.5504108664821580e-2f);
+  p = p * f + splat(2.4022650695910071e-1f);
+  p = p * f + splat(6.9314718055994531e-1f);
+  p = p * f + splat(1.0f);
+  const v8f r = (v8f)((v8i)p + (n << 23));
+  return x < splat(-125.0f) ? splat(0.0f) : r;
+}
+
+// How the inner loops read K/V rows: kStep elements at a time, as kStep / 8
+// float vectors. Float rows (fp32 storage, or a bf16 tile converted into
+// scratch) are read in order. Bf16 rows are read straight from the storage,
+// 16 elements per 32-byte load, as two vectors: the even elements (shifted
+// up) and the odd ones (masked). Their q and O rows are kept "paired" in that
+// same order, [even 8 | odd 8] per 16 elements, so the pairing costs nothing
+// in the loops; rows are unpaired once, when a task writes its result.
+struct FloatRows {
+  using E = float;
+  static constexpr int kVecs = 1;
+  static SLIP_INLINE void load(const float* p, v8f* x) { x[0] = load8(p); }
+};
+
+struct Bf16Rows {
+  using E = bf16_bits;
+  static constexpr int kVecs = 2;
+  static SLIP_INLINE void load(const bf16_bits* p, v8f* x) {
+    v8u w;
+    std::memcpy(&w, p, sizeof(w));
+    x[0] = (v8f)(w << 16);           // elements 0, 2, .., 14
+    x[1] = (v8f)(w & 0xFFFF0000u);   // elements 1, 3, .., 15
+  }
+};
+
+template <typename R>
+constexpr bool kPaired = std::is_same_v<R, Bf16Rows>;
+
+// Scores of one row against 8 consecutive keys (rows of k, stride d).
+template <typename R>
+SLIP_INLINE v8f dot8(const float* q, const typename R::E* k, int64_t d) {
+  constexpr int kStep = 8 * R::kVecs;
+  v8f a[8] = {};
+  int64_t c = 0;
+  for (; c + kStep <= d; c += kStep) {
+    v8f x[R::kVecs];
+    for (int v = 0; v < R::kVecs; ++v) x[v] = load8(q + c + 8 * v);
+    for (int i = 0; i < 8; ++i) {
+      v8f y[R::kVecs];
+      R::load(k + i * d + c, y);
+      for (int v = 0; v < R::kVecs; ++v) a[i] += x[v] * y[v];
+    }
+  }
+  v8f s = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
+  if constexpr (std::is_same_v<R, FloatRows>) {  // paired rows have no tail (d % 16 == 0)
+    for (; c < d; ++c)
+      for (int i = 0; i < 8; ++i) s[i] += q[c] * k[i * d + c];
+  }
+  return s;
+}
+
+// o[0, 8 * NV) = o * alpha + sum_t p[t] * v[t, 0 .. 8 * NV)
+template <typename R, int NV>
+SLIP_INLINE void accumulate_pv(float* o, const typename R::E* v, int64_t d, const float* p,
+                               int n, float alpha) {
+  static_assert(NV % R::kVecs == 0, "a load fills kVecs accumulators");
+  v8f acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = load8(o + 8 * i) * alpha;
+  for (int t = 0; t < n; ++t) {
+    const v8f w = splat(p[t]);
+    for (int i = 0; i < NV; i += R::kVecs) {
+      v8f y[R::kVecs];
+      R::load(v + t * d + 8 * i, y);
+      for (int j = 0; j < R::kVecs; ++j) acc[i + j] += w * y[j];
+    }
+  }
+  for (int i = 0; i < NV; ++i) store8(o + 8 * i, acc[i]);
+}
+
+template <typename R, int NV>
+SLIP_INLINE void accumulate_pv_if(float* o, const typename R::E* v, int64_t d, const float* p,
+                                  int n, float alpha) {
+  if constexpr (NV % R::kVecs == 0) accumulate_pv<R, NV>(o, v, d, p, n, alpha);
+}
+
+// Up to 8 vectors of accumulators stay in registers; head_dim is walked in
+// such chunks, then (float rows) the d % 8 tail one lane at a time.
+template <typename R>
+SLIP_INLINE void accumulate_row(float* o, const typename R::E* v, int64_t d, const float* p,
+                                int n, float alpha) {
+  int64_t c = 0;
+  for (; c + 64 <= d; c += 64) accumulate_pv<R, 8>(o + c, v + c, d, p, n, alpha);
+  switch ((d - c) / 8) {
+    case 7: accumulate_pv_if<R, 7>(o + c, v + c, d, p, n, alpha); break;
+    case 6: accumulate_pv_if<R, 6>(o + c, v + c, d, p, n, alpha); break;
+    case 5: accumulate_pv_if<R, 5>(o + c, v + c, d, p, n, alpha); break;
+    case 4: accumulate_pv_if<R, 4>(o + c, v + c, d, p, n, alpha); break;
+    case 3: accumulate_pv_if<R, 3>(o + c, v + c, d, p, n, alpha); break;
+    case 2: accumulate_pv_if<R, 2>(o + c, v + c, d, p, n, alpha); break;
+    case 1: accumulate_pv_if<R, 1>(o + c, v + c, d, p, n, alpha); break;
+    default: break;
+  }
+  if constexpr (std::is_same_v<R, FloatRows>) {
+    for (c += (d - c) / 8 * 8; c < d; ++c) {
+      float acc = o[c] * alpha;
+      for (int t = 0; t < n; ++t) acc += p[t] * v[t * d + c];
+      o[c] = acc;
+    }
+  }
+}
+
+// One row against the first n keys of a tile whose k rows are readable up to
+// a multiple of 8: the online-softmax update of (m, l, o).
+template <typename R>
+SLIP_INLINE void attend_row(const float* q, const typename R::E* k, const typename R::E* v,
+                            int64_t d, int n, float& m, float& l, float* o) {
+  const int groups = (n + 7) / 8;
+  v8f s[kKeyTile / 8];
+  for (int g = 0; g < groups; ++g) s[g] = dot8<R>(q, k + g * 8 * d, d);
+  const int tail = n - (groups - 1) * 8;
+  if (tail < 8) {  // keys past n: beyond the row's position or the task's range
+    const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    s[groups - 1] = lane < tail ? s[groups - 1] : splat(kNegInf);
+  }
+  v8f top = s[0];
+  for (int g = 1; g < groups; ++g) top = vmax(top, s[g]);
+  const float m_new = std::max(m, hmax(top));
+  const float alpha = std::exp2(m - m_new);  // 0 on the row's first tile (m = -inf)
+  float p[kKeyTile];
+  v8f sum = {};
+  for (int g = 0; g < groups; ++g) {
+    const v8f e = exp2_neg(s[g] - splat(m_new));
+    sum += e;
+    store8(p + 8 * g, e);
+  }
+  l = l * alpha + hsum(sum);
+  m = m_new;
+  accumulate_row<R>(o, v, d, p, n, alpha);
+}
+
+// `rows` rows of a tile as fp32, of which `readable` exist in the block: in
+// place when already fp32 and all readable, else converted into buf (rows
+// past the block are zeros).
+template <typename T>
+SLIP_INLINE const float* tile_f32(const T* src, int64_t rows, int64_t readable, int64_t d,
+                                  float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (rows <= readable) return src;
+  }
+  const int64_t n = std::min(rows, readable) * d;
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i]);
+  std::fill(buf + n, buf + rows * d, 0.0f);
+  return buf;
+}
+
+// The first cache lines of a tile in another block: its page is likely not
+// the one being read, where the hardware prefetcher stops; these few lines
+// start it on the new page. (Prefetching whole tiles measured no faster.)
+SLIP_INLINE void prefetch_head(const void* p) {
+  const char* bytes = static_cast<const char*>(p);
+  for (int i = 0; i < 256; i += 64) __builtin_prefetch(bytes + i);
+}
+
+// Row of q (scaled) into the order R's loops expect.
+template <typename R, typename T>
+SLIP_INLINE void load_q_row(float* dst, const T* src, float scale, int64_t d) {
+  if constexpr (kPaired<R>) {
+    for (int64_t c = 0; c < d; c += 16)
+      for (int j = 0; j < 8; ++j) {
+        dst[c + j] = to_float(src[c + 2 * j]) * scale;
+        dst[c + 8 + j] = to_float(src[c + 2 * j + 1]) * scale;
+      }
+  } else {
+    for (int64_t c = 0; c < d; ++c) dst[c] = to_float(src[c]) * scale;
+  }
+}
+
+// A row of O back in element order (in place for unpaired rows).
+template <typename R>
+SLIP_INLINE const float* natural_row(const float* o, int64_t d, float* tmp) {
+  if constexpr (kPaired<R>) {
+    for (int64_t c = 0; c < d; c += 16)
+      for (int j = 0; j < 8; ++j) {
+        tmp[c + 2 * j] = o[c + j];
+        tmp[c + 2 * j + 1] = o[c + 8 + j];
+      }
+    return tmp;
+  } else {
+    return o;
+  }
+}
+
+template <typename T, typename R>
+SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& scratch) {
+  const int64_t d = p.head_dim, g = p.group;
+  const int64_t rows = task.num_tokens * g;
+  float* q = scratch.q.data();
+  float* o = scratch.o.data();
+  float* m = scratch.m.data();
+  float* l = scratch.l.data();
+  // Rows are (token, head of the group), token-major.
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = p.q + (task.token0 + r / g) * p.q_stride + (task.kv_head * g + r % g) * d;
+    load_q_row<R>(q + r * d, src, p.qk_scale, d);
+  }
+  std::fill(o, o + rows * d, 0.0f);
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+
+  const int64_t* table = p.block_tables + task.seq * p.max_blocks;
+  const int64_t head_base = task.kv_head * p.num_blocks;
+  auto slab = [&](int64_t key) {  // element offset of key's row in the K/V storage
+    return ((head_base + table[key / p.block_size]) * p.block_size + key % p.block_size) * d;
+  };
+  auto tile_len = [&](int64_t key) {  // keys from `key` to the end of its tile
+    return std::min<int64_t>({kKeyTile, p.block_size - key % p.block_size, task.key_end - key});
+  };
+  for (int64_t key = task.key_begin; key < task.key_end;) {
+    const int64_t n = tile_len(key), offset = slab(key);
+    const int64_t next = key + n;
+    if (next < task.key_end) {
+      prefetch_head(p.k + slab(next));
+      prefetch_head(p.v + slab(next));
+    }
+    const typename R::E* kt;
+    const typename R::E* vt;
+    if constexpr (kPaired<R>) {  // in place: run_task checked block_size % 8 == 0
+      kt = p.k + offset;
+      vt = p.v + offset;
+    } else {
+      const int64_t readable = p.block_size - key % p.block_size;  // rows left in the block
+      kt = tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, d, scratch.k.data());
+      vt = tile_f32(p.v + offset, n, readable, d, scratch.v.data());
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::min(n, task.pos0 + r / g + 1 - key);  // causal
+      if (visible > 0) attend_row<R>(q + r * d, kt, vt, d, int(visible), m[r], l[r], o + r * d);
+    }
+    key = next;
+  }
+
+  float* record = task.partial < 0 ? nullptr : p.partials + task.partial;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = natural_row<R>(o + r * d, d, scratch.k.data());  // k: free by now
+    if (record == nullptr) {
+      const int64_t token = task.token0 + r / g, head = task.kv_head * g + r % g;
+      store_row(p.out + (token * p.num_heads + head) * d, row, 1.0f / l[r], d);
+    } else {
+      std::copy(row, row + d, record + r * d);
+    }
+  }
+  if (record != nullptr) {
+    std::copy(m, m + rows, record + rows * d);
+    std::copy(l, l + rows, record + rows * d + rows);
+  }
+}
+
+// bf16 storage is read in place when every tile is readable to a multiple of
+// 8 rows and head_dim is a multiple of 16; fp32 storage whenever the tile is
+// readable (tile_f32). Otherwise each tile is first converted (and padded)
+// into fp32 scratch.
+template <typename T>
+__attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, Scratch& scratch) {
+  if constexpr (std::is_same_v<T, bf16_bits>) {
+    if (p.block_size % 8 == 0 && p.head_dim % 16 == 0)
+      return run_task_rows<T, Bf16Rows>(p, task, scratch);
+  }
+  run_task_rows<T, FloatRows>(p, task, scratch);
+}
+
+#undef SLIP_INLINE
+
+}  // namespace SLIPSTREAM_VARIANT
+}  // namespace
+}  // namespace slipstream
+
+#endif  // SLIPSTREAM_VARIANT

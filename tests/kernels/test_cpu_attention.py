@@ -1,0 +1,296 @@
+"""The fused CPU paged-attention kernel (``slipstream.kernels.cpu_attention``)
+against dense attention over the unpaged sequences and against the torch path.
+
+The extension is built once into ``$SLIPSTREAM_HOME/cache/extensions`` (the
+test home); a machine without a C++ compiler skips the kernel's tests, any
+other build failure fails them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from paged_fixtures import PagedBatch, dense_attention, make_paged_batch
+
+from slipstream.kernels import attention, backend, cpu_attention
+from slipstream.kernels.attention import AttentionMetadata, build_attention_metadata
+from slipstream.kernels.block_copy import copy_blocks
+from slipstream.kernels.kv_layout import head_major
+from slipstream.kernels.kv_write import write_kv
+from slipstream.kernels.workspace import Workspace
+
+CPU = torch.device("cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+GQA = [(8, 8), (8, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): groups 1, 2, 3, 4
+
+# (query_lens, seq_lens) per batch kind; contexts from 1 to 2000 tokens.
+DECODES = ([1] * 10, [1, 2, 15, 16, 17, 33, 64, 300, 777, 2000])
+PREFILLS = ([5, 64, 1], [5, 64, 1])  # from position 0: plain causal
+PREFIX_PREFILLS = ([7, 40, 3], [50, 140, 1203])  # chunks over a cached prefix
+MIXED = ([1, 7, 1, 1, 20, 1, 33, 1], [1, 7, 45, 17, 52, 100, 33, 1500])
+BATCHES = {"decode": DECODES, "prefill": PREFILLS, "prefix": PREFIX_PREFILLS, "mixed": MIXED}
+
+
+@pytest.fixture(scope="module")
+def home() -> Path:
+    return Path(os.environ["SLIPSTREAM_HOME"])  # set for the session by tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def fused(home: Path) -> None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the fused CPU kernel cannot be built here")
+    if not cpu_attention.is_available(home):
+        pytest.fail(f"the fused CPU kernel did not build: {cpu_attention.failure()}")
+
+
+def _meta(batch: PagedBatch) -> AttentionMetadata:
+    return build_attention_metadata(
+        batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, CPU,
+        batch.k_cache.dtype, workspace=Workspace(CPU),
+    )  # fmt: skip
+
+
+def _case(
+    lens: tuple[list[int], list[int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[torch.Tensor, PagedBatch, AttentionMetadata]:
+    generator = torch.Generator().manual_seed(seed)
+    query_lens, seq_lens = lens
+    batch = make_paged_batch(
+        query_lens, seq_lens, block_size, num_kv_heads, head_dim, dtype, generator,
+        head_major=True,
+    )  # fmt: skip
+    q = torch.randn((sum(query_lens), num_heads, head_dim), generator=generator).to(dtype)
+    return q, batch, _meta(batch)
+
+
+def _assert_matches_dense(out: torch.Tensor, q: torch.Tensor, batch: PagedBatch, scale: float):  # type: ignore[no-untyped-def]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    tol = TOLERANCE[q.dtype]
+    torch.testing.assert_close(out.double(), dense_attention(q, batch, scale), atol=tol, rtol=tol)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), GQA, ids=lambda n: str(n))
+@pytest.mark.parametrize("kind", list(BATCHES))
+def test_matches_dense_attention(
+    kind: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    block_size = 32 if head_dim == 64 else 16
+    q, batch, meta = _case(BATCHES[kind], num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim**-0.5
+    out = cpu_attention.paged_attention(q, batch.k_cache, batch.v_cache, meta, scale)
+    _assert_matches_dense(out, q, batch, scale)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("kind", ["decode", "prefix", "mixed"])
+def test_two_threads_split_long_contexts(kind: str) -> None:
+    """With 2 threads the long rows are cut over keys and merged (see the plan test)."""
+    q, batch, meta = _case(BATCHES[kind], 8, 2, 64, 32, torch.float32, seed=1)
+    torch.set_num_threads(2)  # the autouse fixture restores 1
+    out = cpu_attention.paged_attention(q, batch.k_cache, batch.v_cache, meta, 0.125)
+    _assert_matches_dense(out, q, batch, 0.125)
+
+
+@pytest.mark.usefixtures("fused")
+def test_plan_splits_one_long_decode_but_not_a_big_batch() -> None:
+    plan = torch.ops.slipstream.paged_attention_plan
+
+    def summary(seq_lens: list[int], threads: int) -> list[int]:
+        starts = torch.arange(len(seq_lens) + 1, dtype=torch.int64)
+        return plan(torch.tensor(seq_lens), starts, 4, 2, 64, 32, threads)
+
+    tasks, merges = summary([2000], 2)
+    assert merges == 4 and tasks >= 4 * 2  # every kv head cut, both threads kept busy
+    assert summary([2000], 1) == [4, 0]  # one thread: splitting only costs
+    assert summary([300] * 256, 2) == [256 * 4, 0]  # enough whole tasks already
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("head_dim", [128, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_other_head_dims_and_a_block_size_not_a_multiple_of_8(
+    head_dim: int, dtype: torch.dtype
+) -> None:
+    q, batch, meta = _case(MIXED, 6, 2, head_dim, 5, dtype, seed=2)
+    out = cpu_attention.paged_attention(q, batch.k_cache, batch.v_cache, meta, 0.3)
+    _assert_matches_dense(out, q, batch, 0.3)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_each_instruction_set_variant(isa: str, dtype: torch.dtype) -> None:
+    if isa == "avx2" and torch.ops.slipstream.paged_attention_cpu_isa() != "avx2":
+        pytest.skip("this CPU has no AVX2+FMA")
+    q, batch, meta = _case(MIXED, 8, 2, 72, 16, dtype, seed=3)
+    out = torch.ops.slipstream.paged_attention(
+        q, head_major(batch.k_cache), head_major(batch.v_cache), meta.block_tables,
+        meta.seq_lens_t, meta.query_start_loc, 0.1, isa,
+    )  # fmt: skip
+    _assert_matches_dense(out, q, batch, 0.1)
+
+
+@pytest.mark.usefixtures("fused")
+def test_agrees_with_the_torch_path_after_write_kv() -> None:
+    """A layer as the model runs it: write this step's K/V, then attend, through each backend."""
+    generator = torch.Generator().manual_seed(4)
+    query_lens, seq_lens = MIXED
+    batch = make_paged_batch(
+        query_lens, seq_lens, 16, 2, 64, torch.float32, generator, head_major=True
+    )
+    meta = _meta(batch)
+    new_k = torch.cat([k[-n:] for k, n in zip(batch.keys, query_lens, strict=True)])
+    new_v = torch.cat([v[-n:] for v, n in zip(batch.values, query_lens, strict=True)])
+    q = torch.randn(sum(query_lens), 8, 64, generator=generator)
+    outputs = []
+    for name in ("torch", "cpu"):
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        k_cache.view(-1, 2, 64)[meta.slot_mapping] = 0.0  # stale until written
+        backend.write_kv_for(name)(k_cache, v_cache, new_k, new_v, meta)
+        outputs.append(backend.paged_attention_for(name)(q, k_cache, v_cache, meta, 0.125))
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    _assert_matches_dense(outputs[1], q, batch, 0.125)
+
+
+@pytest.mark.usefixtures("fused")
+def test_q_may_be_a_view_with_a_token_stride() -> None:
+    """The model's q is a split of a wider [T, heads + kv_heads, D] tensor."""
+    q, batch, meta = _case(MIXED, 8, 4, 64, 16, torch.float32, seed=5)
+    wide = torch.cat([q, torch.full((q.shape[0], 4, 64), float("nan"))], dim=1)
+    view = wide[:, :8]
+    assert not view.is_contiguous()
+    out = cpu_attention.paged_attention(view, batch.k_cache, batch.v_cache, meta, 0.125)
+    _assert_matches_dense(out, q, batch, 0.125)
+
+
+@pytest.mark.usefixtures("fused")
+def test_wrapper_rejects_what_the_kernel_cannot_read() -> None:
+    q, batch, meta = _case(([1, 3], [9, 3]), 4, 2, 32, 16, torch.float32)
+    token_major = batch.k_cache.contiguous()
+    with pytest.raises(ValueError, match="head-major"):
+        cpu_attention.paged_attention(q, token_major, token_major, meta, 1.0)
+    with pytest.raises(ValueError, match="share"):
+        cpu_attention.paged_attention(q.bfloat16(), batch.k_cache, batch.v_cache, meta, 1.0)
+    with pytest.raises(ValueError, match="packed"):
+        cpu_attention.paged_attention(q[:, ::2], batch.k_cache, batch.v_cache, meta, 1.0)
+    with pytest.raises(ValueError, match="metadata"):
+        cpu_attention.paged_attention(q[:2], batch.k_cache, batch.v_cache, meta, 1.0)
+
+
+@pytest.mark.usefixtures("fused")
+def test_op_refuses_block_ids_outside_the_pool() -> None:
+    q, batch, meta = _case(([1], [40]), 4, 2, 32, 16, torch.float32)
+    tables = meta.block_tables.clone()
+    tables[0, 2] = batch.k_cache.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.slipstream.paged_attention(
+            q, head_major(batch.k_cache), head_major(batch.v_cache), tables, meta.seq_lens_t,
+            meta.query_start_loc, 1.0,
+        )  # fmt: skip
+
+
+def _compiled_layer(backend_name: str):  # type: ignore[no-untyped-def]
+    def layer(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta):  # type: ignore[no-untyped-def]
+        out = cpu_attention.paged_attention(q * 1.5, k_cache, v_cache, meta, 0.125)
+        return out.relu() + 1.0
+
+    return layer, torch.compile(layer, backend=backend_name, fullgraph=True)
+
+
+@pytest.mark.usefixtures("fused")
+def test_compiles_as_one_opaque_op() -> None:
+    """fullgraph: the op (through its fake kernel) does not break the graph."""
+    torch._dynamo.reset()
+    q, batch, meta = _case(MIXED, 8, 4, 64, 16, torch.float32)
+    eager, compiled = _compiled_layer("aot_eager")
+    expected = eager(q, batch.k_cache, batch.v_cache, meta)
+    torch.testing.assert_close(compiled(q, batch.k_cache, batch.v_cache, meta), expected)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fused")
+def test_compiles_under_inductor() -> None:
+    torch._dynamo.reset()
+    q, batch, meta = _case(MIXED, 8, 4, 64, 16, torch.bfloat16)
+    eager, compiled = _compiled_layer("inductor")
+    expected = eager(q, batch.k_cache, batch.v_cache, meta)
+    torch.testing.assert_close(compiled(q, batch.k_cache, batch.v_cache, meta), expected)
+
+
+# ------------------------------------------------------------------ selection
+
+
+@pytest.mark.usefixtures("fused")
+def test_auto_on_the_cpu_picks_the_fused_kernel(home: Path) -> None:
+    assert backend.resolve_backend("auto", CPU, home=home) == "cpu"
+    assert backend.resolve_backend("cpu", CPU, home=home) == "cpu"
+    assert backend.paged_attention_for("cpu") is cpu_attention.paged_attention
+    assert backend.write_kv_for("cpu") is write_kv
+    assert backend.copy_blocks_for("cpu") is copy_blocks
+
+
+def test_switched_off_the_extension_is_never_built(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> bool:
+        raise AssertionError("the extension was consulted")
+
+    monkeypatch.setattr(cpu_attention, "is_available", refuse)
+    assert backend.resolve_backend("auto", CPU, home=home, build_extension=False) == "torch"
+    with pytest.raises(backend.BackendUnavailable, match="disabled"):
+        backend.resolve_backend("cpu", CPU, home=home, build_extension=False)
+    assert backend.resolve_backend("torch", CPU) == "torch"
+
+
+def test_cpu_backend_is_refused_off_the_cpu() -> None:
+    with pytest.raises(backend.BackendUnavailable, match="CPU"):
+        backend.resolve_backend("cpu", torch.device("cuda"))
+
+
+def test_a_failed_build_falls_back_to_torch_with_one_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "paged_attention_cpu.cpp"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", broken)  # what is_available() builds by default
+    monkeypatch.setattr(cpu_attention, "_attempts", {})
+    with caplog.at_level(logging.INFO, logger="slipstream.kernels"):
+        assert backend.resolve_backend("auto", CPU, home=tmp_path) == "torch"
+        assert not cpu_attention.is_available(tmp_path)  # the outcome is kept: no second build
+    ours = [r for r in caplog.records if r.name.startswith("slipstream")]
+    assert len(ours) == 1 and len(caplog.records) == 1  # nothing from torch's build either
+    assert "torch attention path" in ours[0].getMessage()
+    assert "does not compile" in (cpu_attention.failure(broken) or "")
+    with pytest.raises(backend.BackendUnavailable, match="unavailable"):
+        backend.resolve_backend("cpu", CPU, home=tmp_path)
+
+
+def test_build_key_follows_the_source(tmp_path: Path) -> None:
+    one, two = tmp_path / "one.cpp", tmp_path / "two.cpp"
+    one.write_text("int x;\n")
+    two.write_text("int y;\n")
+    assert cpu_attention.build_key(one) != cpu_attention.build_key(two)
+    assert cpu_attention.build_key(one) == cpu_attention.build_key(one)
+    assert cpu_attention.extension_dir(tmp_path, one).parent == tmp_path / "cache" / "extensions"
+
+
+def test_metadata_carries_seq_lens_as_a_tensor() -> None:
+    meta = attention.build_attention_metadata(
+        [2, 1], [5, 6], [[3, 1], [0, 4]], 4, CPU, torch.float32
+    )
+    assert meta.seq_lens_t.dtype == torch.int64 and meta.seq_lens_t.tolist() == [5, 6]
