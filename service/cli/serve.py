@@ -66,8 +66,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--attention-backend",
         default=defaults.attention_backend,
-        choices=("auto", "torch", "triton"),
-        help="auto: Triton on CUDA devices, torch on the CPU",
+        choices=("auto", "torch", "cpu", "triton"),
+        help="auto: Triton on CUDA devices; on the CPU the fused C++ kernel (built once, "
+        "cached under $SLIPSTREAM_HOME), else torch",
     )
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)

@@ -48,7 +48,7 @@ from slipstream.service.engine.events import (
 from slipstream.service.engine.observer import EngineObserver
 from slipstream.service.engine.runner import ModelRunner, kv_bytes_per_block
 from slipstream.service.models.llama import LlamaModel
-from slipstream.service.models.store import resolve_model
+from slipstream.service.models.store import resolve_model, slipstream_home
 
 log = structlog.get_logger(__name__)
 
@@ -123,7 +123,9 @@ class Engine:
         self.config = config
         self.dtype = choice.dtype
         model_dir = resolve_model(config.model)
-        backend = resolve_backend(config.attention_backend, torch.device("cpu"))
+        backend = resolve_backend(
+            config.attention_backend, torch.device("cpu"), home=slipstream_home()
+        )
         self.model = LlamaModel(model_dir, DTYPES[choice.dtype], backend, choice.pack_weights)
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
         self._fast_tokenizer = self.tokenizer.backend_tokenizer
