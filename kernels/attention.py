@@ -117,8 +117,13 @@ def build_attention_metadata(
     device: torch.device,
     dtype: torch.dtype,
     workspace: Workspace | None = None,
+    *,
+    for_torch_path: bool = True,
 ) -> AttentionMetadata:
-    """Builds everything the layers of one step share. ``dtype`` is the model's."""
+    """Builds everything the layers of one step share. ``dtype`` is the model's.
+    ``for_torch_path=False`` skips what only the torch path reads (decode
+    groups, prefill chunks, their masks): the fused kernels read the
+    backend-neutral fields alone, and the host time per step shrinks."""
     del dtype  # masks are boolean; gather buffers take the cache's dtype lazily
     _check_batch(query_lens, seq_lens, block_tables, block_size)
     starts = [0]
@@ -127,6 +132,8 @@ def build_attention_metadata(
     table = _padded_table(block_tables, device)
     decode_rows = [b for b, query_len in enumerate(query_lens) if query_len == 1]
     prefill_rows = [b for b, query_len in enumerate(query_lens) if query_len > 1]
+    if not for_torch_path:
+        decode_rows, prefill_rows = [], []
     groups = _decode_groups(decode_rows, starts, seq_lens, table, block_size, device)
     single = len(groups) == 1 and groups[0].num_seqs == starts[-1] and groups[0].token_index is None
     return AttentionMetadata(

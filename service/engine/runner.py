@@ -97,6 +97,7 @@ class ModelRunner:
             self.block_size,
             torch.device("cpu"),
             self.model.dtype,
+            for_torch_path=self.model.attention_backend == "torch",
         )
         logits = self.model.forward(
             torch.tensor(token_ids, dtype=torch.long),
