@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,7 @@ def mode_options(mode: str) -> tuple[dict[str, object] | None, str | None]:
 def run_step_bench(options: StepOptions) -> dict[str, object]:
     from slipstream.kernels.cpu_features import REPORTED_FLAGS
 
+    load_at_start = os.getloadavg()[0]
     hw = hardware(options.dtype)
     dtype = str(hw["dtype"])
     cpu = dict(hw["cpu"])  # type: ignore[call-overload]
@@ -179,6 +181,13 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
             "block_size": options.block_size,
             "batches": list(options.batches),
             "modes": list(options.modes),
+        },
+        # Other processes on a small machine move step times by multiples:
+        # the run says how busy it was.
+        "load": {
+            "cpus": os.cpu_count(),
+            "load_avg_1m_start": load_at_start,
+            "load_avg_1m_end": os.getloadavg()[0],
         },
         "passes": PASSES,
         "rows": rows,

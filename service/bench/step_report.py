@@ -15,14 +15,15 @@ PARTS = (
 
 
 def describe_run(report: Mapping[str, Any]) -> list[str]:
-    cpu, p = report["cpu"], report["parameters"]
+    cpu, p, load = report["cpu"], report["parameters"], report["load"]
     flags = " ".join(f"{f}={'yes' if has else 'no'}" for f, has in cpu["has_flags"].items())
     return [
         f"cpu: {cpu['model']} | {flags} | torch {cpu['torch_capability']} | "
         f"dtype {p['dtype']} (requested {p['requested_dtype']})",
         f"model {p['model']}, context {p['context']}, block {p['block_size']}, "
         f"{p['threads']} threads; medians of {p['steps']} steps after {p['warmup_steps']} "
-        "warm-up (shared machine: noisy)",
+        f"warm-up; load average {load['load_avg_1m_start']:.1f} -> "
+        f"{load['load_avg_1m_end']:.1f} on {load['cpus']} CPUs (above 0: other work shared them)",
     ]
 
 

@@ -46,6 +46,8 @@ def test_report_names_the_cpu_and_the_run(run: tuple[dict, Path, str]) -> None:
     assert params["context"] == CONTEXT and params["steps"] == 7 and params["threads"] == 1
     assert params["block_size"] == 16 and params["dtype"] in ("float32", "bfloat16")
     assert set(report["passes"]) >= {"step_ms", "breakdown", "floors"}
+    load = report["load"]
+    assert load["cpus"] >= 1 and load["load_avg_1m_start"] >= 0 and load["load_avg_1m_end"] >= 0
 
 
 def test_eager_rows_have_floors_and_an_honest_split(run: tuple[dict, Path, str]) -> None:
