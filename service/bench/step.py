@@ -183,7 +183,8 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
             "modes": list(options.modes),
         },
         # Other processes on a small machine move step times by multiples:
-        # the run says how busy it was.
+        # the run says how busy it was. The start value is other work; the end
+        # value includes this run's own threads.
         "load": {
             "cpus": os.cpu_count(),
             "load_avg_1m_start": load_at_start,

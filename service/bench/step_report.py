@@ -22,8 +22,8 @@ def describe_run(report: Mapping[str, Any]) -> list[str]:
         f"dtype {p['dtype']} (requested {p['requested_dtype']})",
         f"model {p['model']}, context {p['context']}, block {p['block_size']}, "
         f"{p['threads']} threads; medians of {p['steps']} steps after {p['warmup_steps']} "
-        f"warm-up; load average {load['load_avg_1m_start']:.1f} -> "
-        f"{load['load_avg_1m_end']:.1f} on {load['cpus']} CPUs (above 0: other work shared them)",
+        f"warm-up; 1-min load average {load['load_avg_1m_start']:.1f} before (other work), "
+        f"{load['load_avg_1m_end']:.1f} after (this run included) on {load['cpus']} CPUs",
     ]
 
 
