@@ -198,7 +198,7 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
 def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object]) -> Engine:
     """An engine whose device pool holds the largest batch at ``context + 1``
     tokens per sequence; no host pool, no calibration."""
-    from slipstream.service.bench.step_timing import blocks_per_seq
+    from slipstream.service.bench.step_timing import blocks_per_seq, fill_kv
     from slipstream.service.engine.engine import Engine
 
     max_batch = max(options.batches)
@@ -221,6 +221,8 @@ def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object])
             f"--context {options.context} leaves no room for a new token: "
             f"{options.model} holds {engine.info.max_model_len} positions"
         )
+    # Once per engine: the decode steps overwrite only their own new token's slot.
+    fill_kv(engine.runner)
     return engine
 
 
@@ -228,7 +230,6 @@ def _measure(engine: Engine, options: StepOptions, batch: int, mode: str) -> dic
     from slipstream.service.bench import step_timing as t
 
     runner, model = engine.runner, engine.model
-    t.fill_kv(runner)
     plan = t.decode_plan(batch, options.context, options.block_size)
     times = t.time_plain(runner, plan, options.num_steps, options.warmup)
     step_ms = statistics.median(times)
