@@ -11,7 +11,7 @@ PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint typecheck unit protos bench-offline bench-serve bench-slo clean
+.PHONY: run test test-slow lint typecheck unit protos bench-offline bench-serve bench-slo bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ bench-slo: $(STAMP) protos
 	mkdir -p bench-results
 	$(BIN)/slipstream bench slo --sim --json bench-results/slo.json --plot bench-results/slo.png
 	$(BIN)/slipstream bench slo --json bench-results/slo-engine.json --plot bench-results/slo-engine.png
+
+bench-step: $(STAMP) protos
+	mkdir -p bench-results
+	$(BIN)/slipstream bench step --model small --batch 1,8,64,256 --context 300 --json bench-results/step.json --plot bench-results/step.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

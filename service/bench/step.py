@@ -1,0 +1,279 @@
+"""``slipstream bench step``: what one decode step of the real model runner
+costs, where the time goes, and how far it is from the memory it must read.
+
+For each batch size and mode: ``batch`` sequences with ``context`` tokens in
+the paged KV cache (seeded random K/V) decode one greedy token each through
+``ModelRunner.execute``. ``step_ms`` is the median of the plain pass; the
+attention / linears / other / host split comes from a second, hooked pass
+(``step_timing.py``). Two floors are measured in the same run with the same
+threads: reading a buffer as large as the weights a step reads, and one as
+large as the K/V the batch's attention reads.
+
+Modes name ``EngineConfig`` options. ``compiled`` needs an ``EngineConfig``
+field ``compile``; while the engine has none its rows are reported skipped.
+
+JSON: ``{"benchmark": "step", "cpu": {...}, "parameters": {...}, "passes":
+{...}, "rows": [{"batch", "mode", "dtype", "status", "step_ms",
+"weight_read_floor_ms", "kv_read_floor_ms", "attention_ms", "linears_ms",
+"other_ms", "host_ms", "hooked_step_ms", ratios...}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slipstream.service.bench.report import hardware
+from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+
+if TYPE_CHECKING:
+    from slipstream.service.engine.engine import Engine
+
+# Mode -> the EngineConfig options it sets. A mode runs only if EngineConfig
+# has every one of them: a mode is one line here once the engine supports it.
+MODES: dict[str, dict[str, object]] = {
+    "eager": {},
+    "compiled": {"compile": True},
+}
+# Hooks would split a compiled graph and time another program: only eager
+# steps get the per-part split.
+BREAKDOWN_MODES = frozenset({"eager"})
+PASSES = {
+    "step_ms": "plain pass: median wall time of ModelRunner.execute(plan) over `steps` steps "
+    "after `warmup_steps` untimed ones; step_ms_p10/p90 from the same steps",
+    "breakdown": "hooked pass (eager only): the same steps with perf_counter_ns hooks on paged "
+    "attention, Linear.__call__, LlamaModel.forward and sampling; hooked_step_ms is its median "
+    "step, each part its own median; other_ms = forward - attention - linears + sampling, "
+    "host_ms = execute - forward - sampling",
+    "floors": "median of 9 sums of one buffer of weight_read_bytes / kv_read_bytes "
+    "in the run's dtype, same thread count, measured right after the row's steps",
+    "ratios": "step_ms (plain) over floors; linears_ms and attention_ms come from the hooked pass",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    model: str
+    batches: tuple[int, ...]
+    context: int
+    modes: tuple[str, ...]
+    dtype: str  # as requested; hardware() resolves "auto"
+    num_steps: int
+    warmup: int
+    num_threads: int
+    block_size: int
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser(
+        "step", help="decode step time vs batch size, its split and its floors"
+    )
+    parser.add_argument("--model", default="small", help="model name (tiny, small) or path")
+    parser.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes")
+    parser.add_argument("--context", type=int, default=300, help="tokens cached per sequence")
+    parser.add_argument("--modes", default="eager,compiled", help=f"subset of {','.join(MODES)}")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--steps", type=int, default=20, dest="num_steps", help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=2, dest="num_threads")
+    parser.add_argument("--block-size", type=int, default=EngineConfig().block_size)
+    parser.add_argument("--json", dest="json_path", help="write the report here")
+    parser.add_argument("--plot", dest="plot_path", help="write a PNG here (needs matplotlib)")
+    parser.set_defaults(func=main)
+
+
+def options_from_args(args: argparse.Namespace) -> StepOptions:
+    """Raises ValueError (a usage error) on a bad flag."""
+    try:
+        batches = tuple(sorted({int(b) for b in args.batch.split(",") if b.strip()}))
+    except ValueError:
+        raise ValueError(f"--batch takes comma-separated integers, got {args.batch!r}") from None
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise ValueError(f"--modes takes a subset of {','.join(MODES)}, got {args.modes!r}")
+    if not batches or batches[0] < 1:
+        raise ValueError("--batch sizes must be >= 1")
+    positive = {
+        "--context": args.context,
+        "--steps": args.num_steps,
+        "--threads": args.num_threads,
+        "--block-size": args.block_size,
+    }
+    for flag, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+    return StepOptions(
+        model=args.model,
+        batches=batches,
+        context=args.context,
+        modes=modes,
+        dtype=args.dtype,
+        num_steps=args.num_steps,
+        warmup=args.warmup,
+        num_threads=args.num_threads,
+        block_size=args.block_size,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    from slipstream.service.bench.step_report import format_table, plot_steps
+
+    report = run_step_bench(options_from_args(args))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2))
+    if args.plot_path:
+        plot_steps(report, args.plot_path)
+    print(format_table(report))
+    return 0
+
+
+def mode_options(mode: str) -> tuple[dict[str, object] | None, str | None]:
+    """The EngineConfig options of ``mode``, or None and why it cannot run here."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    missing = sorted(set(MODES[mode]) - fields)
+    if missing:
+        return None, (
+            f"EngineConfig has no {', '.join(missing)} option: the runner has no {mode} path yet"
+        )
+    return MODES[mode], None
+
+
+def run_step_bench(options: StepOptions) -> dict[str, object]:
+    from slipstream.kernels.cpu_features import REPORTED_FLAGS
+
+    load_at_start = os.getloadavg()[0]
+    hw = hardware(options.dtype)
+    dtype = str(hw["dtype"])
+    cpu = dict(hw["cpu"])  # type: ignore[call-overload]
+    # Absent flags said explicitly: "no avx512f" is the fact that decides dtype here.
+    cpu["has_flags"] = {flag: flag in cpu["flags"] for flag in REPORTED_FLAGS}
+    rows: list[dict[str, object]] = []
+    for mode in options.modes:
+        engine_options, reason = mode_options(mode)
+        if engine_options is None:
+            rows += [_skipped(batch, mode, dtype, str(reason)) for batch in options.batches]
+            continue
+        engine = _engine(options, dtype, engine_options)
+        rows += [_measure(engine, options, batch, mode) for batch in options.batches]
+        del engine
+        gc.collect()  # the next mode's pools are allocated with this one's freed
+    return {
+        "benchmark": "step",
+        "cpu": cpu,
+        "parameters": {
+            "model": options.model,
+            "context": options.context,
+            "requested_dtype": options.dtype,
+            "dtype": dtype,
+            "threads": options.num_threads,
+            "steps": options.num_steps,
+            "warmup_steps": options.warmup,
+            "block_size": options.block_size,
+            "batches": list(options.batches),
+            "modes": list(options.modes),
+        },
+        # Other processes on a small machine move step times by multiples:
+        # the run says how busy it was. The start value is other work; the end
+        # value includes this run's own threads.
+        "load": {
+            "cpus": os.cpu_count(),
+            "load_avg_1m_start": load_at_start,
+            "load_avg_1m_end": os.getloadavg()[0],
+        },
+        "passes": PASSES,
+        "rows": rows,
+    }
+
+
+def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object]) -> Engine:
+    """An engine whose device pool holds the largest batch at ``context + 1``
+    tokens per sequence; no host pool, no calibration."""
+    from slipstream.service.bench.step_timing import blocks_per_seq, fill_kv
+    from slipstream.service.engine.engine import Engine
+
+    max_batch = max(options.batches)
+    config = EngineConfig(
+        model=options.model,
+        dtype=dtype,
+        block_size=options.block_size,
+        num_device_blocks=max_batch * blocks_per_seq(options.context, options.block_size),
+        num_host_blocks=0,
+        max_model_len=options.context + 1,
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max(512, max_batch),
+        policy="fcfs",
+        num_threads=options.num_threads,
+        **engine_options,  # type: ignore[arg-type]
+    )
+    engine = Engine(config)
+    if engine.info.max_model_len < options.context + 1:
+        raise ValueError(
+            f"--context {options.context} leaves no room for a new token: "
+            f"{options.model} holds {engine.info.max_model_len} positions"
+        )
+    # Once per engine: the decode steps overwrite only their own new token's slot.
+    fill_kv(engine.runner)
+    return engine
+
+
+def _measure(engine: Engine, options: StepOptions, batch: int, mode: str) -> dict[str, object]:
+    from slipstream.service.bench import step_timing as t
+
+    runner, model = engine.runner, engine.model
+    plan = t.decode_plan(batch, options.context, options.block_size)
+    times = t.time_plain(runner, plan, options.num_steps, options.warmup)
+    step_ms = statistics.median(times)
+    deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [step_ms] * 9
+    weight_bytes = t.weight_read_bytes(model)
+    kv_bytes = t.kv_read_bytes(model, batch, options.context + 1)
+    weight_floor = t.read_floor_ms(weight_bytes, model.dtype)
+    kv_floor = t.read_floor_ms(kv_bytes, model.dtype)
+    row: dict[str, object] = {
+        "batch": batch,
+        "mode": mode,
+        "dtype": engine.dtype,
+        "status": "ok",
+        "step_ms": step_ms,
+        "step_ms_p10": deciles[0],
+        "step_ms_p90": deciles[-1],
+        "tokens_per_s": 1e3 * batch / step_ms,
+        "weight_read_bytes": weight_bytes,
+        "kv_read_bytes": kv_bytes,
+        "weight_read_floor_ms": weight_floor,
+        "kv_read_floor_ms": kv_floor,
+        "step_over_weight_floor": step_ms / weight_floor,
+    }
+    if mode not in BREAKDOWN_MODES:
+        row["breakdown_pass"] = None
+        row["breakdown_skipped"] = "per-part hooks would split the compiled graph"
+        return row
+    parts = t.time_hooked(runner, plan, options.num_steps, min(1, options.warmup))
+    row.update(parts)
+    row["breakdown_pass"] = "hooked"
+    row["step_over_linears_plus_kv_floor"] = step_ms / (parts["linears_ms"] + kv_floor)
+    row["linears_over_weight_floor"] = parts["linears_ms"] / weight_floor
+    row["attention_over_kv_floor"] = parts["attention_ms"] / kv_floor
+    return row
+
+
+def _skipped(batch: int, mode: str, dtype: str, reason: str) -> dict[str, object]:
+    return {
+        "batch": batch,
+        "mode": mode,
+        "dtype": dtype,
+        "status": "skipped",
+        "reason": reason,
+        "step_ms": None,
+        "weight_read_floor_ms": None,
+        "kv_read_floor_ms": None,
+    }

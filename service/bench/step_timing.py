@@ -1,0 +1,226 @@
+"""Timing one decode step of the real ``ModelRunner``, and the memory-read
+floors it is compared with.
+
+Two passes over the same synthetic plan:
+
+- **plain**: ``runner.execute(plan)`` wall time per step, nothing added. This
+  is the step time a report quotes.
+- **hooked**: the same steps with ``perf_counter_ns`` accumulators around the
+  model's paged-attention callable, every ``Linear.__call__`` (lm_head
+  included), ``LlamaModel.forward`` and the runner's ``sample`` call. The
+  hooks cost a few microseconds per call, so this pass is slower than the
+  plain one and only its *split* is reported::
+
+      execute ─┬─ host      (plan -> tensors and attention metadata, result dict)
+               ├─ forward ──┬─ attention   (paged attention calls)
+               │            ├─ linears     (every projection, lm_head included)
+               │            └─ rest        (embedding, norms, RoPE, KV write, residuals)
+               └─ sample    (argmax over the logits)
+
+  ``host`` and ``rest`` are residuals (execute minus what is hooked inside
+  it); the other parts are timed directly.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.request import SamplingParams
+
+if TYPE_CHECKING:
+    from slipstream.service.engine.runner import ModelRunner
+    from slipstream.service.models.llama import LlamaModel
+
+# Any in-vocabulary id: the K/V it attends to are synthetic anyway.
+_TOKEN = 5
+GREEDY = SamplingParams(temperature=0.0)
+FLOOR_REPEATS = 9
+
+
+def blocks_per_seq(context: int, block_size: int) -> int:
+    """Blocks one sequence holds once its new token is written at ``context``."""
+    return -(-(context + 1) // block_size)
+
+
+def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
+    """``batch`` greedy decodes, each with ``context`` tokens cached in its own
+    blocks (sequence i owns blocks ``i*n .. i*n + n - 1``)."""
+    num_blocks = blocks_per_seq(context, block_size)
+    seqs = [
+        ScheduledSeq(
+            req_id=f"step-{i}",
+            token_ids=[_TOKEN],
+            start_pos=context,
+            block_ids=list(range(i * num_blocks, (i + 1) * num_blocks)),
+            sample=True,
+            output_index=1,
+            sampling=GREEDY,
+        )
+        for i in range(batch)
+    ]
+    return StepPlan(step=0, seqs=seqs)
+
+
+def fill_kv(runner: ModelRunner, seed: int = 0) -> None:
+    """Seeded random K/V in every device block: finite, and every page touched
+    before timing (the pool starts zeroed)."""
+    generator = torch.Generator().manual_seed(seed)
+    for k_cache, v_cache in runner.device_pool:
+        k_cache.normal_(generator=generator)
+        v_cache.normal_(generator=generator)
+
+
+def time_plain(runner: ModelRunner, plan: StepPlan, num_steps: int, warmup: int) -> list[float]:
+    """Milliseconds per ``execute`` for ``num_steps`` steps after ``warmup`` untimed
+    ones (the first steps of a shape grow the gather workspace and fault its pages)."""
+    for _ in range(warmup):
+        runner.execute(plan)
+    times = []
+    for _ in range(num_steps):
+        start = time.perf_counter_ns()
+        runner.execute(plan)
+        times.append((time.perf_counter_ns() - start) / 1e6)
+    return times
+
+
+class _Clock:
+    """Nanoseconds per part, accumulated over one step's calls."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = {}
+        self.last_logits: torch.Tensor | None = None
+
+    def timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ns[part] = self.ns.get(part, 0) + time.perf_counter_ns() - start
+
+        return wrapper
+
+    def take_ms(self, part: str) -> float:
+        return self.ns.pop(part, 0) / 1e6
+
+
+@contextmanager
+def _replaced(obj: object, name: str, value: object) -> Iterator[None]:
+    """``obj.name = value`` for the block; an instance attribute that shadowed a
+    class attribute is removed again rather than left behind."""
+    had_own = name in getattr(obj, "__dict__", {})
+    original = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had_own or isinstance(obj, type):
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
+
+
+@contextmanager
+def _hooks(model: LlamaModel, clock: _Clock) -> Iterator[None]:
+    from slipstream.kernels.linear import Linear
+    from slipstream.service.engine import runner as runner_module
+
+    forward = clock.timed("forward", model.forward)
+
+    def forward_keeping_logits(*args: Any) -> torch.Tensor:
+        clock.last_logits = forward(*args)
+        return clock.last_logits
+
+    # Linear defines __slots__, and Python looks __call__ up on the type: the
+    # class attribute is the one place every projection goes through.
+    with (
+        _replaced(Linear, "__call__", clock.timed("linears", Linear.__call__)),
+        _replaced(model, "_paged_attention", clock.timed("attention", model._paged_attention)),
+        _replaced(model, "forward", forward_keeping_logits),
+        _replaced(runner_module, "sample", clock.timed("sample", runner_module.sample)),
+    ):
+        yield
+
+
+BREAKDOWN_PARTS = ("attention_ms", "linears_ms", "other_ms", "host_ms")
+
+
+def time_hooked(
+    runner: ModelRunner, plan: StepPlan, num_steps: int, warmup: int
+) -> dict[str, float]:
+    """Medians over ``num_steps`` hooked steps: ``hooked_step_ms``, the four
+    parts of ``BREAKDOWN_PARTS`` (``other_ms`` includes sampling) and
+    ``sampling_ms``. Each part is its own median, so the parts need not sum
+    exactly to ``hooked_step_ms``."""
+    clock = _Clock()
+    samples: dict[str, list[float]] = {
+        p: [] for p in ("hooked_step_ms", *BREAKDOWN_PARTS, "sampling_ms")
+    }
+    with _hooks(runner.model, clock):
+        for i in range(warmup + num_steps):
+            clock.ns.clear()
+            start = time.perf_counter_ns()
+            runner.execute(plan)
+            total = (time.perf_counter_ns() - start) / 1e6
+            forward, sampling = clock.take_ms("forward"), clock.take_ms("sample")
+            attention, linears = clock.take_ms("attention"), clock.take_ms("linears")
+            if i < warmup:
+                continue
+            samples["hooked_step_ms"].append(total)
+            samples["attention_ms"].append(attention)
+            samples["linears_ms"].append(linears)
+            samples["other_ms"].append(forward - attention - linears + sampling)
+            samples["sampling_ms"].append(sampling)
+            samples["host_ms"].append(total - forward - sampling)
+    if clock.last_logits is None or not bool(torch.isfinite(clock.last_logits).all()):
+        raise RuntimeError("the synthetic decode step produced non-finite logits")
+    return {part: statistics.median(values) for part, values in samples.items()}
+
+
+def weight_read_bytes(model: LlamaModel) -> int:
+    """Bytes of weights one decode step must read: every projection (lm_head
+    included), bias and norm. The embedding table is left out unless lm_head
+    shares it: a step reads only its tokens' rows."""
+    from slipstream.kernels.linear import Linear
+
+    tensors: dict[int, torch.Tensor] = {}
+    linears: list[Linear] = [model.lm_head]
+    norms = [model.norm]
+    for layer in model.layers:
+        linears += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        norms += [layer.input_norm, layer.post_norm]
+    for t in [*norms, *(lin.weight for lin in linears), *(lin.bias for lin in linears)]:
+        if t is not None:
+            tensors[id(t)] = t
+    # numel and element_size are logical, also for a oneDNN-packed weight.
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def kv_read_bytes(model: LlamaModel, batch: int, seq_len: int) -> int:
+    """Bytes of K and V that attention must read for ``batch`` sequences of
+    ``seq_len`` tokens, over all layers."""
+    cfg = model.config
+    element_size = torch.empty((), dtype=model.dtype).element_size()
+    return batch * seq_len * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
+def read_floor_ms(num_bytes: int, dtype: torch.dtype, repeats: int = FLOOR_REPEATS) -> float:
+    """Median milliseconds to sum a buffer of ``num_bytes`` (one fused read with
+    the current torch thread count) after one untimed pass."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    # ones, not empty: every page is written (mapped) before the clock starts.
+    buffer = torch.ones(max(1, num_bytes // element_size), dtype=dtype)
+    buffer.sum()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        buffer.sum()
+        times.append((time.perf_counter_ns() - start) / 1e6)
+    return statistics.median(times)

@@ -1,0 +1,161 @@
+"""``slipstream bench step`` end to end on the tiny model, and its parts."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from slipstream.service.bench import step, step_timing
+from slipstream.service.cli import main
+from slipstream.service.engine.config import EngineConfig
+
+CONTEXT = 40
+ROW_KEYS = {"batch", "mode", "dtype", "status", "step_ms", "weight_read_floor_ms",
+            "kv_read_floor_ms"}  # fmt: skip
+PARTS = ("attention_ms", "linears_ms", "other_ms", "host_ms")
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    out = tmp_path_factory.mktemp("step")
+    # One thread: two OpenMP threads on a busy 2-core machine wait out whole time
+    # slices at every barrier (tens of ms per tiny matmul); this test checks shape, not speed.
+    argv = ["bench", "step", "--model", str(tiny_model_dir), "--batch", "1,2",
+            "--context", str(CONTEXT), "--steps", "7", "--warmup", "2", "--threads", "1",
+            "--block-size", "16", "--modes", "eager,compiled",
+            "--json", str(out / "step.json"), "--plot", str(out / "step.png")]  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0
+    return json.loads((out / "step.json").read_text()), out / "step.png", printed.getvalue()
+
+
+def test_report_names_the_cpu_and_the_run(run: tuple[dict, Path, str]) -> None:
+    report, _, _ = run
+    cpu = report["cpu"]
+    assert set(cpu["has_flags"]) == {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert cpu["model"]
+    params = report["parameters"]
+    assert params["context"] == CONTEXT and params["steps"] == 7 and params["threads"] == 1
+    assert params["block_size"] == 16 and params["dtype"] in ("float32", "bfloat16")
+    assert set(report["passes"]) >= {"step_ms", "breakdown", "floors"}
+    load = report["load"]
+    assert load["cpus"] >= 1 and load["load_avg_1m_start"] >= 0 and load["load_avg_1m_end"] >= 0
+
+
+def test_eager_rows_have_floors_and_an_honest_split(run: tuple[dict, Path, str]) -> None:
+    rows = [r for r in run[0]["rows"] if r["mode"] == "eager"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(r) >= ROW_KEYS and r["status"] == "ok" and r["breakdown_pass"] == "hooked"
+        assert r["step_ms"] > 0 and r["weight_read_floor_ms"] > 0 and r["kv_read_floor_ms"] > 0
+        assert all(r[p] >= 0 for p in PARTS), {p: r[p] for p in PARTS}
+        # The hooks saw the calls they wrap.
+        assert r["attention_ms"] > 0 and r["linears_ms"] > 0
+        assert 0 <= r["sampling_ms"] <= r["other_ms"]
+        # Parts are medians of their own; they may exceed the median step by noise only.
+        assert sum(r[p] for p in PARTS) <= 1.25 * r["hooked_step_ms"] + 0.5
+        assert r["step_over_weight_floor"] == pytest.approx(
+            r["step_ms"] / r["weight_read_floor_ms"]
+        )
+        assert r["step_over_linears_plus_kv_floor"] == pytest.approx(
+            r["step_ms"] / (r["linears_ms"] + r["kv_read_floor_ms"])
+        )
+
+
+def test_byte_counts_match_the_checkpoint(
+    run: tuple[dict, Path, str], tiny_model_dir: Path
+) -> None:
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    with safe_open(tiny_model_dir / "model.safetensors", framework="pt") as f:
+        numel = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+    has_lm_head = "lm_head.weight" in numel and not config.get("tie_word_embeddings")
+    params = sum(
+        torch.Size(shape).numel()
+        for name, shape in numel.items()
+        if not (has_lm_head and name == "model.embed_tokens.weight")
+    )
+    for r in run[0]["rows"]:
+        if r["status"] != "ok":
+            continue
+        assert r["weight_read_bytes"] == 4 * params  # float32 here (AVX2) or bf16 elsewhere
+        per_token = config["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
+        assert r["kv_read_bytes"] == r["batch"] * (CONTEXT + 1) * per_token
+
+
+def test_compiled_is_skipped_while_the_engine_has_no_compile_option(
+    run: tuple[dict, Path, str],
+) -> None:
+    rows = [r for r in run[0]["rows"] if r["mode"] == "compiled"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    has_compile = "compile" in {f.name for f in dataclasses.fields(EngineConfig)}
+    for r in rows:
+        if has_compile:
+            assert r["status"] == "ok" and r["step_ms"] > 0
+        else:
+            assert r["status"] == "skipped" and "compile" in r["reason"]
+            assert r["step_ms"] is None
+    if not has_compile:
+        assert "compiled skipped" in run[2]
+
+
+def test_table_and_plot(run: tuple[dict, Path, str]) -> None:
+    _, png, printed = run
+    assert "\ncpu: " in printed and "step/(lin+kv)" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mode_options_follow_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    @dataclasses.dataclass(frozen=True)
+    class WithCompile:
+        compile: bool = False
+
+    @dataclasses.dataclass(frozen=True)
+    class Without:
+        model: str = "tiny"
+
+    monkeypatch.setattr(step, "EngineConfig", WithCompile)
+    assert step.mode_options("compiled") == ({"compile": True}, None)
+    monkeypatch.setattr(step, "EngineConfig", Without)
+    options, reason = step.mode_options("compiled")
+    assert options is None and "compile" in str(reason)
+    assert step.mode_options("eager") == ({}, None)
+
+
+def test_hooks_are_removed_after_the_hooked_pass(tiny_model_dir: Path) -> None:
+    from slipstream.kernels.linear import Linear
+    from slipstream.service.engine import runner as runner_module
+    from slipstream.service.engine.runner import ModelRunner
+    from slipstream.service.models.llama import LlamaModel
+
+    model = LlamaModel(tiny_model_dir, torch.float32)
+    runner = ModelRunner(model, step_timing.blocks_per_seq(CONTEXT, 16) * 2, 0, 16)
+    before = (Linear.__call__, model._paged_attention, runner_module.sample)
+    parts = step_timing.time_hooked(runner, step_timing.decode_plan(2, CONTEXT, 16), 2, 1)
+    assert parts["linears_ms"] > 0
+    assert (Linear.__call__, model._paged_attention, runner_module.sample) == before
+    assert "forward" not in vars(model)
+
+
+def test_decode_plan_gives_each_sequence_its_own_blocks() -> None:
+    plan = step_timing.decode_plan(3, CONTEXT, 16)
+    blocks = [b for seq in plan.seqs for b in seq.block_ids]
+    assert len(blocks) == len(set(blocks)) == 3 * step_timing.blocks_per_seq(CONTEXT, 16)
+    assert all(s.start_pos == CONTEXT and len(s.token_ids) == 1 for s in plan.seqs)
+    assert all(s.sample and s.sampling.is_greedy for s in plan.seqs)
+
+
+@pytest.mark.parametrize("flags", [["--modes", "eager,jit"], ["--batch", "0"], ["--steps", "0"]])
+def test_bad_flags_are_usage_errors(flags: list[str], tiny_model_dir: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "step", "--model", str(tiny_model_dir), *flags])
+    assert exc.value.code == 2
