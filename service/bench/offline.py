@@ -17,12 +17,14 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.service.bench import vllm_peer
+from slipstream.service.bench.cpu_info import cpu_description
 from slipstream.service.bench.report import (
     EngineRun,
     RequestTiming,
@@ -43,6 +45,8 @@ from slipstream.service.config import EngineConfig
 from slipstream.service.events import Event, FinishEvent, GenerationRequest
 
 ENGINES = ("slipstream", "hf_static", "hf_cb")
+# Engines that run only when asked for: vLLM needs an environment of its own.
+OPTIONAL_ENGINES = ("vllm",)
 
 
 class BenchError(Exception):
@@ -70,6 +74,7 @@ class OfflineOptions:
     hf_batch_size: int = 16
     hf_cb_page_size: int = 64
     hf_cb_max_batch_tokens: int = 512
+    vllm: vllm_peer.VllmSettings | None = None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -82,7 +87,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--requests", type=int, default=64, dest="num_requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", help="write the report here")
-    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated subset of {','.join(ENGINES + OPTIONAL_ENGINES)}",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--threads", type=int, default=2, dest="num_threads")
     parser.add_argument(
@@ -99,12 +108,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
     peers.add_argument("--hf-cb-page-size", type=int, default=64)
     peers.add_argument("--hf-cb-max-batch-tokens", type=int, default=512)
+    vllm_peer.add_arguments(parser)
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        options = _options_from_args(args)
+        options = _options_from_args(args, os.environ)
         run_offline(options)
     except BenchError as exc:
         print(f"slipstream bench offline: {exc}", file=sys.stderr)
@@ -112,13 +122,20 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _options_from_args(args: argparse.Namespace) -> OfflineOptions:
+def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> OfflineOptions:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-    unknown = sorted(set(engines) - set(ENGINES))
+    known = ENGINES + OPTIONAL_ENGINES
+    unknown = sorted(set(engines) - set(known))
     if unknown or not engines:
-        raise BenchError(f"--engines takes a subset of {','.join(ENGINES)}, got {args.engines!r}")
+        raise BenchError(f"--engines takes a subset of {','.join(known)}, got {args.engines!r}")
     if args.num_requests < 1 or args.num_threads < 1:
         raise BenchError("--requests and --threads must be >= 1")
+    vllm = None
+    if "vllm" in engines:
+        try:
+            vllm = vllm_peer.settings_from_args(args, environ)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from exc
     return OfflineOptions(
         model=args.model,
         num_requests=args.num_requests,
@@ -137,6 +154,7 @@ def _options_from_args(args: argparse.Namespace) -> OfflineOptions:
         hf_batch_size=args.hf_batch_size,
         hf_cb_page_size=args.hf_cb_page_size,
         hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
+        vllm=vllm,
     )
 
 
@@ -159,13 +177,20 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
     engines: dict[str, dict[str, object]] = {}
     for name in options.engines:
         print(f"running {name} ...", flush=True)
-        run = _runner(name)(model_dir, workload, options)
+        try:
+            run = _runner(name)(model_dir, workload, options)
+        except vllm_peer.VllmPeerError as exc:
+            # A peer in another process fails alone: the others' figures still count.
+            engines[name] = vllm_peer.failure_entry(exc, options.vllm)
+            continue
         check_token_counts(run, [r.max_tokens for r in workload])
         engines[name] = engine_metrics(run)
         gc.collect()
     report["environment"]["load_avg_1m_at_end"] = os.getloadavg()[0]  # type: ignore[index]
     report = {"engines": engines, **report, "ratios": throughput_ratios(engines)}
     print(format_table(engines))
+    if "vllm" in engines:
+        print(vllm_peer.summary_line(engines["vllm"]))
     for key, value in report["ratios"].items():  # type: ignore[attr-defined]
         print(f"{key}: {value:.2f}x")
     if options.json_path:
@@ -202,7 +227,19 @@ def _vocab_size(model_dir: str) -> int:
 
 
 def _runner(name: str) -> Callable[[str, Sequence[WorkloadRequest], OfflineOptions], EngineRun]:
-    return {"slipstream": run_slipstream, "hf_static": _run_hf_static, "hf_cb": _run_hf_cb}[name]
+    return {
+        "slipstream": run_slipstream,
+        "hf_static": _run_hf_static,
+        "hf_cb": _run_hf_cb,
+        "vllm": _run_vllm,
+    }[name]
+
+
+def _run_vllm(
+    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+) -> EngineRun:
+    assert options.vllm is not None, "set by _options_from_args when vllm is asked for"
+    return vllm_peer.run_vllm(model_dir, workload, options.vllm)
 
 
 def _run_hf_static(
@@ -346,6 +383,7 @@ def _environment(options: OfflineOptions, model_dir: str) -> dict[str, object]:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu": cpu_description(),
         "num_cpus": os.cpu_count(),
         # Other processes on a shared machine skew every engine; this shows how busy it was.
         "load_avg_1m_at_start": os.getloadavg()[0],
