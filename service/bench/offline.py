@@ -177,6 +177,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
     engines: dict[str, dict[str, object]] = {}
     for name in options.engines:
         print(f"running {name} ...", flush=True)
+        load_before = os.getloadavg()[0]
         try:
             run = _runner(name)(model_dir, workload, options)
         except vllm_peer.VllmPeerError as exc:
@@ -185,6 +186,9 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
             continue
         check_token_counts(run, [r.max_tokens for r in workload])
         engines[name] = engine_metrics(run)
+        # Per engine, since engines run one after another: other work on a
+        # shared machine can slow one engine and not the next.
+        engines[name]["load_avg_1m"] = [load_before, os.getloadavg()[0]]
         gc.collect()
     report["environment"]["load_avg_1m_at_end"] = os.getloadavg()[0]  # type: ignore[index]
     report = {"engines": engines, **report, "ratios": throughput_ratios(engines)}

@@ -226,6 +226,7 @@ def test_cli_runs_vllm(
     assert metrics["ttft_p50_s"] is not None
     assert metrics["settings"]["dtype"] == "float32"
     assert metrics["settings"]["engine_init_s"] == 1.5
+    assert len(metrics["load_avg_1m"]) == 2
     assert set(report["environment"]["cpu"]["flags"]) == {
         "avx2",
         "avx512f",
