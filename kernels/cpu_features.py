@@ -53,6 +53,8 @@ class CpuFeatures:
         return {
             "model": self.model_name,
             "flags": list(self.flags),
+            # Absent flags said explicitly: "no avx512f" is what decides the dtype here.
+            "has_flags": {flag: flag in self.flags for flag in REPORTED_FLAGS},
             "torch_capability": self.torch_capability,
             "native_bf16": self.has_native_bf16,
             "can_pack_bf16": self.can_pack_bf16,

@@ -17,12 +17,13 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.service.bench import vllm_peer
 from slipstream.service.bench.report import (
     EngineRun,
     RequestTiming,
@@ -45,6 +46,8 @@ from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest
 
 ENGINES = ("slipstream", "hf_static", "hf_cb")
+# Engines that run only when asked for: vLLM needs an environment of its own.
+OPTIONAL_ENGINES = ("vllm",)
 
 
 class BenchError(Exception):
@@ -73,6 +76,7 @@ class OfflineOptions:
     hf_batch_size: int = 16
     hf_cb_page_size: int = 64
     hf_cb_max_batch_tokens: int = 512
+    vllm: vllm_peer.VllmSettings | None = None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -85,7 +89,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--requests", type=int, default=64, dest="num_requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", help="write the report here")
-    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINES),
+        help=f"comma-separated subset of {','.join(ENGINES + OPTIONAL_ENGINES)}",
+    )
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 only with native bf16"
     )
@@ -104,12 +112,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
     peers.add_argument("--hf-cb-page-size", type=int, default=64)
     peers.add_argument("--hf-cb-max-batch-tokens", type=int, default=512)
+    vllm_peer.add_arguments(parser)
     parser.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     try:
-        options = _options_from_args(args)
+        options = _options_from_args(args, os.environ)
         run_offline(options)
     except BenchError as exc:
         print(f"slipstream bench offline: {exc}", file=sys.stderr)
@@ -117,13 +126,20 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _options_from_args(args: argparse.Namespace) -> OfflineOptions:
+def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> OfflineOptions:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-    unknown = sorted(set(engines) - set(ENGINES))
+    known = ENGINES + OPTIONAL_ENGINES
+    unknown = sorted(set(engines) - set(known))
     if unknown or not engines:
-        raise BenchError(f"--engines takes a subset of {','.join(ENGINES)}, got {args.engines!r}")
+        raise BenchError(f"--engines takes a subset of {','.join(known)}, got {args.engines!r}")
     if args.num_requests < 1 or args.num_threads < 1:
         raise BenchError("--requests and --threads must be >= 1")
+    vllm = None
+    if "vllm" in engines:
+        try:
+            vllm = vllm_peer.settings_from_args(args, environ)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from exc
     return OfflineOptions(
         model=args.model,
         num_requests=args.num_requests,
@@ -143,6 +159,7 @@ def _options_from_args(args: argparse.Namespace) -> OfflineOptions:
         hf_batch_size=args.hf_batch_size,
         hf_cb_page_size=args.hf_cb_page_size,
         hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
+        vllm=vllm,
     )
 
 
@@ -165,13 +182,24 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
     engines: dict[str, dict[str, object]] = {}
     for name in options.engines:
         print(f"running {name} ...", flush=True)
-        run = _runner(name)(model_dir, workload, options)
+        load_before = os.getloadavg()[0]
+        try:
+            run = _runner(name)(model_dir, workload, options)
+        except vllm_peer.VllmPeerError as exc:
+            # A peer in another process fails alone: the others' figures still count.
+            engines[name] = vllm_peer.failure_entry(exc, options.vllm)
+            continue
         check_token_counts(run, [r.max_tokens for r in workload])
         engines[name] = engine_metrics(run)
+        # Per engine, since engines run one after another: other work on a
+        # shared machine can slow one engine and not the next.
+        engines[name]["load_avg_1m"] = [load_before, os.getloadavg()[0]]
         gc.collect()
     report["environment"]["load_avg_1m_at_end"] = os.getloadavg()[0]  # type: ignore[index]
     report = {"engines": engines, **report, "ratios": throughput_ratios(engines)}
     print(format_table(engines))
+    if "vllm" in engines:
+        print(vllm_peer.summary_line(engines["vllm"]))
     for key, value in report["ratios"].items():  # type: ignore[attr-defined]
         print(f"{key}: {value:.2f}x")
     if options.json_path:
@@ -208,7 +236,19 @@ def _vocab_size(model_dir: str) -> int:
 
 
 def _runner(name: str) -> Callable[[str, Sequence[WorkloadRequest], OfflineOptions], EngineRun]:
-    return {"slipstream": run_slipstream, "hf_static": _run_hf_static, "hf_cb": _run_hf_cb}[name]
+    return {
+        "slipstream": run_slipstream,
+        "hf_static": _run_hf_static,
+        "hf_cb": _run_hf_cb,
+        "vllm": _run_vllm,
+    }[name]
+
+
+def _run_vllm(
+    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+) -> EngineRun:
+    assert options.vllm is not None, "set by _options_from_args when vllm is asked for"
+    return vllm_peer.run_vllm(model_dir, workload, options.vllm)
 
 
 def _run_hf_static(

@@ -88,12 +88,15 @@ def engine_metrics(run: EngineRun) -> dict[str, object]:
 
 
 def throughput_ratios(engines: Mapping[str, Mapping[str, object]]) -> dict[str, float]:
-    """``slipstream/<peer>`` output-throughput ratios for every peer that ran."""
-    if "slipstream" not in engines:
+    """``slipstream/<peer>`` output-throughput ratios for every peer that ran
+    (an entry with an ``error`` key failed and has no figures)."""
+    if "slipstream" not in engines or "error" in engines["slipstream"]:
         return {}
     ours = float(engines["slipstream"]["output_tokens_per_s"])  # type: ignore[arg-type]
     ratios = {}
     for name, metrics in engines.items():
+        if "error" in metrics:
+            continue
         theirs = float(metrics["output_tokens_per_s"])  # type: ignore[arg-type]
         if name != "slipstream" and theirs > 0:
             ratios[f"slipstream/{name}"] = ours / theirs
@@ -106,6 +109,9 @@ def format_table(engines: Mapping[str, Mapping[str, object]]) -> str:
     header += f" {'TTFT p50':>9} {'tokens':>8}"
     rows = [header, "-" * len(header)]
     for name, m in engines.items():
+        if "error" in m:
+            rows.append(f"{name:<12} failed: {m['error']}")
+            continue
         row = f"{name:<12} {m['output_tokens_per_s']:>10.1f} {m['wall_s']:>8.2f}"
         row += f" {m['p50_s']:>8.2f} {m['p95_s']:>8.2f} {_fmt_optional(m['ttft_p50_s']):>9}"
         row += f" {m['num_output_tokens']:>8}"

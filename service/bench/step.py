@@ -149,14 +149,10 @@ def mode_options(mode: str) -> tuple[dict[str, object] | None, str | None]:
 
 
 def run_step_bench(options: StepOptions) -> dict[str, object]:
-    from slipstream.kernels.cpu_features import REPORTED_FLAGS
-
     load_at_start = os.getloadavg()[0]
     hw = hardware(options.dtype)
     dtype = str(hw["dtype"])
-    cpu = dict(hw["cpu"])  # type: ignore[call-overload]
-    # Absent flags said explicitly: "no avx512f" is the fact that decides dtype here.
-    cpu["has_flags"] = {flag: flag in cpu["flags"] for flag in REPORTED_FLAGS}
+    cpu = hw["cpu"]
     rows: list[dict[str, object]] = []
     for mode in options.modes:
         engine_options, reason = mode_options(mode)

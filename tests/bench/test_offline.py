@@ -50,7 +50,7 @@ def test_replayed_workload_is_the_saved_one(tmp_path: Path, tiny_model_dir: Path
 
 
 def test_unknown_engine_is_a_usage_error(tmp_path: Path, tiny_model_dir: Path) -> None:
-    argv = ["bench", "offline", "--model", str(tiny_model_dir), "--engines", "vllm"]
+    argv = ["bench", "offline", "--model", str(tiny_model_dir), "--engines", "tgi"]
     assert main(argv) == 2
 
 
