@@ -18,7 +18,11 @@ DEFAULT_PORT = 50051
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=defaults.model, help="tiny, small, or a checkpoint path")
+    group.add_argument(
+        "--model",
+        default=defaults.model,
+        help="tiny, small, smollm2, an imported model, or a checkpoint path",
+    )
     group.add_argument("--dtype", default=defaults.dtype, choices=("float32", "bfloat16"))
     group.add_argument("--block-size", type=int, default=defaults.block_size)
     group.add_argument("--num-device-blocks", type=int, default=None)
