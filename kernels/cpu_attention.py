@@ -16,8 +16,10 @@ Build and cache (ninja through ``torch.utils.cpp_extension``)::
 ``<key>`` hashes the source, the compiler flags, the torch version and the
 machine architecture. No CPU feature flags: the library holds an AVX2+FMA and a
 baseline variant and picks one at run time, so one build serves every x86-64
-CPU. ``home`` is the caller's (the service passes ``$SLIPSTREAM_HOME``); this
-module reads no environment variables.
+CPU. ``home`` is the caller's (the service's ``slipstream_home()``, which
+honours ``$SLIPSTREAM_HOME``); this module reads no environment variables. A
+library left broken in its directory (say, a link killed half-way) makes the
+attempt fail with that directory in the log line; deleting it rebuilds.
 
 ``is_available()`` tries the build once per process and never raises: on any
 failure it logs one line and returns False, and callers use the torch path.
