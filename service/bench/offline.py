@@ -31,6 +31,7 @@ from slipstream.service.bench.report import (
     engine_metrics,
     format_table,
     hardware,
+    plot_engines,
     resolved_dtype,
     throughput_ratios,
 )
@@ -70,6 +71,7 @@ class OfflineOptions:
     workload_path: str | None = None
     save_workload_path: str | None = None
     json_path: str | None = None
+    plot_path: str | None = None
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -89,6 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--requests", type=int, default=64, dest="num_requests")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", help="write the report here")
+    parser.add_argument("--plot", dest="plot_path", help="write a PNG here (needs matplotlib)")
     parser.add_argument(
         "--engines",
         default=",".join(ENGINES),
@@ -153,6 +156,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         workload_path=args.workload_path,
         save_workload_path=args.save_workload_path,
         json_path=args.json_path,
+        plot_path=args.plot_path,
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -204,6 +208,8 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         print(f"{key}: {value:.2f}x")
     if options.json_path:
         Path(options.json_path).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    if options.plot_path:
+        plot_engines(report, options.plot_path)
     return report
 
 

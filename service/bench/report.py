@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -126,3 +127,33 @@ def _fmt_optional(value: object) -> str:
 def _percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated percentile, ``None`` for no values."""
     return float(np.percentile(values, q)) if values else None
+
+
+def plot_engines(report: Mapping[str, Any], path: str) -> None:
+    """PNG: output tokens/s and TTFT p50 per engine, with the CPU and workload in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    engines = {k: v for k, v in report["engines"].items() if "output_tokens_per_s" in v}
+    names = list(engines)
+    env = report["environment"]
+    fig, (tps_ax, ttft_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    tps_ax.bar(names, [engines[n]["output_tokens_per_s"] for n in names], color="tab:blue")
+    tps_ax.set_ylabel("output tokens/s (higher is better)")
+    ttft_ax.bar(names, [engines[n].get("ttft_p50_s") or 0.0 for n in names], color="tab:orange")
+    ttft_ax.set_ylabel("TTFT p50, s (lower is better)")
+    for ax in (tps_ax, ttft_ax):
+        ax.tick_params(axis="x", rotation=20)
+        ax.grid(axis="y", alpha=0.3)
+    cpu = env.get("cpu", {})
+    fig.suptitle(
+        f"{env.get('model')} · {report['workload'].get('num_requests')} requests · "
+        f"{env.get('dtype')} · {env.get('num_threads')} threads · {cpu.get('model')} "
+        f"({', '.join(cpu.get('flags', [])) or 'no listed flags'})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

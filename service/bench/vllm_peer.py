@@ -34,6 +34,7 @@ from slipstream.service.bench.report import (
     RequestTiming,
     TokenCountMismatch,
     check_token_counts,
+    resolved_dtype,
 )
 from slipstream.service.bench.workload import WARMUP_WORKLOAD, WorkloadRequest
 
@@ -118,7 +119,9 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         raise ValueError("--vllm-kv-cache-gib and --vllm-timeout must be > 0")
     return VllmSettings(
         python=python,
-        dtype=args.dtype,
+        # vLLM's own "auto" reads the checkpoint's dtype (bf16 for `small`), which
+        # is emulated on AVX2-only CPUs: both engines run the dtype auto picks here.
+        dtype=resolved_dtype(args.dtype),
         num_threads=args.num_threads,
         kv_cache_gib=args.vllm_kv_cache_gib,
         max_num_seqs=args.vllm_max_num_seqs,

@@ -25,9 +25,17 @@ def _bench(tmp_path: Path, model_dir: Path, engines: str, *extra: str) -> dict:
 
 def test_peers_on_one_workload(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     workload_path = tmp_path / "w.jsonl"
+    plot_path = tmp_path / "offline.png"
     report = _bench(
-        tmp_path, tiny_model_dir, "hf_static,hf_cb", "--save-workload", str(workload_path)
+        tmp_path,
+        tiny_model_dir,
+        "hf_static,hf_cb",
+        "--save-workload",
+        str(workload_path),
+        "--plot",
+        str(plot_path),
     )
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     expected_tokens = sum(r.max_tokens for r in load_workload(workload_path))
     assert set(report) >= {"engines", "workload", "ratios"}
     assert set(report["engines"]) == {"hf_static", "hf_cb"}

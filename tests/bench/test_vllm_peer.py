@@ -274,3 +274,18 @@ def test_real_vllm(tmp_path: Path) -> None:
     assert [t.num_output_tokens for t in run.timings] == [r.max_tokens for r in WORKLOAD]
     assert run.settings["dtype"] == "float32"
     assert all(t.ttft_s is not None and t.ttft_s <= t.latency_s for t in run.timings)
+
+
+def test_cli_resolves_auto_dtype_for_vllm(
+    tmp_path: Path, tiny_model_dir: Path, fake_python: Callable[[str], str]
+) -> None:
+    # vLLM's own "auto" would read the checkpoint's dtype; the peer runs the one
+    # Slipstream picks for this CPU, so both engines compute in the same dtype.
+    report_path = tmp_path / "report.json"
+    argv = ["bench", "offline", "--model", str(tiny_model_dir), "--engines", "vllm", *SMALL]
+    argv += ["--dtype", "auto", "--json", str(report_path), "--vllm-python", fake_python("ok")]
+    assert main(argv) == 0
+    report = json.loads(report_path.read_text())
+    expected = report["environment"]["dtype"]
+    assert expected in ("float32", "bfloat16")
+    assert report["engines"]["vllm"]["settings"]["dtype_requested"] == expected
