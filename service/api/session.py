@@ -93,8 +93,7 @@ class StreamSession:
     def submit(self, submit: pb.Submit) -> None:
         request_id = submit.request_id
         try:
-            if not request_id:
-                raise ValueError("request_id is empty")
+            wire.check_request_id(request_id)
             if request_id in self._live:
                 raise DuplicateRequest(f"request_id {request_id!r} is already running")
             self._admit(submit, request_id)

@@ -26,6 +26,10 @@ from slipstream.service.engine.events import (
 from slipstream.v1 import inference_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 64
+MAX_REQUEST_ID_BYTES = 128  # echoed in every event of the request
+# The ranges google.protobuf.Duration and Timestamp define (10,000 years; years 1-9999).
+MAX_DURATION_S = 315_576_000_000
+TIMESTAMP_RANGE_S = (-62_135_596_800, 253_402_300_799)
 
 
 def encode_prompt(tokenizer: object, text: str) -> list[int]:
@@ -36,9 +40,31 @@ def encode_prompt(tokenizer: object, text: str) -> list[int]:
 
 def _reject_unknown_fields(message: Message, where: str) -> None:
     # A field this server does not know (a newer client) would otherwise be
-    # silently ignored and change the request's meaning without a word.
+    # silently ignored and change the request's meaning without a word. Nested
+    # messages (token ids, timeout, deadline, ...) are checked too.
     if len(UnknownFieldSet(message)):
         raise ValueError(f"{where} has fields this server does not understand")
+    for field, value in message.ListFields():
+        if field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for item in value if field.is_repeated else (value,):
+                _reject_unknown_fields(item, f"{where}.{field.name}")
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises ValueError for an empty id or one over ``MAX_REQUEST_ID_BYTES``."""
+    if not request_id:
+        raise ValueError("request_id is empty")
+    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
+
+
+def _seconds(value: Message, what: str, low: float, high: float) -> float:
+    """A Duration or Timestamp as float seconds, checked against its proto range
+    (no timedelta: a huge value must be a clear error, not an OverflowError)."""
+    seconds, nanos = value.seconds, value.nanos  # type: ignore[attr-defined]
+    if not (low <= seconds <= high and -1_000_000_000 < nanos < 1_000_000_000):
+        raise ValueError(f"{what} is out of range")
+    return seconds + nanos / 1e9
 
 
 def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[int]:
@@ -81,12 +107,14 @@ def _deadline(submit: pb.Submit, now: float, call_deadline: float | None) -> flo
     call's deadline, as absolute ``time.monotonic()`` seconds."""
     candidates = [] if call_deadline is None else [call_deadline]
     if submit.HasField("timeout"):
-        timeout_s = submit.timeout.ToTimedelta().total_seconds()
+        timeout_s = _seconds(submit.timeout, "timeout", -MAX_DURATION_S, MAX_DURATION_S)
         if timeout_s < 0:
             raise ValueError("timeout must not be negative")
         candidates.append(now + timeout_s)
     if submit.HasField("deadline"):
-        wall_s = submit.deadline.seconds + submit.deadline.nanos / 1e9
+        if submit.deadline.nanos < 0:
+            raise ValueError("deadline is out of range")
+        wall_s = _seconds(submit.deadline, "deadline", *TIMESTAMP_RANGE_S)
         candidates.append(now + (wall_s - time.time()))
     return min(candidates, default=None)
 
@@ -100,12 +128,7 @@ def to_generation_request(
     call_deadline: float | None,
 ) -> GenerationRequest:
     """The engine request for a submit; raises ``ValueError`` if malformed."""
-    for message, where in (
-        (submit, "submit"),
-        (submit.sampling, "sampling"),
-        (submit.stopping, "stopping"),
-    ):
-        _reject_unknown_fields(message, where)
+    _reject_unknown_fields(submit, "submit")
     if submit.return_logprobs:
         raise ValueError("logprobs are not available from this server")
     return GenerationRequest(

@@ -20,6 +20,8 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -337,6 +339,17 @@ def _with_unknown_field() -> pb.GenerateRequest:
     return message
 
 
+def _with_nested_unknown_field() -> pb.GenerateRequest:
+    # The unknown field sits inside the token ids, not on the submit itself.
+    message = _submit("nested-unknown")
+    raw = message.submit.token_ids.SerializeToString() + bytes([0xF8, 0x3E, 0x01])
+    message.submit.token_ids.Clear()
+    message.submit.token_ids.MergeFromString(raw)
+    return message
+
+
+LONG_ID = "x" * 129  # one byte over the limit
+
 MALFORMED = {
     "empty-text": (_submit("empty-text", text="", token_ids=None), pb.REJECT_REASON_INVALID),
     "no-prompt": (
@@ -370,6 +383,25 @@ MALFORMED = {
     ),
     "logprobs": (_submit("logprobs", return_logprobs=True), pb.REJECT_REASON_INVALID),
     "unknown-field": (_with_unknown_field(), pb.REJECT_REASON_INVALID),
+    "nested-unknown": (_with_nested_unknown_field(), pb.REJECT_REASON_INVALID),
+    # ~1e14 s once raised OverflowError and ended the whole stream UNKNOWN.
+    "huge-timeout": (
+        _submit("huge-timeout", timeout=Duration(seconds=10**14)),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "max-duration-timeout": (  # the largest valid Duration is accepted as a deadline
+        _submit("max-duration-timeout", timeout=Duration(seconds=315_576_000_000)),
+        None,
+    ),
+    "negative-timeout": (
+        _submit("negative-timeout", timeout=Duration(seconds=-1)),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "huge-deadline": (
+        _submit("huge-deadline", deadline=Timestamp(seconds=10**15)),
+        pb.REJECT_REASON_INVALID,
+    ),
+    LONG_ID: (_submit(LONG_ID), pb.REJECT_REASON_INVALID),
     "neighbour": (  # a duplicate of the running neighbour's id
         _submit("neighbour"),
         pb.REJECT_REASON_DUPLICATE_REQUEST_ID,
@@ -398,6 +430,9 @@ def test_each_malformed_submit_is_rejected_alone(
     # rejection arrives while it is still running.
     rejected = {rid: f for rid, f in finished.items() if f.reason == pb.FINISH_REASON_REJECTED}
     for rid, (_, reason) in MALFORMED.items():
+        if reason is None:  # well-formed after all: it runs to completion
+            assert finished[rid].reason in (pb.FINISH_REASON_MAX_TOKENS, pb.FINISH_REASON_EOS), rid
+            continue
         if rid == "neighbour":
             continue
         assert rid in rejected, rid
