@@ -237,7 +237,7 @@ def _measure(engine: Engine, options: StepOptions, batch: int, mode: str) -> dic
     row: dict[str, object] = {
         "batch": batch,
         "mode": mode,
-        "dtype": engine.dtype,
+        "dtype": engine.info.dtype,
         "status": "ok",
         "step_ms": step_ms,
         "step_ms_p10": deciles[0],

@@ -31,16 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slipstream.scheduler.plan import ScheduledSeq, StepPlan
-from slipstream.scheduler.request import SamplingParams
+from slipstream.scheduler.plan import StepPlan
+from slipstream.service.engine.calibration import synthetic_plan
 
 if TYPE_CHECKING:
     from slipstream.service.engine.runner import ModelRunner
     from slipstream.service.models.llama import LlamaModel
 
-# Any in-vocabulary id: the K/V it attends to are synthetic anyway.
-_TOKEN = 5
-GREEDY = SamplingParams(temperature=0.0)
 FLOOR_REPEATS = 9
 
 
@@ -52,20 +49,8 @@ def blocks_per_seq(context: int, block_size: int) -> int:
 def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
     """``batch`` greedy decodes, each with ``context`` tokens cached in its own
     blocks (sequence i owns blocks ``i*n .. i*n + n - 1``)."""
-    num_blocks = blocks_per_seq(context, block_size)
-    seqs = [
-        ScheduledSeq(
-            req_id=f"step-{i}",
-            token_ids=[_TOKEN],
-            start_pos=context,
-            block_ids=list(range(i * num_blocks, (i + 1) * num_blocks)),
-            sample=True,
-            output_index=1,
-            sampling=GREEDY,
-        )
-        for i in range(batch)
-    ]
-    return StepPlan(step=0, seqs=seqs)
+    shapes = [(context, 1)] * batch
+    return synthetic_plan(shapes, block_size, batch * blocks_per_seq(context, block_size))
 
 
 def fill_kv(runner: ModelRunner, seed: int = 0) -> None:

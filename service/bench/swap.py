@@ -68,7 +68,7 @@ def run_sweep(
     model: str, dtype: str, block_size: int, budget: int, repeats: int
 ) -> dict[str, object]:
     from slipstream.kernels.block_copy import copy_blocks
-    from slipstream.service.engine.calibration import _plan, calibrate
+    from slipstream.service.engine.calibration import calibrate, synthetic_plan
     from slipstream.service.engine.config import EngineConfig
     from slipstream.service.engine.engine import Engine
     from slipstream.service.engine.runner import kv_bytes_per_block
@@ -96,7 +96,7 @@ def run_sweep(
         blocks = -(-context // block_size)
         out_pairs = [(i, i) for i in range(blocks)]
         chunks = [(start, min(budget, context - start)) for start in range(0, context, budget)]
-        plans = [_plan([c], block_size, max_blocks) for c in chunks]
+        plans = [synthetic_plan([c], block_size, max_blocks) for c in chunks]
         if context <= model_len:
             _execute_all(runner, plans)  # warm-up (and real K/V to copy)
         swap_out = _best(

@@ -82,15 +82,17 @@ def _calibration_plans(
 ) -> Iterator[StepPlan]:
     for n in sorted({16, budget // 4, budget // 2, budget}):
         if n >= 1:
-            yield _plan([(0, n)], block_size, num_blocks)
+            yield synthetic_plan([(0, n)], block_size, num_blocks)
     for context in (64, 512):
         for batch in sorted({1, 4, min(16, max_seqs), min(64, max_seqs)}):
             if batch * (-(-(context + 1) // block_size)) <= num_blocks:
-                yield _plan([(context, 1)] * batch, block_size, num_blocks)
+                yield synthetic_plan([(context, 1)] * batch, block_size, num_blocks)
 
 
-def _plan(shapes: list[tuple[int, int]], block_size: int, num_blocks: int) -> StepPlan:
-    """One step: a sequence per (start_pos, num_new) over disjoint blocks."""
+def synthetic_plan(shapes: list[tuple[int, int]], block_size: int, num_blocks: int) -> StepPlan:
+    """One greedy step: a sequence per (start_pos, num_new), each over its own
+    consecutive blocks (sequence 0 from block 0). Raises ValueError when the
+    ``num_blocks`` pool cannot hold them."""
     seqs, next_block = [], 0
     for i, (start, num_new) in enumerate(shapes):
         count = -(-(start + num_new) // block_size)

@@ -121,7 +121,6 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.dtype = choice.dtype
         model_dir = resolve_model(config.model)
         backend = resolve_backend(
             config.attention_backend, torch.device("cpu"), home=slipstream_home()
