@@ -37,7 +37,11 @@ class Rejection:
 
     @property
     def wire_status(self) -> WireStatus:
-        return WireStatus(self.status.name, self.status.value[0])
+        return _wire_status(self.status)
+
+
+def _wire_status(code: grpc.StatusCode) -> WireStatus:
+    return WireStatus(code.name, code.value[0])
 
 
 INVALID = Rejection(pb.REJECT_REASON_INVALID, grpc.StatusCode.INVALID_ARGUMENT)
@@ -87,5 +91,4 @@ def wire_finish(reason: FinishReason) -> tuple[int, grpc.StatusCode]:
 
 def finish_status(reason: FinishReason) -> WireStatus:
     """The gRPC status of a finish, for telemetry (which never reads the wire)."""
-    _, status = _FINISHES[reason]
-    return WireStatus(status.name, status.value[0])
+    return _wire_status(_FINISHES[reason][1])

@@ -27,9 +27,10 @@ from slipstream.v1 import inference_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_REQUEST_ID_BYTES = 128  # echoed in every event of the request
-# The ranges google.protobuf.Duration and Timestamp define (10,000 years; years 1-9999).
-MAX_DURATION_S = 315_576_000_000
-TIMESTAMP_RANGE_S = (-62_135_596_800, 253_402_300_799)
+# (lowest seconds, highest seconds, lowest nanos) that google.protobuf.Duration
+# (±10,000 years) and Timestamp (years 1-9999) define.
+DURATION_RANGE = (-315_576_000_000, 315_576_000_000, -999_999_999)
+TIMESTAMP_RANGE = (-62_135_596_800, 253_402_300_799, 0)
 
 
 def encode_prompt(tokenizer: object, text: str) -> list[int]:
@@ -58,11 +59,12 @@ def check_request_id(request_id: str) -> None:
         raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
 
 
-def _seconds(value: Message, what: str, low: float, high: float) -> float:
+def _seconds(value: Message, what: str, valid: tuple[int, int, int]) -> float:
     """A Duration or Timestamp as float seconds, checked against its proto range
     (no timedelta: a huge value must be a clear error, not an OverflowError)."""
     seconds, nanos = value.seconds, value.nanos  # type: ignore[attr-defined]
-    if not (low <= seconds <= high and -1_000_000_000 < nanos < 1_000_000_000):
+    low, high, min_nanos = valid
+    if not (low <= seconds <= high and min_nanos <= nanos <= 999_999_999):
         raise ValueError(f"{what} is out of range")
     return seconds + nanos / 1e9
 
@@ -107,14 +109,12 @@ def _deadline(submit: pb.Submit, now: float, call_deadline: float | None) -> flo
     call's deadline, as absolute ``time.monotonic()`` seconds."""
     candidates = [] if call_deadline is None else [call_deadline]
     if submit.HasField("timeout"):
-        timeout_s = _seconds(submit.timeout, "timeout", -MAX_DURATION_S, MAX_DURATION_S)
+        timeout_s = _seconds(submit.timeout, "timeout", DURATION_RANGE)
         if timeout_s < 0:
             raise ValueError("timeout must not be negative")
         candidates.append(now + timeout_s)
     if submit.HasField("deadline"):
-        if submit.deadline.nanos < 0:
-            raise ValueError("deadline is out of range")
-        wall_s = _seconds(submit.deadline, "deadline", *TIMESTAMP_RANGE_S)
+        wall_s = _seconds(submit.deadline, "deadline", TIMESTAMP_RANGE)
         candidates.append(now + (wall_s - time.time()))
     return min(candidates, default=None)
 
