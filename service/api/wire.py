@@ -80,6 +80,8 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
         if any(t >= info.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be < vocab size {info.vocab_size}")
         return ids
+    if kind == "messages":
+        raise ValueError("chat messages are not available from this server yet")
     raise ValueError("submit has no prompt (set text or token_ids)")
 
 
@@ -131,6 +133,8 @@ def to_generation_request(
     _reject_unknown_fields(submit, "submit")
     if submit.return_logprobs:
         raise ValueError("logprobs are not available from this server")
+    if submit.HasField("first_token_timeout"):
+        raise ValueError("first_token_timeout is not available from this server yet")
     return GenerationRequest(
         req_id=req_id,
         prompt_token_ids=_prompt_ids(submit, tokenizer, info),
