@@ -1,0 +1,45 @@
+"""Chat prompts: a conversation rendered with the model's own chat template.
+
+Used by every front door (gRPC ``Submit.messages``, the HTTP chat endpoint,
+the CLI), so a conversation means the same token ids whichever way it came.
+Plain data in, token ids out; no wire types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+# Roles a ChatML-style template understands; anything else is a typo the
+# template would silently render as text.
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+class ChatError(ValueError):
+    """A conversation that cannot be rendered (bad role, empty, no template)."""
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def check_messages(messages: Sequence[tuple[str, str]]) -> None:
+    """Cheap checks that need no tokenizer; raise ``ChatError``."""
+    if not messages:
+        raise ChatError("messages is empty")
+    for i, (role, _content) in enumerate(messages):
+        if role not in ROLES:
+            allowed = ", ".join(sorted(ROLES))
+            raise ChatError(f"messages[{i}].role {role!r} is not one of {allowed}")
+
+
+def render_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int]:
+    """Token ids of ``messages`` (role, content) with the generation prompt
+    added, exactly as the model's template renders them."""
+    check_messages(messages)
+    if not has_chat_template(tokenizer):
+        raise ChatError("this model has no chat template; send text or token_ids")
+    conversation = [{"role": role, "content": content} for role, content in messages]
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    # The template already holds any special tokens the model wants.
+    return list(tokenizer.encode(text, add_special_tokens=False))
