@@ -23,6 +23,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from slipstream.kernels import fused_ops
 from slipstream.kernels.backend import resolve_backend
 from slipstream.kernels.cpu_features import CpuFeatures, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
@@ -125,7 +126,10 @@ class Engine:
         backend = resolve_backend(
             config.attention_backend, torch.device("cpu"), home=slipstream_home()
         )
-        self.model = LlamaModel(model_dir, DTYPES[choice.dtype], backend, choice.pack_weights)
+        fused = config.compile and fused_ops.is_available(slipstream_home())
+        self.model = LlamaModel(
+            model_dir, DTYPES[choice.dtype], backend, choice.pack_weights, fused=fused
+        )
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
         self._fast_tokenizer = self.tokenizer.backend_tokenizer
         model_cfg = self.model.config
@@ -176,6 +180,7 @@ class Engine:
             requested_dtype=choice.requested,
             weights_packed=choice.pack_weights,
             cpu=cpu.describe(),
+            compiled=fused,
         )
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -196,6 +201,7 @@ class Engine:
             block_size=config.block_size,
             max_model_len=max_model_len,
             attention_backend=backend,
+            compiled=fused,
         )
 
     def _pool_sizes(self, max_model_len: int) -> tuple[int, int]:

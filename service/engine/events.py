@@ -85,6 +85,7 @@ class ModelInfo:
     requested_dtype: str = ""
     weights_packed: bool = False
     cpu: dict[str, object] = field(default_factory=dict)  # CpuFeatures.describe()
+    compiled: bool = False  # the step runs the fused native kernels (EngineConfig.compile)
 
 
 @dataclass(frozen=True, slots=True)
