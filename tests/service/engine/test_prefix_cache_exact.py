@@ -10,6 +10,7 @@ import random
 import pytest
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine, FinishedResult
 from slipstream.service.engine.events import GenerationRequest
@@ -28,7 +29,7 @@ def _workload(vocab: int) -> list[GenerationRequest]:
         requests.append(
             GenerationRequest(
                 req_id=f"p{i}",
-                prompt_token_ids=prefix + tail if i % 6 else prefix[: 40 + 9 * i] + tail,
+                prompt_token_ids=prefix[: _shared_len(i)] + tail,
                 max_new_tokens=rng.randint(6, 20),
                 ignore_eos=True,
                 priority=i % 3,
@@ -37,7 +38,15 @@ def _workload(vocab: int) -> list[GenerationRequest]:
     return requests
 
 
-def _run(config: EngineConfig, workload: list[GenerationRequest]) -> list[FinishedResult]:
+def _shared_len(index: int) -> int:
+    """How much of the common prefix request ``index`` starts with: all of
+    it, except every sixth request from the fourth, which may stop part way."""
+    return min(40 + 9 * index, PREFIX_LEN) if index % 6 == 3 else PREFIX_LEN
+
+
+def _run(
+    config: EngineConfig, workload: list[GenerationRequest]
+) -> tuple[list[FinishedResult], Scheduler]:
     """The first request alone (it fills the cache), then the rest at once."""
     engine = Engine(config)
     try:
@@ -48,7 +57,7 @@ def _run(config: EngineConfig, workload: list[GenerationRequest]) -> list[Finish
     assert stats.device_blocks.used == stats.host_blocks.used == 0
     for result in results:
         assert result.finish.reason is FinishReason.MAX_TOKENS, result.finish
-    return results
+    return results, engine.scheduler
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +75,7 @@ def reference(tiny_model_dir: object) -> tuple[list[GenerationRequest], list[Fin
     vocab = engine.info.vocab_size
     engine.shutdown()
     workload = _workload(vocab)
-    results = _run(config, workload)
+    results, _ = _run(config, workload)
     assert all(r.finish.num_cached_tokens == 0 for r in results)
     return workload, results
 
@@ -79,12 +88,16 @@ def reference(tiny_model_dir: object) -> tuple[list[GenerationRequest], list[Fin
         pytest.param(
             dict(
                 max_num_batched_tokens=48,
-                num_device_blocks=40,
-                num_host_blocks=12,
+                num_device_blocks=24,
+                num_host_blocks=8,
                 max_num_seqs=6,
                 policy="deadline",
             ),
-            id="tight-pool",
+            id="tight-pool-swap",
+        ),
+        pytest.param(
+            dict(max_num_batched_tokens=48, num_device_blocks=24, num_host_blocks=0, policy="fcfs"),
+            id="tight-pool-recompute",
         ),
     ],
 )
@@ -97,14 +110,19 @@ def test_prefix_cache_on_matches_off_bit_for_bit(
     config = EngineConfig(
         model=str(tiny_model_dir), dtype="float32", block_size=BLOCK, prefix_cache=True, **knobs
     )
-    got = _run(config, workload)
+    got, scheduler = _run(config, workload)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     cached = [r.finish.num_cached_tokens for r in got]
     assert cached[0] == 0
     for request, num_cached in zip(workload, cached, strict=True):
         assert num_cached % BLOCK == 0 and num_cached < len(request.prompt_token_ids)
     if knobs["num_device_blocks"] == 512:  # nothing is evicted: every later request hits
-        shared = [min(len(r.prompt_token_ids), PREFIX_LEN) // BLOCK * BLOCK for r in workload[1:]]
-        assert all(c >= s for c, s in zip(cached[1:], shared, strict=True)), cached
+        shared = [_shared_len(i) // BLOCK * BLOCK for i in range(1, NUM_REQUESTS)]
+        assert all(c >= s for c, s in zip(cached[1:], shared, strict=True)), str((cached, shared))
     else:
+        # The tight pools preempt: by swap with a host pool, else by recompute.
+        if knobs["num_host_blocks"]:
+            assert scheduler.num_swap_preemptions > 0
+        else:
+            assert scheduler.num_recompute_preemptions > 0
         assert sum(cached) >= (PREFIX_LEN // BLOCK) * BLOCK * (NUM_REQUESTS // 2), cached
