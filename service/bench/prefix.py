@@ -5,8 +5,10 @@ identical seeded workload.
 Every request is a ``--system-len``-token system prompt followed by a short
 question of its own (random token ids, seeded), and makes exactly
 ``--max-tokens`` tokens (EOS ignored). All requests are submitted at once at
-``t0`` to a cold cache (the untimed warm-up shares nothing with them), so
-the first requests compute the system prompt and the rest find it cached.
+``t0``. By default the cache is cold then (the untimed warm-up shares
+nothing with them): the first requests compute the system prompt and the
+rest find it cached. ``--warm`` first runs, untimed, one request made of the
+system prompt alone, as earlier traffic would have (in both modes).
 Reports TTFT p50/p95, output throughput and the hit rate per mode, the
 on/off ratios, and writes JSON (``{"modes", "ratios", "workload",
 "environment"}``) and a PNG.
@@ -53,6 +55,7 @@ class PrefixOptions:
     num_threads: int = 2
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
+    warm: bool = False
     json_path: str | None = None
     plot_path: str | None = None
 
@@ -167,6 +170,9 @@ def run_mode(
     load_before = os.getloadavg()[0]
     try:
         _submit_and_wait(engine, WARMUP_WORKLOAD, "warmup")
+        if options.warm:
+            system = workload[0].prompt_token_ids[: options.system_len]
+            _submit_and_wait(engine, [WorkloadRequest([*system, NUM_SPECIAL_IDS], 1)], "seed")
         before = engine.stats().prefix_cache
         wall_s, rows = _submit_and_wait(engine, workload, "req")
         after = engine.stats().prefix_cache
@@ -222,7 +228,7 @@ def run_prefix(options: PrefixOptions) -> dict[str, object]:
             "question_len": list(options.question_len),
             "max_tokens": options.max_tokens,
             "seed": options.seed,
-            "cache_at_t0": "cold",
+            "cache_at_t0": "warm" if options.warm else "cold",
         },
         "environment": _environment(options, model_dir),
     }
@@ -331,6 +337,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--threads", type=int, default=2, dest="num_threads")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument(
+        "--warm", action="store_true", help="run the system prompt once, untimed, before t0"
+    )
     parser.add_argument("--json", dest="json_path", help="write the report here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG here (needs matplotlib)")
     parser.set_defaults(func=_main)
@@ -350,6 +359,7 @@ def _main(args: argparse.Namespace) -> int:
             num_threads=args.num_threads,
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            warm=args.warm,
             json_path=args.json_path,
             plot_path=args.plot_path,
         )

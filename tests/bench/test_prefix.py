@@ -59,3 +59,22 @@ def test_bad_options_are_refused(bad: dict[str, object]) -> None:
 def test_bad_options_are_a_usage_error(tiny_model_dir: Path, capsys) -> None:
     assert main(["bench", "prefix", "--model", str(tiny_model_dir), "--requests", "0"]) == 2
     assert "--requests" in capsys.readouterr().err
+
+
+def test_a_warm_cache_serves_every_request_its_system_prompt(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from slipstream.service.bench.prefix import run_prefix
+
+    options = PrefixOptions(
+        model=str(tiny_model_dir),
+        num_requests=4,
+        system_len=100,
+        max_tokens=2,
+        block_size=16,
+        warm=True,
+    )
+    report = run_prefix(options)
+    assert report["workload"]["cache_at_t0"] == "warm"  # type: ignore[index]
+    on = report["modes"]["on"]  # type: ignore[index]
+    assert on["num_cached_prompt_tokens"] == 4 * 96  # six full blocks each
