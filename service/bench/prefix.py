@@ -290,7 +290,8 @@ def plot_prefix(report: dict[str, Any], path: str) -> None:
     cpu = env.get("cpu", {})
     fig.suptitle(
         f"{env['model']} · {work['num_requests']} requests sharing a {work['system_len']}-token "
-        f"prompt · hit rate {modes['on']['hit_rate']:.0%} · {env['dtype']} · "
+        f"prompt ({work['cache_at_t0']} at t0) · hit rate {modes['on']['hit_rate']:.0%} · "
+        f"{env['dtype']} · "
         f"{env['num_threads']} threads · {cpu.get('model')} "
         f"({', '.join(cpu.get('flags', [])) or 'no listed flags'})",
         fontsize=8,
