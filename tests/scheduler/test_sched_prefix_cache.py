@@ -292,3 +292,30 @@ def test_the_deadline_policy_charges_nothing_for_cached_tokens() -> None:
     sched.add_request(cold, driver.now)
     assert cached.status is RequestStatus.WAITING and cached.num_known_kv_tokens == len(SYSTEM)
     assert policy.remaining_seconds(cached) < policy.remaining_seconds(cold)
+
+
+def test_cancel_and_expiry_release_only_the_requests_own_references() -> None:
+    sched = _scheduler()
+    driver = Driver(sched)
+    holder = _request("holder", [*SYSTEM, 1], max_new=20)
+    sched.add_request(holder, 0.0)
+    driver.step()
+    cancelled = _request("cancelled", [*SYSTEM, 2], max_new=20)
+    expiring = _request("expiring", [*SYSTEM, 3], max_new=20, deadline=driver.now + 2.5)
+    sched.add_request(cancelled, driver.now)
+    sched.add_request(expiring, driver.now)
+    driver.step()
+    prefix = holder.block_ids[:3]
+    assert [sched.device_pool.ref_count(b) for b in prefix] == [3, 3, 3]
+    driver.abort("cancelled")
+    assert [sched.device_pool.ref_count(b) for b in prefix] == [2, 2, 2]
+    while "expiring" not in driver.finishes:
+        driver.step()
+    assert driver.finishes["expiring"] == [FinishReason.DEADLINE_EXCEEDED]
+    assert [sched.device_pool.ref_count(b) for b in prefix] == [1, 1, 1]
+    assert holder.block_ids[:3] == prefix
+    check_pools(sched)
+    driver.run_until_idle()
+    assert driver.outputs["holder"] == reference_outputs(holder)
+    assert sched.num_used_device_blocks == 0 and sched.device_pool.num_evictable > 0
+    check_pools(sched)
