@@ -75,6 +75,7 @@ class OfflineOptions:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    prefix_cache: bool = True
     hf_batch_size: int = 16
     hf_cb_page_size: int = 64
     hf_cb_max_batch_tokens: int = 512
@@ -112,6 +113,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine.add_argument("--block-size", type=int)
     engine.add_argument("--max-num-batched-tokens", type=int)
     engine.add_argument("--max-num-seqs", type=int)
+    engine.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefix caching off"
+    )
     peers = parser.add_argument_group("peers")
     peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
     peers.add_argument("--hf-cb-page-size", type=int, default=64)
@@ -168,6 +172,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        prefix_cache=args.prefix_cache,
         hf_batch_size=args.hf_batch_size,
         hf_cb_page_size=args.hf_cb_page_size,
         hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
@@ -344,7 +349,11 @@ def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
     }
     set_knobs = {k: v for k, v in knobs.items() if v is not None}
     return EngineConfig(
-        model=model_dir, dtype=options.dtype, num_threads=options.num_threads, **set_knobs
+        model=model_dir,
+        dtype=options.dtype,
+        num_threads=options.num_threads,
+        prefix_cache=options.prefix_cache,
+        **set_knobs,
     )
 
 

@@ -84,6 +84,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
+    group.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="turn automatic prefix caching off (by default full KV blocks of equal "
+        "prompt prefixes are shared between requests and kept until evicted)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -107,6 +114,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         compile=args.compile == "on",
         num_threads=args.threads,
         kv_cache_memory_gb=args.kv_cache_gb,
+        prefix_cache=args.prefix_cache,
     )
 
 

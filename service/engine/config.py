@@ -45,4 +45,7 @@ class EngineConfig:
     compile: bool = True
     num_threads: int | None = None
     kv_cache_memory_gb: float = 2.0
+    # Automatic prefix caching: full KV blocks are shared between requests
+    # with equal prefixes and kept, evictable, after use (scheduler/block_manager.py).
+    prefix_cache: bool = True
     seed: int = 0

@@ -44,6 +44,7 @@ from slipstream.service.engine.events import (
     GenerationRequest,
     ModelInfo,
     PoolStats,
+    PrefixCacheStats,
     TokenEvent,
 )
 from slipstream.service.engine.observer import EngineObserver
@@ -162,6 +163,7 @@ class Engine:
                 abandon_hopeless=config.abandon_hopeless,
                 aging_s=config.aging_s,
                 min_residency_s=config.min_residency_s,
+                enable_prefix_cache=config.prefix_cache,
             ),
             cost_model=self.cost_model,
         )
@@ -202,6 +204,7 @@ class Engine:
             max_model_len=max_model_len,
             attention_backend=backend,
             compiled=fused,
+            prefix_cache=config.prefix_cache,
         )
 
     def _pool_sizes(self, max_model_len: int) -> tuple[int, int]:
@@ -273,6 +276,11 @@ class Engine:
                 by_priority=s.counts_by_priority(),
                 step=s.step,
                 is_draining=self._draining,
+                prefix_cache=PrefixCacheStats(
+                    queried_tokens=s.num_prefix_queried_tokens,
+                    hit_tokens=s.num_prefix_hit_tokens,
+                    cached_blocks=s.num_cached_device_blocks,
+                ),
             )
 
     def drain(self) -> None:
@@ -408,6 +416,7 @@ class Engine:
             message=message,
             num_prompt_tokens=state.num_prompt_tokens,
             num_output_tokens=state.num_output_tokens,
+            num_cached_tokens=state.num_cached_tokens,
             queue_wait_s=_queue_wait(state, now),
             ttft_s=None
             if state.first_token_time is None
