@@ -34,25 +34,33 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error, ours or aiohttp's (404 route, 405 method, 413 body), in
-    OpenAI's JSON shape."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
-        return too_large(f"the request body is over {exc.max_size} bytes").response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return ApiError(
-            exc.status,
-            exc.reason,
-            code=exc.reason.lower().replace(" ", "_"),
-            headers={k: v for k, v in exc.headers.items() if k == "Allow"},
-        ).response()
+def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Middleware: every error, ours or aiohttp's (404 route, 405 method,
+    413 body), in OpenAI's JSON shape."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPRequestEntityTooLarge:
+            return too_large(f"the request body is over {max_body_bytes} bytes").response()
+        except web.HTTPException as exc:
+            return _http_error(exc)
+
+    return middleware
+
+
+def _http_error(exc: web.HTTPException) -> web.StreamResponse:
+    if exc.status < 400:
+        raise exc  # a redirect is not an error
+    return ApiError(
+        exc.status,
+        exc.reason,
+        code=exc.reason.lower().replace(" ", "_"),
+        headers={k: v for k, v in exc.headers.items() if k == "Allow"},
+    ).response()
 
 
 class HttpFront:
@@ -69,7 +77,9 @@ class HttpFront:
         self._telemetry = telemetry
         self._created = int(time.time())
         generations = Generations(lifecycle, telemetry, authenticate)
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[openai_errors])
+        self.app = web.Application(
+            client_max_size=max_body_bytes, middlewares=[openai_errors(max_body_bytes)]
+        )
         self.app.router.add_post("/v1/completions", generations.completions)
         self.app.router.add_post("/v1/chat/completions", generations.chat)
         self.app.router.add_get("/v1/models", self.models)

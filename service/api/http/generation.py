@@ -228,10 +228,9 @@ class Generations:
 
 
 async def _json(request: web.Request) -> object:
+    # A body over the size limit raises HTTPRequestEntityTooLarge (413, app.py).
     try:
         return await request.json()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise too_large(f"the request body is over {exc.max_size} bytes") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON") from None
 
