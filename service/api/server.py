@@ -132,7 +132,11 @@ async def run(
     http = None if not http_port else HttpFront(lifecycle, telemetry)
     await server.start()
     if http is not None:
-        http_bound = await http.start(host, http_port)
+        try:
+            http_bound = await http.start(host, http_port)
+        except OSError as exc:
+            await server.stop(None)
+            raise StartupFailed(f"cannot listen for HTTP on {host}:{http_port}: {exc}") from None
         log.info("http_listening", host=host, port=http_bound)
         if on_http is not None:
             on_http(http_bound)

@@ -91,9 +91,9 @@ class HttpFront:
         """Listen on ``host:port`` (0: a free port); returns the bound port."""
         # Cancel a handler the moment its client disconnects: that is what
         # frees the request's KV while it still waits in the queue.
+        sock = socket.create_server((host.strip("[]"), port))
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        sock = socket.create_server((host.strip("[]"), port), reuse_port=False)
         site = web.SockSite(self._runner, sock)
         await site.start()
         return int(sock.getsockname()[1])

@@ -8,6 +8,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -64,3 +65,15 @@ def test_http_front_drains_on_sigterm(
         assert rest[-1].choices[0].finish_reason == "length"
         assert len(rest) == 400  # 399 more tokens, then the finish chunk
     assert proc.wait(timeout=30) == 0
+
+
+def test_a_busy_http_port_fails_the_start_in_one_line() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
+        command += ["--model", "tiny", "--http-port", str(port)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slipstream: error:")]
+    assert len(errors) == 1 and f"cannot listen for HTTP on 127.0.0.1:{port}" in errors[0]
