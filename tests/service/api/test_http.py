@@ -627,3 +627,23 @@ def test_queue_full_is_429_and_draining_is_503() -> None:
     finally:
         srv.stop()
         eng.shutdown()
+
+
+# ---------------------------------------------------------------- bench serve --protocol http
+
+
+def test_bench_http_load_counts_every_token(servers: Servers) -> None:
+    import math
+
+    from slipstream.service.bench.http_load import run_http
+    from slipstream.service.bench.serve import LoadShape, metrics
+    from slipstream.service.bench.workload import make_workload
+
+    workload = make_workload(6, 0, 4096, prompt_len=(4, 40), output_len=(2, 12))
+    warmup = make_workload(2, 1, 4096, prompt_len=(4, 8), output_len=(2, 3))
+    traces, wall = run_http(
+        servers.base_url, "tiny", workload, LoadShape(math.inf, 1.0, 3, 0), warmup
+    )
+    report = metrics(traces, workload, wall)
+    assert report["token_counts_match"] and report["num_completed"] == 6
+    assert [len(t.chunk_times) for t in traces] == [r.max_tokens for r in workload]
