@@ -94,9 +94,11 @@ async def shutdown(
     await asyncio.to_thread(engine.wait_idle, grace_s)
     # Streams whose requests all finished are ending now; give them the rest.
     await server.stop(max(deadline - time.monotonic(), 0.5))
-    if http is not None:
-        await http.stop()
     await asyncio.to_thread(engine.shutdown)
+    if http is not None:
+        # After the engine: HTTP requests still running past the grace have
+        # been cancelled by now, and their handlers have answered.
+        await http.stop()
 
 
 def startup_message(exc: BaseException) -> str:

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 # that fits any context is far smaller: 1 Mi token ids are ~8 MiB of JSON.
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 
+# What stop() gives handlers still running (after draining and the engine's
+# shutdown, all of them have their answer already).
+SHUTDOWN_TIMEOUT_S = 5.0
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -92,14 +96,20 @@ class HttpFront:
         # Cancel a handler the moment its client disconnects: that is what
         # frees the request's KV while it still waits in the queue.
         sock = socket.create_server((host.strip("[]"), port))
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
         await self._runner.setup()
         site = web.SockSite(self._runner, sock)
         await site.start()
         return int(sock.getsockname()[1])
 
     async def stop(self) -> None:
-        """Stop listening and close connections; call after draining."""
+        """Stop listening and close connections; call after draining and
+        after the engine has ended every request."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
