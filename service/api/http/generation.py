@@ -64,14 +64,14 @@ Authenticator = Callable[[str | None], object]
 def _encode(tokenizer: object, prompt: Prompt) -> list[int]:
     if isinstance(prompt, str):
         return wire.encode_prompt(tokenizer, prompt)
-    return render_chat(tokenizer, prompt)  # type: ignore[arg-type]
+    return render_chat(tokenizer, prompt)
 
 
 async def prompt_token_ids(engine: Engine, prompt: Prompt) -> list[int]:
     """The one place a prompt becomes token ids, on a worker thread so a
     large input never stalls the event loop. Size is checked first."""
     if isinstance(prompt, list) and isinstance(prompt[0], int):
-        return prompt  # type: ignore[return-value]
+        return prompt
     texts = [prompt] if isinstance(prompt, str) else [content for _, content in prompt]
     max_chars = engine.info.max_model_len * MAX_CHARS_PER_TOKEN
     if sum(len(t) for t in texts) > max_chars:
@@ -184,7 +184,7 @@ class Generations:
             raise _domain(exc) from None
 
     async def _whole(self, envelope: Envelope, relay: EventRelay) -> web.Response:
-        texts = []
+        texts: list[str] = []
         async for batch in relay.batches():
             texts.extend(event.text for event in batch)
         finish = batch[-1]

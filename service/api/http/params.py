@@ -85,7 +85,7 @@ def parse(body: object, headers: Mapping[str, str], is_chat: bool) -> OpenAIRequ
     if body.get("n") not in (None, 1):
         raise invalid("only n=1 is supported", "n")
     _optional(body, "user", str)
-    is_stream = _optional(body, "stream", bool) or False
+    is_stream = bool(_optional(body, "stream", bool))
     include_usage = _stream_options(body, is_stream)
     prompt = _messages(body) if is_chat else _prompt(body)
     submit = pb.Submit()
