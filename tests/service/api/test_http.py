@@ -647,3 +647,26 @@ def test_bench_http_load_counts_every_token(servers: Servers) -> None:
     report = metrics(traces, workload, wall)
     assert report["token_counts_match"] and report["num_completed"] == 6
     assert [len(t.chunk_times) for t in traces] == [r.max_tokens for r in workload]
+
+
+@pytest.mark.slow
+def test_chat_on_smollm2_with_its_own_template() -> None:
+    from slipstream.service.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model="smollm2", dtype="float32", calibrate_cost_model=False))
+    srv = Servers(eng)
+    try:
+        ids = render_chat(eng.tokenizer, [("user", "Name a colour.")])
+        with srv.client() as oai, Client(srv.target) as grpc_client:
+            reply = oai.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Name a colour."}],
+                max_tokens=8,
+                temperature=0,
+            )
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
+            over_grpc = grpc_client.generate(ids, max_tokens=8).result(timeout=120)
+            assert reply.choices[0].message.content == over_grpc.text and over_grpc.text
+    finally:
+        srv.stop()
+        eng.shutdown()
