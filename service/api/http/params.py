@@ -191,7 +191,8 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object", "messages")
-        extra = set(message) - {"role", "content", "name"}
+        # A ``name`` (or tool call) would be dropped by the (role, content) renderer.
+        extra = set(message) - {"role", "content"}
         if extra:
             raise invalid(f"{where}.{sorted(extra)[0]} is not supported", "messages")
         role = message.get("role")

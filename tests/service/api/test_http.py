@@ -502,6 +502,7 @@ def test_bad_completion_fields_are_400_naming_the_field(
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
         ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ],
 )
