@@ -49,7 +49,7 @@ class Envelope:
         prefix = "chatcmpl" if is_chat else "cmpl"
         return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model, is_chat)
 
-    def _head(self, chunk: bool) -> dict[str, object]:
+    def head(self, chunk: bool) -> dict[str, object]:
         if self.is_chat:
             kind = "chat.completion.chunk" if chunk else "chat.completion"
         else:
@@ -65,7 +65,7 @@ class Envelope:
             choice["text"] = text
         choice["logprobs"] = None
         choice["finish_reason"] = OPENAI_FINISH[event.reason]
-        return {**self._head(False), "choices": [choice], "usage": usage(event)}
+        return {**self.head(False), "choices": [choice], "usage": usage(event)}
 
 
 class ChunkEncoder:
@@ -74,7 +74,7 @@ class ChunkEncoder:
     def __init__(self, envelope: Envelope, include_usage: bool) -> None:
         self._envelope = envelope
         self._include_usage = include_usage
-        head = _dumps(envelope._head(True))[:-1]
+        head = _dumps(envelope.head(True))[:-1]
         key = "delta" if envelope.is_chat else "text"
         self._prefix = f'data: {head},"choices":[{{"index":0,"{key}":'.encode()
         if envelope.is_chat:
@@ -106,7 +106,7 @@ class ChunkEncoder:
         return out + DONE
 
     def _line(self, choices: list[dict[str, object]], usage: object = None) -> bytes:
-        body = {**self._envelope._head(True), "choices": choices}
+        body = {**self._envelope.head(True), "choices": choices}
         if self._include_usage:
             body["usage"] = usage
         return f"data: {_dumps(body)}\n\n".encode()
