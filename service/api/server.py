@@ -19,6 +19,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from slipstream.service.api.http.app import HttpFront
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.servicer import InferenceServicer
 from slipstream.service.api.status import finish_status
@@ -82,9 +83,11 @@ async def create_server(
     return server, bound
 
 
-async def shutdown(server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float) -> None:
+async def shutdown(
+    server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float, http: HttpFront | None = None
+) -> None:
     """Drain: refuse new work, let running requests finish within ``grace_s``
-    (then they are cancelled), stop the server and the engine."""
+    (then they are cancelled), stop the server(s) and the engine."""
     await lifecycle.drain()
     deadline = time.monotonic() + grace_s
     engine = lifecycle.engine
@@ -92,6 +95,10 @@ async def shutdown(server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float
     # Streams whose requests all finished are ending now; give them the rest.
     await server.stop(max(deadline - time.monotonic(), 0.5))
     await asyncio.to_thread(engine.shutdown)
+    if http is not None:
+        # After the engine: HTTP requests still running past the grace have
+        # been cancelled by now, and their handlers have answered.
+        await http.stop()
 
 
 def startup_message(exc: BaseException) -> str:
@@ -116,11 +123,25 @@ async def run(
     grace_s: float,
     on_ready: Callable[[int, Engine], None] | None = None,
     telemetry: Telemetry | None = None,
+    http_port: int = 0,
+    on_http: Callable[[int], None] | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    """Serve until SIGTERM or SIGINT, then shut down gracefully. With an
+    ``http_port`` (0: none) the OpenAI-compatible front listens there too,
+    on this event loop and engine; ``on_http`` gets its bound port."""
     lifecycle = Lifecycle()
     server, bound = build_server(lifecycle, host, port, telemetry)
+    http = None if not http_port else HttpFront(lifecycle, telemetry)
     await server.start()
+    if http is not None:
+        try:
+            http_bound = await http.start(host, http_port)
+        except OSError as exc:
+            await server.stop(None)
+            raise StartupFailed(f"cannot listen for HTTP on {host}:{http_port}: {exc}") from None
+        log.info("http_listening", host=host, port=http_bound)
+        if on_http is not None:
+            on_http(http_bound)
     await lifecycle.report_loading()
     log.info("server_loading", host=host, port=bound)
     stop = asyncio.Event()
@@ -132,6 +153,8 @@ async def run(
     except Exception as exc:  # anything at all: the process must end with one clear line
         log.debug("server_start_failed", exc_info=True)  # the traceback, only when asked for
         await server.stop(None)
+        if http is not None:
+            await http.stop()
         raise StartupFailed(startup_message(exc)) from None
     if telemetry is not None:
         telemetry.attach(engine)
@@ -141,7 +164,7 @@ async def run(
         on_ready(bound, engine)
     await stop.wait()
     log.info("server_draining", grace_s=grace_s)
-    await shutdown(server, lifecycle, grace_s)
+    await shutdown(server, lifecycle, grace_s, http)
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)
     log.info("server_stopped")

@@ -14,6 +14,7 @@ from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +124,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
+        f"port of --host, same engine (default {DEFAULT_HTTP_PORT}; 0: off)",
+    )
+    parser.add_argument(
         "--grace-s",
         type=float,
         default=30.0,
@@ -162,8 +170,10 @@ def telemetry(args: argparse.Namespace) -> object:
 
     configure_logging(args.log_level, args.log_format)
     metrics = None
-    if args.metrics_port is not None:
+    # The HTTP front serves /metrics from the same registry.
+    if args.metrics_port is not None or getattr(args, "http_port", 0):
         metrics = ServerMetrics()
+    if args.metrics_port is not None and metrics is not None:
         _, port = serve_metrics(metrics.registry, args.metrics_host or args.host, args.metrics_port)
         print(f"slipstream: metrics on http://{args.metrics_host or args.host}:{port}/metrics")
     return Telemetry.from_env(os.environ, metrics)
@@ -184,6 +194,12 @@ def usage_hint(host: str, port: int, model: str) -> str:
     )
 
 
+def http_hint(host: str, port: int) -> str:
+    """The line that says where the HTTP front listens (``bench serve`` reads it)."""
+    address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
+    return f"slipstream: OpenAI-compatible HTTP API at http://{address}/v1"
+
+
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
     from slipstream.service.api.server import StartupFailed
@@ -196,6 +212,9 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(port: int, engine: object) -> None:
         print(usage_hint(args.host, port, config.model), flush=True)
 
+    def on_http(port: int) -> None:
+        print(http_hint(args.host, port), flush=True)
+
     try:
         asyncio.run(
             run_server(
@@ -205,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
                 args.grace_s,
                 on_ready=on_ready,
                 telemetry=observability,  # type: ignore[arg-type]
+                http_port=args.http_port,
+                on_http=on_http,
             )
         )
     except StartupFailed as exc:
