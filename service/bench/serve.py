@@ -301,6 +301,13 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
         help="http: the OpenAI-compatible front; both: gRPC then HTTP, side by side",
     )
     parser.add_argument("--http-server", metavar="HOST:PORT", help="the HTTP front of the --server")
+    parser.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="also serve the model with vLLM's OpenAI server from this Python's environment "
+        "and send it the same workload over HTTP (after Slipstream's server stopped)",
+    )
+    parser.add_argument("--vllm-log", type=Path, default=None, help="keep vLLM's server log here")
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
     parser.add_argument("--no-local", action="store_true", help="skip the in-process run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -349,6 +356,8 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
             traces = [t for result, _ in results for t in result]
             wall = sum(w for _, w in results)
             report[key] = {"target": where, **metrics(traces, list(workload) * len(results), wall)}
+    if args.vllm_python:
+        report["vllm"] = _vllm_run(args, model, workload, warmup, shape)
     if args.model and not args.no_local:
         engine = local_engine(args)
         try:
@@ -359,6 +368,35 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
         report["in_process"] = metrics(traces, workload, wall)
     report["workload"] = workload_summary(workload)
     return report
+
+
+def _vllm_run(
+    args: argparse.Namespace,
+    model: str,
+    workload: Sequence[WorkloadRequest],
+    warmup: Sequence[WorkloadRequest],
+    shape: LoadShape,
+) -> dict:
+    """The same requests at the same offsets through vLLM's OpenAI server."""
+    import tempfile
+
+    from slipstream.service.bench.http_load import run_http
+    from slipstream.service.bench.offline import resolve_model_dir
+    from slipstream.service.bench.report import resolved_dtype
+    from slipstream.service.bench.vllm_server import vllm_server
+
+    if args.model is None:
+        raise SystemExit("bench serve --vllm-python: give --model NAME (vLLM loads its folder)")
+    with tempfile.TemporaryDirectory(prefix="slipstream-vllm-serve-") as tmp:
+        log_path = args.vllm_log or Path(tmp, "vllm-server.log")
+        started = time.monotonic()
+        with vllm_server(
+            args.vllm_python, resolve_model_dir(args.model), model, resolved_dtype(args.dtype),
+            args.threads or 2, free_port(), log_path,
+        ) as base_url:  # fmt: skip
+            load_s = time.monotonic() - started
+            traces, wall = run_http(base_url, model, workload, shape, warmup)
+    return {"target": "vllm", "load_s": load_s, **metrics(traces, workload, wall)}
 
 
 @contextmanager
@@ -396,6 +434,12 @@ def run(args: argparse.Namespace) -> int:
 def _ratios(report: dict) -> dict[str, float]:
     ratios = {}
     grpc, http, local = report.get("server"), report.get("http"), report.get("in_process")
+    vllm = report.get("vllm")
+    if grpc and vllm:
+        ratios["vllm_over_slipstream_ttft_p50"] = vllm["ttft_ms"]["p50"] / grpc["ttft_ms"]["p50"]
+        ratios["vllm_over_slipstream_e2e_p95"] = vllm["e2e_ms"]["p95"] / grpc["e2e_ms"]["p95"]
+        ratio = grpc["output_tokens_per_s"] / vllm["output_tokens_per_s"]
+        ratios["slipstream_vs_vllm_output_tokens_per_s"] = ratio
     if grpc and local:
         ratio = grpc["output_tokens_per_s"] / local["output_tokens_per_s"]
         ratios["server_vs_in_process_output_tokens_per_s"] = ratio
@@ -422,7 +466,7 @@ def _table(report: dict) -> str:
         f"{'':12}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}"
         f"{'TPOT p50 ms':>12}{'E2E p50/p99 ms':>17}  counts ok"
     ]
-    for name in ("server", "http", "in_process"):
+    for name in ("server", "http", "vllm", "in_process"):
         m = report.get(name)
         if m is None:
             continue
