@@ -111,6 +111,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default=30.0,
         help="on SIGTERM, how long running requests may finish",
     )
+    parser.add_argument(
+        "--max-connection-age-s",
+        type=float,
+        default=None,
+        help="send clients GOAWAY after this long, so they reconnect (and rebalance) "
+        "for new calls (gRPC A9; default: never)",
+    )
+    parser.add_argument(
+        "--max-connection-age-grace-s",
+        type=float,
+        default=None,
+        help="after GOAWAY, how long calls on the old connection may finish "
+        "(default: unlimited); cover the longest request you allow",
+    )
     add_engine_args(parser)
     add_telemetry_args(parser)
     parser.set_defaults(func=run)
@@ -169,11 +183,16 @@ def usage_hint(host: str, port: int, model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
-    from slipstream.service.api.server import StartupFailed
+    from slipstream.service.api.server import StartupFailed, connection_age_options
     from slipstream.service.api.server import run as run_server
     from slipstream.service.engine.engine import Engine
 
     config = engine_config(args)
+    try:
+        options = connection_age_options(args.max_connection_age_s, args.max_connection_age_grace_s)
+    except ValueError as exc:
+        print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     observability = telemetry(args)
 
     def on_ready(port: int, engine: object) -> None:
@@ -188,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
                 args.grace_s,
                 on_ready=on_ready,
                 telemetry=observability,  # type: ignore[arg-type]
+                options=options,
             )
         )
     except StartupFailed as exc:
