@@ -33,6 +33,7 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    locally_cancelled,
 )
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -44,6 +45,7 @@ class AsyncGeneration:
     def __init__(self, cancel: Callable[[], Awaitable[None]], request_id: str) -> None:
         self.request_id = request_id
         self._cancel = cancel
+        self._is_cancelled = False
         self._acc = Accumulator(request_id)
         self._chunks: asyncio.Queue[Chunk | Result | StreamError] = asyncio.Queue()
         self._outcome: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
@@ -62,6 +64,7 @@ class AsyncGeneration:
                 return
 
     async def cancel(self) -> None:
+        self._is_cancelled = True
         await self._cancel()
 
     async def result(self) -> Result:
@@ -179,9 +182,15 @@ async def _read_one(call: grpc.aio.UnaryStreamCall, generation: AsyncGeneration)
                 return
         generation._settle(StreamError("OK", "the call ended before the request finished"))
     except grpc.RpcError as exc:
-        generation._settle(call_outcome(generation.request_id, exc))
+        if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
+            generation._settle(generation._acc.finish(locally_cancelled()))
+        else:
+            generation._settle(call_outcome(generation.request_id, exc))
     except asyncio.CancelledError:
-        generation._settle(StreamError("CANCELLED", "the call was cancelled"))
+        if generation._is_cancelled:
+            generation._settle(generation._acc.finish(locally_cancelled()))
+        else:
+            generation._settle(StreamError("CANCELLED", "the call was cancelled"))
 
 
 class AsyncClient:

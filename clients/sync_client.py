@@ -34,6 +34,7 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    locally_cancelled,
 )
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -47,6 +48,7 @@ class Generation:
     def __init__(self, cancel: Callable[[], None], request_id: str) -> None:
         self.request_id = request_id
         self._cancel = cancel
+        self._is_cancelled = False
         self._acc = Accumulator(request_id)
         self._chunks: queue.SimpleQueue[Chunk | Result | StreamError] = queue.SimpleQueue()
         self._done = threading.Event()
@@ -64,7 +66,8 @@ class Generation:
 
     def cancel(self) -> None:
         """Ask the server to abort this request; it finishes CANCELLED (on a
-        ``generate_one`` call: the call ends CANCELLED, and so the request)."""
+        ``generate_one`` call: the call is cancelled, and so the request)."""
+        self._is_cancelled = True
         self._cancel()
 
     def result(self, timeout: float | None = None) -> Result:
@@ -187,7 +190,10 @@ def _read_one(call: grpc.Call, generation: Generation) -> None:
                 return
         generation._settle(StreamError("OK", "the call ended before the request finished"))
     except grpc.RpcError as exc:
-        generation._settle(call_outcome(generation.request_id, exc))
+        if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
+            generation._settle(generation._acc.finish(locally_cancelled()))
+        else:
+            generation._settle(call_outcome(generation.request_id, exc))
 
 
 class Client:

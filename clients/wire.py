@@ -164,6 +164,16 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
     )
 
 
+def locally_cancelled() -> pb.Finished:
+    """How a ``GenerateOne`` call the caller cancelled ends for its request:
+    CANCELLED, as a cancel on a stream ends."""
+    return pb.Finished(
+        reason=pb.FINISH_REASON_CANCELLED,
+        status_code="CANCELLED",
+        message="cancelled by the caller",
+    )
+
+
 class StreamError(Exception):
     """The stream ended before this request finished (a whole-call error)."""
 

@@ -161,8 +161,9 @@ def telemetry(args: argparse.Namespace) -> object:
     metrics = None
     if args.metrics_port is not None:
         metrics = ServerMetrics()
-        _, port = serve_metrics(metrics.registry, args.metrics_host or args.host, args.metrics_port)
-        print(f"slipstream: metrics on http://{args.metrics_host or args.host}:{port}/metrics")
+        host = args.metrics_host or args.host
+        _, port = serve_metrics(metrics.registry, host, args.metrics_port, metrics.is_ready)
+        print(f"slipstream: metrics on http://{host}:{port}/metrics (readiness: /ready)")
     return Telemetry.from_env(os.environ, metrics)
 
 
