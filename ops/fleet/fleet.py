@@ -66,9 +66,12 @@ backend replicas
     http-reuse always
     # Health: the replica's /ready (its metrics port), 503 while loading or
     # draining; one failure takes it out, two successes bring it back.
-    option httpchk GET /ready
+    # (HTTP/1.1 to that port: the check would otherwise speak the servers' h2.)
+    option httpchk
+    http-check connect proto h1
+    http-check send meth GET uri /ready
     http-check expect status 200
-    default-server proto h2 check check-proto h1 inter {interval}ms fall 1 rise 2
+    default-server proto h2 check inter {interval}ms fall 1 rise 2
 {servers}
 """
 
@@ -139,7 +142,13 @@ class Fleet:
             config = self.directory / "haproxy.cfg"
             config.write_text(haproxy_config(self.port, self.replicas, self.directory))
             subprocess.run([haproxy, "-c", "-q", "-f", str(config)], check=True)
-            self.haproxy = subprocess.Popen([haproxy, "-db", "-f", str(config)])
+            with open(self.directory / "haproxy.log", "w") as log:
+                self.haproxy = subprocess.Popen(
+                    [haproxy, "-db", "-f", str(config)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
             self.wait_up(range(self.num_replicas), timeout_s)
         except BaseException:
             self.stop()
