@@ -151,6 +151,11 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
     details = error.details() or ""  # type: ignore[attr-defined]
     trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
     reason = trailers.get(REJECT_REASON_KEY)
+    if reason is None and code is grpc.StatusCode.UNKNOWN and details.startswith("Stream removed"):
+        # The HTTP/2 stream ended with no gRPC status: the replica (or the
+        # proxy's connection to it) went away mid-request. Say so as gRPC does
+        # for a lost connection, so callers handle it like any other.
+        return StreamError("UNAVAILABLE", f"the connection to the server was lost ({details})")
     if reason is None:
         return StreamError(code.name, details)
     return Result(
