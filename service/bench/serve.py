@@ -113,7 +113,11 @@ def metrics(traces: Sequence[Trace], workload: Sequence[WorkloadRequest], wall_s
 
 
 async def _run_remote(
-    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+    target: str,
+    workload: Sequence[WorkloadRequest],
+    shape: LoadShape,
+    num_streams: int,
+    per_request: bool = False,
 ) -> tuple[list[Trace], float]:
     from slipstream.clients import AsyncClient
 
@@ -128,9 +132,15 @@ async def _run_remote(
             async with limit:
                 trace = traces[i]
                 trace.sent = time.perf_counter()
-                gen = await streams[i % num_streams].generate(
-                    workload[i].prompt_token_ids, max_tokens=workload[i].max_tokens, ignore_eos=True
-                )
+                prompt, max_tokens = workload[i].prompt_token_ids, workload[i].max_tokens
+                if per_request:  # a GenerateOne call each: a balancer places each one
+                    gen = await client.generate_one(
+                        prompt, request_id=f"b{i}", max_tokens=max_tokens, ignore_eos=True
+                    )
+                else:
+                    gen = await streams[i % num_streams].generate(
+                        prompt, max_tokens=max_tokens, ignore_eos=True
+                    )
                 async for chunk in gen:
                     trace.chunk_times.append(time.perf_counter())
                     trace.num_tokens += len(chunk.token_ids)
@@ -146,9 +156,13 @@ async def _run_remote(
 
 
 def run_remote(
-    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+    target: str,
+    workload: Sequence[WorkloadRequest],
+    shape: LoadShape,
+    num_streams: int,
+    per_request: bool = False,
 ) -> tuple[list[Trace], float]:
-    return asyncio.run(_run_remote(target, workload, shape, num_streams))
+    return asyncio.run(_run_remote(target, workload, shape, num_streams, per_request))
 
 
 def remote_vocab_size(target: str) -> int:
@@ -250,7 +264,12 @@ def local_engine(args: argparse.Namespace) -> object:
 
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = bench_subparsers.add_parser("serve", help="load-test a gRPC server")
-    parser.add_argument("--server", metavar="HOST:PORT", help="an already running server")
+    parser.add_argument(
+        "--server",
+        "--target",
+        metavar="HOST:PORT",
+        help="an already running server, or a balancer in front of several",
+    )
     parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--threads", type=int, default=None)
@@ -262,6 +281,11 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson")
     parser.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
     parser.add_argument("--streams", type=int, default=1, help="gRPC streams to spread over")
+    parser.add_argument(
+        "--per-request",
+        action="store_true",
+        help="one GenerateOne call per request instead of multiplexed streams",
+    )
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
     parser.add_argument("--no-local", action="store_true", help="skip the in-process run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -281,8 +305,9 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
         vocab = remote_vocab_size(target)
         workload = make_workload(args.requests, args.seed, vocab)
         warmup = make_workload(args.warmup, args.seed + 1000, vocab, output_len=(4, 16))
-        run_remote(target, warmup, LoadShape(math.inf, 1.0, None, 0), args.streams)
-        traces, wall = run_remote(target, workload, shape, args.streams)
+        per_request = getattr(args, "per_request", False)
+        run_remote(target, warmup, LoadShape(math.inf, 1.0, None, 0), args.streams, per_request)
+        traces, wall = run_remote(target, workload, shape, args.streams, per_request)
         report["server"] = {"target": target, **metrics(traces, workload, wall)}
     if args.model and not args.no_local:
         engine = local_engine(args)
