@@ -69,7 +69,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         queue, INVALID_ARGUMENT, ...), the reason in the trailing metadata
         ``slipstream-reject-reason``. A call that sent no message is one that
         clients' retry policies and proxies may retry on another replica;
-        a Finished event would commit it to this one.
+        a Finished event would commit it to this one. (A request the
+        scheduler refuses after accepting it finishes REJECTED as an event,
+        as on ``Generate``.)
         """
         try:
             engine = self._lifecycle.require_serving()
