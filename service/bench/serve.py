@@ -180,6 +180,8 @@ def spawned_server(args: argparse.Namespace, env: Mapping[str, str] | None = Non
     command += ["--model", args.model, "--dtype", args.dtype]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if not args.prefix_cache:
+        command += ["--no-prefix-cache"]
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -254,7 +256,13 @@ def local_engine(args: argparse.Namespace) -> object:
     from slipstream.service.engine.config import EngineConfig
     from slipstream.service.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        prefix_cache=args.prefix_cache,
+    )
+    engine = Engine(config)
     engine.start()
     return engine
 
@@ -273,6 +281,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefix caching off"
+    )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -74,8 +74,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: Triton on CUDA devices; on the CPU the fused C++ kernel (built once, "
         "cached under $SLIPSTREAM_HOME), else torch",
     )
+    group.add_argument(
+        "--compile",
+        default="on" if defaults.compile else "off",
+        choices=("on", "off"),
+        help="on: the step's elementwise work runs in fused native kernels (built once, "
+        "cached under $SLIPSTREAM_HOME; a failed build falls back to off with one log line); "
+        "off: eager torch ops, the reference",
+    )
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
+    group.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="turn automatic prefix caching off (by default full KV blocks of equal "
+        "prompt prefixes are shared between requests and kept until evicted)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -96,8 +111,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         aging_s=args.aging_s,
         min_residency_s=args.min_residency_s,
         attention_backend=args.attention_backend,
+        compile=args.compile == "on",
         num_threads=args.threads,
         kv_cache_memory_gb=args.kv_cache_gb,
+        prefix_cache=args.prefix_cache,
     )
 
 
