@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -53,11 +53,32 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def connection_age_options(max_age_s: float | None, grace_s: float | None) -> list[tuple[str, int]]:
+    """Server options of gRPC's A9 proposal: after ``max_age_s`` a connection
+    is sent GOAWAY (clients open a new one, maybe to another replica, for new
+    calls); calls already on it get ``grace_s`` more to finish."""
+    options = []
+    if max_age_s is not None:
+        if max_age_s <= 0:
+            raise ValueError("the maximum connection age must be positive")
+        options.append(("grpc.max_connection_age_ms", round(max_age_s * 1000)))
+    if grace_s is not None:
+        if grace_s < 0:
+            raise ValueError("the connection age grace must not be negative")
+        options.append(("grpc.max_connection_age_grace_ms", round(grace_s * 1000)))
+    return options
+
+
 def build_server(
-    lifecycle: Lifecycle, host: str, port: int, telemetry: Telemetry | None = None
+    lifecycle: Lifecycle,
+    host: str,
+    port: int,
+    telemetry: Telemetry | None = None,
+    options: Sequence[tuple[str, object]] = (),
 ) -> tuple[grpc.aio.Server, int]:
-    """A server (not started) for ``lifecycle``; returns it and the bound port."""
-    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+    """A server (not started) for ``lifecycle``; returns it and the bound port.
+    ``options`` are extra gRPC server options (``connection_age_options``)."""
+    server = grpc.aio.server(options=[*_CHANNEL_OPTIONS, *options])
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle, telemetry), server)
@@ -70,12 +91,16 @@ def build_server(
 
 
 async def create_server(
-    engine: Engine, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry | None = None
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    telemetry: Telemetry | None = None,
+    options: Sequence[tuple[str, object]] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """A started server around a loaded engine, health SERVING; ``telemetry``
     (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
-    server, bound = build_server(lifecycle, host, port, telemetry)
+    server, bound = build_server(lifecycle, host, port, telemetry, options)
     if telemetry is not None:
         telemetry.attach(engine)
     await server.start()
@@ -125,12 +150,13 @@ async def run(
     telemetry: Telemetry | None = None,
     http_port: int = 0,
     on_http: Callable[[int], None] | None = None,
+    options: Sequence[tuple[str, object]] = (),
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully. With an
     ``http_port`` (0: none) the OpenAI-compatible front listens there too,
     on this event loop and engine; ``on_http`` gets its bound port."""
     lifecycle = Lifecycle()
-    server, bound = build_server(lifecycle, host, port, telemetry)
+    server, bound = build_server(lifecycle, host, port, telemetry, options)
     http = None if not http_port else HttpFront(lifecycle, telemetry)
     await server.start()
     if http is not None:

@@ -118,7 +118,11 @@ def metrics(traces: Sequence[Trace], workload: Sequence[WorkloadRequest], wall_s
 
 
 async def _run_remote(
-    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+    target: str,
+    workload: Sequence[WorkloadRequest],
+    shape: LoadShape,
+    num_streams: int,
+    per_request: bool = False,
 ) -> tuple[list[Trace], float]:
     from slipstream.clients import AsyncClient
 
@@ -133,9 +137,15 @@ async def _run_remote(
             async with limit:
                 trace = traces[i]
                 trace.sent = time.perf_counter()
-                gen = await streams[i % num_streams].generate(
-                    workload[i].prompt_token_ids, max_tokens=workload[i].max_tokens, ignore_eos=True
-                )
+                prompt, max_tokens = workload[i].prompt_token_ids, workload[i].max_tokens
+                if per_request:  # a GenerateOne call each: a balancer places each one
+                    gen = await client.generate_one(
+                        prompt, request_id=f"b{i}", max_tokens=max_tokens, ignore_eos=True
+                    )
+                else:
+                    gen = await streams[i % num_streams].generate(
+                        prompt, max_tokens=max_tokens, ignore_eos=True
+                    )
                 async for chunk in gen:
                     trace.chunk_times.append(time.perf_counter())
                     trace.num_tokens += len(chunk.token_ids)
@@ -151,9 +161,13 @@ async def _run_remote(
 
 
 def run_remote(
-    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+    target: str,
+    workload: Sequence[WorkloadRequest],
+    shape: LoadShape,
+    num_streams: int,
+    per_request: bool = False,
 ) -> tuple[list[Trace], float]:
-    return asyncio.run(_run_remote(target, workload, shape, num_streams))
+    return asyncio.run(_run_remote(target, workload, shape, num_streams, per_request))
 
 
 def remote_vocab_size(target: str) -> int:
@@ -279,7 +293,12 @@ def local_engine(args: argparse.Namespace) -> object:
 
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = bench_subparsers.add_parser("serve", help="load-test a gRPC server")
-    parser.add_argument("--server", metavar="HOST:PORT", help="an already running server")
+    parser.add_argument(
+        "--server",
+        "--target",
+        metavar="HOST:PORT",
+        help="an already running server, or a balancer in front of several",
+    )
     parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--threads", type=int, default=None)
@@ -294,6 +313,11 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson")
     parser.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
     parser.add_argument("--streams", type=int, default=1, help="gRPC streams to spread over")
+    parser.add_argument(
+        "--per-request",
+        action="store_true",
+        help="one GenerateOne call per request instead of multiplexed streams",
+    )
     parser.add_argument(
         "--protocol",
         default="grpc",
@@ -338,6 +362,7 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
         workload = make_workload(args.requests, args.seed, vocab)
         warmup = make_workload(args.warmup, args.seed + 1000, vocab, output_len=(4, 16))
         http_target = args.http_server or f"{target.rsplit(':', 1)[0]}:{http_port}"
+        per_request = getattr(args, "per_request", False)
         runs: dict[str, list[tuple[list[Trace], float]]] = {p: [] for p in protocols}
         # Rounds alternate which protocol goes first, so a machine whose load
         # drifts during the run does not favour either.
@@ -345,12 +370,12 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
             order = protocols if round_index % 2 == 0 else protocols[::-1]
             for protocol in order:
                 if protocol == "grpc":
-                    run_remote(target, warmup, at_once, args.streams)
-                    runs[protocol].append(run_remote(target, workload, shape, args.streams))
+                    run_remote(target, warmup, at_once, args.streams, per_request)
+                    run = run_remote(target, workload, shape, args.streams, per_request)
                 else:
                     base_url = f"http://{http_target}"
                     run = run_http(base_url, model, workload, shape, warmup)
-                    runs[protocol].append(run)
+                runs[protocol].append(run)
         for protocol, results in runs.items():
             key, where = ("server", target) if protocol == "grpc" else ("http", http_target)
             traces = [t for result, _ in results for t in result]
