@@ -309,6 +309,21 @@ def test_request_deadline_finishes_deadline_exceeded(client: Client) -> None:
     assert wait_until(lambda: engine_idle(client))
 
 
+def test_first_token_timeout_expires_and_says_so(stub: pb_grpc.InferenceStub) -> None:
+    # Early rejection is off on this engine: the limit passes in the queue.
+    late = _submit("ft", first_token_timeout=Duration(nanos=1))
+    neighbour = _submit("ok", first_token_timeout=Duration(seconds=60))
+    finished = {
+        r.request_id: r.finished
+        for r in stub.Generate(iter([late, neighbour]), timeout=30)
+        if r.WhichOneof("event") == "finished"
+    }
+    assert finished["ft"].reason == pb.FINISH_REASON_DEADLINE_EXCEEDED
+    assert finished["ft"].expired_limit == pb.EXPIRED_LIMIT_FIRST_TOKEN
+    assert finished["ok"].reason in (pb.FINISH_REASON_MAX_TOKENS, pb.FINISH_REASON_EOS)
+    assert finished["ok"].expired_limit == pb.EXPIRED_LIMIT_UNSPECIFIED
+
+
 def test_call_deadline_bounds_every_request(client: Client) -> None:
     stream = client.stream(timeout=0.5)
     generations = [stream.generate(p, max_tokens=LONG, ignore_eos=True) for p in prompts(3)]

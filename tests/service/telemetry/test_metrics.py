@@ -150,3 +150,20 @@ def test_an_expired_deadline_is_a_miss_of_its_class(
     assert result.finish_reason == "deadline_exceeded"
     miss = "slipstream_deadline_misses_total"
     assert value(after, miss, priority="3") - value(before, miss, priority="3") == 1
+
+
+def test_sheds_are_counted_by_class() -> None:
+    from slipstream.scheduler.request import FinishReason, RejectCause
+    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+
+    metrics = ServerMetrics()
+    for req_id, priority in (("a", 2), ("b", 2), ("c", 1)):
+        request = GenerationRequest(req_id, [1, 2], 4, priority=priority)
+        metrics.on_submit(request, None)  # type: ignore[arg-type]
+    for req_id in ("a", "b", "c"):
+        shed = FinishEvent(req_id, FinishReason.REJECTED, reject_cause=RejectCause.SHED)
+        metrics.on_finish(shed)
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_shed_total", {"priority": "2"}) == 2
+    assert sample("slipstream_shed_total", {"priority": "1"}) == 1
+    assert sample("slipstream_rejections_total", {"reason": "shed"}) == 3
