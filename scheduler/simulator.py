@@ -44,8 +44,9 @@ class SimRequest:
     first_token_deadline: float | None = None
 
 
-# ``SimOutcome.rejection`` of requests the scheduler rejected after queueing them.
-_REJECT_CAUSE_NAMES = {
+# ``SimOutcome.rejection`` of requests the scheduler rejected after queueing
+# them (the names of the errors an early rejection raises, and "Shed").
+REJECT_CAUSE_NAMES = {
     RejectCause.SHED: "Shed",
     RejectCause.DEADLINE_INFEASIBLE: "DeadlineInfeasible",
 }
@@ -175,7 +176,7 @@ class Simulator:
         plan = self.scheduler.schedule(self.now)
         for finished in plan.finished:
             cause = finished.reject_cause
-            rejection = "" if cause is None else _REJECT_CAUSE_NAMES[cause]
+            rejection = "" if cause is None else REJECT_CAUSE_NAMES[cause]
             self._finish(finished.req_id, finished.reason, rejection)
         if plan.is_empty:
             # Nothing runnable right now: idle until the next arrival (or a
