@@ -42,6 +42,7 @@ class BatchShaper:
         "_ceiling_of",
         "_context_s",
         "_decode_s",
+        "_last",
         "_now",
         "_prefill_s",
         "_step_s",
@@ -58,6 +59,7 @@ class BatchShaper:
         self._ceiling = math.inf  # the lowest ceiling among what is admitted
         self._ceiling_of = ceiling_of
         self._now = now
+        self._last: tuple[Request | None, int, float] = (None, 0, 0.0)  # fit's cost, for commit
 
     @property
     def predicted_step_s(self) -> float:
@@ -75,7 +77,9 @@ class BatchShaper:
         spare = self._ceiling - self._step_s
         if spare == math.inf:
             return num_new
-        if self._cost(req, num_new) <= spare:
+        cost = self._cost(req, num_new)
+        if cost <= spare:
+            self._last = (req, num_new, cost)
             return num_new
         if not _is_decode(req, num_new):
             # Shorten a prefill chunk: each token costs its prefill and its context.
@@ -89,14 +93,17 @@ class BatchShaper:
     def commit(self, req: Request, num_new: int) -> None:
         """``req`` runs ``num_new`` tokens this step: its cost joins the step
         and its ceiling (if it can still be met) joins the constraints."""
-        cost = self._cost(req, num_new)
+        last_req, last_num, cost = self._last
+        if last_req is not req or last_num != num_new:
+            cost = self._cost(req, num_new)
         self._step_s += cost
         ceiling = self._ceiling_of(req, self._now)
         if ceiling < self._ceiling and ceiling >= self._step_s:
             self._ceiling = ceiling
 
     def _cost(self, req: Request, num_new: int) -> float:
-        context = self._context_s * (req.num_computed_tokens + num_new)
+        computed = req.num_computed_tokens
+        context = self._context_s * (computed + num_new)
         if _is_decode(req, num_new):
             return self._decode_s + context
         return self._prefill_s * num_new + context
@@ -105,4 +112,9 @@ class BatchShaper:
 def _is_decode(req: Request, num_new: int) -> bool:
     """The cost model's notion (``StepShape.of``): one new token that samples
     an output after the first."""
-    return num_new == 1 and req.num_uncomputed_tokens == 1 and req.num_output_tokens > 0
+    outputs = len(req.output_token_ids)
+    return (
+        num_new == 1
+        and outputs > 0
+        and len(req.prompt_token_ids) + outputs - req.num_computed_tokens == 1
+    )

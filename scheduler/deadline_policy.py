@@ -411,6 +411,8 @@ class DeadlinePolicy(SchedulingPolicy):
     def step_ceiling(self, req: Request, now: float) -> float:
         """The longest step ``req`` can afford: the time to its nearest limit
         over the steps it still needs (plus a margin); +inf without limits."""
+        if req.deadline is None and req.first_token_deadline is None:
+            return math.inf
         entry = self._estimate(req)
         ceiling = math.inf
         if req.deadline is not None:
