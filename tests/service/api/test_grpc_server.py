@@ -243,6 +243,17 @@ def test_cli_cancel_after(server: ServerThread, capsys: pytest.CaptureFixture[st
     assert all(3 <= len(o["token_ids"]) < LONG for o in outputs)
 
 
+def test_cli_first_token_timeout(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    from slipstream.service.cli import main
+
+    argv = ["generate", "--server", server.target, "--prompt", "Hello", "--json"]
+    assert main([*argv, "--max-tokens", "4", "--first-token-timeout", "0.000001"]) == 0
+    assert main([*argv, "--max-tokens", "4", "--first-token-timeout", "60000"]) == 0
+    late, ok = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert late["finish_reason"] == "deadline_exceeded" and late["token_ids"] == []
+    assert ok["finish_reason"] in ("max_tokens", "eos")
+
+
 def test_client_disconnect_aborts_all_its_requests(client: Client, server: ServerThread) -> None:
     with Client(server.target) as other:
         stream = other.stream()
