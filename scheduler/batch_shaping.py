@@ -5,10 +5,14 @@ they read). A request with ``n`` steps left and ``t`` seconds to its
 deadline needs steps of at most ``t / n`` seconds: its *step ceiling*. The
 shaper walks one step's candidates in urgency order (most urgent first) and
 admits each one's tokens only while the predicted step time stays within
-the ceilings of everything already admitted::
+the ceilings of everything already admitted of a more urgent priority
+class::
 
     urgency order:  c0 (ceiling 40 ms)   c1 (ceiling 90 ms)   c2 ...  c2 ...
     predicted step: 12 ms                14 ms                ...     41 ms > 40 ms: held back
+
+Only a more urgent class holds work back: within a class, holding one
+request back for another trades one miss for another and costs throughput.
 
 Held-back work stays where it is (running work keeps its KV blocks) and
 runs again in the first step whose ceilings allow it: the capacity comes
@@ -38,8 +42,8 @@ class BatchShaper:
     step ceiling for ``req`` (``math.inf`` when it has no time limit)."""
 
     __slots__ = (
-        "_ceiling",
         "_ceiling_of",
+        "_ceilings",
         "_context_s",
         "_decode_s",
         "_last",
@@ -56,7 +60,8 @@ class BatchShaper:
         self._prefill_s = c.per_prefill_token_s
         self._context_s = c.per_context_token_s
         self._step_s = c.base_s  # predicted forward time of what is admitted so far
-        self._ceiling = math.inf  # the lowest ceiling among what is admitted
+        # Priority class -> the lowest ceiling among what is admitted of it.
+        self._ceilings: dict[int, float] = {}
         self._ceiling_of = ceiling_of
         self._now = now
         self._last: tuple[Request | None, int, float] = (None, 0, 0.0)  # fit's cost, for commit
@@ -67,14 +72,24 @@ class BatchShaper:
 
     @property
     def ceiling_s(self) -> float:
-        return self._ceiling
+        """The lowest ceiling among what is admitted (+inf: none)."""
+        return min(self._ceilings.values(), default=math.inf)
+
+    def _ceiling_above(self, priority: int) -> float:
+        """The lowest ceiling among admitted work of a more urgent class."""
+        lowest = math.inf
+        for cls, ceiling in self._ceilings.items():
+            if cls < priority and ceiling < lowest:
+                lowest = ceiling
+        return lowest
 
     def fit(self, req: Request, num_new: int) -> int:
         """How many of ``num_new`` tokens ``req`` may schedule this step (0:
-        held back) without pushing the step past an admitted ceiling."""
+        held back) without pushing the step past the ceiling of admitted
+        work of a more urgent class."""
         if num_new <= 0:
             return 0
-        spare = self._ceiling - self._step_s
+        spare = self._ceiling_above(req.priority) - self._step_s
         if spare == math.inf:
             return num_new
         cost = self._cost(req, num_new)
@@ -98,8 +113,8 @@ class BatchShaper:
             cost = self._cost(req, num_new)
         self._step_s += cost
         ceiling = self._ceiling_of(req, self._now)
-        if ceiling < self._ceiling and ceiling >= self._step_s:
-            self._ceiling = ceiling
+        if ceiling >= self._step_s and ceiling < self._ceilings.get(req.priority, math.inf):
+            self._ceilings[req.priority] = ceiling
 
     def _cost(self, req: Request, num_new: int) -> float:
         computed = req.num_computed_tokens

@@ -305,8 +305,11 @@ def test_shaper_shortens_a_prefill_chunk_before_holding_it_back() -> None:
     urgent.num_computed_tokens = 1  # a decode: 1 uncomputed token, one output so far
     assert shaper.fit(urgent, 1) == 1
     shaper.commit(urgent, 1)  # step: 0.01 + 0.01 = 0.02 s, ceiling 0.1 s
-    prefill = make_request("bg", 200, 4)
+    prefill = make_request("bg", 200, 4, priority=2)
     assert shaper.fit(prefill, 200) == 80  # 0.08 s of room at 1 ms a token
     shaper.commit(prefill, 80)
-    assert shaper.fit(make_request("more", 50, 4), 50) == 0
+    assert shaper.fit(make_request("more", 50, 4, priority=1), 50) == 0
     assert shaper.predicted_step_s == pytest.approx(0.1)
+    # Work of the urgent request's own class is never held back for it.
+    assert shaper.fit(make_request("peer", 50, 4, priority=0), 50) == 50
+    assert shaper.ceiling_s == pytest.approx(0.1)
