@@ -310,6 +310,11 @@ def test_shaper_shortens_a_prefill_chunk_before_holding_it_back() -> None:
     shaper.commit(prefill, 80)
     assert shaper.fit(make_request("more", 50, 4, priority=1), 50) == 0
     assert shaper.predicted_step_s == pytest.approx(0.1)
-    # Work of the urgent request's own class is never held back for it.
-    assert shaper.fit(make_request("peer", 50, 4, priority=0), 50) == 50
+    # Class 0 holds back class 0 too; other classes never hold back their own.
+    assert shaper.fit(make_request("peer", 50, 4, priority=0), 50) == 0
     assert shaper.ceiling_s == pytest.approx(0.1)
+    other = BatchShaper(cost, 0.0, lambda r, now: ceilings.get(r.req_id, float("inf")))
+    ceilings["c1"] = 0.05
+    other.commit(make_request("c1", 1, 4, priority=1), 1)
+    assert other.fit(make_request("c1-peer", 200, 4, priority=1), 200) == 200
+    assert other.fit(make_request("c2", 200, 4, priority=2), 200) < 200
