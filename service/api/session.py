@@ -101,7 +101,7 @@ class StreamSession:
             rejection = rejection_for(exc)
             if rejection is None:
                 raise
-            self._reject(request_id, rejection, str(exc))
+            self._reject(request_id, rejection, str(exc), exc)
             if self._telemetry is not None:
                 self._telemetry.rejected(
                     request_id,
@@ -138,9 +138,13 @@ class StreamSession:
         self._live[request_id] = request.req_id
         self._wakeup.set()
 
-    def _reject(self, request_id: str, rejection: Rejection, message: str) -> None:
+    def _reject(
+        self, request_id: str, rejection: Rejection, message: str, error: Exception | None = None
+    ) -> None:
         self._outbox.append(
-            wire.rejected(request_id, rejection.reject_reason, rejection.status.name, message)
+            wire.rejected(
+                request_id, rejection.reject_reason, rejection.status.name, message, error
+            )
         )
         self._wakeup.set()
 

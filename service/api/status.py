@@ -20,7 +20,7 @@ from slipstream.scheduler.errors import (
     PromptTooLong,
     QueueFull,
 )
-from slipstream.scheduler.request import FinishReason
+from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.telemetry.request_trace import WireStatus
 from slipstream.v1 import inference_pb2 as pb
 
@@ -60,6 +60,12 @@ _REJECTIONS: dict[type[Exception], Rejection] = {
     ValueError: INVALID,
 }
 
+# Why the scheduler rejected a request it had queued -> the same table's rejection.
+_CAUSES: dict[RejectCause, Rejection] = {
+    RejectCause.SHED: Rejection(pb.REJECT_REASON_SHED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    RejectCause.DEADLINE_INFEASIBLE: _REJECTIONS[DeadlineInfeasible],
+}
+
 # Domain finish reason -> (wire finish reason, equivalent gRPC status).
 _FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
     FinishReason.EOS: (pb.FINISH_REASON_EOS, grpc.StatusCode.OK),
@@ -83,6 +89,11 @@ def rejection_for(error: Exception) -> Rejection | None:
         if rejection is not None:
             return rejection
     return None
+
+
+def rejection_for_cause(cause: RejectCause) -> Rejection:
+    """The rejection of a request the scheduler rejected after queueing it."""
+    return _CAUSES[cause]
 
 
 def wire_finish(reason: FinishReason) -> tuple[int, grpc.StatusCode]:

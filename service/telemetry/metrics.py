@@ -24,6 +24,7 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_prefix_cache_blocks                          gauge (device blocks cached)
     slipstream_rejections_total{reason}                     counter
     slipstream_requests_finished_total{priority, reason}    counter
+    slipstream_shed_total{priority}                         counter (shed from a full queue)
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
     slipstream_deadline_misses_total{priority}              counter (expired or late)
     gen_ai_server_time_to_first_token_seconds{priority}     histogram
@@ -53,7 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from slipstream.scheduler.request import FinishReason, Request
+from slipstream.scheduler.request import FinishReason, RejectCause, Request
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -216,6 +217,12 @@ class ServerMetrics:
             ["priority", "reason"],
             registry=self.registry,
         )
+        self.shed = Counter(
+            "slipstream_shed",
+            "Queued requests shed from a full queue for a more urgent one, by priority class",
+            labels,
+            registry=self.registry,
+        )
         self.deadline_requests = Counter(
             "slipstream_deadline_requests",
             "Finished requests that had a deadline",
@@ -284,7 +291,10 @@ class ServerMetrics:
             priority, deadline = self._requests.pop(event.req_id, ("unknown", None))
         self.finished.labels(priority, event.reason.name.lower()).inc()
         if event.reason is FinishReason.REJECTED:
-            self.rejections.labels(_ENGINE_REJECTION).inc()
+            cause = event.reject_cause
+            self.rejections.labels(_ENGINE_REJECTION if cause is None else cause.name.lower()).inc()
+            if cause is RejectCause.SHED:
+                self.shed.labels(priority).inc()
             return
         if event.ttft_s is not None:
             self.ttft.labels(priority).observe(event.ttft_s)
