@@ -20,10 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from slipstream.service.api.lifecycle import Lifecycle
-from slipstream.service.api.servicer import InferenceServicer
+from slipstream.service.api.limits import Limits
+from slipstream.service.api.servicer import InferenceServicer, add_to_server
 from slipstream.service.api.status import finish_status
 from slipstream.v1 import inference_pb2 as pb
-from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from slipstream.service.engine.engine import Engine
@@ -45,21 +45,28 @@ SERVICE_NAMES = (
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
     reflection.SERVICE_NAME,
 )
-# Large prompts arrive as token-id lists; the default 4 MiB would cap them early.
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
-]
+
+
+def _channel_options(limits: Limits) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+    ]
 
 
 def build_server(
-    lifecycle: Lifecycle, host: str, port: int, telemetry: Telemetry | None = None
+    lifecycle: Lifecycle,
+    host: str,
+    port: int,
+    telemetry: Telemetry | None = None,
+    limits: Limits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server (not started) for ``lifecycle``; returns it and the bound port."""
-    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+    limits = limits or Limits()
+    server = grpc.aio.server(options=_channel_options(limits))
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle, telemetry), server)
+    add_to_server(InferenceServicer(lifecycle, telemetry, limits), server)
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -69,12 +76,16 @@ def build_server(
 
 
 async def create_server(
-    engine: Engine, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry | None = None
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    telemetry: Telemetry | None = None,
+    limits: Limits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started server around a loaded engine, health SERVING; ``telemetry``
     (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
-    server, bound = build_server(lifecycle, host, port, telemetry)
+    server, bound = build_server(lifecycle, host, port, telemetry, limits)
     if telemetry is not None:
         telemetry.attach(engine)
     await server.start()
@@ -116,10 +127,11 @@ async def run(
     grace_s: float,
     on_ready: Callable[[int, Engine], None] | None = None,
     telemetry: Telemetry | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully."""
     lifecycle = Lifecycle()
-    server, bound = build_server(lifecycle, host, port, telemetry)
+    server, bound = build_server(lifecycle, host, port, telemetry, limits)
     await server.start()
     await lifecycle.report_loading()
     log.info("server_loading", host=host, port=bound)
