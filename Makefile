@@ -11,7 +11,7 @@ PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint typecheck unit protos bench-offline bench-serve bench-slo bench-step clean
+.PHONY: run test test-slow fuzz lint typecheck unit protos bench-offline bench-serve bench-slo bench-step bench-soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ test: lint typecheck unit
 
 test-slow: $(STAMP) protos
 	$(BIN)/python -m pytest -m slow
+
+# The fuzz tests run a few examples in `make test`; this runs many more.
+FUZZ_EXAMPLES ?= 500
+fuzz: $(STAMP) protos
+	SLIPSTREAM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/fuzz
 
 bench-offline: $(STAMP) protos
 	mkdir -p bench-results
