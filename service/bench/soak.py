@@ -242,21 +242,24 @@ async def _stalled_client(load: Load, target: str, index: int) -> None:
     assert proc.stdin is not None and proc.stdout is not None
     error = None
     outcome = ""
+    stage = "starting"
     try:
         await asyncio.wait_for(proc.stdout.readline(), timeout=60)  # "sent"
+        stage = "stopped"
         proc.send_signal(signal.SIGSTOP)
-        # The kernel's socket buffers and the HTTP/2 window absorb the first
-        # few hundred KB; the server pauses the stream after that.
+        # The kernel's socket buffers and the HTTP/2 window absorb a little;
+        # the server pauses the stream after that.
         await asyncio.sleep(load.grace_s + 15.0)
         proc.send_signal(signal.SIGCONT)
         proc.stdin.write(b"go\n")
         await proc.stdin.drain()
+        stage = "reading"
         reasons = json.loads(await asyncio.wait_for(proc.stdout.readline(), timeout=120))
         outcome = "+".join(sorted(set(reasons)))
         if len(reasons) != STALLED_REQUESTS or not set(reasons) <= {"SLOW_READER", "MAX_TOKENS"}:
             error = f"finished {outcome}"
     except (TimeoutError, json.JSONDecodeError) as exc:
-        error = f"stalled client: {exc!r}"
+        error = f"stalled client, {stage}: {exc!r}"
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -283,7 +286,9 @@ def _stalled_main(target: str, tag: str) -> None:
         print("sent", flush=True)
         go.wait()
 
-    with grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+    # A small window: the kernel's buffers and HTTP/2 absorb little before the server's.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+    with grpc.insecure_channel(target, options=options) as channel:
         call = pb_grpc.InferenceStub(channel).Generate(requests())
         sys.stdin.readline()
         go.set()

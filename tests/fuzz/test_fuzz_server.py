@@ -97,9 +97,7 @@ timestamps = st.builds(
 )
 token_ids = st.builds(
     pb.TokenIds,
-    ids=st.lists(
-        st.one_of(st.integers(0, 4095), st.sampled_from([4096, UINT32_MAX])), max_size=40
-    ),
+    ids=st.lists(st.one_of(st.integers(0, 4095), st.sampled_from([4096, UINT32_MAX])), max_size=40),
 )
 prompt = st.one_of(
     st.fixed_dictionaries({"text": texts}),
@@ -108,9 +106,7 @@ prompt = st.one_of(
         {
             "messages": st.builds(
                 pb.ChatMessages,
-                messages=st.lists(
-                    st.builds(pb.ChatMessage, role=texts, content=texts), max_size=3
-                ),
+                messages=st.lists(st.builds(pb.ChatMessage, role=texts, content=texts), max_size=3),
             )
         }
     ),
@@ -267,7 +263,9 @@ SEEDS = [
             stopping=pb.StoppingCriteria(max_new_tokens=3, stop_sequences=["\n"]),
             priority=1,
             timeout=Duration(seconds=20),
-            trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+            trace_context={
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            },
         )
     ).SerializeToString(),
     pb.GenerateRequest(cancel=pb.Cancel(request_id="seed")).SerializeToString(),

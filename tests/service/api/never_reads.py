@@ -1,7 +1,7 @@
 """A Generate client that submits and never reads: ``never_reads.py TARGET N
 TOKENS``. Prints ``sent`` once its N submits are written; the test then stops
-the process. BDP probing is off so the channel keeps HTTP/2's default window
-(64 KiB) instead of growing it while the first tokens arrive."""
+the process. A small per-stream window (lookahead) and no BDP probing keep
+what the client's side absorbs small, so the server's own buffer fills soon."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 def main() -> None:
     target, num_requests, num_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    channel = grpc.insecure_channel(target, options=[("grpc.http2.bdp_probe", 0)])
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+    channel = grpc.insecure_channel(target, options=options)
     stub = pb_grpc.InferenceStub(channel)
     sent = __import__("threading").Event()
 
