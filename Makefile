@@ -67,5 +67,9 @@ bench-step: $(STAMP) protos
 	mkdir -p bench-results
 	$(BIN)/slipstream bench step --model small --batch 1,8,64,256 --context 300 --json bench-results/step.json --plot bench-results/step.png
 
+bench-soak: $(STAMP) protos
+	mkdir -p bench-results
+	$(BIN)/slipstream bench soak --model tiny --minutes 30 --json bench-results/soak.json --plot bench-results/soak.png
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -139,3 +139,71 @@ def test_memory_returns_after_a_large_input_spike(server_pid: tuple[int, str]) -
     )
     assert peak > 1.2 * before  # there was a spike to come back from
     assert after <= 1.10 * before
+
+
+def test_100_streams_that_never_read_hold_bounded_memory(spawn_server: Callable) -> None:  # type: ignore[type-arg]
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc, target = spawn_server(
+        "--model", "tiny", "--dtype", "float32", "--no-calibrate",
+        "--max-outbox-events", "64", "--slow-reader-grace", "20",
+    )  # fmt: skip
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("never_reads.py")),
+            target,
+            "1",
+            "1000",
+            "100",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            before = rss(proc.pid)
+            assert client.stdout is not None and client.stdout.readline().strip() == "sent"
+            os.kill(client.pid, signal.SIGSTOP)
+            samples = []
+            for _ in range(15):  # inside the grace: the 100 streams are held, not cancelled
+                time.sleep(1.0)
+                samples.append(rss(proc.pid))
+            step_then = stub.GetServerStats(pb.GetServerStatsRequest()).step
+            # A reading stream is served meanwhile.
+            one = pb.GenerateRequest(
+                submit=pb.Submit(
+                    request_id="reader",
+                    token_ids=pb.TokenIds(ids=[5, 6]),
+                    stopping=pb.StoppingCriteria(max_new_tokens=32, ignore_eos=True),
+                )
+            )
+            started = time.perf_counter()
+            reasons = [r.finished.reason for r in stub.Generate(iter([one]), timeout=60)]
+            reader_s = time.perf_counter() - started
+            assert reasons[-1] == pb.FINISH_REASON_MAX_TOKENS
+            stats = stub.GetServerStats(pb.GetServerStatsRequest())
+            # After the grace every held request is cancelled and its blocks are back.
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline:
+                stats = stub.GetServerStats(pb.GetServerStatsRequest())
+                if (stats.kv_blocks_used.device, stats.running, stats.waiting) == (0, 0, 0):
+                    break
+                time.sleep(0.5)
+    finally:
+        client.kill()
+        client.wait()
+    mb = 2**20
+    print(
+        f"100 stopped readers: RSS {before / mb:.0f} MB before, "
+        f"{samples[2] / mb:.0f} MB after 3 s, "
+        f"{samples[-1] / mb:.0f} MB after 15 s; a reading stream's 32 tokens took {reader_s:.2f} s "
+        f"(server step {step_then})"
+    )
+    assert (stats.kv_blocks_used.device, stats.kv_blocks_used.host) == (0, 0)
+    assert samples[-1] <= samples[2] * 1.05 + 20 * mb  # flat while they are held
