@@ -249,12 +249,13 @@ async def _stalled_client(load: Load, target: str, index: int) -> None:
         proc.send_signal(signal.SIGSTOP)
         # The kernel's socket buffers and the HTTP/2 window absorb a little;
         # the server pauses the stream after that.
-        await asyncio.sleep(load.grace_s + 15.0)
+        # Under load its tokens come slowly: give the buffers time to fill.
+        await asyncio.sleep(load.grace_s + 40.0)
         proc.send_signal(signal.SIGCONT)
         proc.stdin.write(b"go\n")
         await proc.stdin.drain()
         stage = "reading"
-        reasons = json.loads(await asyncio.wait_for(proc.stdout.readline(), timeout=120))
+        reasons = json.loads(await asyncio.wait_for(proc.stdout.readline(), timeout=300))
         outcome = "+".join(sorted(set(reasons)))
         if len(reasons) != STALLED_REQUESTS or not set(reasons) <= {"SLOW_READER", "MAX_TOKENS"}:
             error = f"finished {outcome}"
@@ -282,7 +283,7 @@ def _stalled_main(target: str, tag: str) -> None:
 
     def requests() -> Iterator[object]:
         for i in range(STALLED_REQUESTS):
-            yield _submit(pb, f"{tag}-{i}", [5, 6, 7 + i], 1000)
+            yield _submit(pb, f"{tag}-{i}", [5, 6, 7 + i], 600)
         print("sent", flush=True)
         go.wait()
 
@@ -397,7 +398,7 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
             await asyncio.sleep(load.rng.expovariate(rate))
         # Let everything started finish, then the server must be idle.
         if tasks:
-            await asyncio.wait(tasks, timeout=args.slow_reader_grace + 120)
+            await asyncio.wait(tasks, timeout=args.slow_reader_grace + 400)
         for stream in streams:
             stream.call.cancel()
         tail = load.interval
@@ -482,8 +483,8 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument(
         "--max-outbox-events",
         type=int,
-        default=256,
-        help="the server's (small, so the slow readers reach it)",
+        default=64,
+        help="the server's (small, so the stopped readers reach it soon)",
     )
     parser.add_argument(
         "--stall-every", type=float, default=20.0, help="seconds between stopped readers (0: none)"
