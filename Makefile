@@ -11,7 +11,7 @@ PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run kernels test test-slow lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step fleet-test fleet-up fleet-down haproxy clean
+.PHONY: run kernels test test-slow fuzz lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step bench-soak fleet-test fleet-up fleet-down haproxy clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ test: lint typecheck unit
 test-slow: $(STAMP) protos
 	$(BIN)/python -m pytest -m slow
 
+# The fuzz tests run a few examples in `make test`; this runs many more.
+FUZZ_EXAMPLES ?= 500
+fuzz: $(STAMP) protos
+	SLIPSTREAM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest tests/fuzz
+
 bench-offline: $(STAMP) protos
 	mkdir -p bench-results
 	$(BIN)/slipstream bench offline --model small --requests 64 --seed 0 --json bench-results/offline.json
@@ -86,6 +91,9 @@ fleet-up: $(STAMP) protos haproxy
 
 fleet-down:
 	$(BIN)/python ops/fleet/fleet.py down
+bench-soak: $(STAMP) protos
+	mkdir -p bench-results
+	$(BIN)/slipstream bench soak --model tiny --minutes 30 --json bench-results/soak.json --plot bench-results/soak.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

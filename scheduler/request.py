@@ -44,6 +44,7 @@ class FinishReason(enum.IntEnum):
     DEADLINE_EXCEEDED = 4
     REJECTED = 5
     ERROR = 6
+    SLOW_READER = 7  # its caller stopped reading; cancelled after a grace
 
 
 class ExpiredLimit(enum.IntEnum):

@@ -120,6 +120,8 @@ class Scheduler:
         self._waiting_version = 0  # bumped on every change to ``_waiting``
         self._running: dict[str, Request] = {}  # insertion order = admission order
         self._swapped: dict[str, Request] = {}
+        # Held out of every plan (their caller cannot take more output): see pause().
+        self._paused: set[str] = set()
         self._step = 0
         self._num_arrivals = 0
         self._in_flight_step: int | None = None
@@ -223,6 +225,21 @@ class Scheduler:
         self._finish(req, reason, message)
         return RequestOutput(req_id=req_id, new_token_ids=[], finish_reason=reason, message=message)
 
+    def pause(self, req_id: str) -> None:
+        """Holds a live request out of every plan until ``resume``: it keeps
+        its blocks and its place, its deadline still runs, and a policy may
+        still preempt it for room like any running request that did not run
+        this step. Unknown ids are ignored."""
+        if req_id in self._requests:
+            self._paused.add(req_id)
+
+    def resume(self, req_id: str) -> None:
+        self._paused.discard(req_id)
+
+    @property
+    def num_paused(self) -> int:
+        return len(self._paused)
+
     # == planning a step ==================================================
 
     def schedule(self, now: float) -> StepPlan:
@@ -298,7 +315,10 @@ class Scheduler:
         # with the blocks or seqs full (the usual case under load) none does.
         rigid: int | None = None
         reserved_blocks = reserved_tokens = 0
-        for num_admitted, candidate in enumerate(self._ordered_waiting(state, now)):
+        waiting = self._ordered_waiting(state, now)
+        if self._paused:
+            waiting = [r for r in waiting if r.req_id not in self._paused]
+        for num_admitted, candidate in enumerate(waiting):
             hits = self._prefix_hits(candidate)
             cached = len(hits) * self.config.block_size
             chunk = min(candidate.num_tokens - cached, self.config.max_num_batched_tokens)
@@ -333,8 +353,8 @@ class Scheduler:
         for req in self.policy.order_running(self._running_list(), now):
             if state.token_budget == 0:
                 return
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted as a victim earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req.req_id in self._paused:
+                continue  # preempted as a victim earlier in this loop, or paused
             available = state.token_budget
             if state.reservations:
                 available -= self._held(state, req, now)
@@ -373,6 +393,8 @@ class Scheduler:
             return
         head = self._most_urgent_waiting_key(now)
         for req in self.policy.order_swapped(self._swapped.values(), now):
+            if req.req_id in self._paused:
+                continue
             if not self._has_room_for_another(state):
                 return
             if head is not None and head < self.policy.urgency_key(req, now):
@@ -404,8 +426,8 @@ class Scheduler:
         for req in self._ordered_waiting(state, now):
             if not self._has_room_for_another(state):
                 return
-            if req.req_id in state.preempted_ids:
-                continue  # pushed out this very step: admitting it back would thrash
+            if req.req_id in state.preempted_ids or req.req_id in self._paused:
+                continue  # pushed out this very step (admitting it back would thrash), or paused
             hits = self._prefix_hits(req)
             cached = len(hits) * self.config.block_size
             num_new = self._shaped(state, req, min(req.num_tokens - cached, state.token_budget))
@@ -583,6 +605,7 @@ class Scheduler:
         req.finish_reason = reason
         req.finish_message = message
         del self._requests[req.req_id]
+        self._paused.discard(req.req_id)
         self.policy.forget(req.req_id)
 
     # == results of a step ================================================

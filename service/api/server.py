@@ -21,10 +21,10 @@ from grpc_reflection.v1alpha import reflection
 
 from slipstream.service.api.http.app import HttpFront
 from slipstream.service.api.lifecycle import Lifecycle
-from slipstream.service.api.servicer import InferenceServicer
+from slipstream.service.api.limits import Limits
+from slipstream.service.api.servicer import InferenceServicer, add_to_server
 from slipstream.service.api.status import finish_status
 from slipstream.v1 import inference_pb2 as pb
-from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from slipstream.service.engine.engine import Engine
@@ -46,11 +46,13 @@ SERVICE_NAMES = (
     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
     reflection.SERVICE_NAME,
 )
-# Large prompts arrive as token-id lists; the default 4 MiB would cap them early.
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 2**20),
-    ("grpc.max_send_message_length", 64 * 2**20),
-]
+
+
+def _channel_options(limits: Limits) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+    ]
 
 
 def connection_age_options(max_age_s: float | None, grace_s: float | None) -> list[tuple[str, int]]:
@@ -75,13 +77,15 @@ def build_server(
     port: int,
     telemetry: Telemetry | None = None,
     options: Sequence[tuple[str, object]] = (),
+    limits: Limits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server (not started) for ``lifecycle``; returns it and the bound port.
     ``options`` are extra gRPC server options (``connection_age_options``)."""
-    server = grpc.aio.server(options=[*_CHANNEL_OPTIONS, *options])
+    limits = limits or Limits()
+    server = grpc.aio.server(options=[*_channel_options(limits), *options])
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle, telemetry), server)
+    add_to_server(InferenceServicer(lifecycle, telemetry, limits), server)
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -96,11 +100,12 @@ async def create_server(
     port: int = 0,
     telemetry: Telemetry | None = None,
     options: Sequence[tuple[str, object]] = (),
+    limits: Limits | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started server around a loaded engine, health SERVING; ``telemetry``
     (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
-    server, bound = build_server(lifecycle, host, port, telemetry, options)
+    server, bound = build_server(lifecycle, host, port, telemetry, options, limits)
     if telemetry is not None:
         telemetry.attach(engine)
     await server.start()
@@ -151,12 +156,13 @@ async def run(
     http_port: int = 0,
     on_http: Callable[[int], None] | None = None,
     options: Sequence[tuple[str, object]] = (),
+    limits: Limits | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully. With an
     ``http_port`` (0: none) the OpenAI-compatible front listens there too,
     on this event loop and engine; ``on_http`` gets its bound port."""
     lifecycle = Lifecycle()
-    server, bound = build_server(lifecycle, host, port, telemetry, options)
+    server, bound = build_server(lifecycle, host, port, telemetry, options, limits)
     http = None if not http_port else HttpFront(lifecycle, telemetry)
     await server.start()
     if http is not None:

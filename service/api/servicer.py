@@ -11,10 +11,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
+import structlog
 
 from slipstream.service.api import wire
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
+from slipstream.service.api.limits import Limits
 from slipstream.service.api.session import StreamSession
+from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -22,11 +25,24 @@ if TYPE_CHECKING:
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.tracing import Telemetry
 
+log = structlog.get_logger(__name__)
+
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, lifecycle: Lifecycle, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        telemetry: Telemetry | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
+        self.limits = limits or Limits()
+        self.workers = WorkerPool(
+            self.limits.num_tokenizer_workers,
+            self.limits.max_queued_prompts,
+            self.limits.trim_after_bytes,
+        )
 
     async def Generate(
         self,
@@ -43,6 +59,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             _call_deadline(context),
             self._telemetry,
             context.invocation_metadata() or (),
+            self.limits,
+            self.workers,
         )
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
@@ -52,6 +70,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             async for response in session.responses():
                 yield response
             if session.error is not None:
+                # One line per failed stream; no traceback: the client sent it.
+                log.warning("stream_invalid", stream_id=session.stream_id, error=str(session.error))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(session.error))
         finally:
             session.abort_all()
@@ -83,11 +103,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             _call_deadline(context),
             self._telemetry,
             context.invocation_metadata() or (),
+            self.limits,
+            self.workers,
         )
         # Cancelled, disconnected or past its deadline: abort at once.
         context.add_done_callback(lambda _: session.abort_all())
         try:
-            session.submit_one(request)
+            await session.submit_one(request)
             is_first = True
             async for response in session.responses():
                 if is_first and _is_rejection(response):
@@ -101,11 +123,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         engine = await self._engine_or_abort(context)
+        num_bytes = len(request.text.encode())
+        if num_bytes > self.limits.max_prompt_bytes:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"text is {num_bytes} bytes, over this server's limit of "
+                f"{self.limits.max_prompt_bytes}",
+            )
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = engine.tokenizer.encode(request.text, add_special_tokens=add_special)
-        return pb.TokenizeResponse(
-            token_ids=ids, tokens=engine.tokenizer.convert_ids_to_tokens(ids)
-        )
+        tokenizer = engine.tokenizer.backend_tokenizer
+
+        def tokenize() -> pb.TokenizeResponse:
+            # encode_batch releases the GIL while it works (encode does not).
+            encoding = tokenizer.encode_batch([request.text], add_special_tokens=add_special)[0]
+            return pb.TokenizeResponse(token_ids=encoding.ids, tokens=encoding.tokens)
+
+        try:
+            return await self.workers.run(tokenize, num_bytes)
+        except WorkersBusy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -144,6 +180,36 @@ async def _abort_rejected(context: grpc.aio.ServicerContext, finished: pb.Finish
         trailers.append((RETRY_AFTER_KEY, str(finished.retry_after_ms)))
     code = grpc.StatusCode[finished.status_code]
     await context.abort(code, finished.message, trailing_metadata=tuple(trailers))
+
+
+def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """``add_InferenceServicer_to_server``, except that ``Generate``'s frames
+    are parsed by ``wire.parse_generate_request``: a frame that does not parse
+    reaches the handler as a ``BadFrame`` and ends its stream alone."""
+    recorder = _HandlerRecorder()
+    pb_grpc.add_InferenceServicer_to_server(servicer, recorder)
+    handlers = dict(recorder.handlers)
+    handlers["Generate"] = handlers["Generate"]._replace(
+        request_deserializer=wire.parse_generate_request
+    )
+    service = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+class _HandlerRecorder:
+    """Stands in for a server to catch the generated code's method handlers."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, _handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, _service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.handlers.update(handlers)
 
 
 def _call_deadline(context: grpc.aio.ServicerContext) -> float | None:

@@ -2,8 +2,15 @@
 the engine thread to the call's asyncio task.
 
 Engine thread                          event loop (this call)
-  on_event(ev) ─▶ outbox.append(ev)      responses(): wait wakeup, drain outbox,
+  on_event(ev) ─▶ outbox.put(ev)         responses(): wait wakeup, drain outbox,
                  └─ one call_soon_threadsafe(wakeup.set) per burst, not per token
+
+Backpressure: when the client stops reading, ``yield`` in ``responses()``
+stops returning and the outbox fills. At its bound (``Limits.max_outbox_*``)
+the stream's requests are paused in the engine (not decoded, KV kept); when
+the client has read half of it they resume. A stream paused for longer than
+``Limits.slow_reader_grace_s`` has its requests cancelled SLOW_READER and
+their unread chunks dropped.
 
 Invariants: every request in ``_live`` has a Finished event still to come;
 a request leaves ``_live`` only when its Finished event is drained on the
@@ -13,23 +20,33 @@ loop, so the dict is touched by the loop thread alone.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+import structlog
+
 from slipstream.scheduler.errors import DuplicateRequest
+from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
+from slipstream.service.api.limits import Limits
+from slipstream.service.api.outbox import Outbox, event_bytes
 from slipstream.service.api.status import Rejection, rejection_for
-from slipstream.service.engine.events import Event, EventCallback, FinishEvent
+from slipstream.service.engine.events import Event, EventCallback, FinishEvent, TokenEvent
 from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from slipstream.service.api.workers import WorkerPool
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.tracing import Telemetry
+
+log = structlog.get_logger(__name__)
+
+_Item = tuple[str, Event] | pb.GenerateResponse
 
 
 class ProtocolViolation(Exception):
@@ -44,8 +61,12 @@ class StreamSession:
         call_deadline: float | None,
         telemetry: Telemetry | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        limits: Limits | None = None,
+        workers: WorkerPool | None = None,
     ) -> None:
         self._engine = engine
+        self._limits = limits or Limits()
+        self._workers = workers  # None: prompts are converted inline
         self._telemetry = telemetry
         self._metadata = metadata  # the call's, for trace context
         self._loop = loop
@@ -53,18 +74,28 @@ class StreamSession:
         self.stream_id = uuid.uuid4().hex
         self._live: dict[str, str] = {}  # client request id -> engine req_id
         # Items are (client id, engine event) from the engine thread or
-        # ready responses from the loop; deque appends are thread-safe.
-        self._outbox: deque[tuple[str, Event] | pb.GenerateResponse] = deque()
+        # ready responses from the loop.
+        self._outbox: Outbox[_Item] = Outbox(
+            self._limits.max_outbox_events, self._limits.max_outbox_bytes
+        )
         self._wakeup = asyncio.Event()
         self._wake_pending = False
+        self._full_pending = False
+        self._is_paused = False  # the stream's requests are held in the engine
+        self._grace_timer: asyncio.TimerHandle | None = None
         self._is_closed = False  # the client half-closed its side
+        self._is_ended = False  # the call ended; nothing more is submitted
         self.error: Exception | None = None
 
     # -- engine thread ----------------------------------------------------
 
     def _callback(self, request_id: str) -> EventCallback:
         def on_event(event: Event) -> None:
-            self._outbox.append((request_id, event))
+            if self._outbox.put((request_id, event), event_bytes(event)) and not (
+                self._full_pending or self._is_paused
+            ):
+                self._full_pending = True
+                self._loop.call_soon_threadsafe(self._on_full)
             if not self._wake_pending:
                 self._wake_pending = True
                 self._loop.call_soon_threadsafe(self._wakeup.set)
@@ -73,13 +104,18 @@ class StreamSession:
 
     # -- loop: inbound ----------------------------------------------------
 
-    async def read(self, requests: AsyncIterator[pb.GenerateRequest]) -> None:
+    async def read(self, requests: AsyncIterator[pb.GenerateRequest | wire.BadFrame]) -> None:
         """Consume the client's messages until it half-closes."""
         try:
             async for message in requests:
+                if isinstance(message, wire.BadFrame):
+                    raise ProtocolViolation(
+                        f"a {message.num_bytes}-byte message does not parse as a "
+                        f"slipstream.v1.GenerateRequest: {message.reason}"
+                    )
                 kind = message.WhichOneof("kind")
                 if kind == "submit":
-                    self.submit(message.submit)
+                    await self.submit(message.submit, message)
                 elif kind == "cancel":
                     self.cancel(message.cancel.request_id)
                 else:
@@ -90,13 +126,14 @@ class StreamSession:
             self._is_closed = True
             self._wakeup.set()
 
-    def submit(self, submit: pb.Submit) -> None:
+    async def submit(self, submit: pb.Submit, message: pb.GenerateRequest | None = None) -> None:
         request_id = submit.request_id
         try:
-            wire.check_request_id(request_id)
+            wire.check_request_id(request_id, self._limits.max_request_id_bytes)
             if request_id in self._live:
                 raise DuplicateRequest(f"request_id {request_id!r} is already running")
-            self._admit(submit, request_id)
+            wire.check_limits(message or pb.GenerateRequest(), submit, self._limits)
+            await self._admit(submit, request_id)
         except Exception as exc:
             rejection = rejection_for(exc)
             if rejection is None:
@@ -112,9 +149,10 @@ class StreamSession:
                     submit.trace_context,
                 )
 
-    def _admit(self, submit: pb.Submit, request_id: str) -> None:
+    async def _admit(self, submit: pb.Submit, request_id: str) -> None:
         engine = self._engine
-        request = wire.to_generation_request(
+        convert = functools.partial(
+            wire.to_generation_request,
             submit,
             f"{self.stream_id}/{request_id}",
             engine.tokenizer,
@@ -122,10 +160,20 @@ class StreamSession:
             time.monotonic(),
             self._call_deadline,
         )
+        # Tokenizing (or rendering) a large prompt would stall every stream
+        # of the server: it goes to the worker pool. Submits of one stream
+        # stay in order; the stream's other requests keep streaming meanwhile.
+        num_bytes = wire.prompt_bytes(submit)
+        if self._workers is not None and num_bytes > self._limits.inline_prompt_bytes:
+            request = await self._workers.run(convert, num_bytes)
+            if self._is_ended:
+                return
+        else:
+            request = convert()
         # Accepted goes in first so it precedes any token the engine thread
         # may publish before submit() returns; withdrawn if submit raises.
         ack = wire.accepted(request_id, engine.stats().waiting, len(request.prompt_token_ids))
-        self._outbox.append(ack)
+        self._outbox.put(ack, ack.ByteSize())
         if self._telemetry is not None:
             self._telemetry.begin(request, request_id, self._metadata, submit.trace_context)
         try:
@@ -136,23 +184,26 @@ class StreamSession:
                 self._telemetry.abandon(request.req_id)
             raise
         self._live[request_id] = request.req_id
+        if self._is_paused:
+            engine.pause((request.req_id,))
+            if self._grace_timer is None:
+                self._arm_grace()
         self._wakeup.set()
 
     def _reject(
         self, request_id: str, rejection: Rejection, message: str, error: Exception | None = None
     ) -> None:
-        self._outbox.append(
-            wire.rejected(
-                request_id, rejection.reject_reason, rejection.status.name, message, error
-            )
+        response = wire.rejected(
+            request_id, rejection.reject_reason, rejection.status.name, message, error
         )
+        self._outbox.put(response, response.ByteSize())
         self._wakeup.set()
 
-    def submit_one(self, submit: pb.Submit) -> None:
+    async def submit_one(self, submit: pb.Submit) -> None:
         """The whole inbound side of a ``GenerateOne`` call: one submit, then
         closed, so ``responses()`` ends when that request has finished."""
         self._is_closed = True
-        self.submit(submit)
+        await self.submit(submit)
 
     def cancel(self, request_id: str) -> None:
         req_id = self._live.get(request_id)
@@ -161,8 +212,68 @@ class StreamSession:
 
     def abort_all(self) -> None:
         """Abort every unfinished request (the call ended early). Idempotent."""
+        self._is_ended = True
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
         for req_id in self._live.values():
             self._engine.abort(req_id, message="the stream ended")
+
+    # -- loop: backpressure -------------------------------------------------
+
+    def _on_full(self) -> None:
+        self._full_pending = False
+        if self._is_paused or self._is_ended or not self._outbox.is_full:
+            return
+        self._is_paused = True
+        self._engine.pause(self._live.values())
+        self._arm_grace()
+        log.debug(
+            "stream_paused",
+            stream_id=self.stream_id,
+            buffered_events=len(self._outbox),
+            buffered_bytes=self._outbox.num_bytes,
+        )
+
+    def _arm_grace(self) -> None:
+        self._grace_timer = self._loop.call_later(
+            self._limits.slow_reader_grace_s, self._cancel_unread
+        )
+
+    def _resume(self) -> None:
+        self._is_paused = False
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
+        self._engine.resume(self._live.values())
+        log.debug("stream_resumed", stream_id=self.stream_id)
+
+    def _cancel_unread(self) -> None:
+        """The grace is over: cancel the stream's requests and drop their
+        unread chunks; their Finished events still go out."""
+        self._grace_timer = None
+        victims = dict(self._live)
+        if not victims:
+            return
+        grace = self._limits.slow_reader_grace_s
+        for req_id in victims.values():
+            self._engine.abort(
+                req_id,
+                FinishReason.SLOW_READER,
+                f"the client did not read its events for {grace:g} s",
+            )
+        num_dropped = self._outbox.drop(
+            lambda item: (
+                isinstance(item, tuple) and item[0] in victims and isinstance(item[1], TokenEvent)
+            )
+        )
+        log.warning(
+            "slow_reader_cancelled",
+            stream_id=self.stream_id,
+            num_requests=len(victims),
+            dropped_events=num_dropped,
+            grace_s=grace,
+        )
 
     # -- loop: outbound ---------------------------------------------------
 
@@ -174,13 +285,18 @@ class StreamSession:
             # schedules a fresh wakeup, one appended before is drained below.
             self._wake_pending = False
             self._wakeup.clear()
-            while self._outbox:
-                yield self._to_response(self._outbox.popleft())
+            while (item := self._outbox.pop()) is not None:
+                response = self._to_response(item)
+                if self._is_paused and self._outbox.is_drained:
+                    self._resume()
+                yield response
+            if self._is_paused:
+                self._resume()
             if self.error is not None or (self._is_closed and not self._live):
                 return
             await self._wakeup.wait()
 
-    def _to_response(self, item: tuple[str, Event] | pb.GenerateResponse) -> pb.GenerateResponse:
+    def _to_response(self, item: _Item) -> pb.GenerateResponse:
         if isinstance(item, pb.GenerateResponse):
             return item
         request_id, event = item

@@ -78,6 +78,8 @@ _FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
     ),
     FinishReason.REJECTED: (pb.FINISH_REASON_REJECTED, grpc.StatusCode.FAILED_PRECONDITION),
     FinishReason.ERROR: (pb.FINISH_REASON_ERROR, grpc.StatusCode.INTERNAL),
+    # The stream's outbound buffer stayed full: the server's memory for it ran out.
+    FinishReason.SLOW_READER: (pb.FINISH_REASON_SLOW_READER, grpc.StatusCode.RESOURCE_EXHAUSTED),
 }
 
 

@@ -11,11 +11,12 @@ import math
 import time
 
 from google.protobuf.duration_pb2 import Duration
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from slipstream.scheduler.errors import DeadlineInfeasible, QueueFull
+from slipstream.scheduler.errors import DeadlineInfeasible, PromptTooLong, QueueFull
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, SamplingParams
+from slipstream.service.api.limits import Limits
 from slipstream.service.api.status import rejection_for_cause, wire_finish
 from slipstream.service.engine.events import (
     EngineStats,
@@ -27,7 +28,7 @@ from slipstream.service.engine.events import (
 from slipstream.v1 import inference_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 64
-MAX_REQUEST_ID_BYTES = 128  # echoed in every event of the request
+MAX_REQUEST_ID_BYTES = Limits().max_request_id_bytes  # echoed in every event of the request
 # (lowest seconds, highest seconds, lowest nanos) that google.protobuf.Duration
 # (±10,000 years) and Timestamp (years 1-9999) define.
 DURATION_RANGE = (-315_576_000_000, 315_576_000_000, -999_999_999)
@@ -52,12 +53,74 @@ def _reject_unknown_fields(message: Message, where: str) -> None:
                 _reject_unknown_fields(item, f"{where}.{field.name}")
 
 
-def check_request_id(request_id: str) -> None:
-    """Raises ValueError for an empty id or one over ``MAX_REQUEST_ID_BYTES``."""
+def check_request_id(request_id: str, max_bytes: int = MAX_REQUEST_ID_BYTES) -> None:
+    """Raises ValueError for an empty id or one over ``max_bytes``."""
     if not request_id:
         raise ValueError("request_id is empty")
-    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_BYTES} bytes")
+    if len(request_id) > max_bytes or len(request_id.encode()) > max_bytes:
+        raise ValueError(f"request_id is longer than {max_bytes} bytes")
+
+
+class BadFrame:
+    """A ``Generate`` frame that does not parse as a ``GenerateRequest``; the
+    handler ends only that stream, INVALID_ARGUMENT, with ``reason``."""
+
+    __slots__ = ("num_bytes", "reason")
+
+    def __init__(self, reason: str, num_bytes: int) -> None:
+        self.reason = reason
+        self.num_bytes = num_bytes
+
+
+def parse_generate_request(data: bytes) -> pb.GenerateRequest | BadFrame:
+    """gRPC's request deserializer for ``Generate``: never raises, so a bad
+    frame reaches the handler as a value rather than as an exception inside
+    gRPC's receive loop (which ends the call UNKNOWN and logs a traceback)."""
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as exc:
+        detail = str(exc).rstrip(".") or "malformed protobuf"
+        return BadFrame(f"{detail} (not valid protobuf, or a string that is not UTF-8)", len(data))
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def prompt_bytes(submit: pb.Submit) -> int:
+    """How much text the prompt conversion will read (0 for token ids)."""
+    kind = submit.WhichOneof("prompt")
+    if kind == "text":
+        return _utf8_len(submit.text)
+    if kind == "messages":
+        return sum(_utf8_len(m.role) + _utf8_len(m.content) for m in submit.messages.messages)
+    return 0
+
+
+def check_limits(request: pb.GenerateRequest, submit: pb.Submit, limits: Limits) -> None:
+    """Size limits of ``limits``, checked on the cheap fields before any
+    tokenizing; raises ValueError naming the limit."""
+    if len(UnknownFieldSet(request)):
+        raise ValueError("the GenerateRequest has fields this server does not understand")
+    size = prompt_bytes(submit)
+    if size > limits.max_prompt_bytes:
+        raise ValueError(
+            f"prompt is {size} bytes, over this server's limit of {limits.max_prompt_bytes}"
+        )
+    stops = submit.stopping.stop_sequences
+    if len(stops) > limits.max_stop_sequences:
+        raise ValueError(
+            f"{len(stops)} stop sequences, over this server's limit of {limits.max_stop_sequences}"
+        )
+    if any(_utf8_len(s) > limits.max_stop_sequence_bytes for s in stops):
+        raise ValueError(f"a stop sequence is longer than {limits.max_stop_sequence_bytes} bytes")
+    trace = submit.trace_context
+    if len(trace) > limits.max_trace_context_entries:
+        raise ValueError(
+            f"trace_context has {len(trace)} entries, over {limits.max_trace_context_entries}"
+        )
+    if sum(_utf8_len(k) + _utf8_len(v) for k, v in trace.items()) > limits.max_trace_context_bytes:
+        raise ValueError(f"trace_context is longer than {limits.max_trace_context_bytes} bytes")
 
 
 def _seconds(value: Message, what: str, valid: tuple[int, int, int]) -> float:
@@ -77,6 +140,12 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
             raise ValueError("prompt text is empty")
         return encode_prompt(tokenizer, submit.text)
     if kind == "token_ids":
+        # Length first: a list no context can hold is refused before it is read.
+        if len(submit.token_ids.ids) > info.max_model_len:
+            raise PromptTooLong(
+                f"prompt has {len(submit.token_ids.ids)} tokens; the context holds "
+                f"{info.max_model_len}"
+            )
         ids = list(submit.token_ids.ids)
         if any(t >= info.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be < vocab size {info.vocab_size}")

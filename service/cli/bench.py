@@ -13,6 +13,7 @@ BENCH_MODULES = (
     "slipstream.service.bench.prefix",
     "slipstream.service.bench.serve",
     "slipstream.service.bench.slo",
+    "slipstream.service.bench.soak",
     "slipstream.service.bench.step",
     "slipstream.service.bench.swap",
 )

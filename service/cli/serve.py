@@ -151,8 +151,68 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "(default: unlimited); cover the longest request you allow",
     )
     add_engine_args(parser)
+    add_limit_args(parser)
     add_telemetry_args(parser)
     parser.set_defaults(func=run)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from slipstream.service.api.limits import Limits
+
+    defaults = Limits()
+    group = parser.add_argument_group(
+        "limits", "what one caller may ask; over a limit fails that request (or stream) alone"
+    )
+    flags: tuple[tuple[str, type, str], ...] = (
+        ("max_message_bytes", int, "largest gRPC message either way"),
+        ("max_prompt_bytes", int, "largest text prompt (UTF-8), checked before tokenizing"),
+        ("max_request_id_bytes", int, "longest request_id"),
+        ("max_stop_sequences", int, "most stop sequences per request"),
+        ("max_stop_sequence_bytes", int, "longest stop sequence"),
+        ("max_outbox_events", int, "unread events a stream may buffer before it is paused"),
+        ("max_outbox_bytes", int, "unread bytes a stream may buffer before it is paused"),
+        (
+            "slow_reader_grace",
+            float,
+            "seconds a stream may stay paused before its requests end SLOW_READER",
+        ),
+        ("tokenizer_workers", int, "threads tokenizing large prompts and Tokenize calls"),
+        ("max_queued_prompts", int, "prompts waiting for a tokenizer thread before QUEUE_FULL"),
+    )
+    for name, kind, text in flags:
+        field = _LIMIT_FIELDS.get(name, name)
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=field,
+            type=kind,
+            default=getattr(defaults, field),
+            help=f"{text} (default: %(default)s)",
+        )
+
+
+# Flag names that differ from their Limits field.
+_LIMIT_FIELDS = {
+    "slow_reader_grace": "slow_reader_grace_s",
+    "tokenizer_workers": "num_tokenizer_workers",
+}
+
+
+def limits(args: argparse.Namespace) -> object:
+    """``Limits`` from the flags; raises ValueError for a bad value."""
+    from slipstream.service.api.limits import Limits
+
+    names = [
+        "max_message_bytes",
+        "max_prompt_bytes",
+        "max_request_id_bytes",
+        "max_stop_sequences",
+        "max_stop_sequence_bytes",
+        "max_outbox_events",
+        "max_outbox_bytes",
+        "max_queued_prompts",
+        *_LIMIT_FIELDS.values(),
+    ]
+    return Limits(**{name: getattr(args, name) for name in names})
 
 
 def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
@@ -224,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     try:
         options = connection_age_options(args.max_connection_age_s, args.max_connection_age_grace_s)
+        server_limits = limits(args)
     except ValueError as exc:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -247,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
                 http_port=args.http_port,
                 on_http=on_http,
                 options=options,
+                limits=server_limits,  # type: ignore[arg-type]
             )
         )
     except StartupFailed as exc:

@@ -16,6 +16,7 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -265,6 +266,20 @@ class Engine:
         self._aborts.put((req_id, reason, message))
         self._wakeup.set()
 
+    def pause(self, req_ids: Iterable[str]) -> None:
+        """Holds these requests out of the batch (their KV kept) until
+        ``resume``: their caller cannot take more output yet. Unknown or
+        finished ids are ignored; a deadline still ends a paused request."""
+        with self._lock:
+            for req_id in req_ids:
+                self.scheduler.pause(req_id)
+
+    def resume(self, req_ids: Iterable[str]) -> None:
+        with self._lock:
+            for req_id in req_ids:
+                self.scheduler.resume(req_id)
+        self._wakeup.set()
+
     def stats(self) -> EngineStats:
         with self._lock:
             s = self.scheduler
@@ -318,10 +333,16 @@ class Engine:
             self._apply_aborts()
             with self._lock:
                 has_work = self.scheduler.has_unfinished()
-            if not has_work:
-                self._wakeup.wait(timeout=0.5)
+                s = self.scheduler
+                is_all_paused = has_work and s.num_paused >= (
+                    s.num_waiting + s.num_running + s.num_swapped
+                )
+            if not has_work or is_all_paused:
+                # Paused work still gets a step now and then: its deadlines expire.
+                self._wakeup.wait(timeout=0.05 if is_all_paused else 0.5)
                 self._wakeup.clear()
-                continue
+                if not is_all_paused:
+                    continue
             try:
                 self._step()
             except Exception:  # a broken step must not take the server down

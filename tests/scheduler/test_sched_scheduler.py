@@ -447,3 +447,44 @@ def test_unknown_policy_name_is_rejected() -> None:
         Scheduler(
             SchedulerConfig(num_device_blocks=4, block_size=4, max_model_len=16, policy="nope")
         )
+
+
+# -- pause / resume (a stream whose client stopped reading) --------------------
+
+
+def test_paused_request_keeps_its_blocks_and_is_not_scheduled_until_resumed() -> None:
+    sched = make_scheduler()
+    driver = Driver(sched)
+    for req_id in ("held", "other"):
+        sched.add_request(make_request(req_id, prompt_len=5, max_new_tokens=12))
+    driver.step()
+    driver.step()
+    held = sched.get_request("held")
+    assert held is not None
+    blocks, num_outputs = list(held.block_ids), held.num_output_tokens
+    sched.pause("held")
+    for _ in range(4):
+        driver.step()
+        assert "held" not in {seq.req_id for seq in driver.plans[-1].seqs}
+        check_pools(sched)
+    assert (held.block_ids, held.num_output_tokens) == (blocks, num_outputs)
+    assert len(driver.outputs["other"]) == num_outputs + 4  # the neighbour went on
+    sched.resume("held")
+    while "held" not in driver.finishes:
+        driver.step()
+    # Paused and resumed, it produced exactly what it would have alone.
+    assert driver.outputs["held"] == reference_outputs(held)
+    assert sched.num_paused == 0
+
+
+def test_paused_waiting_request_is_not_admitted_and_abort_forgets_the_pause() -> None:
+    sched = make_scheduler()
+    driver = Driver(sched)
+    sched.add_request(make_request("queued", prompt_len=5, max_new_tokens=4))
+    sched.pause("queued")
+    sched.pause("unknown")  # ignored
+    assert sched.num_paused == 1
+    driver.step()
+    assert not driver.plans[-1].seqs and sched.num_used_device_blocks == 0
+    driver.abort("queued")
+    assert sched.num_paused == 0 and not sched.has_unfinished()

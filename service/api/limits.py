@@ -1,0 +1,70 @@
+"""What one caller may ask of the server: sizes checked before any work is
+done, and the bounds of each stream's outbound buffer. One frozen dataclass,
+built from ``serve``'s flags at the entry point (``--max-prompt-bytes``, ...).
+
+Every limit fails the request (or, for a frame, the stream) alone with
+INVALID_ARGUMENT and a message naming the limit; none of them ends the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    # gRPC's own cap on one message, in either direction (grpc.max_*_message_length).
+    max_message_bytes: int = 16 * MiB
+    # Text prompt (or chat contents together), in UTF-8 bytes, checked before
+    # tokenizing: tokenizing costs about 3 µs a byte on a slow core.
+    max_prompt_bytes: int = 4 * MiB
+    # Echoed in every event of the request.
+    max_request_id_bytes: int = 128
+    max_stop_sequences: int = 16
+    max_stop_sequence_bytes: int = 256
+    # Entries of Submit.trace_context, and UTF-8 bytes of its keys and values together.
+    max_trace_context_entries: int = 8
+    max_trace_context_bytes: int = 4096
+    # A stream's buffer of events its client has not read yet. When either
+    # bound is reached the stream's requests are paused (kept, not decoded)
+    # until the client reads half of it; ``slow_reader_grace_s`` later they
+    # are cancelled with FINISH_REASON_SLOW_READER.
+    max_outbox_events: int = 4096
+    max_outbox_bytes: int = 4 * MiB
+    slow_reader_grace_s: float = 30.0
+    # Tokenization (and chat rendering) of prompts over ``inline_prompt_bytes``
+    # and every Tokenize call run on this many worker threads, with at most
+    # ``max_queued_prompts`` waiting; beyond that a submit is rejected QUEUE_FULL.
+    num_tokenizer_workers: int = 1
+    max_queued_prompts: int = 64
+    inline_prompt_bytes: int = 16 * 1024
+    # Inputs at least this large make the worker return freed memory to the
+    # system afterwards (malloc_trim).
+    trim_after_bytes: int = 1 * MiB
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_message_bytes",
+            "max_prompt_bytes",
+            "max_request_id_bytes",
+            "max_outbox_events",
+            "max_outbox_bytes",
+            "num_tokenizer_workers",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        for name in (
+            "max_stop_sequences",
+            "max_stop_sequence_bytes",
+            "max_trace_context_entries",
+            "max_trace_context_bytes",
+            "max_queued_prompts",
+            "inline_prompt_bytes",
+            "trim_after_bytes",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if not self.slow_reader_grace_s > 0:
+            raise ValueError("slow_reader_grace_s must be positive")

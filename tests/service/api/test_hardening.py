@@ -1,0 +1,331 @@
+"""Hostile and careless clients against a real ``grpc.aio`` server on tiny:
+frames that do not parse, inputs over the limits, large prompts (tokenized
+off the event loop), and clients that stop reading (paused, then cancelled
+SLOW_READER). Each fails alone; the server and its other streams go on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from slipstream.service.api import wire
+from slipstream.service.api.limits import Limits
+from slipstream.service.api.workers import WorkerPool, WorkersBusy
+from slipstream.service.engine.config import EngineConfig
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+CONFIG = EngineConfig(
+    model="tiny",
+    dtype="float32",
+    reject_infeasible=False,
+    abandon_hopeless=False,
+    calibrate_cost_model=False,
+)
+LIMITS = Limits(
+    max_prompt_bytes=3000,
+    max_stop_sequences=2,
+    max_stop_sequence_bytes=8,
+    max_trace_context_entries=2,
+    max_trace_context_bytes=64,
+    max_outbox_events=64,
+    slow_reader_grace_s=2.0,
+    inline_prompt_bytes=1024,
+)
+GENERATE = "/slipstream.v1.Inference/Generate"
+NEVER_READS = Path(__file__).with_name("never_reads.py")
+
+
+class ServerThread:
+    """A started server on its own event loop thread, like a real process's."""
+
+    def __init__(self, engine: object, limits: Limits) -> None:
+        from slipstream.service.api.server import create_server
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        start = create_server(engine, "127.0.0.1", 0, limits=limits)  # type: ignore[arg-type]
+        self.server, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
+        self.target = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[object]:
+    from slipstream.service.engine.engine import Engine
+
+    eng = Engine(CONFIG)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine: object) -> Iterator[ServerThread]:
+    srv = ServerThread(engine, LIMITS)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def channel(server: ServerThread) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.target) as ch:
+        yield ch
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def no_blocks_used(channel: grpc.Channel) -> bool:
+    stats = pb_grpc.InferenceStub(channel).GetServerStats(pb.GetServerStatsRequest())
+    return (stats.kv_blocks_used.device, stats.kv_blocks_used.host, stats.running) == (0, 0, 0)
+
+
+def submit(request_id: str, max_new_tokens: int = 8, **fields: object) -> pb.GenerateRequest:
+    if "text" not in fields:
+        fields.setdefault("token_ids", pb.TokenIds(ids=[5, 6, 7]))
+    return pb.GenerateRequest(
+        submit=pb.Submit(
+            request_id=request_id,
+            stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True),
+            **fields,  # type: ignore[arg-type]
+        )
+    )
+
+
+# ---------------------------------------------------------------- frames that do not parse
+
+VALID = submit("ok", max_new_tokens=4).SerializeToString()
+BAD_FRAMES = {
+    "garbage": b"\xff\xff\xff\xff",
+    "truncated": VALID[:-3],
+    "wrong-type": pb.GenerateRequest(submit=pb.Submit(request_id="\x00"))
+    .SerializeToString()
+    .replace(b"\x0a\x01\x00", b"\x0d\x01\x00\x00\x00"),  # request_id as a fixed32
+    "bad-utf8": b"\x0a\x04\x0a\x02\xc3\x28",  # submit.request_id = invalid UTF-8
+}
+
+
+@pytest.mark.parametrize("frame", list(BAD_FRAMES.values()), ids=list(BAD_FRAMES))
+def test_a_frame_that_does_not_parse_ends_only_its_stream(
+    channel: grpc.Channel, frame: bytes
+) -> None:
+    generate = channel.stream_stream(GENERATE, response_deserializer=pb.GenerateResponse.FromString)
+    neighbour = pb_grpc.InferenceStub(channel).Generate(iter([submit("neighbour", 40)]), timeout=30)
+    with capture_logs() as logs, pytest.raises(grpc.RpcError) as err:
+        list(generate(iter([VALID, frame]), timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert "does not parse as a slipstream.v1.GenerateRequest" in details, details
+    assert "Error" not in details.replace("Error parsing", "") and "Traceback" not in details
+    lines = [entry for entry in logs if entry["event"] == "stream_invalid"]
+    assert len(lines) == 1 and "exc_info" not in lines[0]
+    # The neighbour stream runs to its end; nothing is left holding blocks.
+    finishes = [r.finished.reason for r in neighbour if r.WhichOneof("event") == "finished"]
+    assert finishes == [pb.FINISH_REASON_MAX_TOKENS]
+    assert wait_until(lambda: no_blocks_used(channel))
+
+
+def test_parse_generate_request_never_raises() -> None:
+    assert isinstance(wire.parse_generate_request(VALID), pb.GenerateRequest)
+    for frame in BAD_FRAMES.values():
+        bad = wire.parse_generate_request(frame)
+        assert isinstance(bad, wire.BadFrame) and bad.num_bytes == len(frame)
+
+
+# ---------------------------------------------------------------- over the limits
+
+
+def _with_top_level_unknown_field() -> pb.GenerateRequest:
+    message = submit("top-unknown")
+    message.MergeFromString(bytes([0xF8, 0x3E, 0x01]))  # field 999 on the GenerateRequest
+    return message
+
+
+OVER_LIMITS = {
+    "prompt-bytes": (submit("prompt-bytes", text="é" * 1501), pb.REJECT_REASON_INVALID),
+    "stop-count": (submit("stop-count"), pb.REJECT_REASON_INVALID),
+    "stop-bytes": (submit("stop-bytes"), pb.REJECT_REASON_INVALID),
+    "trace-entries": (
+        submit("trace-entries", trace_context={"a": "1", "b": "2", "c": "3"}),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "trace-bytes": (submit("trace-bytes", trace_context={"k": "v" * 64}), pb.REJECT_REASON_INVALID),
+    "ids-over-context": (
+        submit("ids-over-context", token_ids=pb.TokenIds(ids=[9] * 200_000)),
+        pb.REJECT_REASON_PROMPT_TOO_LONG,
+    ),
+    "nan-temperature": (
+        submit("nan-temperature", sampling=pb.SamplingParams(temperature=float("nan"))),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "inf-top-p": (
+        submit("inf-top-p", sampling=pb.SamplingParams(top_p=float("inf"))),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "top-unknown": (_with_top_level_unknown_field(), pb.REJECT_REASON_INVALID),
+}
+OVER_LIMITS["stop-count"][0].submit.stopping.stop_sequences.extend(["a", "b", "c"])
+OVER_LIMITS["stop-bytes"][0].submit.stopping.stop_sequences.append("123456789")
+
+
+def test_each_input_over_a_limit_is_rejected_alone(channel: grpc.Channel) -> None:
+    messages = [submit("neighbour", 24), *(m for m, _ in OVER_LIMITS.values())]
+    finished = {
+        r.request_id: r.finished
+        for r in pb_grpc.InferenceStub(channel).Generate(iter(messages), timeout=30)
+        if r.WhichOneof("event") == "finished"
+    }
+    assert finished["neighbour"].reason == pb.FINISH_REASON_MAX_TOKENS
+    for request_id, (_, reason) in OVER_LIMITS.items():
+        got = finished[request_id]
+        assert (got.reason, got.reject_reason) == (pb.FINISH_REASON_REJECTED, reason), request_id
+        assert got.message, request_id
+    assert "3002 bytes" in finished["prompt-bytes"].message  # UTF-8 bytes, not characters
+
+
+def test_tokenize_over_the_limit_fails_that_call(channel: grpc.Channel, engine: object) -> None:
+    stub = pb_grpc.InferenceStub(channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Tokenize(pb.TokenizeRequest(text="x" * 3001))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "3001 bytes" in (err.value.details() or "")
+    text = "Hello world, " * 100  # over the inline size: tokenized on a worker
+    reply = stub.Tokenize(pb.TokenizeRequest(text=text))
+    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+    assert list(reply.token_ids) == tokenizer.encode(text)
+    assert list(reply.tokens) == tokenizer.convert_ids_to_tokens(tokenizer.encode(text))
+
+
+# ---------------------------------------------------------------- off the event loop
+
+
+def test_a_large_prompt_is_converted_on_a_worker_thread(
+    channel: grpc.Channel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: dict[str, str] = {}
+    convert = wire.to_generation_request
+
+    def recording(submit: pb.Submit, *args: object) -> object:
+        threads[submit.request_id] = threading.current_thread().name
+        return convert(submit, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(wire, "to_generation_request", recording)
+    messages = [submit("small", text="Hello"), submit("large", text="Hello world. " * 150)]
+    finished = {
+        r.request_id: r.finished.reason
+        for r in pb_grpc.InferenceStub(channel).Generate(iter(messages), timeout=30)
+        if r.WhichOneof("event") == "finished"
+    }
+    assert finished == {"small": pb.FINISH_REASON_MAX_TOKENS, "large": pb.FINISH_REASON_MAX_TOKENS}
+    assert threads["large"].startswith("slipstream-tokenizer")
+    assert not threads["small"].startswith("slipstream-tokenizer")  # not worth the hop
+
+
+def test_worker_pool_is_bounded_and_trims_after_large_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from slipstream.service.api import workers
+
+    trims: list[int] = []
+    monkeypatch.setattr(workers, "release_memory", lambda: trims.append(1) or True)
+    pool = WorkerPool(num_workers=1, max_queued=1, trim_after_bytes=100)
+    gate = threading.Event()
+
+    async def scenario() -> list[object]:
+        loop_thread = threading.current_thread()
+        first = asyncio.ensure_future(pool.run(lambda: gate.wait(5) and threading.current_thread()))
+        second = asyncio.ensure_future(pool.run(lambda: "queued", input_bytes=100))
+        await asyncio.sleep(0.05)
+        with pytest.raises(WorkersBusy):
+            await pool.run(lambda: "one too many")
+        gate.set()
+        results = [await first, await second]
+        assert results[0] is not loop_thread
+        return results
+
+    results = asyncio.run(scenario())
+    pool.shutdown()
+    assert results[1] == "queued" and pool.num_pending == 0
+    assert trims == [1]  # only the large input released memory
+
+
+# ---------------------------------------------------------------- slow readers
+
+
+def _live_outputs(engine: object) -> dict[str, int]:
+    scheduler = engine.scheduler  # type: ignore[attr-defined]
+    outputs = {}
+    for req_id in scheduler.live_req_ids():
+        req = scheduler.get_request(req_id)
+        if req is not None:
+            outputs[req_id] = req.num_output_tokens
+    return outputs
+
+
+def test_a_client_that_stops_reading_is_paused_then_cancelled(
+    server: ServerThread, channel: grpc.Channel, engine: object
+) -> None:
+    # A client process that submits and is then stopped: it reads nothing at all.
+    client = subprocess.Popen(
+        [sys.executable, str(NEVER_READS), server.target, "8", "1000"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert client.stdout is not None and client.stdout.readline().strip() == "sent"
+        os.kill(client.pid, signal.SIGSTOP)
+        scheduler = engine.scheduler  # type: ignore[attr-defined]
+        assert wait_until(lambda: scheduler.num_paused == 8, timeout_s=30), _live_outputs(engine)
+        held = _live_outputs(engine)
+        # Another stream is served while they are held; the held ones do not move.
+        other = pb_grpc.InferenceStub(channel).Generate(iter([submit("other", 32)]), timeout=30)
+        reasons = [r.finished.reason for r in other if r.WhichOneof("event") == "finished"]
+        assert reasons == [pb.FINISH_REASON_MAX_TOKENS]
+        assert all(_live_outputs(engine).get(k, v) == v for k, v in held.items())
+        assert max(held.values()) < 1000  # stopped well before the end
+        # After the grace (2 s) they are cancelled and every block is back.
+        with capture_logs() as logs:
+            assert wait_until(lambda: not scheduler.has_unfinished(), timeout_s=10)
+        assert wait_until(lambda: no_blocks_used(channel))
+        assert [e["event"] for e in logs].count("slow_reader_cancelled") == 1
+    finally:
+        client.kill()
+        client.wait()
+
+
+def test_slow_reader_finish_maps_to_the_wire() -> None:
+    from slipstream.scheduler.request import FinishReason
+    from slipstream.service.api.status import wire_finish
+
+    reason, status = wire_finish(FinishReason.SLOW_READER)
+    assert (reason, status) == (pb.FINISH_REASON_SLOW_READER, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults() -> Iterator[None]:
+    yield
+    structlog.reset_defaults()
