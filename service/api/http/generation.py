@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
+from slipstream.scheduler.errors import SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.http.errors import ApiError, from_domain, invalid, too_large
@@ -162,7 +163,7 @@ class Generations:
             return wire.to_generation_request(
                 submit, f"http-{envelope.id}", engine.tokenizer, engine.info, now, None
             )
-        except ValueError as exc:
+        except (ValueError, SchedulerError) as exc:  # PromptTooLong: over the context
             raise _domain(exc) from None
 
     def _submit(
