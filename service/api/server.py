@@ -3,25 +3,41 @@ reflection services, always on.
 
 ``create_server`` builds a server around a loaded engine (tests use it on port
 0); ``run`` is the process's life: listen while loading (health NOT_SERVING),
-serve, and on SIGTERM/SIGINT drain within a grace period, then stop.
+serve, and on SIGTERM/SIGINT drain within a grace period, then stop; on
+SIGHUP re-read the tenants file.
+
+Security sits here, at the edge: TLS (optionally mutual) from ``tls.py``,
+and with tenants a ``BearerAuth`` interceptor that refuses any call to
+``slipstream.v1.Inference`` without a known bearer token (UNAUTHENTICATED);
+health and reflection stay open. Per-request limits are the session's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from slipstream.service.api.auth import (
+    Tenants,
+    TenantsFileError,
+    Unauthenticated,
+    authorization_header,
+    load_tenants,
+)
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.servicer import InferenceServicer
 from slipstream.service.api.status import finish_status
+from slipstream.service.api.tls import CertificateFiles, ServerTLS
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -52,29 +68,141 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+_PROTECTED_PREFIX = "/" + SERVICE_NAMES[0] + "/"
+
+
+class BearerAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every ``slipstream.v1.Inference`` call whose metadata carries
+    no known bearer token, before its handler runs; other services pass."""
+
+    def __init__(self, tenants: Tenants, telemetry: Telemetry | None = None) -> None:
+        self._tenants = tenants
+        self._telemetry = telemetry
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(_PROTECTED_PREFIX):
+            return handler
+        try:
+            self._tenants.authenticate(authorization_header(details.invocation_metadata or ()))
+        except Unauthenticated as exc:
+            return self._refusal(handler, details.method, str(exc))
+        return handler
+
+    def _refusal(
+        self, handler: grpc.RpcMethodHandler, method: str, message: str
+    ) -> grpc.RpcMethodHandler:
+        telemetry = self._telemetry
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            if telemetry is not None:
+                telemetry.unauthenticated(method, context.peer(), message)
+            else:
+                log.warning("call_unauthenticated", method=method, peer=context.peer())
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        if handler.request_streaming and handler.response_streaming:
+            make = grpc.stream_stream_rpc_method_handler
+        elif handler.request_streaming:
+            make = grpc.stream_unary_rpc_method_handler
+        elif handler.response_streaming:
+            make = grpc.unary_stream_rpc_method_handler
+        else:
+            make = grpc.unary_unary_rpc_method_handler
+        return make(
+            refuse,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
 def build_server(
-    lifecycle: Lifecycle, host: str, port: int, telemetry: Telemetry | None = None
+    lifecycle: Lifecycle,
+    host: str,
+    port: int,
+    telemetry: Telemetry | None = None,
+    *,
+    tls: ServerTLS | None = None,
+    tenants: Tenants | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """A server (not started) for ``lifecycle``; returns it and the bound port."""
-    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+    """A server (not started) for ``lifecycle``; returns it and the bound port.
+    ``tls``: serve TLS only (mutual with a client CA); ``tenants``: every
+    inference call needs a bearer token of one of them."""
+    interceptors = [] if tenants is None else [BearerAuth(tenants, telemetry)]
+    server = grpc.aio.server(options=_CHANNEL_OPTIONS, interceptors=interceptors)
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(lifecycle, telemetry), server)
+    servicer = InferenceServicer(lifecycle, telemetry, tenants)
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, CertificateFiles(tls).credentials())
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server, bound
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as ``serve --host`` takes it) is reachable from this
+    machine only."""
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def exposure_warning(host: str, has_tls: bool, has_tenants: bool) -> str | None:
+    """Why listening on ``host`` this way lets anyone on the network in, or
+    None when it does not (loopback, or TLS and tenants both on)."""
+    if is_loopback(host) or (has_tls and has_tenants):
+        return None
+    missing = [
+        what
+        for what, is_on in (("TLS (--tls-cert/--tls-key)", has_tls), ("tenants", has_tenants))
+        if not is_on
+    ]
+    return (
+        f"listening on {host}, reachable from the network, without {' or '.join(missing)}: "
+        "anyone who reaches the port can submit work of any class"
+    )
+
+
+def reload_tenants(tenants: Tenants, path: Path) -> bool:
+    """Re-reads the tenants file into ``tenants``; a bad file keeps the old
+    tenants and logs why. True when the new file was taken."""
+    try:
+        tenants.replace(load_tenants(path))
+    except TenantsFileError as exc:
+        log.error("tenants_reload_failed", detail=str(exc), keeping="the current tenants")
+        return False
+    log.info("tenants_reloaded", path=str(path), tenants=tenants.names)
+    return True
+
+
 async def create_server(
-    engine: Engine, host: str = "127.0.0.1", port: int = 0, telemetry: Telemetry | None = None
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    telemetry: Telemetry | None = None,
+    *,
+    tls: ServerTLS | None = None,
+    tenants: Tenants | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started server around a loaded engine, health SERVING; ``telemetry``
     (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
-    server, bound = build_server(lifecycle, host, port, telemetry)
+    server, bound = build_server(lifecycle, host, port, telemetry, tls=tls, tenants=tenants)
     if telemetry is not None:
         telemetry.attach(engine)
     await server.start()
@@ -116,17 +244,31 @@ async def run(
     grace_s: float,
     on_ready: Callable[[int, Engine], None] | None = None,
     telemetry: Telemetry | None = None,
+    *,
+    tls: ServerTLS | None = None,
+    tenants_file: Path | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    """Serve until SIGTERM or SIGINT, then shut down gracefully. SIGHUP
+    re-reads ``tenants_file``. A bad TLS or tenants file raises before
+    anything listens (TLSFilesError, TenantsFileError)."""
+    tenants = None if tenants_file is None else Tenants.from_file(tenants_file)
     lifecycle = Lifecycle()
-    server, bound = build_server(lifecycle, host, port, telemetry)
+    server, bound = build_server(lifecycle, host, port, telemetry, tls=tls, tenants=tenants)
     await server.start()
     await lifecycle.report_loading()
-    log.info("server_loading", host=host, port=bound)
+    log.info(
+        "server_loading",
+        host=host,
+        port=bound,
+        tls="off" if tls is None else ("mutual" if tls.client_ca_file else "on"),
+        tenants=None if tenants is None else tenants.names,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if tenants is not None and tenants_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_tenants, tenants, tenants_file)
     try:
         engine = await asyncio.to_thread(load_engine)
     except Exception as exc:  # anything at all: the process must end with one clear line

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from slipstream.service.api import wire
+from slipstream.service.api.auth import TenantGate, Tenants, Unauthenticated, authorization_header
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.session import StreamSession
 from slipstream.v1 import inference_pb2 as pb
@@ -24,9 +25,15 @@ if TYPE_CHECKING:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, lifecycle: Lifecycle, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        telemetry: Telemetry | None = None,
+        tenants: Tenants | None = None,
+    ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
+        self._tenants = tenants
 
     async def Generate(
         self,
@@ -43,6 +50,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             _call_deadline(context),
             self._telemetry,
             context.invocation_metadata() or (),
+            await self._gate(context),
         )
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
@@ -80,6 +88,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> pb.ServerStats:
         engine = await self._engine_or_abort(context)
         return wire.server_stats(engine.stats())
+
+    async def _gate(self, context: grpc.aio.ServicerContext) -> TenantGate | None:
+        """The call's tenant (None on a server without tenants). The server's
+        interceptor has already refused calls without a valid token; this
+        checks again so that a handler never runs open by mistake."""
+        if self._tenants is None:
+            return None
+        try:
+            header = authorization_header(context.invocation_metadata() or ())
+            return TenantGate(self._tenants, self._tenants.authenticate(header))
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
     async def _engine_or_abort(self, context: grpc.aio.ServicerContext) -> Engine:
         try:

@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING
 
 from slipstream.scheduler.errors import DuplicateRequest
 from slipstream.service.api import wire
-from slipstream.service.api.status import Rejection, rejection_for
+from slipstream.service.api.status import Rejection, rejection_for, retry_after_ms
 from slipstream.service.engine.events import Event, EventCallback, FinishEvent
 from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from slipstream.service.api.auth import TenantGate
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.tracing import Telemetry
 
@@ -44,8 +45,10 @@ class StreamSession:
         call_deadline: float | None,
         telemetry: Telemetry | None = None,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        gate: TenantGate | None = None,
     ) -> None:
         self._engine = engine
+        self._gate = gate  # the call's tenant, on a server with tenants
         self._telemetry = telemetry
         self._metadata = metadata  # the call's, for trace context
         self._loop = loop
@@ -101,7 +104,7 @@ class StreamSession:
             rejection = rejection_for(exc)
             if rejection is None:
                 raise
-            self._reject(request_id, rejection, str(exc))
+            self._reject(request_id, rejection, str(exc), retry_after_ms(exc))
             if self._telemetry is not None:
                 self._telemetry.rejected(
                     request_id,
@@ -110,6 +113,7 @@ class StreamSession:
                     str(exc),
                     self._metadata,
                     submit.trace_context,
+                    tenant="" if self._gate is None else self._gate.tenant.name,
                 )
 
     def _admit(self, submit: pb.Submit, request_id: str) -> None:
@@ -122,6 +126,12 @@ class StreamSession:
             time.monotonic(),
             self._call_deadline,
         )
+        grant = None
+        if self._gate is not None:  # PermissionDenied, QuotaExceeded: this request alone
+            request, grant = self._gate.admit(request)
+        on_event = self._callback(request_id)
+        if grant is not None:
+            on_event = grant.wrap(on_event)  # releases the tenant's quota on the finish
         # Accepted goes in first so it precedes any token the engine thread
         # may publish before submit() returns; withdrawn if submit raises.
         ack = wire.accepted(request_id, engine.stats().waiting, len(request.prompt_token_ids))
@@ -129,8 +139,10 @@ class StreamSession:
         if self._telemetry is not None:
             self._telemetry.begin(request, request_id, self._metadata, submit.trace_context)
         try:
-            engine.submit(request, self._callback(request_id))
+            engine.submit(request, on_event)
         except Exception:
+            if grant is not None:
+                grant.release()
             self._outbox.remove(ack)
             if self._telemetry is not None:
                 self._telemetry.abandon(request.req_id)
@@ -138,10 +150,14 @@ class StreamSession:
         self._live[request_id] = request.req_id
         self._wakeup.set()
 
-    def _reject(self, request_id: str, rejection: Rejection, message: str) -> None:
-        self._outbox.append(
-            wire.rejected(request_id, rejection.reject_reason, rejection.status.name, message)
+    def _reject(
+        self, request_id: str, rejection: Rejection, message: str, retry_after_ms: int = 0
+    ) -> None:
+        response = wire.rejected(
+            request_id, rejection.reject_reason, rejection.status.name, message
         )
+        response.finished.retry_after_ms = retry_after_ms
+        self._outbox.append(response)
         self._wakeup.set()
 
     def cancel(self, request_id: str) -> None:

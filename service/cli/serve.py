@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from slipstream.scheduler.policies import POLICY_NAMES
 from slipstream.service.cli.extras import require_server_extra
@@ -111,9 +112,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default=30.0,
         help="on SIGTERM, how long running requests may finish",
     )
+    add_security_args(parser)
     add_engine_args(parser)
     add_telemetry_args(parser)
     parser.set_defaults(func=run)
+
+
+def add_security_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "security", "TLS files are re-read when they change; SIGHUP re-reads --tenants"
+    )
+    group.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
+    group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="PEM CA: mutual TLS, clients must present a certificate it signed",
+    )
+    group.add_argument(
+        "--tenants",
+        type=Path,
+        help="TOML file of tenants (bearer-token hashes and limits); every inference call "
+        "then needs 'authorization: Bearer <token>'",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS and tenants",
+    )
+
+
+def server_tls(args: argparse.Namespace) -> object | None:
+    """The ``ServerTLS`` the flags ask for, or None; ValueError for half a pair."""
+    from slipstream.service.api.tls import ServerTLS
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
@@ -152,32 +191,53 @@ def telemetry(args: argparse.Namespace) -> object:
     return Telemetry.from_env(os.environ, metrics)
 
 
-def usage_hint(host: str, port: int, model: str) -> str:
+def usage_hint(
+    host: str, port: int, model: str, has_tls: bool = False, has_tenants: bool = False
+) -> str:
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
-    return "\n".join(
-        (
-            f"slipstream: serving {model} on {host}:{port} (listening on {address})",
-            "try:",
-            f"  slipstream generate --server {address} --prompt 'Hello' --max-tokens 16 --json",
-            f"  slipstream stats --server {address}",
-            f"  grpcurl -plaintext -d '{submit}' {address} slipstream.v1.Inference/Generate",
-            f"  grpcurl -plaintext {address} list",
-        )
-    )
+    client = " --tls-ca CA.pem" if has_tls else ""
+    grpcurl = "-cacert CA.pem" if has_tls else "-plaintext"
+    auth = " -H 'authorization: Bearer $SLIPSTREAM_TOKEN'" if has_tenants else ""
+    lines = [
+        f"slipstream: serving {model} on {host}:{port} (listening on {address})",
+        "try:",
+        f"  slipstream generate --server {address}{client} --prompt 'Hello' --max-tokens 16 --json",
+        f"  slipstream stats --server {address}{client}",
+        f"  grpcurl {grpcurl}{auth} -d '{submit}' {address} slipstream.v1.Inference/Generate",
+        f"  grpcurl {grpcurl} {address} list",
+    ]
+    if has_tenants:
+        lines.append("(the slipstream commands read the token from $SLIPSTREAM_TOKEN or --token)")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
-    from slipstream.service.api.server import StartupFailed
+    from slipstream.service.api.server import StartupFailed, exposure_warning
     from slipstream.service.api.server import run as run_server
     from slipstream.service.engine.engine import Engine
 
     config = engine_config(args)
+    tls = server_tls(args)
+    has_tls, has_tenants = tls is not None, args.tenants is not None
+    warning = exposure_warning(args.host, has_tls, has_tenants)
+    if warning is not None:
+        banner = "*" * 78
+        if not args.insecure:
+            print(
+                f"{banner}\nslipstream: error: refusing to start: {warning}.\n"
+                "Add --tls-cert/--tls-key and --tenants, listen on 127.0.0.1, or pass "
+                f"--insecure if the network is trusted.\n{banner}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
+        print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
     observability = telemetry(args)
 
     def on_ready(port: int, engine: object) -> None:
-        print(usage_hint(args.host, port, config.model), flush=True)
+        print(usage_hint(args.host, port, config.model, has_tls, has_tenants), flush=True)
 
     try:
         asyncio.run(
@@ -188,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
                 args.grace_s,
                 on_ready=on_ready,
                 telemetry=observability,  # type: ignore[arg-type]
+                tls=tls,  # type: ignore[arg-type]
+                tenants_file=args.tenants,
             )
         )
     except StartupFailed as exc:

@@ -19,7 +19,8 @@ from slipstream.scheduler.request import FinishReason, SamplingParams
 class GenerationRequest:
     """A request as the engine takes it. Times are absolute ``time.monotonic()``
     seconds. ``req_id`` is unique across the engine (the gRPC layer prefixes
-    the stream's id to the client's request id)."""
+    the stream's id to the client's request id). ``tenant`` names who asked,
+    for telemetry only (empty on a server without tenants)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -31,6 +32,7 @@ class GenerationRequest:
     deadline: float | None = None
     expected_output_tokens: int | None = None
     arrival_time: float | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
