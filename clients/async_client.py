@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from slipstream.clients.security import TLS, secure_aio_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
@@ -178,10 +179,13 @@ class AsyncClient:
         *,
         metadata: Metadata = None,
         options: list[tuple[str, object]] | None = None,
+        tls: TLS | None = None,
+        token: str | None = None,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._channel = secure_aio_channel(target, tls, options)
         self.stub = pb_grpc.InferenceStub(self._channel)
-        self._metadata = metadata
+        # The token goes with every call (gRPC metadata is per call).
+        self._metadata = with_token(metadata, token)
         self._shared: AsyncStream | None = None
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> AsyncStream:
@@ -200,13 +204,23 @@ class AsyncClient:
         return await self._shared.generate(prompt, **options)
 
     async def tokenize(self, text: str) -> list[int]:
-        return list((await self.stub.Tokenize(pb.TokenizeRequest(text=text))).token_ids)
+        return list(
+            (
+                await self.stub.Tokenize(
+                    pb.TokenizeRequest(text=text), metadata=call_metadata(self._metadata)
+                )
+            ).token_ids
+        )
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
+        )
 
     async def server_stats(self) -> pb.ServerStats:
-        return await self.stub.GetServerStats(pb.GetServerStatsRequest())
+        return await self.stub.GetServerStats(
+            pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
+        )
 
     async def close(self) -> None:
         if self._shared is not None:

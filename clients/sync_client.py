@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from slipstream.clients.security import TLS, secure_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
@@ -186,10 +187,13 @@ class Client:
         *,
         metadata: Metadata = None,
         options: list[tuple[str, object]] | None = None,
+        tls: TLS | None = None,
+        token: str | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(target, options=options)
+        self._channel = secure_channel(target, tls, options)
         self.stub = pb_grpc.InferenceStub(self._channel)
-        self._metadata = metadata
+        # The token goes with every call (gRPC metadata is per call).
+        self._metadata = with_token(metadata, token)
         self._shared: Stream | None = None
         self._lock = threading.Lock()
 
@@ -215,13 +219,21 @@ class Client:
             return self._shared
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+        return list(
+            self.stub.Tokenize(
+                pb.TokenizeRequest(text=text), metadata=call_metadata(self._metadata)
+            ).token_ids
+        )
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
+        )
 
     def server_stats(self) -> pb.ServerStats:
-        return self.stub.GetServerStats(pb.GetServerStatsRequest())
+        return self.stub.GetServerStats(
+            pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
+        )
 
     def close(self) -> None:
         with self._lock:

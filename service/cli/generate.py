@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.service.cli.connect import add_connection_args, client_tls
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
 
@@ -76,6 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--cancel-after", type=int, default=None, metavar="N", help="cancel after N tokens"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_connection_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=run)
 
@@ -185,7 +187,7 @@ class _LocalCollector:
 async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
     from slipstream.clients import AsyncClient
 
-    async with AsyncClient(args.server) as client:
+    async with AsyncClient(args.server, tls=client_tls(args), token=args.token) as client:
         stream = client.stream()
         generations = [
             await stream.generate(
