@@ -222,8 +222,11 @@ class ServerThread:
 
 
 class Served:
-    def __init__(self, server: ServerThread, tenants: Tenants, telemetry: object) -> None:
+    def __init__(
+        self, server: ServerThread, tenants: Tenants, telemetry: object, spans: object
+    ) -> None:
         self.server, self.tenants, self.telemetry = server, tenants, telemetry
+        self.spans = spans  # an InMemorySpanExporter
 
     def client(self, token: str | None) -> Client:
         return Client(self.server.target, token=token)
@@ -235,16 +238,23 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.metrics import ServerMetrics
     from slipstream.service.telemetry.tracing import Telemetry
 
     engine = Engine(CONFIG)
     engine.start()
-    telemetry = Telemetry(None, ServerMetrics())
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    telemetry = Telemetry(provider, ServerMetrics())
     tenants = Tenants(parse_tenants(TENANTS_TOML))
     server = ServerThread(engine, tenants, telemetry)
-    yield Served(server, tenants, telemetry)
+    yield Served(server, tenants, telemetry, spans)
     server.stop()
     engine.shutdown()
 
@@ -304,6 +314,13 @@ def test_a_forbidden_request_fails_alone(served: Served) -> None:
     finished = "slipstream_tenant_requests_finished_total"
     assert served.metric(finished, tenant="search", reason="max_tokens") >= 1
     assert served.metric("slipstream_tenant_tokens_total", tenant="search", kind="output") >= 4
+    tagged = [
+        span.attributes
+        for span in served.spans.get_finished_spans()  # type: ignore[attr-defined]
+        if span.attributes.get("slipstream.tenant") == "search"
+    ]
+    reasons = sorted(a.get("slipstream.rejection.reason", "ran") for a in tagged)
+    assert reasons == ["permission_denied", "permission_denied", "ran"]
 
 
 def test_over_the_inflight_quota_is_resource_exhausted_with_a_hint(served: Served) -> None:
