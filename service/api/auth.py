@@ -40,12 +40,15 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from slipstream.service.engine.events import Event, EventCallback, GenerationRequest
+from slipstream.service.engine.events import (
+    Event,
+    EventCallback,
+    FinishEvent,
+    GenerationRequest,
+)
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _LIMITS = ("max_priority_class", "max_inflight", "tokens_per_minute", "max_new_tokens")
@@ -182,7 +185,7 @@ class Grant:
     tenants: Tenants
     usage: _Usage
     num_charged: int = 0
-    is_released: bool = field(default=False)
+    is_released: bool = False
 
     @property
     def tenant(self) -> Tenant:
@@ -199,7 +202,6 @@ class Grant:
     def wrap(self, on_event: EventCallback) -> EventCallback:
         """An engine callback that charges token events and releases on the
         finish event, then hands every event on to ``on_event``."""
-        from slipstream.service.engine.events import FinishEvent
 
         def charged(event: Event) -> None:
             if isinstance(event, FinishEvent):
@@ -244,9 +246,12 @@ class Tenants:
                     usage[name] = _Usage(tenant, bucket=float(rate or 0), refilled_at=now)
                 else:
                     old.refill(now)
+                    rate = tenant.tokens_per_minute
+                    if rate is not None and old.tenant.tokens_per_minute is None:
+                        old.bucket, old.refilled_at = float(rate), now  # a new limit starts full
+                    elif rate is not None:
+                        old.bucket = min(old.bucket, float(rate))
                     old.tenant = tenant
-                    if tenant.tokens_per_minute is not None:
-                        old.bucket = min(old.bucket, float(tenant.tokens_per_minute))
                     usage[name] = old
             self._usage = usage
             self._digests = [(d, u) for u in usage.values() for d in u.tenant.token_sha256]
@@ -370,8 +375,6 @@ class TenantGate:
 
     def admit(self, request: GenerationRequest) -> tuple[GenerationRequest, Grant]:
         """``request`` labelled with the tenant, and its grant."""
-        from dataclasses import replace
-
         grant = self.tenants.admit(
             self.tenant, request.priority, request.max_new_tokens, len(request.prompt_token_ids)
         )

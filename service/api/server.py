@@ -71,7 +71,7 @@ _CHANNEL_OPTIONS = [
 _PROTECTED_PREFIX = "/" + SERVICE_NAMES[0] + "/"
 
 
-class BearerAuth(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class BearerAuth(grpc.aio.ServerInterceptor):
     """Refuses every ``slipstream.v1.Inference`` call whose metadata carries
     no known bearer token, before its handler runs; other services pass."""
 

@@ -198,7 +198,7 @@ def usage_hint(
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
     client = " --tls-ca CA.pem" if has_tls else ""
     grpcurl = "-cacert CA.pem" if has_tls else "-plaintext"
-    auth = " -H 'authorization: Bearer $SLIPSTREAM_TOKEN'" if has_tenants else ""
+    auth = ' -H "authorization: Bearer $SLIPSTREAM_TOKEN"' if has_tenants else ""
     lines = [
         f"slipstream: serving {model} on {host}:{port} (listening on {address})",
         "try:",

@@ -195,6 +195,21 @@ def test_replace_keeps_usage_of_tenants_that_stay() -> None:
     assert tenants.num_inflight("batch") == 0
 
 
+def test_a_reload_that_adds_or_lowers_a_rate_takes_effect_at_once() -> None:
+    clock = FakeClock()
+    digest = token_sha256("t")
+    tenants = Tenants({"a": Tenant("a", (digest,))}, clock=clock)
+    a = tenants.authenticate("Bearer t")
+    tenants.admit(a, 0, 8, 10_000).release(10_000)  # no rate yet: nothing counted
+    tenants.replace({"a": Tenant("a", (digest,), tokens_per_minute=60)})
+    tenants.admit(a, 0, 8, 60).release(0)  # a new limit starts full
+    clock.now += 60  # full again: 60
+    tenants.replace({"a": Tenant("a", (digest,), tokens_per_minute=40)})  # capped at 40
+    tenants.admit(a, 0, 8, 30).release(0)
+    with pytest.raises(QuotaExceeded):  # 10 left, not 30
+        tenants.admit(a, 0, 8, 15)
+
+
 # ---------------------------------------------------------------- over gRPC
 
 
