@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import grpc
@@ -379,6 +380,28 @@ def test_token_rate_counts_output_as_it_is_made(served: Served) -> None:
     assert second.reject_reason == "quota_exceeded"
     assert second.retry_after_s is not None
     assert (60 - 16 - refilled) / 2 - 0.01 <= second.retry_after_s <= (60 - 16) / 2 + 0.01
+
+
+def test_cli_takes_the_token_from_the_environment(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.service.cli import main
+
+    target = served.server.target
+    generate = ["generate", "--server", target, "--prompt", "Hi", "--max-tokens", "2", "--json"]
+    monkeypatch.setenv("SLIPSTREAM_TOKEN", SEARCH_TOKEN)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([*generate, "--priority", "1"]) == 0
+        assert main(["stats", "--server", target, "--json"]) == 0
+    # Only JSON: the server in this process logs to stdout as well.
+    first, stats = [line for line in out.getvalue().splitlines() if line.startswith("{")]
+    assert json.loads(first)["finish_reason"] in {"max_tokens", "eos"}
+    assert "kv_blocks_used" in json.loads(stats)
+    monkeypatch.delenv("SLIPSTREAM_TOKEN")
+    with pytest.raises(grpc.RpcError) as refused:
+        main(["stats", "--server", target, "--json"])
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_logs_name_the_tenant_and_never_the_token(served: Served) -> None:

@@ -292,6 +292,18 @@ def test_stats_command_speaks_mtls(mtls_server: ServerThread, pki: dict[str, Pat
     assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
+def test_generate_command_speaks_mtls(mtls_server: ServerThread, pki: dict[str, Path]) -> None:
+    from slipstream.service.cli import main
+
+    argv = ["generate", "--server", mtls_server.target, "--prompt", "Hello", "--max-tokens", "3"]
+    tls = ["--tls-ca", str(pki["server_ca"]), "--tls-cert", str(pki["client_cert"])]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([*argv, *tls, "--tls-key", str(pki["client_key"]), "--json"]) == 0
+    (line,) = [line for line in out.getvalue().splitlines() if line.startswith("{")]
+    assert json.loads(line)["finish_reason"] in {"max_tokens", "eos"}
+
+
 def test_serve_refuses_a_public_address_without_tls_and_tenants(
     capsys: pytest.CaptureFixture[str], pki: dict[str, Path]
 ) -> None:
