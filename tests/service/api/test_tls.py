@@ -318,6 +318,25 @@ def test_serve_refuses_a_public_address_without_tls_and_tenants(
     assert "without tenants" in err
 
 
+def test_serve_says_which_file_is_unusable(
+    capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
+) -> None:
+    from slipstream.service.cli import main
+
+    serve = ["serve", "--model", "tiny", "--port", "0", "--no-calibrate"]
+    mismatched = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["client_key"])]
+    bad_tenants = write(tmp_path / "tenants.toml", b"[tenants.a\n")
+    for extra, complaint in [
+        (mismatched, "certificate and its key"),
+        (["--tenants", str(bad_tenants)], "not valid TOML"),
+        (["--tls-cert", str(pki["server_cert"])], "--tls-cert and --tls-key go together"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main([*serve, *extra])
+        assert exited.value.code == 2
+        assert complaint in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("host", "is_loopback"),
     [
