@@ -313,15 +313,15 @@ class Tenants:
             return 0 if usage is None else usage.num_inflight
 
     def _charge(self, grant: Grant, num_tokens: int) -> None:
-        if num_tokens <= 0:
+        # Once per token event on the engine thread: no lock without a rate.
+        if num_tokens <= 0 or grant.usage.tenant.tokens_per_minute is None:
             return
         with self._lock:
             if grant.is_released:
                 return
             grant.num_charged += num_tokens
-            if grant.usage.tenant.tokens_per_minute is not None:
-                grant.usage.refill(self._clock())
-                grant.usage.bucket -= num_tokens
+            grant.usage.refill(self._clock())
+            grant.usage.bucket -= num_tokens
 
     def _release(self, grant: Grant, num_output_tokens: int | None) -> None:
         with self._lock:
