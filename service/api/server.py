@@ -6,10 +6,12 @@ reflection services, always on.
 serve, and on SIGTERM/SIGINT drain within a grace period, then stop; on
 SIGHUP re-read the tenants file.
 
-Security sits here, at the edge: TLS (optionally mutual) from ``tls.py``,
-and with tenants a ``BearerAuth`` interceptor that refuses any call to
-``slipstream.v1.Inference`` without a known bearer token (UNAUTHENTICATED);
-health and reflection stay open. Per-request limits are the session's.
+Security sits at this edge: TLS (optionally mutual) from ``tls.py``; with
+tenants, the servicer refuses any ``slipstream.v1.Inference`` call without a
+known bearer token (UNAUTHENTICATED) and the session applies each tenant's
+per-request limits. Health and reflection stay open. (Not a server
+interceptor: with one installed, grpc.aio clients often see an early abort
+as INTERNAL instead of its real status.)
 """
 
 from __future__ import annotations
@@ -18,22 +20,16 @@ import asyncio
 import ipaddress
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from slipstream.service.api.auth import (
-    Tenants,
-    TenantsFileError,
-    Unauthenticated,
-    authorization_header,
-    load_tenants,
-)
+from slipstream.service.api.auth import Tenants, TenantsFileError, load_tenants
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.servicer import InferenceServicer
 from slipstream.service.api.status import finish_status
@@ -68,58 +64,6 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-_PROTECTED_PREFIX = "/" + SERVICE_NAMES[0] + "/"
-
-
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Refuses every ``slipstream.v1.Inference`` call whose metadata carries
-    no known bearer token, before its handler runs; other services pass."""
-
-    def __init__(self, tenants: Tenants, telemetry: Telemetry | None = None) -> None:
-        self._tenants = tenants
-        self._telemetry = telemetry
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(_PROTECTED_PREFIX):
-            return handler
-        try:
-            self._tenants.authenticate(authorization_header(details.invocation_metadata or ()))
-        except Unauthenticated as exc:
-            return self._refusal(handler, details.method, str(exc))
-        return handler
-
-    def _refusal(
-        self, handler: grpc.RpcMethodHandler, method: str, message: str
-    ) -> grpc.RpcMethodHandler:
-        telemetry = self._telemetry
-
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-            if telemetry is not None:
-                telemetry.unauthenticated(method, context.peer(), message)
-            else:
-                log.warning("call_unauthenticated", method=method, peer=context.peer())
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-        if handler.request_streaming and handler.response_streaming:
-            make = grpc.stream_stream_rpc_method_handler
-        elif handler.request_streaming:
-            make = grpc.stream_unary_rpc_method_handler
-        elif handler.response_streaming:
-            make = grpc.unary_stream_rpc_method_handler
-        else:
-            make = grpc.unary_unary_rpc_method_handler
-        return make(
-            refuse,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
 def build_server(
     lifecycle: Lifecycle,
     host: str,
@@ -132,8 +76,7 @@ def build_server(
     """A server (not started) for ``lifecycle``; returns it and the bound port.
     ``tls``: serve TLS only (mutual with a client CA); ``tenants``: every
     inference call needs a bearer token of one of them."""
-    interceptors = [] if tenants is None else [BearerAuth(tenants, telemetry)]
-    server = grpc.aio.server(options=_CHANNEL_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
     servicer = InferenceServicer(lifecycle, telemetry, tenants)

@@ -40,6 +40,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
+        gate = await self._gate(context, "Generate")
         try:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
@@ -50,7 +51,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             _call_deadline(context),
             self._telemetry,
             context.invocation_metadata() or (),
-            await self._gate(context),
+            gate,
         )
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
@@ -70,7 +71,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        engine = await self._engine_or_abort(context)
+        engine = await self._engine_or_abort(context, "Tokenize")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         ids = engine.tokenizer.encode(request.text, add_special_tokens=add_special)
         return pb.TokenizeResponse(
@@ -80,28 +81,31 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        engine = await self._engine_or_abort(context)
+        engine = await self._engine_or_abort(context, "GetModelInfo")
         return wire.model_info(engine.info)
 
     async def GetServerStats(
         self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStats:
-        engine = await self._engine_or_abort(context)
+        engine = await self._engine_or_abort(context, "GetServerStats")
         return wire.server_stats(engine.stats())
 
-    async def _gate(self, context: grpc.aio.ServicerContext) -> TenantGate | None:
-        """The call's tenant (None on a server without tenants). The server's
-        interceptor has already refused calls without a valid token; this
-        checks again so that a handler never runs open by mistake."""
+    async def _gate(self, context: grpc.aio.ServicerContext, method: str) -> TenantGate | None:
+        """The call's tenant (None on a server without tenants); aborts the
+        call UNAUTHENTICATED without a known bearer token. Every method calls
+        it first (a test holds every method of the service to that)."""
         if self._tenants is None:
             return None
         try:
             header = authorization_header(context.invocation_metadata() or ())
             return TenantGate(self._tenants, self._tenants.authenticate(header))
         except Unauthenticated as exc:
+            if self._telemetry is not None:
+                self._telemetry.unauthenticated(method, context.peer(), str(exc))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
 
-    async def _engine_or_abort(self, context: grpc.aio.ServicerContext) -> Engine:
+    async def _engine_or_abort(self, context: grpc.aio.ServicerContext, method: str) -> Engine:
+        await self._gate(context, method)
         try:
             return self._lifecycle.engine
         except NotServing as exc:

@@ -226,7 +226,19 @@ def run(args: argparse.Namespace) -> int:
         # stdout carries the results (JSON lines); logs go to stderr.
         configure_logging(level="warning")
     specs = load_prompts(args)
-    outputs = run_local(specs, args) if args.local else asyncio.run(run_remote(specs, args))
+    if args.local:
+        outputs = run_local(specs, args)
+    else:
+        from slipstream.clients import StreamError
+
+        try:
+            outputs = asyncio.run(run_remote(specs, args))
+        except StreamError as exc:  # the whole call failed: unreachable, TLS, token
+            print(f"slipstream: error: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # a --tls-* file
+            print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 1
     for out in outputs:
         if args.json:
             print(out.to_json())

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+import grpc
 
 from slipstream.clients.security import secure_channel, with_token
 from slipstream.clients.wire import call_metadata
@@ -68,11 +71,18 @@ def _table(stats: dict[str, object]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     metadata = call_metadata(with_token(None, args.token))
-    with secure_channel(args.server, client_tls(args), None) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        response = stub.GetServerStats(
-            pb.GetServerStatsRequest(), timeout=args.timeout_s, metadata=metadata
-        )
+    try:
+        with secure_channel(args.server, client_tls(args), None) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            response = stub.GetServerStats(
+                pb.GetServerStatsRequest(), timeout=args.timeout_s, metadata=metadata
+            )
+    except grpc.RpcError as exc:
+        print(f"slipstream: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a --tls-* file
+        print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
     stats = stats_dict(response)
     print(json.dumps(stats) if args.json else _table(stats))
     return 0

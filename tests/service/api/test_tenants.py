@@ -34,6 +34,7 @@ from slipstream.service.api.auth import (
     token_sha256,
 )
 from slipstream.service.engine.config import EngineConfig
+from slipstream.v1 import inference_pb2 as pb
 
 CONFIG = EngineConfig(model="tiny", dtype="float32", calibrate_cost_model=False)
 SEARCH_TOKEN = "search-secret-token-1"
@@ -296,6 +297,35 @@ def test_calls_without_a_known_token_are_unauthenticated(served: Served) -> None
     assert served.metric("slipstream_rejections_total", reason="unauthenticated") >= 4
 
 
+def test_every_inference_method_needs_a_token(served: Served) -> None:
+    """Each method of the service, called without a token, is refused
+    (or not implemented yet): a new method cannot run open by mistake."""
+    service = pb.DESCRIPTOR.services_by_name["Inference"]
+    with grpc.insecure_channel(served.server.target) as channel:
+        for method in service.methods:
+            request_type = getattr(pb, method.input_type.name)
+            kind = {
+                (False, False): channel.unary_unary,
+                (False, True): channel.unary_stream,
+                (True, False): channel.stream_unary,
+                (True, True): channel.stream_stream,
+            }[(method.client_streaming, method.server_streaming)]
+            call = kind(
+                f"/{service.full_name}/{method.name}",
+                request_serializer=request_type.SerializeToString,
+                response_deserializer=bytes,
+            )
+            request = iter([request_type()]) if method.client_streaming else request_type()
+            with pytest.raises(grpc.RpcError) as refused:
+                response = call(request, timeout=30)
+                if method.server_streaming:
+                    list(response)
+            assert refused.value.code() in {
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.UNIMPLEMENTED,
+            }, method.name
+
+
 def test_health_and_reflection_need_no_token(served: Served) -> None:
     with grpc.insecure_channel(served.server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(
@@ -383,7 +413,7 @@ def test_token_rate_counts_output_as_it_is_made(served: Served) -> None:
 
 
 def test_cli_takes_the_token_from_the_environment(
-    served: Served, monkeypatch: pytest.MonkeyPatch
+    served: Served, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from slipstream.service.cli import main
 
@@ -399,9 +429,14 @@ def test_cli_takes_the_token_from_the_environment(
     assert json.loads(first)["finish_reason"] in {"max_tokens", "eos"}
     assert "kv_blocks_used" in json.loads(stats)
     monkeypatch.delenv("SLIPSTREAM_TOKEN")
-    with pytest.raises(grpc.RpcError) as refused:
-        main(["stats", "--server", target, "--json"])
-    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert main(["stats", "--server", target, "--json"]) == 1
+    assert "UNAUTHENTICATED: missing bearer token" in capsys.readouterr().err
+    # generate's asyncio client may see INTERNAL instead: grpc.aio overwrites
+    # the status of a call the server ended while the client still wrote
+    # (grpc/grpc#36066), for any early refusal.
+    assert main(generate) == 1
+    err = capsys.readouterr().err
+    assert "slipstream: error: " in err and "Traceback" not in err
 
 
 def test_logs_name_the_tenant_and_never_the_token(served: Served) -> None:

@@ -278,7 +278,9 @@ def test_unusable_files_stop_the_server_from_starting(pki: dict[str, Path], tmp_
 # ---------------------------------------------------------------- the command line
 
 
-def test_stats_command_speaks_mtls(mtls_server: ServerThread, pki: dict[str, Path]) -> None:
+def test_stats_command_speaks_mtls(
+    mtls_server: ServerThread, pki: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     from slipstream.service.cli import main
 
     argv = ["stats", "--server", mtls_server.target, "--json", "--tls-ca", str(pki["server_ca"])]
@@ -287,9 +289,10 @@ def test_stats_command_speaks_mtls(mtls_server: ServerThread, pki: dict[str, Pat
     with redirect_stdout(out):
         assert main([*argv, *mtls]) == 0
     assert json.loads(out.getvalue())["draining"] is False
-    with pytest.raises(grpc.RpcError) as refused:
-        main(argv)  # no client certificate
-    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert main(argv) == 1  # no client certificate
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert main([*argv, "--tls-cert", "absent.pem", "--tls-key", "absent.key"]) == 1
+    assert "cannot read absent" in capsys.readouterr().err
 
 
 def test_generate_command_speaks_mtls(mtls_server: ServerThread, pki: dict[str, Path]) -> None:
@@ -300,6 +303,7 @@ def test_generate_command_speaks_mtls(mtls_server: ServerThread, pki: dict[str, 
     out = io.StringIO()
     with redirect_stdout(out):
         assert main([*argv, *tls, "--tls-key", str(pki["client_key"]), "--json"]) == 0
+        assert main([*argv, "--tls-ca", str(pki["server_ca"])]) == 1  # no client certificate
     (line,) = [line for line in out.getvalue().splitlines() if line.startswith("{")]
     assert json.loads(line)["finish_reason"] in {"max_tokens", "eos"}
 
