@@ -11,7 +11,7 @@ PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint typecheck unit protos bench-offline bench-serve bench-slo bench-step clean
+.PHONY: run kernels test test-slow lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ $(STAMP): $(BIN)/python pyproject.toml requirements-lock.txt
 protos: $(STAMP)
 	$(BIN)/python protos/generate.py
 
-run: $(STAMP) protos
+# The native CPU kernels, built once per source and cached under $SLIPSTREAM_HOME
+# (the server would build them at first start otherwise; a failure falls back).
+kernels: $(STAMP) protos
+	-$(BIN)/slipstream kernels build
+
+run: $(STAMP) protos kernels
 	$(BIN)/slipstream serve --model $(MODEL) --port $(PORT)
 
 lint: $(STAMP)
@@ -48,6 +53,10 @@ test-slow: $(STAMP) protos
 bench-offline: $(STAMP) protos
 	mkdir -p bench-results
 	$(BIN)/slipstream bench offline --model small --requests 64 --seed 0 --json bench-results/offline.json
+
+bench-prefix: $(STAMP) protos
+	mkdir -p bench-results
+	$(BIN)/slipstream bench prefix --model small --requests 64 --system-len 1000 --json bench-results/prefix.json --plot bench-results/prefix.png
 
 bench-serve: $(STAMP) protos
 	mkdir -p bench-results

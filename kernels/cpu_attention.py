@@ -7,19 +7,8 @@ C++ file for the memory walk. It runs as the torch op
 ``torch.ops.slipstream.paged_attention``, which has a fake (meta) kernel, so a
 model calling it compiles under ``torch.compile(fullgraph=True)``.
 
-Build and cache (ninja through ``torch.utils.cpp_extension``)::
-
-    <home>/cache/extensions/
-        paged_attention_cpu-<key>/      build.ninja, *.o, slipstream_paged_attention_cpu.so
-        .paged_attention_cpu-<key>.lock held while one process builds
-
-``<key>`` hashes the source, the compiler flags, the torch version and the
-machine architecture. No CPU feature flags: the library holds an AVX2+FMA and a
-baseline variant and picks one at run time, so one build serves every x86-64
-CPU. ``home`` is the caller's (the service's ``slipstream_home()``, which
-honours ``$SLIPSTREAM_HOME``); this module reads no environment variables. A
-library left broken in its directory (say, a link killed half-way) makes the
-attempt fail with that directory in the log line; deleting it rebuilds.
+Built on first use and cached under ``<home>/cache/extensions`` (see
+``extensions``).
 
 ``is_available()`` tries the build once per process and never raises: on any
 failure it logs one line and returns False, and callers use the torch path.
@@ -27,79 +16,41 @@ failure it logs one line and returns False, and callers use the torch path.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import logging
-import platform
-import time
 from pathlib import Path
 
 import torch
 
+from slipstream.kernels import extensions
 from slipstream.kernels.attention import AttentionMetadata
+from slipstream.kernels.extensions import default_home
 from slipstream.kernels.kv_layout import head_major
 
-log = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
-LIBRARY_NAME = "slipstream_paged_attention_cpu"
 # -O3 for the vector loops; -fopenmp for the task loop (it links the libgomp
 # torch already loaded); -Wno-psabi: 32-byte vector helpers are always inlined.
-CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi")
-LDFLAGS = ("-fopenmp",)
+EXTENSION = extensions.Extension(
+    name="paged_attention_cpu",
+    cflags=("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi"),
+    ldflags=("-fopenmp",),
+    probe="paged_attention_cpu_isa",
+    what="fused CPU attention kernel",
+    fallback="the torch attention path",
+)
 DTYPES = (torch.float32, torch.bfloat16)
 
 # Outcome of the one build attempt per source file: True, or the failure message.
 _attempts: dict[Path, bool | str] = {}
 _fake_registered = False
 
-
-def default_home() -> Path:
-    """Where the service keeps its files when ``$SLIPSTREAM_HOME`` is unset."""
-    return Path.home() / ".cache" / "slipstream"
+__all__ = ["default_home", "failure", "is_available", "paged_attention"]
 
 
 def build_key(source: Path | None = None) -> str:
-    """Changes whenever the built library could: source, flags, torch, architecture."""
-    digest = hashlib.sha256((source or SOURCE).read_bytes())
-    for part in (*CFLAGS, *LDFLAGS, torch.__version__, platform.machine()):
-        digest.update(b"\0" + part.encode())
-    return f"paged_attention_cpu-{digest.hexdigest()[:16]}"
+    return extensions.build_key(EXTENSION, source or SOURCE)
 
 
 def extension_dir(home: Path, source: Path | None = None) -> Path:
-    return home / "cache" / "extensions" / build_key(source)
-
-
-def load(build_dir: Path, source: Path | None = None) -> None:
-    """Builds the library into ``build_dir`` unless it is there, and loads it.
-    Raises on failure. One process builds at a time (a kernel lock, so a killed
-    build leaves no stale lock behind)."""
-    library = build_dir / f"{LIBRARY_NAME}.so"
-    build_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(build_dir.parent / f".{build_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not library.exists():
-            _build(build_dir, source or SOURCE)
-    torch.ops.load_library(str(library))
-    _register_fake()
-
-
-def _build(build_dir: Path, source: Path) -> None:
-    from torch.utils import cpp_extension
-
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # torch's own lock file; under our lock, one left here is from a killed build.
-    (build_dir / "lock").unlink(missing_ok=True)
-    cpp_extension.load(
-        name=LIBRARY_NAME,
-        sources=[str(source)],
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=list(LDFLAGS),
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=False,
-    )
+    return extensions.extension_dir(EXTENSION, home, source or SOURCE)
 
 
 def is_available(home: Path | None = None, source: Path | None = None) -> bool:
@@ -109,7 +60,9 @@ def is_available(home: Path | None = None, source: Path | None = None) -> bool:
     source = source or SOURCE
     outcome = _attempts.get(source)
     if outcome is None:
-        outcome = _attempt(extension_dir(home or default_home(), source), source)
+        outcome = extensions.attempt(EXTENSION, home or default_home(), source)
+        if outcome is True:
+            _register_fake()
         _attempts[source] = outcome
     return outcome is True
 
@@ -118,38 +71,6 @@ def failure(source: Path | None = None) -> str | None:
     """Why the attempt for ``source`` failed, None if it succeeded or was not made."""
     outcome = _attempts.get(source or SOURCE)
     return outcome if isinstance(outcome, str) else None
-
-
-def _attempt(build_dir: Path, source: Path) -> bool | str:
-    started = time.perf_counter()
-    try:
-        load(build_dir, source)
-        isa = torch.ops.slipstream.paged_attention_cpu_isa()
-    except Exception as error:  # a failed build must never take the service down
-        reason = _first_error_line(error)
-        log.warning(
-            "fused CPU attention kernel unavailable (%s in %s); using the torch attention path",
-            reason,
-            build_dir,
-        )
-        return reason
-    log.info(
-        "fused CPU attention kernel ready: %s variant, %s (%.1f s)",
-        isa,
-        build_dir,
-        time.perf_counter() - started,
-    )
-    return True
-
-
-def _first_error_line(error: Exception) -> str:
-    """The compiler's first ``error:`` line if there is one, else the exception's first line."""
-    text = str(error)
-    for line in text.splitlines():
-        if "error:" in line:
-            return f"build failed: {line.strip()}"
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    return f"{type(error).__name__}: {first}"
 
 
 def _register_fake() -> None:

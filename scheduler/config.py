@@ -24,6 +24,12 @@ class SchedulerConfig:
     deadline at the current load (DEADLINE_EXCEEDED) before it expires;
     ``min_residency_s`` protects a request just admitted or resumed from
     being pushed out for waiting work (the thrash guard).
+
+    ``enable_prefix_cache``: full KV blocks are kept and shared by hash of
+    their prefix (``block_manager.py``); an admitted request skips the
+    prefill of every leading block already cached. Off by default here
+    (the simulator's synthetic prompts are one token repeated, so every
+    request would share everything); the engine turns it on.
     """
 
     num_device_blocks: int
@@ -38,6 +44,7 @@ class SchedulerConfig:
     abandon_hopeless: bool = True
     aging_s: float = 60.0
     min_residency_s: float = 0.05
+    enable_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         positive = {

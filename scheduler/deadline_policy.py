@@ -140,7 +140,7 @@ class DeadlinePolicy(SchedulingPolicy):
 
     def _estimate(self, req: Request) -> _Entry:
         """``req``'s entry with its estimate up to date."""
-        progress = (req.num_computed_tokens, len(req.output_token_ids), req.status)
+        progress = (req.num_known_kv_tokens, len(req.output_token_ids), req.status)
         entry = self._entry(req.req_id)
         if entry.progress != progress:
             self._new_estimate(entry, req, progress)
@@ -188,7 +188,7 @@ class DeadlinePolicy(SchedulingPolicy):
             self._epoch += 1
             self._epoch_now, self._epoch_step_s = now, self.loaded_step_s
         signature = (
-            req.num_computed_tokens,
+            req.num_known_kv_tokens,
             len(req.output_token_ids),
             req.status,
             req.deadline,

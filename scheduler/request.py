@@ -7,6 +7,8 @@ Lifecycle (``RequestStatus``, in documented order)::
        └──── preempt ───────┤  (recompute: blocks freed, back to WAITING)
                             ▼
                          SWAPPED ──swap in──▶ RUNNING   (KV kept in the host pool)
+                            │
+                            └──▶ WAITING  (its shared prefix left the cache meanwhile)
 
 Token bookkeeping follows one idea: ``num_computed_tokens`` (tokens whose KV is
 in the cache) catches up with ``num_tokens`` (prompt + generated) under a
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 
 class RequestStatus(enum.IntEnum):
     """Where a request is. Ordered: a request only moves to a larger value,
-    except RUNNING -> WAITING (recompute) and RUNNING <-> SWAPPED (swap)."""
+    except RUNNING -> WAITING (recompute), RUNNING <-> SWAPPED (swap) and
+    SWAPPED -> WAITING (a swap-in whose shared prefix was evicted)."""
 
     WAITING = 0
     RUNNING = 1
@@ -92,6 +95,18 @@ class Request:
     first_scheduled_time: float | None = None
     last_resumed_time: float | None = None  # last admission or swap-in
     first_token_time: float | None = None
+    # Prefix cache (see block_manager.py): chain hashes of the leading full
+    # blocks of prompt + outputs, computed as needed; how many leading blocks
+    # of ``block_ids`` are in the cache (shared hits or registered); while
+    # SWAPPED, how many leading shared blocks were released instead of copied
+    # (found again in the cache at swap-in); prompt tokens the first
+    # admission found cached (reported as ``cached_tokens``); the cached
+    # prefix the latest look-up found (estimates of a waiting request).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_committed_blocks: int = 0
+    num_released_blocks: int = 0
+    num_cached_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -113,6 +128,15 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V are not in the cache yet (1 for a decode)."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_known_kv_tokens(self) -> int:
+        """Tokens whose K/V need no computing: the computed ones, or, while
+        waiting, the cached prefix its latest look-up found (cached tokens
+        cost nothing to prefill)."""
+        if self.status is RequestStatus.WAITING:
+            return max(self.num_computed_tokens, self.num_prefix_hit_tokens)
+        return self.num_computed_tokens
 
     @property
     def has_scheduling_state(self) -> bool:

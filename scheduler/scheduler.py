@@ -19,6 +19,11 @@ Invariants kept by every public method:
   the one matching its status;
 - waiting requests hold no blocks; running requests hold device blocks only,
   covering their computed tokens; swapped requests hold host blocks only;
+- with the prefix cache on, a device block may have several holders (a
+  shared prefix, see block_manager.py): its reference count is its number
+  of holders, and nobody writes it. Admission starts a request's prefill at
+  its first uncached token; preemption swaps out only the blocks a request
+  holds alone and releases its shared prefix, found again at swap-in;
 - a finished request holds no blocks and is forgotten;
 - nothing preempted in a step runs in that step, and a step that preempts
   swaps nothing in (both guard against thrashing). Swap-outs are always
@@ -34,7 +39,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .admission import check_request_fits, check_request_shape
-from .block_manager import BlockPool
+from .block_manager import (
+    BlockPool,
+    commit_computed_blocks,
+    find_cached_prefix,
+    num_shared_leading_blocks,
+)
 from .config import SchedulerConfig
 from .cost_model import CostModel
 from .errors import DeadlineInfeasible, DuplicateRequest, QueueFull
@@ -108,6 +118,10 @@ class Scheduler:
         self._num_preemptions = {mode: 0 for mode in PreemptionMode}
         self._num_expired = 0
         self._num_abandoned = 0
+        self._prefix_cache = config.enable_prefix_cache
+        self._num_prefix_queried_tokens = 0  # looked up at admissions
+        self._num_prefix_hit_tokens = 0  # of those, found cached
+        self._num_lost_swaps = 0  # swapped requests requeued by _requeue_lost_swap
         # (time, arrival_index, req) per deadline / first-token deadline;
         # entries of finished requests are dropped lazily when they surface.
         self._deadlines: list[tuple[float, int, Request]] = []
@@ -122,6 +136,7 @@ class Scheduler:
         if req.req_id in self._requests:
             raise DuplicateRequest(f"request {req.req_id!r} is already live")
         check_request_fits(req, self.config)
+        self._prefix_hits(req)  # cached tokens cost nothing in the estimates below
         if self.config.reject_infeasible:
             reason = self.policy.check_admission(req, req.arrival_time if now is None else now)
             if reason:
@@ -207,8 +222,12 @@ class Scheduler:
         rigid: int | None = None
         reserved_blocks = reserved_tokens = 0
         for num_admitted, candidate in enumerate(self._ordered_waiting(state, now)):
-            chunk = min(candidate.num_uncomputed_tokens, self.config.max_num_batched_tokens)
-            need = reserved_blocks + self.device_pool.blocks_for(chunk)
+            hits = self._prefix_hits(candidate)
+            cached = len(hits) * self.config.block_size
+            chunk = min(candidate.num_tokens - cached, self.config.max_num_batched_tokens)
+            need = reserved_blocks + self._blocks_to_admit(
+                hits, self.device_pool.blocks_for(cached + chunk)
+            )
             min_tokens = min(chunk, self.config.block_size) if budget else 0
             while True:
                 if self._fits(need, num_admitted + 1):
@@ -280,16 +299,21 @@ class Scheduler:
                 return
             if head is not None and head < self.policy.urgency_key(req, now):
                 return  # the slot and blocks go to more urgent waiting work
+            hits = self._released_prefix(req)
+            if hits is None:
+                self._requeue_lost_swap(req)
+                continue
             num_new = min(
                 req.num_uncomputed_tokens, state.token_budget - self._held(state, req, now)
             )
             if num_new <= 0:
                 return
             target = req.num_computed_tokens + num_new
-            need = max(len(req.host_block_ids), self.device_pool.blocks_for(target))
-            if not self.device_pool.can_allocate(need):
+            num_blocks = len(hits) + len(req.host_block_ids)
+            num_blocks = max(num_blocks, self.device_pool.blocks_for(target))
+            if not self.device_pool.can_allocate(self._blocks_to_admit(hits, num_blocks)):
                 return
-            self._swap_in(state, req)
+            self._swap_in(state, req, hits)
             req.last_resumed_time = now
             req.block_ids.extend(self.device_pool.append(req.block_ids, target))
             self._add_seq(state, req, num_new)
@@ -302,10 +326,15 @@ class Scheduler:
                 return
             if req.req_id in state.preempted_ids:
                 continue  # pushed out this very step: admitting it back would thrash
-            num_new = min(req.num_uncomputed_tokens, state.token_budget)
-            target = req.num_computed_tokens + num_new
-            if not self.device_pool.can_append(req.block_ids, target):
+            hits = self._prefix_hits(req)
+            cached = len(hits) * self.config.block_size
+            num_new = min(req.num_tokens - cached, state.token_budget)
+            target = cached + num_new
+            if not self.device_pool.can_allocate(
+                self._blocks_to_admit(hits, self.device_pool.blocks_for(target))
+            ):
                 return  # the head waits for blocks; nobody overtakes it
+            self._take_prefix(req, hits)
             self._admit(req, now)
             req.block_ids.extend(self.device_pool.append(req.block_ids, target))
             self._add_seq(state, req, num_new)
@@ -328,6 +357,58 @@ class Scheduler:
         state.token_budget -= num_new
         state.scheduled[req.req_id] = req
 
+    # == the prefix cache =================================================
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        """The cached leading blocks waiting ``req`` would share if admitted
+        now (none with the cache off); remembered on ``req`` for estimates."""
+        hits = find_cached_prefix(self.device_pool, req) if self._prefix_cache else []
+        req.num_prefix_hit_tokens = len(hits) * self.config.block_size
+        return hits
+
+    def _blocks_to_admit(self, hits: list[int], num_blocks: int) -> int:
+        """Free blocks a table of ``num_blocks`` blocks starting with the
+        shared ``hits`` consumes: its new blocks, plus the hits that are
+        evictable (counted free until shared)."""
+        pool = self.device_pool
+        return num_blocks - len(hits) + pool.num_free_taken_by_share(hits)
+
+    def _take_prefix(self, req: Request, hits: list[int]) -> None:
+        """Waiting ``req`` starts with the shared ``hits``: its prefill
+        starts at the first uncached token."""
+        self.device_pool.share(hits)
+        req.block_ids = list(hits)
+        req.num_committed_blocks = len(hits)
+        req.num_computed_tokens = len(hits) * self.config.block_size
+        if req.first_scheduled_time is None:
+            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        if self._prefix_cache:
+            self._num_prefix_queried_tokens += req.num_tokens
+            self._num_prefix_hit_tokens += req.num_computed_tokens
+
+    def _released_prefix(self, req: Request) -> list[int] | None:
+        """The shared prefix swapped ``req`` released, found again in the
+        cache; None if part of it was evicted meanwhile."""
+        num_released = req.num_released_blocks
+        if num_released == 0:
+            return []
+        hits = self.device_pool.lookup(req.block_hashes[:num_released])
+        return hits if len(hits) == num_released else None
+
+    def _requeue_lost_swap(self, req: Request) -> None:
+        """Swapped ``req`` cannot resume: its host blocks continue a prefix
+        that left the cache. It drops them and waits to be recomputed (most of
+        it probably still cached)."""
+        self.host_pool.free(req.host_block_ids)
+        req.host_block_ids = []
+        req.num_released_blocks = 0
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        del self._swapped[req.req_id]
+        self._waiting.appendleft(req)
+        self._waiting_version += 1
+        self._num_lost_swaps += 1
+
     # == state transitions ================================================
 
     def _admit(self, req: Request, now: float) -> None:
@@ -340,7 +421,8 @@ class Scheduler:
         self._running[req.req_id] = req
 
     def _preempt(self, state: _StepState, victim: Request, now: float) -> None:
-        num_blocks = len(victim.block_ids)
+        # Only the blocks it holds alone are copied; its shared prefix is released.
+        num_blocks = len(victim.block_ids) - num_shared_leading_blocks(self.device_pool, victim)
         can_swap = num_blocks > 0 and self.host_pool.can_allocate(num_blocks)
         mode = self.policy.preemption_mode(victim, can_swap, now)
         if mode is PreemptionMode.SWAP and not can_swap:
@@ -359,26 +441,34 @@ class Scheduler:
         outputs and samples only at its end."""
         self.device_pool.free(req.block_ids)
         req.block_ids = []
+        req.num_committed_blocks = 0
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         self._waiting.appendleft(req)
         self._waiting_version += 1
 
     def _swap_out(self, state: _StepState, req: Request) -> None:
-        host_ids = self.host_pool.allocate(len(req.block_ids))
-        state.swap_out.extend(zip(req.block_ids, host_ids, strict=True))
+        num_shared = num_shared_leading_blocks(self.device_pool, req)
+        owned = req.block_ids[num_shared:]
+        host_ids = self.host_pool.allocate(len(owned))
+        state.swap_out.extend(zip(owned, host_ids, strict=True))
         self.device_pool.free(req.block_ids)
         req.block_ids = []
+        req.num_committed_blocks = 0
+        req.num_released_blocks = num_shared
         req.host_block_ids = host_ids
         req.status = RequestStatus.SWAPPED
         self._swapped[req.req_id] = req
 
-    def _swap_in(self, state: _StepState, req: Request) -> None:
+    def _swap_in(self, state: _StepState, req: Request, shared: list[int]) -> None:
+        self.device_pool.share(shared)  # first: allocate() below must not evict them
         device_ids = self.device_pool.allocate(len(req.host_block_ids))
         state.swap_in.extend(zip(req.host_block_ids, device_ids, strict=True))
         self.host_pool.free(req.host_block_ids)
         req.host_block_ids = []
-        req.block_ids = device_ids
+        req.block_ids = shared + device_ids
+        req.num_committed_blocks = len(shared)
+        req.num_released_blocks = 0
         req.status = RequestStatus.RUNNING
         del self._swapped[req.req_id]
         self._running[req.req_id] = req
@@ -395,6 +485,7 @@ class Scheduler:
         self.host_pool.free(req.host_block_ids)
         req.block_ids = []
         req.host_block_ids = []
+        req.num_committed_blocks = req.num_released_blocks = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.finish_message = message
@@ -425,6 +516,8 @@ class Scheduler:
         outputs = []
         for seq, req in current:
             req.num_computed_tokens += len(seq.token_ids)
+            if self._prefix_cache:
+                commit_computed_blocks(self.device_pool, req)
             if seq.sample:
                 outputs.append(self._append_token(req, sampled[seq.req_id], now))
         return outputs
@@ -499,6 +592,26 @@ class Scheduler:
     def num_abandoned(self) -> int:
         """Requests ended early by ``schedule()`` as unable to make their deadline."""
         return self._num_abandoned
+
+    @property
+    def num_prefix_queried_tokens(self) -> int:
+        """Tokens looked up in the prefix cache, one look-up per admission."""
+        return self._num_prefix_queried_tokens
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        """Of ``num_prefix_queried_tokens``, those found cached (not prefilled)."""
+        return self._num_prefix_hit_tokens
+
+    @property
+    def num_lost_swaps(self) -> int:
+        """Swapped requests sent back to wait because their shared prefix was evicted."""
+        return self._num_lost_swaps
+
+    @property
+    def num_cached_device_blocks(self) -> int:
+        """Device blocks in the prefix cache (held or evictable)."""
+        return self.device_pool.num_cached
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)

@@ -52,7 +52,9 @@ def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
     procs: list[subprocess.Popen[str]] = []
 
     def spawn(*args: str) -> ServerProcess:
-        command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0", *args]
+        # No HTTP front unless asked: its fixed default port would collide.
+        command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
+        command += ["--http-port", "0", *args]
         proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
         )

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from slipstream.service.api.auth import Tenants, TenantsFileError, load_tenants
+from slipstream.service.api.http.app import HttpFront
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.servicer import InferenceServicer
 from slipstream.service.api.status import finish_status
@@ -105,11 +106,19 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def exposure_warning(host: str, has_tls: bool, has_tenants: bool) -> str | None:
+def exposure_warning(
+    host: str, has_tls: bool, has_tenants: bool, has_http: bool = False
+) -> str | None:
     """Why listening on ``host`` this way lets anyone on the network in, or
-    None when it does not (loopback, or TLS and tenants both on)."""
-    if is_loopback(host) or (has_tls and has_tenants):
+    None when it does not (loopback, or TLS and tenants both on, and no
+    HTTP front, which speaks plaintext only)."""
+    if is_loopback(host) or (has_tls and has_tenants and not has_http):
         return None
+    if has_tls and has_tenants:
+        return (
+            f"the HTTP front on {host} speaks plaintext: bearer tokens would cross the "
+            "network in the clear (put a TLS proxy in front of it)"
+        )
     missing = [
         what
         for what, is_on in (("TLS (--tls-cert/--tls-key)", has_tls), ("tenants", has_tenants))
@@ -153,9 +162,11 @@ async def create_server(
     return server, bound
 
 
-async def shutdown(server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float) -> None:
+async def shutdown(
+    server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float, http: HttpFront | None = None
+) -> None:
     """Drain: refuse new work, let running requests finish within ``grace_s``
-    (then they are cancelled), stop the server and the engine."""
+    (then they are cancelled), stop the server(s) and the engine."""
     await lifecycle.drain()
     deadline = time.monotonic() + grace_s
     engine = lifecycle.engine
@@ -163,6 +174,10 @@ async def shutdown(server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float
     # Streams whose requests all finished are ending now; give them the rest.
     await server.stop(max(deadline - time.monotonic(), 0.5))
     await asyncio.to_thread(engine.shutdown)
+    if http is not None:
+        # After the engine: HTTP requests still running past the grace have
+        # been cancelled by now, and their handlers have answered.
+        await http.stop()
 
 
 def startup_message(exc: BaseException) -> str:
@@ -187,17 +202,31 @@ async def run(
     grace_s: float,
     on_ready: Callable[[int, Engine], None] | None = None,
     telemetry: Telemetry | None = None,
+    http_port: int = 0,
+    on_http: Callable[[int], None] | None = None,
     *,
     tls: ServerTLS | None = None,
     tenants_file: Path | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully. SIGHUP
+    """Serve until SIGTERM or SIGINT, then shut down gracefully. With an
+    ``http_port`` (0: none) the OpenAI-compatible front listens there too,
+    on this event loop and engine; ``on_http`` gets its bound port. SIGHUP
     re-reads ``tenants_file``. A bad TLS or tenants file raises before
     anything listens (TLSFilesError, TenantsFileError)."""
     tenants = None if tenants_file is None else Tenants.from_file(tenants_file)
     lifecycle = Lifecycle()
     server, bound = build_server(lifecycle, host, port, telemetry, tls=tls, tenants=tenants)
+    http = None if not http_port else HttpFront(lifecycle, telemetry, tenants=tenants)
     await server.start()
+    if http is not None:
+        try:
+            http_bound = await http.start(host, http_port)
+        except OSError as exc:
+            await server.stop(None)
+            raise StartupFailed(f"cannot listen for HTTP on {host}:{http_port}: {exc}") from None
+        log.info("http_listening", host=host, port=http_bound)
+        if on_http is not None:
+            on_http(http_bound)
     await lifecycle.report_loading()
     log.info(
         "server_loading",
@@ -217,6 +246,8 @@ async def run(
     except Exception as exc:  # anything at all: the process must end with one clear line
         log.debug("server_start_failed", exc_info=True)  # the traceback, only when asked for
         await server.stop(None)
+        if http is not None:
+            await http.stop()
         raise StartupFailed(startup_message(exc)) from None
     if telemetry is not None:
         telemetry.attach(engine)
@@ -226,7 +257,7 @@ async def run(
         on_ready(bound, engine)
     await stop.wait()
     log.info("server_draining", grace_s=grace_s)
-    await shutdown(server, lifecycle, grace_s)
+    await shutdown(server, lifecycle, grace_s, http)
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)
     log.info("server_stopped")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.scheduler.request import FinishReason
-from slipstream.service.bench import vllm_peer
+from slipstream.service.bench import llamacpp_peer, vllm_peer
 from slipstream.service.bench.report import (
     EngineRun,
     RequestTiming,
@@ -48,7 +48,7 @@ from slipstream.service.engine.events import Event, FinishEvent, GenerationReque
 
 ENGINES = ("slipstream", "hf_static", "hf_cb")
 # Engines that run only when asked for: vLLM needs an environment of its own.
-OPTIONAL_ENGINES = ("vllm",)
+OPTIONAL_ENGINES = ("vllm", "llamacpp")
 
 
 class BenchError(Exception):
@@ -75,10 +75,12 @@ class OfflineOptions:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    prefix_cache: bool = True
     hf_batch_size: int = 16
     hf_cb_page_size: int = 64
     hf_cb_max_batch_tokens: int = 512
     vllm: vllm_peer.VllmSettings | None = None
+    llamacpp: llamacpp_peer.LlamaServerSettings | None = None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -111,11 +113,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine.add_argument("--block-size", type=int)
     engine.add_argument("--max-num-batched-tokens", type=int)
     engine.add_argument("--max-num-seqs", type=int)
+    engine.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefix caching off"
+    )
     peers = parser.add_argument_group("peers")
     peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
     peers.add_argument("--hf-cb-page-size", type=int, default=64)
     peers.add_argument("--hf-cb-max-batch-tokens", type=int, default=512)
     vllm_peer.add_arguments(parser)
+    llamacpp_peer.add_arguments(parser)
     parser.set_defaults(func=_main)
 
 
@@ -143,6 +149,12 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
             vllm = vllm_peer.settings_from_args(args, environ)
         except ValueError as exc:
             raise BenchError(str(exc)) from exc
+    llamacpp = None
+    if "llamacpp" in engines:
+        try:
+            llamacpp = llamacpp_peer.settings_from_args(args, environ)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from exc
     return OfflineOptions(
         model=args.model,
         num_requests=args.num_requests,
@@ -160,10 +172,12 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        prefix_cache=args.prefix_cache,
         hf_batch_size=args.hf_batch_size,
         hf_cb_page_size=args.hf_cb_page_size,
         hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
         vllm=vllm,
+        llamacpp=llamacpp,
     )
 
 
@@ -192,6 +206,13 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         except vllm_peer.VllmPeerError as exc:
             # A peer in another process fails alone: the others' figures still count.
             engines[name] = vllm_peer.failure_entry(exc, options.vllm)
+            continue
+        except llamacpp_peer.LlamaServerError as exc:
+            print(f"llamacpp failed: {exc}", file=sys.stderr)
+            for line in exc.log_tail:
+                print(f"  | {line}", file=sys.stderr)
+            record = llamacpp_peer.settings_record(options.llamacpp) if options.llamacpp else {}
+            engines[name] = exc.report_entry(record)
             continue
         check_token_counts(run, [r.max_tokens for r in workload])
         engines[name] = engine_metrics(run)
@@ -247,6 +268,7 @@ def _runner(name: str) -> Callable[[str, Sequence[WorkloadRequest], OfflineOptio
         "hf_static": _run_hf_static,
         "hf_cb": _run_hf_cb,
         "vllm": _run_vllm,
+        "llamacpp": _run_llamacpp,
     }[name]
 
 
@@ -255,6 +277,22 @@ def _run_vllm(
 ) -> EngineRun:
     assert options.vllm is not None, "set by _options_from_args when vllm is asked for"
     return vllm_peer.run_vllm(model_dir, workload, options.vllm)
+
+
+def _run_llamacpp(
+    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+) -> EngineRun:
+    """llama.cpp serves the model's original GGUF: built-in GGUF models only."""
+    from slipstream.service.models.store import GGUF_MODELS, find_packaged_gguf
+
+    assert options.llamacpp is not None, "set by _options_from_args when llamacpp is asked for"
+    if options.model not in GGUF_MODELS:
+        raise llamacpp_peer.LlamaServerError(
+            f"llama.cpp runs GGUF files; model {options.model!r} has none "
+            f"(built-in GGUF models: {', '.join(sorted(GGUF_MODELS))})"
+        )
+    gguf = find_packaged_gguf(options.model)
+    return llamacpp_peer.run_llamacpp(gguf, workload, options.llamacpp)
 
 
 def _run_hf_static(
@@ -311,7 +349,11 @@ def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
     }
     set_knobs = {k: v for k, v in knobs.items() if v is not None}
     return EngineConfig(
-        model=model_dir, dtype=options.dtype, num_threads=options.num_threads, **set_knobs
+        model=model_dir,
+        dtype=options.dtype,
+        num_threads=options.num_threads,
+        prefix_cache=options.prefix_cache,
+        **set_knobs,
     )
 
 

@@ -8,6 +8,10 @@ same workload run through an in-process engine for comparison.
 With ``--model`` and no ``--server`` it starts ``slipstream serve`` itself
 (a separate process, as in production) and stops it before the in-process
 run, so the two never share the CPU.
+
+``--protocol http`` sends the same workload through the OpenAI-compatible
+HTTP front (streamed ``/v1/completions``); ``both`` runs gRPC then HTTP on
+the same server, side by side, and reports their ratios.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -152,20 +157,38 @@ def run_remote(
 
 
 def remote_vocab_size(target: str) -> int:
+    return remote_model(target)[1]
+
+
+def remote_model(target: str) -> tuple[str, int]:
+    """The served model's name and vocabulary size."""
     from slipstream.clients import Client
 
     with Client(target) as client:
-        return client.model_info().vocab_size
+        info = client.model_info()
+        return info.name, info.vocab_size
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 @contextmanager
-def spawned_server(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Iterator[str]:
+def spawned_server(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None, http_port: int = 0
+) -> Iterator[str]:
     """``slipstream serve`` on a free loopback port, stopped (SIGTERM) on exit;
-    ``env`` replaces the inherited environment when given."""
+    ``env`` replaces the inherited environment when given; the HTTP front
+    listens on ``http_port`` (0: off)."""
     command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
+    command += ["--http-port", str(http_port)]
     command += ["--model", args.model, "--dtype", args.dtype]
     if args.threads:
         command += ["--threads", str(args.threads)]
+    if not args.prefix_cache:
+        command += ["--no-prefix-cache"]
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -240,7 +263,13 @@ def local_engine(args: argparse.Namespace) -> object:
     from slipstream.service.engine.config import EngineConfig
     from slipstream.service.engine.engine import Engine
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        prefix_cache=args.prefix_cache,
+    )
+    engine = Engine(config)
     engine.start()
     return engine
 
@@ -254,6 +283,9 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefix caching off"
+    )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -262,6 +294,13 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson")
     parser.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
     parser.add_argument("--streams", type=int, default=1, help="gRPC streams to spread over")
+    parser.add_argument(
+        "--protocol",
+        default="grpc",
+        choices=("grpc", "http", "both"),
+        help="http: the OpenAI-compatible front; both: gRPC then HTTP, side by side",
+    )
+    parser.add_argument("--http-server", metavar="HOST:PORT", help="the HTTP front of the --server")
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
     parser.add_argument("--no-local", action="store_true", help="skip the in-process run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -270,20 +309,46 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
         action="store_true",
         help="serve twice, tracing off and exporting OTLP to a local receiver; compare",
     )
-    parser.add_argument("--rounds", type=int, default=1, help="off/on pairs (--trace-overhead)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="off/on pairs (--trace-overhead); gRPC/HTTP pairs, alternating (--protocol both)",
+    )
     parser.set_defaults(func=run)
 
 
 def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
+    from slipstream.service.bench.http_load import run_http
+
     report: dict = {}
     server = args.server
-    with spawned_server(args) if server is None else _given(server) as target:
-        vocab = remote_vocab_size(target)
+    protocols = ("grpc", "http") if args.protocol == "both" else (args.protocol,)
+    http_port = free_port() if "http" in protocols and server is None else 0
+    at_once = LoadShape(math.inf, 1.0, None, 0)
+    with spawned_server(args, http_port=http_port) if server is None else _given(server) as target:
+        model, vocab = remote_model(target)
         workload = make_workload(args.requests, args.seed, vocab)
         warmup = make_workload(args.warmup, args.seed + 1000, vocab, output_len=(4, 16))
-        run_remote(target, warmup, LoadShape(math.inf, 1.0, None, 0), args.streams)
-        traces, wall = run_remote(target, workload, shape, args.streams)
-        report["server"] = {"target": target, **metrics(traces, workload, wall)}
+        http_target = args.http_server or f"{target.rsplit(':', 1)[0]}:{http_port}"
+        runs: dict[str, list[tuple[list[Trace], float]]] = {p: [] for p in protocols}
+        # Rounds alternate which protocol goes first, so a machine whose load
+        # drifts during the run does not favour either.
+        for round_index in range(max(1, args.rounds) if len(protocols) > 1 else 1):
+            order = protocols if round_index % 2 == 0 else protocols[::-1]
+            for protocol in order:
+                if protocol == "grpc":
+                    run_remote(target, warmup, at_once, args.streams)
+                    runs[protocol].append(run_remote(target, workload, shape, args.streams))
+                else:
+                    base_url = f"http://{http_target}"
+                    run = run_http(base_url, model, workload, shape, warmup)
+                    runs[protocol].append(run)
+        for protocol, results in runs.items():
+            key, where = ("server", target) if protocol == "grpc" else ("http", http_target)
+            traces = [t for result, _ in results for t in result]
+            wall = sum(w for _, w in results)
+            report[key] = {"target": where, **metrics(traces, list(workload) * len(results), wall)}
     if args.model and not args.no_local:
         engine = local_engine(args)
         try:
@@ -304,6 +369,8 @@ def _given(target: str) -> Iterator[str]:
 def run(args: argparse.Namespace) -> int:
     if args.server is None and args.model is None:
         raise SystemExit("bench serve: give --server HOST:PORT or --model NAME")
+    if args.server is not None and args.protocol != "grpc" and args.http_server is None:
+        raise SystemExit("bench serve --protocol http/both with --server: give --http-server")
     shape = LoadShape(args.rate, args.burstiness, args.concurrency, args.seed)
     if args.trace_overhead:
         from slipstream.service.bench.trace_overhead import tracing_comparison
@@ -314,11 +381,7 @@ def run(args: argparse.Namespace) -> int:
         _write(args, report)
         return 0
     report = _timed_runs(args, shape)
-    if "in_process" in report:
-        ratio = (
-            report["server"]["output_tokens_per_s"] / report["in_process"]["output_tokens_per_s"]
-        )
-        report["ratios"] = {"server_vs_in_process_output_tokens_per_s": ratio}
+    report["ratios"] = _ratios(report)
     report["hardware"] = hardware(args.dtype)
     report["settings"] = {
         k: (str(v) if isinstance(v, Path) or (isinstance(v, float) and math.isinf(v)) else v)
@@ -328,6 +391,19 @@ def run(args: argparse.Namespace) -> int:
     print(_table(report))
     _write(args, report)
     return 0
+
+
+def _ratios(report: dict) -> dict[str, float]:
+    ratios = {}
+    grpc, http, local = report.get("server"), report.get("http"), report.get("in_process")
+    if grpc and local:
+        ratio = grpc["output_tokens_per_s"] / local["output_tokens_per_s"]
+        ratios["server_vs_in_process_output_tokens_per_s"] = ratio
+    if grpc and http:
+        ratio = http["output_tokens_per_s"] / grpc["output_tokens_per_s"]
+        ratios["http_vs_grpc_output_tokens_per_s"] = ratio
+        ratios["http_minus_grpc_ttft_p50_ms"] = http["ttft_ms"]["p50"] - grpc["ttft_ms"]["p50"]
+    return ratios
 
 
 def _write(args: argparse.Namespace, report: dict) -> None:
@@ -346,18 +422,25 @@ def _table(report: dict) -> str:
         f"{'':12}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}"
         f"{'TPOT p50 ms':>12}{'E2E p50/p99 ms':>17}  counts ok"
     ]
-    for name in ("server", "in_process"):
+    for name in ("server", "http", "in_process"):
         m = report.get(name)
         if m is None:
             continue
         lines.append(
             f"{name:12}{m['output_tokens_per_s']:9.1f}{m['request_throughput']:8.2f}"
-            f"{m['ttft_ms']['p50']:9.0f}/{m['ttft_ms']['p99']:<8.0f}"
+            f"{m['ttft_ms']['p50']:9.1f}/{m['ttft_ms']['p99']:<8.1f}"
             f"{m['itl_ms']['p50']:8.1f}/{m['itl_ms']['p99']:<8.1f}"
             f"{m['tpot_ms']['p50']:12.1f}"
             f"{m['e2e_ms']['p50']:8.0f}/{m['e2e_ms']['p99']:<8.0f}  {m['token_counts_match']}"
         )
-    if "ratios" in report:
-        ratio = report["ratios"]["server_vs_in_process_output_tokens_per_s"]
+    ratios = report.get("ratios", {})
+    if "server_vs_in_process_output_tokens_per_s" in ratios:
+        ratio = ratios["server_vs_in_process_output_tokens_per_s"]
         lines.append(f"server / in-process output tokens/s: {ratio:.1%}")
+    if "http_vs_grpc_output_tokens_per_s" in ratios:
+        ratio = ratios["http_vs_grpc_output_tokens_per_s"]
+        extra = ratios["http_minus_grpc_ttft_p50_ms"]
+        lines.append(
+            f"http / grpc output tokens/s: {ratio:.1%}; TTFT p50 http - grpc: {extra:+.1f} ms"
+        )
     return "\n".join(lines)

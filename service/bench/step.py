@@ -39,16 +39,19 @@ if TYPE_CHECKING:
 # Mode -> the EngineConfig options it sets. A mode runs only if EngineConfig
 # has every one of them: a mode is one line here once the engine supports it.
 MODES: dict[str, dict[str, object]] = {
-    "eager": {},
+    "eager": {"compile": False},
     "compiled": {"compile": True},
 }
-# Hooks would split a compiled graph and time another program: only eager
-# steps get the per-part split.
-BREAKDOWN_MODES = frozenset({"eager"})
+# "compiled" runs the fused native kernels between the projections (no graph
+# to split), so both modes get the per-part split.
+BREAKDOWN_MODES = frozenset({"eager", "compiled"})
 PASSES = {
     "step_ms": "plain pass: median wall time of ModelRunner.execute(plan) over `steps` steps "
     "after `warmup_steps` untimed ones; step_ms_p10/p90 from the same steps",
-    "breakdown": "hooked pass (eager only): the same steps with perf_counter_ns hooks on paged "
+    "modes": "eager: torch ops between the projections; compiled: fused native kernels "
+    "(kernels/fused_ops.py, EngineConfig.compile). Both use the fused attention kernel and "
+    "oneDNN linears where the CPU allows",
+    "breakdown": "hooked pass: the same steps with perf_counter_ns hooks on paged "
     "attention, Linear.__call__, LlamaModel.forward and sampling; hooked_step_ms is its median "
     "step, each part its own median; other_ms = forward - attention - linears + sampling, "
     "host_ms = execute - forward - sampling",

@@ -89,7 +89,9 @@ def plot_steps(report: Mapping[str, Any], path: str) -> None:
     left.set_ylabel("ms per decode step (median)")
     left.grid(True, which="both", alpha=0.3)
     left.legend(fontsize=8)
-    _plot_split(right, [r for r in rows if r.get("breakdown_pass") == "hooked"])
+    _plot_split(
+        right, [r for r in rows if r["mode"] == "eager" and r.get("breakdown_pass") == "hooked"]
+    )
     title = describe_run(report)
     fig.suptitle("\n".join(title), fontsize=8)
     fig.tight_layout()

@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "slipstream.service.cli.serve",
     "slipstream.service.cli.stats",
     "slipstream.service.cli.bench",
+    "slipstream.service.cli.kernels",
 )
 
 

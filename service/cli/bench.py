@@ -9,6 +9,7 @@ from slipstream.service.cli import register_subcommands
 
 BENCH_MODULES = (
     "slipstream.service.bench.offline",
+    "slipstream.service.bench.prefix",
     "slipstream.service.bench.serve",
     "slipstream.service.bench.slo",
     "slipstream.service.bench.step",

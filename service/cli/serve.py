@@ -15,6 +15,7 @@ from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 
 DEFAULT_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +76,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: Triton on CUDA devices; on the CPU the fused C++ kernel (built once, "
         "cached under $SLIPSTREAM_HOME), else torch",
     )
+    group.add_argument(
+        "--compile",
+        default="on" if defaults.compile else "off",
+        choices=("on", "off"),
+        help="on: the step's elementwise work runs in fused native kernels (built once, "
+        "cached under $SLIPSTREAM_HOME; a failed build falls back to off with one log line); "
+        "off: eager torch ops, the reference",
+    )
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
+    group.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="turn automatic prefix caching off (by default full KV blocks of equal "
+        "prompt prefixes are shared between requests and kept until evicted)",
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -97,8 +113,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         aging_s=args.aging_s,
         min_residency_s=args.min_residency_s,
         attention_backend=args.attention_backend,
+        compile=args.compile == "on",
         num_threads=args.threads,
         kv_cache_memory_gb=args.kv_cache_gb,
+        prefix_cache=args.prefix_cache,
     )
 
 
@@ -106,6 +124,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser("serve", help="serve a model over gRPC")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
+        f"port of --host, same engine (default {DEFAULT_HTTP_PORT}; 0: off)",
+    )
     parser.add_argument(
         "--grace-s",
         type=float,
@@ -184,8 +209,10 @@ def telemetry(args: argparse.Namespace) -> object:
 
     configure_logging(args.log_level, args.log_format)
     metrics = None
-    if args.metrics_port is not None:
+    # The HTTP front serves /metrics from the same registry.
+    if args.metrics_port is not None or getattr(args, "http_port", 0):
         metrics = ServerMetrics()
+    if args.metrics_port is not None and metrics is not None:
         _, port = serve_metrics(metrics.registry, args.metrics_host or args.host, args.metrics_port)
         print(f"slipstream: metrics on http://{args.metrics_host or args.host}:{port}/metrics")
     return Telemetry.from_env(os.environ, metrics)
@@ -212,6 +239,12 @@ def usage_hint(
     return "\n".join(lines)
 
 
+def http_hint(host: str, port: int) -> str:
+    """The line that says where the HTTP front listens (``bench serve`` reads it)."""
+    address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
+    return f"slipstream: OpenAI-compatible HTTP API at http://{address}/v1"
+
+
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
     from slipstream.service.api.server import StartupFailed, exposure_warning
@@ -221,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     tls = server_tls(args)
     has_tls, has_tenants = tls is not None, args.tenants is not None
-    warning = exposure_warning(args.host, has_tls, has_tenants)
+    has_http = bool(getattr(args, "http_port", 0))
+    warning = exposure_warning(args.host, has_tls, has_tenants, has_http)
     if warning is not None:
         banner = "*" * 78
         if not args.insecure:
@@ -239,6 +273,9 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(port: int, engine: object) -> None:
         print(usage_hint(args.host, port, config.model, has_tls, has_tenants), flush=True)
 
+    def on_http(port: int) -> None:
+        print(http_hint(args.host, port), flush=True)
+
     try:
         asyncio.run(
             run_server(
@@ -250,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
                 telemetry=observability,  # type: ignore[arg-type]
                 tls=tls,  # type: ignore[arg-type]
                 tenants_file=args.tenants,
+                http_port=args.http_port,
+                on_http=on_http,
             )
         )
     except StartupFailed as exc:

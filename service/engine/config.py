@@ -38,6 +38,14 @@ class EngineConfig:
     # converges online from measured steps. The CLI turns it on.
     calibrate_cost_model: bool = False
     attention_backend: str = "auto"
+    # The step's elementwise work (RMSNorm + residual, RoPE, SiLU * mul) in
+    # natively compiled fused kernels (kernels/fused_ops.py), built once and
+    # cached under $SLIPSTREAM_HOME; False keeps eager torch ops, the
+    # reference. A failed build falls back to eager with one log line.
+    compile: bool = True
     num_threads: int | None = None
     kv_cache_memory_gb: float = 2.0
+    # Automatic prefix caching: full KV blocks are shared between requests
+    # with equal prefixes and kept, evictable, after use (scheduler/block_manager.py).
+    prefix_cache: bool = True
     seed: int = 0

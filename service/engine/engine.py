@@ -23,6 +23,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from slipstream.kernels import fused_ops
 from slipstream.kernels.backend import resolve_backend
 from slipstream.kernels.cpu_features import CpuFeatures, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
@@ -43,6 +44,7 @@ from slipstream.service.engine.events import (
     GenerationRequest,
     ModelInfo,
     PoolStats,
+    PrefixCacheStats,
     TokenEvent,
 )
 from slipstream.service.engine.observer import EngineObserver
@@ -125,7 +127,10 @@ class Engine:
         backend = resolve_backend(
             config.attention_backend, torch.device("cpu"), home=slipstream_home()
         )
-        self.model = LlamaModel(model_dir, DTYPES[choice.dtype], backend, choice.pack_weights)
+        fused = config.compile and fused_ops.is_available(slipstream_home())
+        self.model = LlamaModel(
+            model_dir, DTYPES[choice.dtype], backend, choice.pack_weights, fused=fused
+        )
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
         self._fast_tokenizer = self.tokenizer.backend_tokenizer
         model_cfg = self.model.config
@@ -158,6 +163,7 @@ class Engine:
                 abandon_hopeless=config.abandon_hopeless,
                 aging_s=config.aging_s,
                 min_residency_s=config.min_residency_s,
+                enable_prefix_cache=config.prefix_cache,
             ),
             cost_model=self.cost_model,
         )
@@ -176,6 +182,7 @@ class Engine:
             requested_dtype=choice.requested,
             weights_packed=choice.pack_weights,
             cpu=cpu.describe(),
+            compiled=fused,
         )
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -196,6 +203,8 @@ class Engine:
             block_size=config.block_size,
             max_model_len=max_model_len,
             attention_backend=backend,
+            compiled=fused,
+            prefix_cache=config.prefix_cache,
         )
 
     def _pool_sizes(self, max_model_len: int) -> tuple[int, int]:
@@ -267,6 +276,11 @@ class Engine:
                 by_priority=s.counts_by_priority(),
                 step=s.step,
                 is_draining=self._draining,
+                prefix_cache=PrefixCacheStats(
+                    queried_tokens=s.num_prefix_queried_tokens,
+                    hit_tokens=s.num_prefix_hit_tokens,
+                    cached_blocks=s.num_cached_device_blocks,
+                ),
             )
 
     def drain(self) -> None:
@@ -402,6 +416,7 @@ class Engine:
             message=message,
             num_prompt_tokens=state.num_prompt_tokens,
             num_output_tokens=state.num_output_tokens,
+            num_cached_tokens=state.num_cached_tokens,
             queue_wait_s=_queue_wait(state, now),
             ttft_s=None
             if state.first_token_time is None

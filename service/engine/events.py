@@ -60,7 +60,7 @@ class FinishEvent:
     message: str = ""
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled)
     queue_wait_s: float = 0.0
     ttft_s: float | None = None
     total_s: float = 0.0
@@ -87,12 +87,28 @@ class ModelInfo:
     requested_dtype: str = ""
     weights_packed: bool = False
     cpu: dict[str, object] = field(default_factory=dict)  # CpuFeatures.describe()
+    compiled: bool = False  # the step runs the fused native kernels (EngineConfig.compile)
 
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
     used: int
     free: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    """Totals since start: tokens looked up in the prefix cache at
+    admissions and, of those, found cached (so hit rate = hit / queried);
+    device blocks the cache holds now (in use or evictable)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    cached_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +124,4 @@ class EngineStats:
     by_priority: dict[int, dict[str, int]]
     step: int
     is_draining: bool
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)

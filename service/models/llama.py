@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from slipstream.kernels import fused_ops
 from slipstream.kernels.attention import AttentionMetadata
 from slipstream.kernels.backend import paged_attention_for, write_kv_for
 from slipstream.kernels.linear import Linear
@@ -159,12 +160,16 @@ class LlamaModel:
         dtype: torch.dtype,
         attention_backend: str = "torch",
         pack_weights: bool = False,
+        fused: bool = False,
     ) -> None:
-        """``pack_weights`` packs bf16 projections for oneDNN (only where the
-        CPU can: see ``kernels/cpu_features.py``)."""
+        """``pack_weights`` packs projections for oneDNN (only where the CPU
+        can: see ``kernels/cpu_features.py``). ``fused`` runs the elementwise
+        work between the projections in ``kernels.fused_ops`` (loaded by the
+        caller); otherwise eager torch ops, the reference."""
         self.config = LlamaConfig.from_dir(model_dir)
         self.dtype = dtype
         self.pack_weights = pack_weights
+        self.fused = fused
         self.attention_backend = attention_backend
         self._write_kv = write_kv_for(attention_backend)
         self._paged_attention = paged_attention_for(attention_backend)
@@ -228,6 +233,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Returns float32 logits ``[len(sample_indices), vocab]`` for the
         packed tokens ``input_ids`` at ``positions``."""
+        if self.fused:
+            return self._forward_fused(input_ids, positions, kv_caches, meta, sample_indices)
         cfg = self.config
         num_tokens = input_ids.shape[0]
         cos = self.rope_cos[positions].unsqueeze(1)
@@ -249,4 +256,42 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         x = self._rms_norm(x[sample_indices], self.norm)
+        return self.lm_head(x).float()
+
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        sample_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` with one fused kernel per elementwise stage: RoPE in
+        place on the projection's output, the residual add folded into the
+        next RMSNorm, SiLU and multiply in one pass."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        layers = self.layers
+        x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        h = fused_ops.rms_norm(x, layers[0].input_norm, eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
+            qkv = layer.qkv(h)
+            qk = qkv[:, : self._q_size + self._kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
+            fused_ops.rotary_neox_(qk, self.rope_cos, self.rope_signed_sin, positions)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, self._q_size + self._kv_size :].view(
+                num_tokens, cfg.num_kv_heads, cfg.head_dim
+            )
+            self._write_kv(k_cache, v_cache, k, v, meta)
+            attn = self._paged_attention(q, k_cache, v_cache, meta, self.scale)
+            o = layer.o_proj(attn.reshape(num_tokens, self._q_size))
+            h = fused_ops.add_rms_norm_(x, o, layer.post_norm, eps)
+            mlp = layer.down(fused_ops.silu_and_mul(layer.gate_up(h)))
+            if i + 1 < len(layers):
+                h = fused_ops.add_rms_norm_(x, mlp, layers[i + 1].input_norm, eps)
+            else:
+                x.add_(mlp)
+        x = fused_ops.rms_norm(x[sample_indices], self.norm, eps)
         return self.lm_head(x).float()

@@ -15,6 +15,10 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_kv_blocks{pool=device|host, state=used|free} gauge
     slipstream_engine_steps_total                           counter
     slipstream_preemptions_total{kind=swap|recompute}       counter
+    slipstream_prefix_cache_queried_tokens_total            counter (looked up at admission)
+    slipstream_prefix_cache_hit_tokens_total                counter (of those, found cached)
+    slipstream_prefix_cache_hit_rate                        gauge (hit / queried since start)
+    slipstream_prefix_cache_blocks                          gauge (device blocks cached)
     slipstream_rejections_total{reason}                     counter
     slipstream_requests_finished_total{priority, reason}    counter
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
@@ -52,7 +56,7 @@ if TYPE_CHECKING:
 
     from slipstream.scheduler.plan import RequestOutput, StepPlan
     from slipstream.service.engine.engine import Engine
-    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+    from slipstream.service.engine.events import FinishEvent, GenerationRequest, PrefixCacheStats
 
 # Bucket boundaries recommended by the OpenTelemetry GenAI semantic conventions.
 TTFT_BUCKETS = (
@@ -135,6 +139,32 @@ class _EngineCollector(Collector):
         preemptions.add_metric(["swap"], scheduler.num_swap_preemptions)
         preemptions.add_metric(["recompute"], scheduler.num_recompute_preemptions)
         yield preemptions
+        yield from _prefix_cache_metrics(stats.prefix_cache)
+
+
+def _prefix_cache_metrics(stats: PrefixCacheStats) -> Iterator[Metric]:
+    """The hit rate an endpoint picker can scrape, and the counters it comes
+    from (``rate(hit) / rate(queried)`` gives it over a window)."""
+    yield CounterMetricFamily(
+        "slipstream_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache at admission",
+        value=stats.queried_tokens,
+    )
+    yield CounterMetricFamily(
+        "slipstream_prefix_cache_hit_tokens",
+        "Looked-up tokens found in the prefix cache (not prefilled)",
+        value=stats.hit_tokens,
+    )
+    yield GaugeMetricFamily(
+        "slipstream_prefix_cache_hit_rate",
+        "Prefix-cache hit tokens / queried tokens since start (0 before any look-up)",
+        value=stats.hit_rate,
+    )
+    yield GaugeMetricFamily(
+        "slipstream_prefix_cache_blocks",
+        "Device KV blocks in the prefix cache (held or evictable)",
+        value=stats.cached_blocks,
+    )
 
 
 class ServerMetrics:

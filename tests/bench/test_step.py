@@ -14,7 +14,6 @@ from safetensors import safe_open
 
 from slipstream.service.bench import step, step_timing
 from slipstream.service.cli import main
-from slipstream.service.engine.config import EngineConfig
 
 CONTEXT = 40
 ROW_KEYS = {"batch", "mode", "dtype", "status", "step_ms", "weight_read_floor_ms",
@@ -92,20 +91,12 @@ def test_byte_counts_match_the_checkpoint(
         assert r["kv_read_bytes"] == r["batch"] * (CONTEXT + 1) * per_token
 
 
-def test_compiled_is_skipped_while_the_engine_has_no_compile_option(
-    run: tuple[dict, Path, str],
-) -> None:
+def test_compiled_rows_run_beside_eager(run: tuple[dict, Path, str]) -> None:
     rows = [r for r in run[0]["rows"] if r["mode"] == "compiled"]
     assert [r["batch"] for r in rows] == [1, 2]
-    has_compile = "compile" in {f.name for f in dataclasses.fields(EngineConfig)}
     for r in rows:
-        if has_compile:
-            assert r["status"] == "ok" and r["step_ms"] > 0
-        else:
-            assert r["status"] == "skipped" and "compile" in r["reason"]
-            assert r["step_ms"] is None
-    if not has_compile:
-        assert "compiled skipped" in run[2]
+        assert r["status"] == "ok" and r["step_ms"] > 0 and r["breakdown_pass"] == "hooked"
+        assert r["weight_read_floor_ms"] > 0 and r["kv_read_floor_ms"] > 0
 
 
 def test_table_and_plot(run: tuple[dict, Path, str]) -> None:
@@ -125,10 +116,10 @@ def test_mode_options_follow_engine_config(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(step, "EngineConfig", WithCompile)
     assert step.mode_options("compiled") == ({"compile": True}, None)
+    assert step.mode_options("eager") == ({"compile": False}, None)
     monkeypatch.setattr(step, "EngineConfig", Without)
     options, reason = step.mode_options("compiled")
     assert options is None and "compile" in str(reason)
-    assert step.mode_options("eager") == ({}, None)
 
 
 def test_hooks_are_removed_after_the_hooked_pass(tiny_model_dir: Path) -> None:

@@ -5,15 +5,18 @@ The fake runner keeps a paged "KV cache" whose slots hold the token id written
 at that position. Its "model" reads a sequence's whole context back *through
 the block table* and hashes it into the next token. Any accounting bug — a
 block reused while still live, a wrong table, a lost swap — changes what is
-read back, and so changes the tokens.
+read back, and so changes the tokens. Shared (prefix-cached) blocks are
+read by several sequences; the runner checks that nobody writes one.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Sequence
 
 from slipstream.scheduler import (
+    BlockPool,
     FinishReason,
     PreemptionMode,
     Request,
@@ -52,8 +55,9 @@ def reference_outputs(req: Request) -> list[int]:
 class PagedFakeRunner:
     """Executes a ``StepPlan`` against block-structured token storage."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool | None = None) -> None:
         self.block_size = config.block_size
+        self.pool = pool  # the scheduler's device pool: written blocks must be unshared
         self.device: list[list[int | None]] = [
             [None] * config.block_size for _ in range(config.num_device_blocks)
         ]
@@ -68,7 +72,7 @@ class PagedFakeRunner:
             self.device[device_id] = list(self.host[host_id])
         for src, dst in plan.copies:
             self.device[dst] = list(self.device[src])
-        self._check_tables_disjoint(plan)
+        self._check_writes_are_private(plan)
         for seq in plan.seqs:
             for offset, token in enumerate(seq.token_ids):
                 self._write(seq.block_ids, seq.start_pos + offset, token)
@@ -90,13 +94,19 @@ class PagedFakeRunner:
             raise AssertionError(f"position {pos} read before it was written")
         return value
 
-    @staticmethod
-    def _check_tables_disjoint(plan: StepPlan) -> None:
-        seen: dict[int, str] = {}
+    def _check_writes_are_private(self, plan: StepPlan) -> None:
+        """A block a sequence writes is in no other table of the plan and,
+        in the pool, has that one holder: shared blocks are read-only."""
+        holders: Counter[int] = Counter()
         for seq in plan.seqs:
-            for block in seq.block_ids:
-                owner = seen.setdefault(block, seq.req_id)
-                assert owner == seq.req_id, f"block {block} in {owner} and {seq.req_id}"
+            holders.update(set(seq.block_ids))
+        for seq in plan.seqs:
+            first = seq.start_pos // self.block_size
+            last = (seq.start_pos + len(seq.token_ids) - 1) // self.block_size
+            for block in seq.block_ids[first : last + 1]:
+                assert holders[block] == 1, f"{seq.req_id} writes block {block}, shared in the plan"
+                if self.pool is not None:
+                    assert self.pool.ref_count(block) == 1, f"{seq.req_id} writes shared {block}"
 
 
 class SwapPolicy(FcfsPolicy):
@@ -133,18 +143,25 @@ def make_request(
 
 
 def check_pools(scheduler: Scheduler) -> None:
-    """Pool invariants plus: every used block is held by exactly one live request."""
+    """Pool invariants plus: a used block's reference count is its number of
+    live holders (one, unless it is a shared, cached prefix block), a host
+    block has exactly one, and no request holds a block twice."""
     for pool in (scheduler.device_pool, scheduler.host_pool):
         pool.check()
         assert pool.num_free + pool.num_used == pool.num_blocks
-    device_held: list[int] = []
+    device_held: Counter[int] = Counter()
     host_held: list[int] = []
     for req_id in scheduler.live_req_ids():
         req = scheduler.get_request(req_id)
         assert req is not None
-        device_held += req.block_ids
+        assert len(set(req.block_ids)) == len(req.block_ids)
+        device_held.update(req.block_ids)
         host_held += req.host_block_ids
-    assert len(device_held) == len(set(device_held)) == scheduler.device_pool.num_used
+    device = scheduler.device_pool
+    assert len(device_held) == device.num_used
+    for block_id, holders in device_held.items():
+        assert device.ref_count(block_id) == holders
+        assert holders == 1 or device.is_cached(block_id)
     assert len(host_held) == len(set(host_held)) == scheduler.host_pool.num_used
 
 
@@ -174,7 +191,7 @@ class Driver:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.runner = PagedFakeRunner(scheduler.config)
+        self.runner = PagedFakeRunner(scheduler.config, scheduler.device_pool)
         self.now = 0.0
         self.finishes: dict[str, list[FinishReason]] = {}
         self.outputs: dict[str, list[int]] = {}

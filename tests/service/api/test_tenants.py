@@ -13,6 +13,8 @@ import json
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import redirect_stdout
 from pathlib import Path
@@ -231,8 +233,21 @@ class ServerThread:
         )
         self.server, port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
         self.target = f"127.0.0.1:{port}"
+        self.http_port = asyncio.run_coroutine_threadsafe(
+            self._start_http(engine, tenants, telemetry), self.loop
+        ).result()
+
+    async def _start_http(self, engine: object, tenants: Tenants, telemetry: object) -> int:
+        from slipstream.service.api.http.app import HttpFront
+        from slipstream.service.api.lifecycle import Lifecycle
+
+        lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
+        await lifecycle.serve()
+        self.http = HttpFront(lifecycle, telemetry, tenants=tenants)  # type: ignore[arg-type]
+        return await self.http.start("127.0.0.1", 0)
 
     def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.http.stop(), self.loop).result()
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
@@ -457,6 +472,43 @@ def test_logs_name_the_tenant_and_never_the_token(served: Served) -> None:
     for secret in (SEARCH_TOKEN, BATCH_TOKEN, SLOW_TOKEN, "Not-A-Real-Token"):
         assert secret not in text
         assert token_sha256(secret) not in text
+
+
+def http_post(served: Served, body: dict[str, object], token: str | None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{served.server.http_port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers=headers,
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, {"body": json.loads(response.read())}
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"body": json.loads(exc.read()), "retry_after": exc.headers["Retry-After"]}
+
+
+def test_the_http_front_applies_the_same_tenants(served: Served) -> None:
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "priority": 1}
+    assert http_post(served, body, None)[0] == 401
+    assert http_post(served, body, "wrong")[0] == 401
+    status, answer = http_post(served, {**body, "priority": 0}, SEARCH_TOKEN)
+    assert status == 403 and "priority class 0" in answer["body"]["error"]["message"]
+    status, answer = http_post(served, body, SEARCH_TOKEN)
+    assert status == 200, answer
+    with served.client(BATCH_TOKEN) as client:  # batch's one in-flight slot, taken over gRPC
+        long = client.generate([5, 6, 7], max_tokens=900, ignore_eos=True, priority=2)
+        next(iter(long))
+        status, answer = http_post(served, {**body, "priority": 2}, BATCH_TOKEN)
+        assert status == 429 and answer["retry_after"] == "1"
+        assert answer["body"]["error"]["code"] == "quota_exceeded"
+        long.cancel()
+        long.result(timeout=60)
+    assert wait_until(lambda: served.tenants.num_inflight("batch") == 0)
+    assert http_post(served, {**body, "priority": 2}, BATCH_TOKEN)[0] == 200
+    assert served.tenants.num_inflight("batch") == 0
 
 
 # ---------------------------------------------------------------- a real process

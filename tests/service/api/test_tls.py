@@ -361,3 +361,4 @@ def test_loopback_addresses(host: str, is_loopback: bool) -> None:
     assert loopback(host) is is_loopback
     assert (exposure_warning(host, False, False) is None) is is_loopback
     assert exposure_warning(host, True, True) is None
+    assert (exposure_warning(host, True, True, has_http=True) is None) is is_loopback

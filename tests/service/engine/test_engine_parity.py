@@ -44,12 +44,28 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def test_greedy_matches_transformers(tiny_model_dir, hf_model):
+_EXPECTED: dict[int, list[int]] = {}
+
+
+def _expected(model, i: int, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' tokens, computed once for both engine modes."""
+    if i not in _EXPECTED:
+        _EXPECTED[i] = _hf_greedy(model, prompt, max_new_tokens)
+    return _EXPECTED[i]
+
+
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_greedy_matches_transformers(tiny_model_dir, hf_model, compile):
     engine = Engine(
         EngineConfig(
-            model=str(tiny_model_dir), dtype="float32", max_num_batched_tokens=96, block_size=16
+            model=str(tiny_model_dir),
+            dtype="float32",
+            max_num_batched_tokens=96,
+            block_size=16,
+            compile=compile,
         )
     )
+    assert engine.info.compiled is compile
     prompts = _prompts(engine.info.vocab_size)
     max_tokens = [8 + (i * 5) % 17 for i in range(NUM_PROMPTS)]
     requests = [
@@ -62,8 +78,8 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model):
     finally:
         engine.shutdown()
     assert engine.scheduler.step > max(max_tokens), "prompts were not chunked across steps"
-    for prompt, n, result in zip(prompts, max_tokens, results, strict=True):
-        expected = _hf_greedy(hf_model, prompt, n)
+    for i, (prompt, n, result) in enumerate(zip(prompts, max_tokens, results, strict=True)):
+        expected = _expected(hf_model, i, prompt, n)
         assert result.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
         want = (
             FinishReason.EOS

@@ -52,7 +52,8 @@ def test_packed_start_where_the_cpu_allows_it_else_a_clear_error() -> None:
 
 def _serve(args: list[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SLIPSTREAM_LOG_FORMAT": "json"}
-    command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0", *args]
+    command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
+    command += ["--http-port", "0", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
 
 

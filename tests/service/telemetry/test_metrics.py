@@ -150,3 +150,26 @@ def test_an_expired_deadline_is_a_miss_of_its_class(
     assert result.finish_reason == "deadline_exceeded"
     miss = "slipstream_deadline_misses_total"
     assert value(after, miss, priority="3") - value(before, miss, priority="3") == 1
+
+
+def test_prefix_cache_hits_reach_the_caller_and_the_hit_rate(
+    setup: tuple[ServerThread, Callable[[], Samples]],
+) -> None:
+    server, scrape = setup
+    before = scrape()
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47, 48]  # two full four-token blocks, then one token
+    with Client(server.target) as client:
+        first = client.generate(prompt, max_tokens=2, ignore_eos=True).result(timeout=60)
+        second = client.generate(prompt, max_tokens=2, ignore_eos=True).result(timeout=60)
+    assert (first.cached_tokens, second.cached_tokens) == (0, 8)  # over the wire (Usage)
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert delta("slipstream_prefix_cache_queried_tokens_total") == 18
+    assert delta("slipstream_prefix_cache_hit_tokens_total") == 8
+    hits = value(after, "slipstream_prefix_cache_hit_tokens_total")
+    queried = value(after, "slipstream_prefix_cache_queried_tokens_total")
+    assert value(after, "slipstream_prefix_cache_hit_rate") == pytest.approx(hits / queried)
+    assert value(after, "slipstream_prefix_cache_blocks") >= 2

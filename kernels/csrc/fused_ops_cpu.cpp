@@ -1,0 +1,310 @@
+// The elementwise work between a Llama layer's matrix multiplications, fused:
+// one pass over memory and one parallel region where eager torch makes three
+// to five of each.
+//
+//   add_rms_norm_(x, delta, w, eps)   x += delta (in place); returns rms_norm(x) * w
+//   rms_norm(x, w, eps)               the same without the residual add
+//   silu_and_mul(gu)                  [T, 2I] -> [T, I]: silu(gu[:, :I]) * gu[:, I:]
+//   rotary_neox_(qk, cos, ssin, pos)  in place, neox layout: x * cos + roll(x, D/2) * ssin
+//                                     (ssin = sin with the first half negated)
+//
+// Rounding follows the eager ops where it can: every add and product is
+// rounded as torch rounds it (-ffp-contract=off: no fused multiply-adds), bf16
+// values are rounded to nearest even once, where eager torch rounds between
+// ops. The sum of squares and exp (glibc's vector expf) differ from torch's in
+// the last bit, so fp32 results match eager to ~1e-7 relative, not bit for bit.
+//
+// Instruction sets: each kernel is a template inlined into an AVX2+FMA and a
+// baseline entry point, picked at run time (__builtin_cpu_supports), so the
+// binary does not depend on the build machine's CPU.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+// glibc's vector expf (libmvec, linked with -lmvec): with this declaration the
+// compiler vectorizes the silu loop instead of calling expf once per element.
+extern "C" {
+#pragma omp declare simd notinbranch
+float expf(float) noexcept;
+}
+
+namespace slipstream {
+namespace {
+
+using bf16_bits = uint16_t;
+
+inline float load(float v) { return v; }
+inline float load(bf16_bits v) {
+  uint32_t w = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+inline void store(float* dst, float v) { *dst = v; }
+inline void store(bf16_bits* dst, float v) {
+  uint32_t w;
+  std::memcpy(&w, &v, sizeof(w));
+  if ((w & 0x7FFFFFFFu) > 0x7F800000u) {
+    *dst = 0x7FC0;  // NaN stays NaN
+    return;
+  }
+  *dst = static_cast<bf16_bits>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
+
+// Rows per parallel chunk: about 16K elements, so small batches run on one thread.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+__attribute__((always_inline)) inline void rms_rows(T* x, int64_t x_stride, const T* delta,
+                                                    int64_t d_stride, const T* w, T* out,
+                                                    int64_t width, float eps, int64_t begin,
+                                                    int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    T* xr = x + r * x_stride;
+    float sum = 0.f;
+    if (delta != nullptr) {
+      const T* dr = delta + r * d_stride;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < width; ++i) {
+        float v = load(xr[i]) + load(dr[i]);
+        store(&xr[i], v);
+        float s = load(xr[i]);  // the rounded sum, as the next op reads it
+        sum += s * s;
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < width; ++i) {
+        float s = load(xr[i]);
+        sum += s * s;
+      }
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(width) + eps);
+    T* orow = out + r * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; ++i) store(&orow[i], load(xr[i]) * inv * load(w[i]));
+  }
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void silu_rows(const T* gu, int64_t stride, T* out,
+                                                     int64_t inter, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* g = gu + r * stride;
+    const T* u = g + inter;
+    T* o = out + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      float x = load(g[i]);
+      store(&o[i], x / (1.f + expf(-x)) * load(u[i]));
+    }
+  }
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void rope_rows(T* qk, int64_t tok_stride, int64_t heads,
+                                                     int64_t dim, const T* cos, const T* ssin,
+                                                     const int64_t* pos, int64_t begin,
+                                                     int64_t end) {
+  const int64_t half = dim / 2;
+  for (int64_t t = begin; t < end; ++t) {
+    const T* c = cos + pos[t] * dim;
+    const T* s = ssin + pos[t] * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* x = qk + t * tok_stride + h * dim;
+      float lo[512], hi[512];  // dim <= 1024, checked by the caller
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        lo[i] = load(x[i]);
+        hi[i] = load(x[i + half]);
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        // roll(x, D/2)[i] is hi[i] for i < D/2 and lo[i - D/2] after.
+        float a = lo[i] * load(c[i]);
+        float b = hi[i] * load(s[i]);
+        store(&x[i], a + b);
+        float a2 = hi[i] * load(c[i + half]);
+        float b2 = lo[i] * load(s[i + half]);
+        store(&x[i + half], a2 + b2);
+      }
+    }
+  }
+}
+
+bool has_avx2() {
+#if defined(__x86_64__)
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+#if defined(__x86_64__)
+#define SLIPSTREAM_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define SLIPSTREAM_AVX2
+#endif
+
+// One baseline and one AVX2 entry point per kernel and dtype.
+#define SLIPSTREAM_VARIANTS(name, kernel, params, args)      \
+  template <typename T>                                      \
+  void name##_base params { kernel<T> args; }                \
+  template <typename T>                                      \
+  SLIPSTREAM_AVX2 void name##_avx2 params { kernel<T> args; } \
+  template <typename T>                                      \
+  void name params {                                         \
+    if (has_avx2()) {                                        \
+      name##_avx2<T> args;                                   \
+    } else {                                                 \
+      name##_base<T> args;                                   \
+    }                                                        \
+  }
+
+SLIPSTREAM_VARIANTS(run_rms, rms_rows,
+                    (T * x, int64_t xs, const T* d, int64_t ds, const T* w, T* o, int64_t n,
+                     float eps, int64_t b, int64_t e),
+                    (x, xs, d, ds, w, o, n, eps, b, e))
+SLIPSTREAM_VARIANTS(run_silu, silu_rows,
+                    (const T* gu, int64_t s, T* o, int64_t n, int64_t b, int64_t e),
+                    (gu, s, o, n, b, e))
+SLIPSTREAM_VARIANTS(run_rope, rope_rows,
+                    (T * qk, int64_t ts, int64_t h, int64_t d, const T* c, const T* s,
+                     const int64_t* p, int64_t b, int64_t e),
+                    (qk, ts, h, d, c, s, p, b, e))
+
+void check_float(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), what, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+template <typename F>
+void by_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(float{});
+  } else {
+    f(bf16_bits{});
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+at::Tensor rms_impl(const at::Tensor& x, const c10::optional<at::Tensor>& delta,
+                    const at::Tensor& weight, double eps) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, hidden] with packed rows");
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == width && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [hidden] tensor of x's dtype");
+  int64_t d_stride = 0;
+  if (delta.has_value()) {
+    const at::Tensor& d = *delta;
+    TORCH_CHECK(d.sizes() == x.sizes() && d.stride(1) == 1 && d.scalar_type() == x.scalar_type(),
+                "delta must match x");
+    d_stride = d.stride(0);
+  }
+  at::Tensor out = at::empty({rows, width}, x.options());
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = ptr<T>(x);
+    const T* dp = delta.has_value() ? ptr<T>(*delta) : nullptr;
+    const T* wp = ptr<T>(weight);
+    T* op = ptr<T>(out);
+    const float e = static_cast<float>(eps);
+    const int64_t xs = x.stride(0);
+    at::parallel_for(0, rows, grain(width), [&](int64_t b, int64_t en) {
+      run_rms<T>(xp, xs, dp, d_stride, wp, op, width, e, b, en);
+    });
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm_(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps) {
+  return rms_impl(x, delta, weight, eps);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_impl(x, c10::nullopt, weight, eps);
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gu) {
+  check_float(gu, "gate_up");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0,
+              "gate_up must be [tokens, 2 * intermediate] with packed rows");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2, stride = gu.stride(0);
+  at::Tensor out = at::empty({rows, inter}, gu.options());
+  by_dtype(gu, [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = ptr<T>(gu);
+    T* op = ptr<T>(out);
+    at::parallel_for(0, rows, grain(2 * inter), [&](int64_t b, int64_t e) {
+      run_silu<T>(gp, stride, op, inter, b, e);
+    });
+  });
+  return out;
+}
+
+void rotary_neox_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& ssin,
+                  const at::Tensor& positions) {
+  check_float(qk, "qk");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2),
+              "qk must be [tokens, heads, head_dim] with packed heads");
+  const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2);
+  TORCH_CHECK(dim % 2 == 0 && dim <= 1024, "head_dim must be even and at most 1024");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim && cos.is_contiguous() && ssin.sizes() == cos.sizes() &&
+                  ssin.is_contiguous() && cos.scalar_type() == qk.scalar_type() &&
+                  ssin.scalar_type() == qk.scalar_type(),
+              "cos and signed sin must be contiguous [positions, head_dim] tables of qk's dtype");
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens && positions.is_contiguous() &&
+                  positions.scalar_type() == at::kLong,
+              "positions must be a contiguous int64 [tokens] tensor");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t table = cos.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < table, "position ", pos[t], " outside the rope table");
+  }
+  by_dtype(qk, [&](auto tag) {
+    using T = decltype(tag);
+    T* qp = ptr<T>(qk);
+    const T* cp = ptr<T>(cos);
+    const T* sp = ptr<T>(ssin);
+    const int64_t ts = qk.stride(0);
+    at::parallel_for(0, tokens, grain(heads * dim), [&](int64_t b, int64_t e) {
+      run_rope<T>(qp, ts, heads, dim, cp, sp, pos, b, e);
+    });
+  });
+}
+
+std::string fused_ops_isa() { return has_avx2() ? "avx2" : "portable"; }
+
+}  // namespace
+}  // namespace slipstream
+
+TORCH_LIBRARY_FRAGMENT(slipstream, m) {
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_neox_(Tensor(a!) qk, Tensor cos, Tensor signed_sin, Tensor positions) -> ()");
+  m.def("fused_ops_cpu_isa() -> str", &slipstream::fused_ops_isa);
+}
+
+TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
+  m.impl("add_rms_norm_", &slipstream::add_rms_norm_);
+  m.impl("rms_norm", &slipstream::rms_norm);
+  m.impl("silu_and_mul", &slipstream::silu_and_mul);
+  m.impl("rotary_neox_", &slipstream::rotary_neox_);
+}

@@ -1,0 +1,124 @@
+"""Native kernels built on first use with ``torch.utils.cpp_extension`` and
+cached, one library per source file::
+
+    <home>/cache/extensions/
+        <name>-<key>/      build.ninja, *.o, slipstream_<name>.so
+        .<name>-<key>.lock held while one process builds
+
+``<key>`` hashes the source, the compiler flags, the torch version and the
+machine architecture. No CPU feature flags: each library holds an AVX2+FMA
+and a baseline variant and picks one at run time, so one build serves every
+x86-64 CPU. ``home`` is the caller's (the service's ``slipstream_home()``,
+which honours ``$SLIPSTREAM_HOME``); this module reads no environment
+variables. A library left broken in its directory (say, a link killed
+half-way) makes the attempt fail with that directory in the log line;
+deleting it rebuilds.
+
+``attempt()`` tries one build per process and source and never raises: on any
+failure it logs one line naming the fallback and returns the reason.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One source file's library. ``probe`` names an op of the library that
+    returns the instruction-set variant it picked (proves it loaded)."""
+
+    name: str
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...]
+    probe: str
+    what: str  # for log lines, e.g. "fused CPU attention kernel"
+    fallback: str  # e.g. "the torch attention path"
+
+    @property
+    def library_name(self) -> str:
+        return f"slipstream_{self.name}"
+
+
+def default_home() -> Path:
+    """Where the service keeps its files when ``$SLIPSTREAM_HOME`` is unset."""
+    return Path.home() / ".cache" / "slipstream"
+
+
+def build_key(ext: Extension, source: Path) -> str:
+    """Changes whenever the built library could: source, flags, torch, architecture."""
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (*ext.cflags, *ext.ldflags, torch.__version__, platform.machine()):
+        digest.update(b"\0" + part.encode())
+    return f"{ext.name}-{digest.hexdigest()[:16]}"
+
+
+def extension_dir(ext: Extension, home: Path, source: Path) -> Path:
+    return home / "cache" / "extensions" / build_key(ext, source)
+
+
+def load(ext: Extension, build_dir: Path, source: Path) -> None:
+    """Builds the library into ``build_dir`` unless it is there, and loads it.
+    Raises on failure. One process builds at a time (a kernel lock, so a killed
+    build leaves no stale lock behind)."""
+    library = build_dir / f"{ext.library_name}.so"
+    build_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f".{build_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            _build(ext, build_dir, source)
+    torch.ops.load_library(str(library))
+
+
+def _build(ext: Extension, build_dir: Path, source: Path) -> None:
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's own lock file; under our lock, one left here is from a killed build.
+    (build_dir / "lock").unlink(missing_ok=True)
+    cpp_extension.load(
+        name=ext.library_name,
+        sources=[str(source)],
+        extra_cflags=list(ext.cflags),
+        extra_ldflags=list(ext.ldflags),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+def attempt(ext: Extension, home: Path, source: Path) -> bool | str:
+    """Build or load, then probe: True, or why not (logged once)."""
+    build_dir = extension_dir(ext, home, source)
+    started = time.perf_counter()
+    try:
+        load(ext, build_dir, source)
+        isa = getattr(torch.ops.slipstream, ext.probe)()
+    except Exception as error:  # a failed build must never take the service down
+        reason = _first_error_line(error)
+        log.warning("%s unavailable (%s in %s); using %s", ext.what, reason, build_dir,
+                    ext.fallback)  # fmt: skip
+        return reason
+    log.info("%s ready: %s variant, %s (%.1f s)", ext.what, isa, build_dir,
+             time.perf_counter() - started)  # fmt: skip
+    return True
+
+
+def _first_error_line(error: Exception) -> str:
+    """The compiler's first ``error:`` line if there is one, else the exception's first line."""
+    text = str(error)
+    for line in text.splitlines():
+        if "error:" in line:
+            return f"build failed: {line.strip()}"
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return f"{type(error).__name__}: {first}"

@@ -1,0 +1,89 @@
+"""Fused elementwise kernels for the work between a layer's matrix
+multiplications (``csrc/fused_ops_cpu.cpp``): residual add + RMSNorm, SiLU
+and multiply, RoPE in place. Built and cached like the attention kernel
+(``extensions``); ``is_available()`` never raises, and the model keeps its
+eager torch ops when the build fails.
+
+Each op matches its eager torch composition up to the last bit of fp32
+(the sum of squares and exp round differently); the parity tests hold them
+to it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from slipstream.kernels import extensions
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops_cpu.cpp"
+# -fno-math-errno lets the vector expf of libmvec replace expf; -ffp-contract=off
+# keeps every product and sum rounded as eager torch rounds it.
+EXTENSION = extensions.Extension(
+    name="fused_ops_cpu",
+    cflags=("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wno-psabi"),
+    ldflags=("-fopenmp", "-lmvec"),
+    probe="fused_ops_cpu_isa",
+    what="fused CPU elementwise kernels",
+    fallback="eager torch ops",
+)
+
+_outcome: dict[Path, bool | str] = {}
+_fakes_registered = False
+
+
+def is_available(home: Path | None = None) -> bool:
+    """Builds or loads the library once per process; True if it loaded."""
+    outcome = _outcome.get(SOURCE)
+    if outcome is None:
+        outcome = extensions.attempt(EXTENSION, home or extensions.default_home(), SOURCE)
+        if outcome is True:
+            _register_fakes()
+        _outcome[SOURCE] = outcome
+    return outcome is True
+
+
+def failure() -> str | None:
+    outcome = _outcome.get(SOURCE)
+    return outcome if isinstance(outcome, str) else None
+
+
+def add_rms_norm_(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``x += delta`` in place; returns ``rms_norm(x) * weight``."""
+    return torch.ops.slipstream.add_rms_norm_(x, delta, weight, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.slipstream.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[:, :I]) * gate_up[:, I:]`` for ``gate_up [T, 2I]``."""
+    return torch.ops.slipstream.silu_and_mul(gate_up)
+
+
+def rotary_neox_(
+    qk: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor
+) -> None:
+    """RoPE in place on ``qk [T, heads, head_dim]`` (heads packed, any token
+    stride): ``x * cos + roll(x, D/2) * signed_sin`` at each token's position."""
+    torch.ops.slipstream.rotary_neox_(qk, cos, signed_sin, positions)
+
+
+def _register_fakes() -> None:
+    """Shapes for tracing, so a model calling these compiles under torch.compile."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    torch.library.register_fake(
+        "slipstream::add_rms_norm_", lambda x, d, w, eps: x.new_empty(x.shape)
+    )
+    torch.library.register_fake("slipstream::rms_norm", lambda x, w, eps: x.new_empty(x.shape))
+    torch.library.register_fake(
+        "slipstream::silu_and_mul", lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+    )
+    torch.library.register_fake("slipstream::rotary_neox_", lambda qk, c, s, p: None)
+    _fakes_registered = True

@@ -1,0 +1,151 @@
+"""The HTTP server: an aiohttp application on the running event loop (the
+one the ``grpc.aio`` server uses), its routes, and its start and stop.
+
+Routes::
+
+    POST /v1/completions        text or token-id prompt
+    POST /v1/chat/completions   messages, rendered with the model's chat template
+    GET  /v1/models             the one model served
+    GET  /health                200 while serving, 503 while loading or draining
+    GET  /metrics               Prometheus, the same registry as --metrics-port
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from slipstream.service.api.auth import Tenants
+from slipstream.service.api.http.errors import ApiError, too_large
+from slipstream.service.api.http.generation import Authenticator, Generations
+from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
+
+if TYPE_CHECKING:
+    from slipstream.service.telemetry.tracing import Telemetry
+
+# Bodies past this are refused (413) before they are read in full. A prompt
+# that fits any context is far smaller: 1 Mi token ids are ~8 MiB of JSON.
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+# What stop() gives handlers still running (after draining and the engine's
+# shutdown, all of them have their answer already).
+SHUTDOWN_TIMEOUT_S = 5.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Middleware: every error, ours or aiohttp's (404 route, 405 method,
+    413 body), in OpenAI's JSON shape."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPRequestEntityTooLarge:
+            return too_large(f"the request body is over {max_body_bytes} bytes").response()
+        except web.HTTPException as exc:
+            return _http_error(exc)
+
+    return middleware
+
+
+def _http_error(exc: web.HTTPException) -> web.StreamResponse:
+    if exc.status < 400:
+        raise exc  # a redirect is not an error
+    return ApiError(
+        exc.status,
+        exc.reason,
+        code=exc.reason.lower().replace(" ", "_"),
+        headers={k: v for k, v in exc.headers.items() if k == "Allow"},
+    ).response()
+
+
+class HttpFront:
+    """The OpenAI-compatible front door of one server process."""
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        telemetry: Telemetry | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        authenticate: Authenticator | None = None,
+        tenants: Tenants | None = None,
+    ) -> None:
+        self._lifecycle = lifecycle
+        self._telemetry = telemetry
+        self._created = int(time.time())
+        generations = Generations(lifecycle, telemetry, authenticate, tenants)
+        self.app = web.Application(
+            client_max_size=max_body_bytes, middlewares=[openai_errors(max_body_bytes)]
+        )
+        self.app.router.add_post("/v1/completions", generations.completions)
+        self.app.router.add_post("/v1/chat/completions", generations.chat)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); returns the bound port."""
+        # Cancel a handler the moment its client disconnects: that is what
+        # frees the request's KV while it still waits in the queue.
+        sock = socket.create_server((host.strip("[]"), port))
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        )
+        await self._runner.setup()
+        site = web.SockSite(self._runner, sock)
+        await site.start()
+        return int(sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        """Stop listening and close connections; call after draining and
+        after the engine has ended every request."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            info = self._lifecycle.engine.info
+        except NotServing as exc:
+            raise ApiError(503, str(exc), "service_unavailable", None, "not_serving") from None
+        model = {
+            "id": info.name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "slipstream",
+            "max_model_len": info.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        phase = self._lifecycle.phase
+        if phase is not Phase.SERVING:
+            raise ApiError(
+                503,
+                f"the server is {phase.name.lower()}",
+                "service_unavailable",
+                None,
+                phase.name.lower(),
+            )
+        return web.json_response({"status": "serving"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        metrics = None if self._telemetry is None else self._telemetry.metrics
+        if metrics is None:
+            raise ApiError(404, "metrics are not enabled on this server", code="not_found")
+        return web.Response(
+            body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )

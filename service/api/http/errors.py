@@ -1,0 +1,106 @@
+"""Errors in OpenAI's JSON shape, and the one mapping from Slipstream's
+domain errors (``service.api.status``) to HTTP statuses.
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from slipstream.scheduler.errors import (
+    DeadlineInfeasible,
+    Draining,
+    DuplicateRequest,
+    PromptTooLong,
+    QueueFull,
+)
+from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
+from slipstream.service.api.status import INVALID, Rejection, rejection_for, retry_after_ms
+from slipstream.service.engine.chat import ChatError
+
+# What a client told "the queue is full" should wait before trying again.
+RETRY_AFTER_S = 1
+
+
+@dataclass(slots=True)
+class ApiError(Exception):
+    """A request refused with ``status``; ``rejection`` is how telemetry
+    records it (the same reason and gRPC status a gRPC submit would get)."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    rejection: Rejection = INVALID
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            text=json.dumps(self.body()),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def too_large(message: str, param: str | None = None) -> ApiError:
+    return ApiError(413, message, param=param, code="request_too_large")
+
+
+def not_serving(message: str) -> ApiError:
+    return ApiError(503, message, type="service_unavailable", code="not_serving")
+
+
+# Domain error -> (HTTP status, OpenAI error type, code). Most specific first.
+_STATUSES: dict[type[Exception], tuple[int, str, str | None]] = {
+    PromptTooLong: (400, "invalid_request_error", "context_length_exceeded"),
+    ChatError: (400, "invalid_request_error", "invalid_messages"),
+    DuplicateRequest: (409, "invalid_request_error", "duplicate_request_id"),
+    QueueFull: (429, "rate_limit_exceeded", "queue_full"),
+    # The google.rpc mapping of DEADLINE_EXCEEDED; answered before any token.
+    DeadlineInfeasible: (504, "deadline_exceeded", "deadline_infeasible"),
+    Draining: (503, "service_unavailable", "draining"),
+    Unauthenticated: (401, "authentication_error", "invalid_api_key"),
+    PermissionDenied: (403, "permission_denied", "permission_denied"),
+    QuotaExceeded: (429, "rate_limit_exceeded", "quota_exceeded"),
+    ValueError: (400, "invalid_request_error", None),
+}
+
+
+def from_domain(error: Exception, param: str | None = None) -> ApiError | None:
+    """The HTTP answer to a domain error a submit raised, or None when the
+    caller cannot have caused it (a server bug: let it propagate)."""
+    rejection = rejection_for(error)
+    if rejection is None:
+        return None
+    for cls in type(error).__mro__:
+        mapped = _STATUSES.get(cls)
+        if mapped is not None:
+            status, kind, code = mapped
+            hint_s = math.ceil(retry_after_ms(error) / 1000) or RETRY_AFTER_S
+            headers = {"Retry-After": str(hint_s)} if status == 429 else {}
+            return ApiError(status, str(error), kind, param, code, headers, rejection)
+    return None

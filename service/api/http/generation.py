@@ -1,0 +1,263 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: parse, turn
+the prompt into token ids off the event loop, build the engine request with
+the gRPC service's own ``wire.to_generation_request``, submit, and relay
+the engine's events as one JSON body or as server-sent events.
+
+A client that goes away cancels its request at once: aiohttp cancels the
+handler (``handler_cancellation``) or the next write fails, and the
+``finally`` aborts the request, which frees its KV within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+
+from slipstream.scheduler.request import FinishReason
+from slipstream.service.api import wire
+from slipstream.service.api.auth import Grant, TenantGate, Tenants
+from slipstream.service.api.http.errors import ApiError, from_domain, invalid, too_large
+from slipstream.service.api.http.params import OpenAIRequest, Prompt, parse
+from slipstream.service.api.http.relay import EventRelay
+from slipstream.service.api.http.responses import (
+    OPENAI_FINISH,
+    ChunkEncoder,
+    Envelope,
+    error_line,
+)
+from slipstream.service.api.lifecycle import Lifecycle, NotServing
+from slipstream.service.engine.chat import render_chat
+from slipstream.service.engine.events import FinishEvent, GenerationRequest, TokenEvent
+
+if TYPE_CHECKING:
+    from slipstream.service.engine.engine import Engine
+    from slipstream.service.telemetry.tracing import Telemetry
+
+log = structlog.get_logger(__name__)
+
+# A text longer than this many characters per context token cannot fit the
+# context whatever the tokenizer; refused (413) before any tokenizing.
+MAX_CHARS_PER_TOKEN = 32
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "Connection": "keep-alive",
+}
+# How requests that ended without a complete answer are reported.
+_FAILED: dict[FinishReason, tuple[int, str, str]] = {
+    FinishReason.DEADLINE_EXCEEDED: (504, "deadline_exceeded", "deadline_exceeded"),
+    FinishReason.CANCELLED: (503, "service_unavailable", "cancelled"),
+    FinishReason.REJECTED: (503, "service_unavailable", "rejected"),
+    FinishReason.ERROR: (500, "server_error", "internal_error"),
+}
+
+# 401/403 hook: called with the Authorization header before any work; it
+# raises ApiError (401 unknown token, 403 not allowed) or returns the tenant.
+Authenticator = Callable[[str | None], object]
+
+
+def _encode(tokenizer: object, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return wire.encode_prompt(tokenizer, prompt)
+    return render_chat(tokenizer, prompt)
+
+
+async def prompt_token_ids(engine: Engine, prompt: Prompt) -> list[int]:
+    """The one place a prompt becomes token ids, on a worker thread so a
+    large input never stalls the event loop. Size is checked first."""
+    if isinstance(prompt, list) and isinstance(prompt[0], int):
+        return prompt
+    texts = [prompt] if isinstance(prompt, str) else [content for _, content in prompt]
+    max_chars = engine.info.max_model_len * MAX_CHARS_PER_TOKEN
+    if sum(len(t) for t in texts) > max_chars:
+        param = "prompt" if isinstance(prompt, str) else "messages"
+        raise too_large(f"the prompt is over {max_chars} characters, more than fits", param)
+    return await asyncio.to_thread(_encode, engine.tokenizer, prompt)
+
+
+def finish_error(event: FinishEvent) -> ApiError:
+    status, kind, code = _FAILED[event.reason]
+    message = event.message or f"the request ended: {event.reason.name.lower()}"
+    return ApiError(status, message, kind, None, code)
+
+
+class Generations:
+    """The two generation endpoints over one lifecycle (and so one engine)."""
+
+    def __init__(
+        self,
+        lifecycle: Lifecycle,
+        telemetry: Telemetry | None = None,
+        authenticate: Authenticator | None = None,
+        tenants: Tenants | None = None,
+    ) -> None:
+        self._lifecycle = lifecycle
+        self._telemetry = telemetry
+        self._authenticate = authenticate
+        self._tenants = tenants  # bearer tokens and limits, as on gRPC
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, is_chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, is_chat=True)
+
+    async def _generate(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
+        now = time.monotonic()  # a deadline counts from arrival, tokenizing included
+        try:
+            engine = self._lifecycle.require_serving()
+        except NotServing as exc:
+            raise ApiError(503, str(exc), "service_unavailable", None, "not_serving") from None
+        if self._authenticate is not None:
+            self._authenticate(request.headers.get("Authorization"))
+        gate = None
+        if self._tenants is not None:  # 401 before any work
+            try:
+                tenant = self._tenants.authenticate(request.headers.get("Authorization"))
+            except Exception as exc:
+                raise _domain(exc) from None
+            gate = TenantGate(self._tenants, tenant)
+        parsed = parse(await _json(request), request.headers, is_chat)
+        if parsed.model != engine.info.name:
+            raise ApiError(
+                404,
+                f"model {parsed.model!r} is not served here",
+                param="model",
+                code="model_not_found",
+            )
+        envelope = Envelope.new(parsed.model, is_chat)
+        try:
+            gen_request = await self._request(engine, parsed, envelope, now)
+            grant = None
+            if gate is not None:  # 403 never allowed, 429 over quota
+                try:
+                    gen_request, grant = gate.admit(gen_request)
+                except Exception as exc:
+                    raise _domain(exc) from None
+            relay = EventRelay(asyncio.get_running_loop())
+            self._submit(engine, gen_request, relay, parsed, envelope, grant)
+        except ApiError as exc:
+            if self._telemetry is not None:
+                rejection = exc.rejection
+                self._telemetry.rejected(
+                    envelope.id,
+                    rejection.reason_name,
+                    rejection.wire_status,
+                    exc.message,
+                    (),
+                    parsed.submit.trace_context,
+                    tenant="" if gate is None else gate.tenant.name,
+                )
+            raise
+        try:
+            if parsed.is_stream:
+                return await self._stream(request, parsed, envelope, relay)
+            return await self._whole(envelope, relay)
+        finally:
+            if not relay.is_finished:
+                engine.abort(gen_request.req_id, message="the client disconnected")
+
+    async def _request(
+        self, engine: Engine, parsed: OpenAIRequest, envelope: Envelope, now: float
+    ) -> GenerationRequest:
+        try:
+            ids = await prompt_token_ids(engine, parsed.prompt)
+        except ValueError as exc:  # ChatError: bad roles, no template
+            raise _domain(exc, "messages" if parsed.is_chat else "prompt") from None
+        submit = parsed.submit
+        submit.token_ids.ids.extend(ids)
+        if not submit.stopping.HasField("max_new_tokens"):
+            # Chat's OpenAI default: as much as the context leaves.
+            submit.stopping.max_new_tokens = max(1, engine.info.max_model_len - len(ids))
+        try:
+            return wire.to_generation_request(
+                submit, f"http-{envelope.id}", engine.tokenizer, engine.info, now, None
+            )
+        except ValueError as exc:
+            raise _domain(exc) from None
+
+    def _submit(
+        self,
+        engine: Engine,
+        gen_request: GenerationRequest,
+        relay: EventRelay,
+        parsed: OpenAIRequest,
+        envelope: Envelope,
+        grant: Grant | None = None,
+    ) -> None:
+        telemetry = self._telemetry
+        if telemetry is not None:
+            telemetry.begin(gen_request, envelope.id, (), parsed.submit.trace_context)
+        on_event = relay.on_event if grant is None else grant.wrap(relay.on_event)
+        try:
+            engine.submit(gen_request, on_event)
+        except Exception as exc:
+            if grant is not None:
+                grant.release()
+            if telemetry is not None:
+                telemetry.abandon(gen_request.req_id)
+            raise _domain(exc) from None
+
+    async def _whole(self, envelope: Envelope, relay: EventRelay) -> web.Response:
+        texts: list[str] = []
+        async for batch in relay.batches():
+            texts.extend(event.text for event in batch)
+        finish = batch[-1]
+        assert isinstance(finish, FinishEvent)
+        if finish.reason not in OPENAI_FINISH:
+            raise finish_error(finish)
+        body = envelope.completion("".join(texts), finish)
+        return web.Response(text=json.dumps(body), content_type="application/json")
+
+    async def _stream(
+        self, request: web.Request, parsed: OpenAIRequest, envelope: Envelope, relay: EventRelay
+    ) -> web.StreamResponse:
+        """Headers go out with the first event, so a request refused or
+        expired before its first token still gets its own status."""
+        encoder = ChunkEncoder(envelope, parsed.include_usage)
+        response: web.StreamResponse | None = None
+        try:
+            async for batch in relay.batches():
+                out = []
+                if response is None:
+                    first = batch[0]
+                    if isinstance(first, FinishEvent) and first.reason not in OPENAI_FINISH:
+                        raise finish_error(first)
+                    response = web.StreamResponse(headers=SSE_HEADERS)
+                    await response.prepare(request)
+                    out.append(encoder.first())
+                for event in batch:
+                    if isinstance(event, TokenEvent):
+                        out.append(encoder.token(event.text))
+                    elif event.reason in OPENAI_FINISH:
+                        out.append(encoder.finish(event.text, event))
+                    else:
+                        out.append(error_line(finish_error(event).body()))
+                await response.write(b"".join(out))
+            assert response is not None
+            await response.write_eof()
+        except ConnectionResetError:
+            log.debug("http_client_gone", id=envelope.id)
+        assert response is not None
+        return response
+
+
+async def _json(request: web.Request) -> object:
+    # A body over the size limit raises HTTPRequestEntityTooLarge (413, app.py).
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise invalid("the request body is not valid JSON") from None
+
+
+def _domain(exc: Exception, param: str | None = None) -> ApiError:
+    error = from_domain(exc, param)
+    if error is None:
+        raise exc
+    return error

@@ -1,0 +1,297 @@
+"""An OpenAI request body (plus Slipstream's headers) as a ``pb.Submit``
+without its prompt, so the engine request is then built by the very code
+the gRPC service uses (``wire.to_generation_request``).
+
+Accepted: ``model``, ``prompt`` (a string, a list of token ids, or a
+one-element list of either) or ``messages``, ``stream``,
+``stream_options.include_usage``, ``max_tokens`` / ``max_completion_tokens``,
+``temperature``, ``top_p``, ``seed``, ``stop``, ``n`` = 1, ``user``; the
+Slipstream extensions ``priority``, ``deadline_ms``,
+``expected_output_tokens``, ``top_k`` and ``ignore_eos``. Anything else
+that would change the answer (``logprobs``, ``top_logprobs``, ``echo``,
+``suffix``, ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
+``response_format``, ...) is refused with a 400 naming the field: this
+engine does not implement it, and ignoring it would silently change the
+request's meaning.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from slipstream.service.api.http.errors import invalid
+from slipstream.v1 import inference_pb2 as pb
+
+# OpenAI's documented defaults where they differ from the gRPC API's.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_INT32 = 2**31 - 1
+MAX_UINT32 = 2**32 - 1
+MAX_UINT64 = 2**64 - 1
+HEADER_PRIORITY = "x-slipstream-priority"
+HEADER_DEADLINE_MS = "x-slipstream-deadline-ms"
+HEADER_EXPECTED_OUTPUT_TOKENS = "x-slipstream-expected-output-tokens"
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+_COMMON = frozenset(
+    {
+        "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
+        "stop", "n", "user", "priority", "deadline_ms", "expected_output_tokens", "top_k",
+        "ignore_eos",
+    }
+)  # fmt: skip
+# Accepted only at the value that means "off".
+_OFF_VALUES: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None,),
+    "echo": (None, False),
+    "suffix": (None,),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+
+Prompt = str | list[int] | list[tuple[str, str]]
+_T = TypeVar("_T", int, float)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """One parsed request. ``prompt`` is text or token ids (completions) or
+    (role, content) pairs (chat); ``submit`` has every field but the prompt."""
+
+    is_chat: bool
+    model: str
+    prompt: Prompt
+    submit: pb.Submit
+    is_stream: bool
+    include_usage: bool
+
+
+def parse(body: object, headers: Mapping[str, str], is_chat: bool) -> OpenAIRequest:
+    """Raises ``ApiError`` (400) naming the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model is required (a string; see GET /v1/models)", "model")
+    if body.get("n") not in (None, 1):
+        raise invalid("only n=1 is supported", "n")
+    _optional(body, "user", str)
+    is_stream = bool(_optional(body, "stream", bool))
+    include_usage = _stream_options(body, is_stream)
+    prompt = _messages(body) if is_chat else _prompt(body)
+    submit = pb.Submit()
+    priority = _controls_int(body, headers, "priority", HEADER_PRIORITY, MAX_INT32)
+    if priority is not None:
+        submit.priority = priority
+    _sampling(body, submit.sampling)
+    _stopping(body, submit.stopping, is_chat)
+    deadline_ms = _deadline_ms(body, headers)
+    if deadline_ms is not None:
+        submit.timeout.FromNanoseconds(round(deadline_ms * 1e6))
+    expected = _controls_int(
+        body, headers, "expected_output_tokens", HEADER_EXPECTED_OUTPUT_TOKENS, MAX_UINT32
+    )
+    if expected is not None:
+        submit.expected_output_tokens = expected
+    for name in TRACE_HEADERS:
+        if name in headers:
+            submit.trace_context[name] = headers[name]
+    return OpenAIRequest(is_chat, model, prompt, submit, is_stream, include_usage)
+
+
+def _check_fields(body: dict[str, object], known: frozenset[str]) -> None:
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in _OFF_VALUES:
+            if value not in _OFF_VALUES[name]:
+                raise invalid(f"{name} is not supported by this server", name)
+            continue
+        raise invalid(f"unsupported parameter: {name}", name)
+
+
+def _optional(body: Mapping[str, object], name: str, kind: type) -> object:
+    value = body.get(name)
+    if value is not None and not (isinstance(value, kind) and _not_bool_for_number(value, kind)):
+        raise invalid(f"{name} must be {_KIND_NAMES.get(kind, kind.__name__)}", name)
+    return value
+
+
+_KIND_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
+
+
+def _not_bool_for_number(value: object, kind: type) -> bool:
+    return kind is bool or not isinstance(value, bool)
+
+
+def _int(body: Mapping[str, object], name: str, low: int, high: int) -> int | None:
+    value = _optional(body, name, int)
+    if value is not None and not low <= value <= high:  # type: ignore[operator]
+        raise invalid(f"{name} must be in [{low}, {high}], got {value}", name)
+    return value  # type: ignore[return-value]
+
+
+def _number(body: Mapping[str, object], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise invalid(f"{name} must be a number", name)
+    if not math.isfinite(value):
+        raise invalid(f"{name} must be finite", name)
+    return float(value)
+
+
+def _stream_options(body: Mapping[str, object], is_stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not is_stream:
+        raise invalid("stream_options is only allowed with stream=true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise invalid("stream_options takes only include_usage", "stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid("stream_options.include_usage must be a boolean", "stream_options")
+    return include
+
+
+def _prompt(body: Mapping[str, object]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise invalid("one prompt per request (n=1); send a batch as requests", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt is empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+            raise invalid("a token-id prompt must be a list of non-negative integers", "prompt")
+        return prompt
+    raise invalid("prompt must be a non-empty string or list of token ids", "prompt")
+
+
+def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages must be a non-empty list", "messages")
+    pairs = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(f"{where} must be an object", "messages")
+        # A ``name`` (or tool call) would be dropped by the (role, content) renderer.
+        extra = set(message) - {"role", "content"}
+        if extra:
+            raise invalid(f"{where}.{sorted(extra)[0]} is not supported", "messages")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise invalid(f"{where}.role must be a string", "messages")
+        pairs.append((role, _content(message.get("content"), where)))
+    return pairs
+
+
+def _content(content: object, where: str) -> str:
+    """Text content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise invalid(f"{where}.content: only text parts are supported", "messages")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"{where}.content text parts need a string text", "messages")
+            texts.append(text)
+        return "".join(texts)
+    raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
+
+
+def _sampling(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
+    temperature = _number(body, "temperature")
+    temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
+    if temperature < 0:
+        raise invalid("temperature must be >= 0", "temperature")
+    sampling.temperature = temperature
+    top_p = _number(body, "top_p")
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise invalid("top_p must be in (0, 1]", "top_p")
+        sampling.top_p = top_p
+    top_k = _int(body, "top_k", 0, MAX_UINT32)
+    if top_k is not None:
+        sampling.top_k = top_k
+    seed = _int(body, "seed", 0, MAX_UINT64)
+    if seed is not None:
+        sampling.seed = seed
+
+
+def _stopping(body: Mapping[str, object], stopping: pb.StoppingCriteria, is_chat: bool) -> None:
+    max_tokens = _int(body, "max_tokens", 1, MAX_UINT32)
+    if is_chat:
+        newer = _int(body, "max_completion_tokens", 1, MAX_UINT32)
+        if newer is not None and max_tokens is not None and newer != max_tokens:
+            raise invalid("max_tokens and max_completion_tokens differ", "max_completion_tokens")
+        max_tokens = newer if newer is not None else max_tokens
+    elif max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    # Chat without a limit: up to the context, set once the prompt's length is known.
+    if max_tokens is not None:
+        stopping.max_new_tokens = max_tokens
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise invalid("stop must be a non-empty string or a list of them", "stop")
+        stopping.stop_sequences.extend(stops)
+    stopping.ignore_eos = bool(_optional(body, "ignore_eos", bool))
+
+
+def _deadline_ms(body: Mapping[str, object], headers: Mapping[str, str]) -> float | None:
+    value = _number(body, "deadline_ms")
+    header = headers.get(HEADER_DEADLINE_MS)
+    if header is not None:
+        try:
+            from_header = float(header)
+        except ValueError:
+            raise invalid(f"{HEADER_DEADLINE_MS} must be a number", HEADER_DEADLINE_MS) from None
+        if not math.isfinite(from_header):
+            raise invalid(f"{HEADER_DEADLINE_MS} must be finite", HEADER_DEADLINE_MS)
+        value = _agree("deadline_ms", HEADER_DEADLINE_MS, value, from_header)
+    if value is not None and not 0 <= value <= 1e13:  # ~300 years: Duration's range holds it
+        raise invalid("deadline_ms must be in [0, 1e13] milliseconds", "deadline_ms")
+    return value
+
+
+def _controls_int(
+    body: Mapping[str, object], headers: Mapping[str, str], name: str, header: str, high: int
+) -> int | None:
+    value = _int(body, name, 0, high)
+    raw = headers.get(header)
+    if raw is None:
+        return value
+    try:
+        from_header = int(raw)
+    except ValueError:
+        raise invalid(f"{header} must be an integer", header) from None
+    if not 0 <= from_header <= high:
+        raise invalid(f"{header} must be in [0, {high}], got {from_header}", header)
+    return _agree(name, header, value, from_header)
+
+
+def _agree(name: str, header: str, in_body: _T | None, in_header: _T) -> _T:
+    if in_body is not None and in_body != in_header:
+        raise invalid(f"{name} in the body and {header} disagree", name)
+    return in_header

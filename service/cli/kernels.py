@@ -1,0 +1,30 @@
+"""``slipstream kernels build``: builds the native CPU kernels (fused paged
+attention, fused elementwise ops) into ``$SLIPSTREAM_HOME/cache/extensions``
+ahead of the first start, so set-up pays the compile, not the server."""
+
+from __future__ import annotations
+
+import argparse
+
+from slipstream.kernels import cpu_attention, fused_ops
+from slipstream.service.models.store import slipstream_home
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    parser = subparsers.add_parser("kernels", help="native CPU kernels")
+    actions = parser.add_subparsers(dest="action", required=True)
+    build = actions.add_parser("build", help="build (or find cached) the native CPU kernels")
+    build.set_defaults(func=_build)
+
+
+def _build(args: argparse.Namespace) -> int:
+    home = slipstream_home()
+    results = {
+        "fused attention": (cpu_attention.is_available(home), cpu_attention.failure()),
+        "fused elementwise ops": (fused_ops.is_available(home), fused_ops.failure()),
+    }
+    for name, (ok, why) in results.items():
+        print(f"{name}: {'ready' if ok else f'unavailable ({why}); the torch path will be used'}")
+    print(f"cache: {home / 'cache' / 'extensions'}")
+    # A missing kernel is not fatal (the server falls back), but set-up should say so.
+    return 0 if all(ok for ok, _ in results.values()) else 1

@@ -1,0 +1,114 @@
+"""The fused elementwise kernels (``slipstream.kernels.fused_ops``) against the
+eager torch ops they replace: fp32 to the last bits, bf16 to one rounding.
+
+Built once into ``$SLIPSTREAM_HOME/cache/extensions`` (the test home); a
+machine without a C++ compiler skips, any other build failure fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels import extensions, fused_ops
+
+# fp32: the sum of squares and exp round differently from torch's; bf16: one
+# rounding at the end where eager torch rounds after every op.
+TOLERANCE = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 2e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = [1, 3, 64, 257]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the fused kernels cannot be built here")
+    if not fused_ops.is_available(Path(os.environ["SLIPSTREAM_HOME"])):
+        pytest.fail(f"the fused kernels did not build: {fused_ops.failure()}")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    rtol, atol = TOLERANCE[want.dtype]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_adds_in_place_and_normalizes(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, 576, generator=g).to(dtype)
+    weight = torch.randn(576, generator=g).to(dtype)
+    want_x = x + delta
+    want = F.rms_norm(want_x, (576,), weight, 1e-5)
+    got = fused_ops.add_rms_norm_(x, delta, weight, 1e-5)
+    assert torch.equal(x, want_x)  # the residual add rounds as eager's does
+    _close(got, want)
+    _close(fused_ops.rms_norm(want_x, weight, 1e-5), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_matches_eager(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close(fused_ops.silu_and_mul(gate_up), F.silu(gate) * up)
+    # Rows read through a stride (a slice of a wider output).
+    wide = torch.randn(rows, 2 * 1536 + 64, generator=g).to(dtype)
+    part = wide[:, : 2 * 1536]
+    gate, up = part.chunk(2, dim=-1)
+    _close(fused_ops.silu_and_mul(part), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim"), [(12, 64), (3, 128), (1, 2)])
+def test_rotary_matches_eager_on_a_strided_view(
+    dtype: torch.dtype, heads: int, head_dim: int
+) -> None:
+    g = torch.Generator().manual_seed(heads)
+    tokens, positions_in_table = 37, 500
+    qkv = torch.randn(tokens, heads * head_dim + 3 * head_dim, generator=g).to(dtype)
+    qk = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # token stride > heads * dim
+    cos = torch.randn(positions_in_table, head_dim, generator=g).to(dtype)
+    signed_sin = torch.randn(positions_in_table, head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, positions_in_table, (tokens,), generator=g)
+    untouched = qkv[:, heads * head_dim :].clone()
+    c, s = cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1)
+    want = qk * c + qk.roll(head_dim // 2, dims=-1) * s
+    fused_ops.rotary_neox_(qk, cos, signed_sin, positions)
+    if dtype == torch.float32:
+        assert torch.equal(qk, want)  # two products and a sum, rounded as eager rounds them
+    _close(qk, want)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+
+
+def test_bad_arguments_are_errors_not_crashes() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="delta must match"):
+        fused_ops.add_rms_norm_(x, torch.randn(4, 9), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        fused_ops.silu_and_mul(torch.ones(2, 4, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="outside the rope table"):
+        fused_ops.rotary_neox_(
+            torch.randn(2, 1, 4), torch.randn(3, 4), torch.randn(3, 4), torch.tensor([0, 3])
+        )
+
+
+def test_a_failed_build_logs_one_line_and_reports_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    broken = tmp_path / "fused_ops_cpu.cpp"
+    broken.write_text("#error this source does not compile\n")
+    with caplog.at_level(logging.INFO, logger="slipstream.kernels"):
+        outcome = extensions.attempt(fused_ops.EXTENSION, tmp_path, broken)
+    assert isinstance(outcome, str) and "does not compile" in outcome
+    ours = [r for r in caplog.records if r.name.startswith("slipstream")]
+    assert len(ours) == 1 and "eager torch ops" in ours[0].getMessage()

@@ -1,0 +1,673 @@
+"""The OpenAI-compatible HTTP front, driven by the official ``openai`` SDK
+against live servers on the ``tiny`` model: gRPC and HTTP on one event loop
+and one engine, as ``slipstream serve --http-port`` runs them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from slipstream.clients import Client
+from slipstream.service.engine.chat import render_chat
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.telemetry.metrics import ServerMetrics
+from slipstream.service.telemetry.tracing import Telemetry
+
+# fp32 so greedy output cannot depend on how requests happen to be batched.
+CONFIG = EngineConfig(model="tiny", dtype="float32", max_queue_len=4096, calibrate_cost_model=False)
+MAX_BODY_BYTES = 256 * 1024
+LONG = 960  # tokens: outlives anything a test does to it (tiny: ~5 s alone)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class Servers:
+    """gRPC and HTTP around one engine, on one event loop thread."""
+
+    def __init__(self, engine: object, telemetry: Telemetry | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.telemetry = telemetry
+        self._call(self._start(engine))
+        self.target = f"127.0.0.1:{self.grpc_port}"
+        self.base_url = f"http://127.0.0.1:{self.http_port}"
+
+    def _call(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+
+    async def _start(self, engine: object) -> None:
+        from slipstream.service.api.http.app import HttpFront
+        from slipstream.service.api.lifecycle import Lifecycle
+        from slipstream.service.api.server import build_server
+
+        self.lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
+        self.server, self.grpc_port = build_server(self.lifecycle, "127.0.0.1", 0, self.telemetry)
+        if self.telemetry is not None:
+            self.telemetry.attach(engine)  # type: ignore[arg-type]
+        await self.server.start()
+        self.http = HttpFront(self.lifecycle, self.telemetry, max_body_bytes=MAX_BODY_BYTES)
+        self.http_port = await self.http.start("127.0.0.1", 0)
+        await self.lifecycle.serve()
+
+    def drain(self) -> None:
+        self._call(self.lifecycle.drain())
+
+    def stop(self) -> None:
+        self._call(self.http.stop())
+        self._call(self.server.stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, **kwargs
+        )
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[object]:
+    from slipstream.service.engine.engine import Engine
+
+    eng = Engine(CONFIG)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spans() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def servers(engine: object, spans: InMemorySpanExporter) -> Iterator[Servers]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    srv = Servers(engine, Telemetry(provider, ServerMetrics()))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def oai(servers: Servers) -> Iterator[openai.OpenAI]:
+    with servers.client() as client:
+        yield client
+
+
+@pytest.fixture
+def grpc_client(servers: Servers) -> Iterator[Client]:
+    with Client(servers.target) as client:
+        yield client
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def engine_idle(client: Client) -> bool:
+    stats = client.server_stats()
+    busy = (stats.waiting, stats.running, stats.swapped, stats.kv_blocks_used.device)
+    return busy == (0, 0, 0, 0)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[5 + (i * 37 + j * 11) % 4000 for j in range(3 + i % 29)] for i in range(n)]
+
+
+def raw(
+    servers: Servers,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    method: str | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(
+        servers.base_url + path,
+        data=body,
+        headers={"Content-Type": "application/json", **(headers or {})},
+        method=method,
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, dict(reply.headers), reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def error_of(status_error: openai.APIStatusError) -> dict[str, object]:
+    body = status_error.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+# ---------------------------------------------------------------- completions
+
+
+def test_completion_text_prompt(oai: openai.OpenAI, engine: object) -> None:
+    reply = oai.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
+    choice = reply.choices[0]
+    assert reply.object == "text_completion" and reply.model == "tiny"
+    assert choice.finish_reason in ("stop", "length") and isinstance(choice.text, str)
+    num_prompt = len(engine.tokenizer.encode("Hello there"))  # type: ignore[attr-defined]
+    assert reply.usage is not None and reply.usage.prompt_tokens == num_prompt
+    assert 1 <= reply.usage.completion_tokens <= 8
+    assert reply.usage.total_tokens == num_prompt + reply.usage.completion_tokens
+
+
+def test_streamed_completion_equals_whole_and_reports_usage(oai: openai.OpenAI) -> None:
+    args = {"model": "tiny", "prompt": prompts(1)[0], "max_tokens": 20, "temperature": 0}
+    whole = oai.completions.create(**args, extra_body={"ignore_eos": True})
+    chunks = list(
+        oai.completions.create(
+            **args,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 20
+    with_choices = chunks[:-1]
+    assert all(c.usage is None for c in with_choices)
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == "length"
+    assert "".join(c.choices[0].text for c in with_choices) == whole.choices[0].text
+    # One chunk per generated token, then the finish chunk.
+    assert len(with_choices) == 21
+
+
+def test_greedy_over_http_equals_greedy_over_grpc(oai: openai.OpenAI, grpc_client: Client) -> None:
+    token_prompts = prompts(6)
+    stream = grpc_client.stream()
+    over_grpc = [stream.generate(p, max_tokens=12, ignore_eos=True) for p in token_prompts]
+    over_grpc.append(stream.generate("The quick brown fox", max_tokens=12, ignore_eos=True))
+    stream.close()
+    expected = [g.result(timeout=60) for g in over_grpc]
+    for prompt, want in zip([*token_prompts, "The quick brown fox"], expected, strict=True):
+        reply = oai.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.choices[0].text == want.text
+        assert reply.usage is not None
+        assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+            want.prompt_tokens,
+            len(want.token_ids),
+        )
+
+
+def test_stop_sequence_ends_with_stop(oai: openai.OpenAI) -> None:
+    args = {"model": "tiny", "prompt": prompts(2)[1], "max_tokens": 24, "temperature": 0}
+    free = oai.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
+    assert stop.strip(), free
+    reply = oai.completions.create(**args, stop=[stop], extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "stop"
+    assert stop not in reply.choices[0].text
+    assert free.startswith(reply.choices[0].text)
+
+
+def test_seeded_sampling_repeats(oai: openai.OpenAI) -> None:
+    args = {"model": "tiny", "prompt": "Once", "max_tokens": 16, "temperature": 0.9, "top_p": 0.9}
+    first = oai.completions.create(**args, seed=7, extra_body={"ignore_eos": True})
+    again = oai.completions.create(**args, seed=7, extra_body={"ignore_eos": True})
+    assert first.choices[0].text == again.choices[0].text
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_chat_on_a_model_without_template_is_400(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    error = error_of(caught.value)
+    assert error["param"] == "messages" and "chat template" in str(error["message"])
+
+
+@pytest.fixture
+def with_template(engine: object, monkeypatch: pytest.MonkeyPatch) -> object:
+    monkeypatch.setattr(engine.tokenizer, "chat_template", CHATML)  # type: ignore[attr-defined]
+    return engine.tokenizer  # type: ignore[attr-defined]
+
+
+def test_chat_with_a_template_streams_and_not(oai: openai.OpenAI, with_template: object) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": t} for t in ("Say ", "hi")]},
+    ]
+    ids = render_chat(with_template, [("system", "Be brief."), ("user", "Say hi")])
+    whole = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True},
+    )
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    chunks = list(
+        oai.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+
+
+def test_chat_bad_role_is_400(oai: openai.OpenAI, with_template: object) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc, list-item]
+    assert "robot" in str(error_of(caught.value)["message"])
+
+
+# ---------------------------------------------------------------- cancel
+
+
+def test_closing_the_stream_frees_the_request(
+    oai: openai.OpenAI, grpc_client: Client, servers: Servers
+) -> None:
+    stream = oai.completions.create(
+        model="tiny",
+        prompt=prompts(3)[2],
+        max_tokens=LONG,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for _, _chunk in zip(range(3), stream, strict=False):
+        pass
+    assert grpc_client.server_stats().kv_blocks_used.device > 0
+    stream.close()
+    assert wait_until(lambda: engine_idle(grpc_client)), grpc_client.server_stats()
+    _, _, metrics = raw(servers, "/metrics")
+    assert 'slipstream_kv_blocks{pool="device",state="used"} 0.0' in metrics.decode()
+    assert 'reason="cancelled"' in metrics.decode()
+
+
+def test_a_client_gone_mid_request_is_aborted(
+    servers: Servers, grpc_client: Client, engine: object
+) -> None:
+    # Not streamed: the handler is waiting, writing nothing, when the client goes.
+    with servers.client(timeout=0.5) as short, pytest.raises(openai.APITimeoutError):
+        short.completions.create(
+            model="tiny", prompt=prompts(4)[3], max_tokens=LONG, extra_body={"ignore_eos": True}
+        )
+    assert wait_until(lambda: engine_idle(grpc_client)), grpc_client.server_stats()
+
+
+# ---------------------------------------------------------------- scheduler controls
+
+
+@pytest.fixture
+def submitted(engine: object, monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
+    """Every GenerationRequest the engine is handed, in order."""
+    seen: list[GenerationRequest] = []
+    original = engine.submit  # type: ignore[attr-defined]
+
+    def spy(request: GenerationRequest, on_event: object) -> None:
+        seen.append(request)
+        original(request, on_event)
+
+    monkeypatch.setattr(engine, "submit", spy)
+    return seen
+
+
+def _controls(request: GenerationRequest) -> tuple[object, ...]:
+    assert request.deadline is not None and request.arrival_time is not None
+    return (
+        request.prompt_token_ids,
+        request.max_new_tokens,
+        request.sampling,
+        request.stop_sequences,
+        request.ignore_eos,
+        request.priority,
+        request.expected_output_tokens,
+        round(request.deadline - request.arrival_time, 3),
+    )
+
+
+def test_priority_deadline_and_expected_tokens_map_as_over_grpc(
+    oai: openai.OpenAI, grpc_client: Client, submitted: list[GenerationRequest]
+) -> None:
+    prompt = prompts(5)[4]
+    stream = grpc_client.stream()
+    stream.generate(
+        prompt,
+        max_tokens=6,
+        temperature=0.5,
+        top_p=0.8,
+        seed=3,
+        stop=["zz"],
+        priority=2,
+        deadline_s=30.0,
+        expected_tokens=5,
+    ).result(timeout=30)
+    stream.close()
+    body = {"priority": 2, "deadline_ms": 30000, "expected_output_tokens": 5}
+    oai.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0.5,
+        top_p=0.8,
+        seed=3,
+        stop=["zz"],
+        extra_body=body,
+    )
+    headers = {
+        "x-slipstream-priority": "2",
+        "x-slipstream-deadline-ms": "30000",
+        "x-slipstream-expected-output-tokens": "5",
+    }
+    oai.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0.5,
+        top_p=0.8,
+        seed=3,
+        stop="zz",
+        extra_headers=headers,
+    )
+    over_grpc, over_body, over_headers = (_controls(r) for r in submitted)
+    assert over_body == over_grpc
+    assert over_headers == over_grpc
+
+
+def test_priority_shows_in_metrics(oai: openai.OpenAI, servers: Servers) -> None:
+    oai.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=2,
+        extra_headers={"x-slipstream-priority": "7"},
+        extra_body={"deadline_ms": 60000},
+    )
+    _, _, metrics = raw(servers, "/metrics")
+    assert 'slipstream_deadline_requests_total{priority="7"} 1.0' in metrics.decode()
+
+
+def test_infeasible_deadline_is_refused_before_any_token(
+    oai: openai.OpenAI, grpc_client: Client
+) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as caught:
+            reply = oai.completions.create(
+                model="tiny",
+                prompt=prompts(1)[0],
+                max_tokens=900,
+                stream=stream,
+                extra_body={"ignore_eos": True, "deadline_ms": 10},
+            )
+            list(reply) if stream else None  # type: ignore[call-overload]
+        assert caught.value.status_code == 504
+        assert error_of(caught.value)["code"] == "deadline_infeasible"
+    assert engine_idle(grpc_client)
+
+
+def test_traceparent_joins_the_callers_trace(
+    oai: openai.OpenAI, servers: Servers, spans: InMemorySpanExporter
+) -> None:
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    traceparent = f"00-{trace_id}-00f067aa0ba902b7-01"
+    oai.completions.create(
+        model="tiny", prompt="trace me", max_tokens=3, extra_headers={"traceparent": traceparent}
+    )
+    assert servers.telemetry is not None
+    servers.telemetry.requests.flush(5)
+
+    def joined() -> bool:
+        return any(
+            f"{s.context.trace_id:032x}" == trace_id and s.parent is not None
+            for s in spans.get_finished_spans()
+        )
+
+    assert wait_until(joined)
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprobs": 2}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"n": 2}, "n"),
+        ({"best_of": 3}, "best_of"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"suffix": "x"}, "suffix"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"priority": -1}, "priority"),
+        ({"priority": True}, "priority"),
+        ({"deadline_ms": "soon"}, "deadline_ms"),
+        ({"expected_output_tokens": -3}, "expected_output_tokens"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ],
+)
+def test_bad_completion_fields_are_400_naming_the_field(
+    servers: Servers, extra: dict[str, object], param: str
+) -> None:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, **extra}
+    status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
+    assert status == 400, reply
+    error = json.loads(reply)["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ],
+)
+def test_bad_chat_fields_are_400_naming_the_field(
+    servers: Servers, extra: dict[str, object], param: str
+) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **extra}
+    status, _, reply = raw(servers, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400, reply
+    assert json.loads(reply)["error"]["param"] == param
+
+
+def test_sdk_sees_400_404_and_413(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        oai.completions.create(model="tiny", prompt="x", logprobs=1)
+    assert error_of(bad.value)["param"] == "logprobs"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        oai.completions.create(model="gpt-9", prompt="x")
+    assert error_of(unknown.value)["code"] == "model_not_found"
+    with pytest.raises(openai.APIStatusError) as large:
+        oai.completions.create(model="tiny", prompt="x" * (MAX_BODY_BYTES + 10))
+    assert large.value.status_code == 413
+
+
+def test_too_large_and_too_long_prompts(servers: Servers) -> None:
+    chars = 1024 * 32 + 1  # tiny's context times the characters a token may hold
+    body = json.dumps({"model": "tiny", "prompt": "a" * chars}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body)
+    assert status == 413 and json.loads(reply)["error"]["param"] == "prompt"
+    body = json.dumps({"model": "tiny", "prompt": [7] * 1100}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body)
+    assert status == 400 and json.loads(reply)["error"]["code"] == "context_length_exceeded"
+    body = json.dumps({"model": "tiny", "prompt": [7, 5000]}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body)
+    assert status == 400 and "vocab" in json.loads(reply)["error"]["message"]
+
+
+def test_malformed_bodies_and_routes(servers: Servers) -> None:
+    status, _, reply = raw(servers, "/v1/completions", b"{not json")
+    assert status == 400 and "JSON" in json.loads(reply)["error"]["message"]
+    status, _, reply = raw(servers, "/v1/completions", b"[1, 2]")
+    assert status == 400
+    status, _, reply = raw(servers, "/v1/nowhere")
+    assert status == 404 and "error" in json.loads(reply)
+    status, headers, reply = raw(servers, "/v1/completions", method="GET")
+    assert status == 405 and "POST" in headers.get("Allow", "")
+    body = json.dumps({"model": "tiny", "prompt": "x", "priority": 1}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body, {"x-slipstream-priority": "2"})
+    assert status == 400 and json.loads(reply)["error"]["param"] == "priority"
+    status, _, reply = raw(servers, "/v1/completions", body, {"x-slipstream-priority": "high"})
+    assert status == 400 and json.loads(reply)["error"]["param"] == "x-slipstream-priority"
+
+
+def test_models_health_and_metrics(oai: openai.OpenAI, servers: Servers) -> None:
+    assert [m.id for m in oai.models.list()] == ["tiny"]
+    status, _, reply = raw(servers, "/health")
+    assert status == 200 and json.loads(reply) == {"status": "serving"}
+    status, headers, reply = raw(servers, "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert b"slipstream_kv_blocks" in reply
+
+
+def test_tokenizing_runs_off_the_event_loop(
+    oai: openai.OpenAI, servers: Servers, engine: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[threading.Thread] = []
+    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+    original = tokenizer.encode
+
+    def encode(*args: object, **kwargs: object) -> list[int]:
+        threads.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    oai.completions.create(model="tiny", prompt="a text prompt", max_tokens=2)
+    assert threads and servers.thread not in threads
+
+
+# ---------------------------------------------------------------- queue full, draining
+
+
+def _give_up_after(servers: Servers, timeout_s: float, prompt: list[int]) -> None:
+    with servers.client(timeout=timeout_s) as oai, contextlib.suppress(openai.APITimeoutError):
+        oai.completions.create(
+            model="tiny", prompt=prompt, max_tokens=LONG, extra_body={"ignore_eos": True}
+        )
+
+
+def test_queue_full_is_429_and_draining_is_503() -> None:
+    from slipstream.service.engine.engine import Engine
+
+    config = EngineConfig(
+        model="tiny", dtype="float32", max_num_seqs=1, max_queue_len=1, calibrate_cost_model=False
+    )
+    eng = Engine(config)
+    srv = Servers(eng)
+    try:
+        with srv.client() as oai, Client(srv.target) as grpc_client:
+            long = {"model": "tiny", "max_tokens": LONG, "stream": True}
+            running = oai.completions.create(
+                **long, prompt=prompts(1)[0], extra_body={"ignore_eos": True}
+            )
+            next(iter(running))
+            # Headers wait for the first token, so the queued call blocks: in a thread,
+            # on a client that gives up (and so cancels it) after a while.
+            queued = threading.Thread(target=_give_up_after, args=(srv, 3.0, prompts(2)[1]))
+            queued.start()
+            assert wait_until(lambda: grpc_client.server_stats().waiting == 1)
+            with pytest.raises(openai.RateLimitError) as full:
+                oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+            assert full.value.response.headers["Retry-After"] == "1"
+            assert error_of(full.value)["code"] == "queue_full"
+
+            srv.drain()
+            status, _, reply = raw(srv, "/health")
+            assert status == 503 and json.loads(reply)["error"]["code"] == "draining"
+            with pytest.raises(openai.InternalServerError) as draining:
+                oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+            assert draining.value.status_code == 503
+            running.close()
+            queued.join()
+            assert wait_until(lambda: engine_idle(grpc_client), 10)
+    finally:
+        srv.stop()
+        eng.shutdown()
+
+
+# ---------------------------------------------------------------- bench serve --protocol http
+
+
+def test_bench_http_load_counts_every_token(servers: Servers) -> None:
+    import math
+
+    from slipstream.service.bench.http_load import run_http
+    from slipstream.service.bench.serve import LoadShape, metrics
+    from slipstream.service.bench.workload import make_workload
+
+    workload = make_workload(6, 0, 4096, prompt_len=(4, 40), output_len=(2, 12))
+    warmup = make_workload(2, 1, 4096, prompt_len=(4, 8), output_len=(2, 3))
+    traces, wall = run_http(
+        servers.base_url, "tiny", workload, LoadShape(math.inf, 1.0, 3, 0), warmup
+    )
+    report = metrics(traces, workload, wall)
+    assert report["token_counts_match"] and report["num_completed"] == 6
+    assert [len(t.chunk_times) for t in traces] == [r.max_tokens for r in workload]
+
+
+@pytest.mark.slow
+def test_chat_on_smollm2_with_its_own_template() -> None:
+    from slipstream.service.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model="smollm2", dtype="float32", calibrate_cost_model=False))
+    srv = Servers(eng)
+    try:
+        ids = render_chat(eng.tokenizer, [("user", "Name a colour.")])
+        with srv.client() as oai, Client(srv.target) as grpc_client:
+            reply = oai.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Name a colour."}],
+                max_tokens=8,
+                temperature=0,
+            )
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(ids)
+            over_grpc = grpc_client.generate(ids, max_tokens=8).result(timeout=120)
+            assert reply.choices[0].message.content == over_grpc.text and over_grpc.text
+    finally:
+        srv.stop()
+        eng.shutdown()

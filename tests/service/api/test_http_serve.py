@@ -1,0 +1,79 @@
+"""``slipstream serve --http-port``: the HTTP front in a real server process,
+through SIGTERM: health 503 and new requests refused while the running
+stream finishes, then the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import openai
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def health(base_url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=5) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as exc:
+        assert json.loads(exc.read())["error"]["code"] == "draining"
+        return exc.code
+
+
+def test_http_front_drains_on_sigterm(
+    spawn_server: Callable[..., tuple[subprocess.Popen[str], str]],
+) -> None:
+    port = free_port()
+    proc, _ = spawn_server("--model", "tiny", "--no-calibrate", "--http-port", str(port))
+    base_url = f"http://127.0.0.1:{port}"
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as oai:
+        assert health(base_url) == 200
+        running = oai.completions.create(
+            model="tiny",
+            prompt="drain me",
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(running)
+        next(chunks)
+
+        proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 2
+        while health(base_url) != 503:
+            assert time.monotonic() < end, "/health still 200 after SIGTERM"
+            time.sleep(0.02)
+        try:
+            oai.completions.create(model="tiny", prompt="too late", max_tokens=2)
+            raise AssertionError("a new request was accepted while draining")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503
+
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert len(rest) == 400  # 399 more tokens, then the finish chunk
+    assert proc.wait(timeout=30) == 0
+
+
+def test_a_busy_http_port_fails_the_start_in_one_line() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
+        command += ["--model", "tiny", "--http-port", str(port)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slipstream: error:")]
+    assert len(errors) == 1 and f"cannot listen for HTTP on 127.0.0.1:{port}" in errors[0]
