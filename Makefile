@@ -11,7 +11,7 @@ PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run kernels test test-slow lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step clean
+.PHONY: run kernels test test-slow lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step fleet-test fleet-up fleet-down haproxy clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,22 @@ bench-slo: $(STAMP) protos
 bench-step: $(STAMP) protos
 	mkdir -p bench-results
 	$(BIN)/slipstream bench step --model small --batch 1,8,64,256 --context 300 --json bench-results/step.json --plot bench-results/step.png
+
+# A local fleet: replicas behind HAProxy (Debian's haproxy, installed here if
+# missing), and the slow test that kills and drains replicas under load.
+FLEET_ARGS ?= --replicas 3 --model $(MODEL) --port 50050 --serve-arg=--threads=1
+
+haproxy:
+	@command -v haproxy >/dev/null || (apt-get update -qq && apt-get install -y -qq haproxy)
+
+fleet-test: $(STAMP) protos haproxy
+	$(BIN)/python -m pytest -m slow -s tests/ops/test_fleet.py
+
+fleet-up: $(STAMP) protos haproxy
+	$(BIN)/python ops/fleet/fleet.py up $(FLEET_ARGS)
+
+fleet-down:
+	$(BIN)/python ops/fleet/fleet.py down
 
 clean:
 	rm -rf $(VENV) build *.egg-info

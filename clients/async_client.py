@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
+from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_aio_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
@@ -28,9 +29,12 @@ from slipstream.clients.wire import (
     Prompt,
     Result,
     StreamError,
+    build_one,
     build_submit,
     call_metadata,
+    call_outcome,
     cancel_message,
+    locally_cancelled,
 )
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -39,9 +43,10 @@ _CLOSE = object()
 
 
 class AsyncGeneration:
-    def __init__(self, stream: AsyncStream, request_id: str) -> None:
+    def __init__(self, cancel: Callable[[], Awaitable[None]], request_id: str) -> None:
         self.request_id = request_id
-        self._stream = stream
+        self._cancel = cancel
+        self._is_cancelled = False
         self._acc = Accumulator(request_id)
         self._chunks: asyncio.Queue[Chunk | Result | StreamError] = asyncio.Queue()
         self._outcome: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
@@ -60,7 +65,8 @@ class AsyncGeneration:
                 return
 
     async def cancel(self) -> None:
-        await self._stream.cancel(self.request_id)
+        self._is_cancelled = True
+        await self._cancel()
 
     async def result(self) -> Result:
         return await asyncio.shield(self._outcome)
@@ -126,7 +132,7 @@ class AsyncStream:
         message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
         if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
-        generation = AsyncGeneration(self, request_id)
+        generation = AsyncGeneration(lambda: self.cancel(request_id), request_id)
         self._pending[request_id] = generation
         await self._outgoing.put(message)
         return generation
@@ -170,38 +176,118 @@ class AsyncStream:
             generation._settle(error)
 
 
+async def _read_one(call: grpc.aio.UnaryStreamCall, generation: AsyncGeneration) -> None:
+    try:
+        async for response in call:
+            if generation._on_response(response):
+                return
+        generation._settle(StreamError("OK", "the call ended before the request finished"))
+    except grpc.RpcError as exc:
+        if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
+            generation._settle(generation._acc.finish(locally_cancelled()))
+        else:
+            generation._settle(call_outcome(generation.request_id, exc))
+    except asyncio.CancelledError:
+        if generation._is_cancelled:
+            generation._settle(generation._acc.finish(locally_cancelled()))
+        else:
+            generation._settle(StreamError("CANCELLED", "the call was cancelled"))
+
+
 class AsyncClient:
-    """asyncio counterpart of ``Client``."""
+    """asyncio counterpart of ``Client`` (the same targets and balancing)."""
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         metadata: Metadata = None,
         options: list[tuple[str, object]] | None = None,
         tls: TLS | None = None,
         token: str | None = None,
+        balanced: bool | None = None,
     ) -> None:
-        self._channel = secure_aio_channel(target, tls, options)
+        if balanced is None:
+            balanced = not isinstance(target, str)
+        merged = [*(channel_options() if balanced else []), *(options or [])]
+        self._channel = secure_aio_channel(channel_target(target), tls, merged)
+        self._calls: set[asyncio.Task[None]] = set()
         self.stub = pb_grpc.InferenceStub(self._channel)
         # The token goes with every call (gRPC metadata is per call).
         self._metadata = with_token(metadata, token)
         self._shared: AsyncStream | None = None
+        self._left_ready = False  # the connection left READY since the shared stream opened
+        self._watcher: asyncio.Task[None] | None = None
+        self._retiring: set[AsyncStream] = set()
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> AsyncStream:
         return AsyncStream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     async def generate(
-        self, prompt: Prompt, *, metadata: Metadata = None, **options: object
+        self,
+        prompt: Prompt,
+        *,
+        metadata: Metadata = None,
+        multiplex: bool = True,
+        **options: object,
     ) -> AsyncGeneration:
+        if not multiplex:
+            return await self.generate_one(prompt, metadata=metadata, **options)
         if metadata:
             stream = self.stream(metadata)
             generation = await stream.generate(prompt, **options)
             await stream.close()
             return generation
+        return await (await self._shared_stream()).generate(prompt, **options)
+
+    async def _shared_stream(self) -> AsyncStream:
+        """The shared stream, retired once its connection left READY (see
+        ``Client._shared_stream``)."""
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch_state())
+        self._retiring = {stream for stream in self._retiring if not stream._reader.done()}
+        if self._shared is not None and self._left_ready:
+            await self._shared.close()
+            self._retiring.add(self._shared)  # held until its requests finish
+            self._shared = None
         if self._shared is None or self._shared.is_broken:
             self._shared = self.stream()
-        return await self._shared.generate(prompt, **options)
+            self._left_ready = False
+        return self._shared
+
+    async def _watch_state(self) -> None:
+        state = self._channel.get_state()
+        while True:
+            await self._channel.wait_for_state_change(state)
+            new_state = self._channel.get_state()
+            if state is grpc.ChannelConnectivity.READY:
+                self._left_ready = True
+            state = new_state
+
+    async def generate_one(
+        self,
+        prompt: Prompt,
+        *,
+        request_id: str = "r0",
+        metadata: Metadata = None,
+        timeout: float | None = None,
+        **options: object,
+    ) -> AsyncGeneration:
+        """One request on a ``GenerateOne`` call of its own (see
+        ``Client.generate_one``)."""
+        submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        call = self.stub.GenerateOne(
+            submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
+        )
+
+        async def cancel() -> None:
+            call.cancel()
+
+        generation = AsyncGeneration(cancel, request_id)
+        task = asyncio.create_task(_read_one(call, generation))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        return generation
 
     async def tokenize(self, text: str) -> list[int]:
         return list(
@@ -226,6 +312,12 @@ class AsyncClient:
         if self._shared is not None:
             await self._shared.close()
             await self._shared.wait_closed()
+        for stream in self._retiring:
+            await stream.wait_closed()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for task in list(self._calls):
+            task.cancel()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

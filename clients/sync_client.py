@@ -16,10 +16,11 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
+from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
@@ -29,9 +30,12 @@ from slipstream.clients.wire import (
     Prompt,
     Result,
     StreamError,
+    build_one,
     build_submit,
     call_metadata,
+    call_outcome,
     cancel_message,
+    locally_cancelled,
 )
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -42,9 +46,10 @@ _CLOSE = object()
 class Generation:
     """One request's handle: iterate its chunks, ``cancel()`` it, ``result()``."""
 
-    def __init__(self, stream: Stream, request_id: str) -> None:
+    def __init__(self, cancel: Callable[[], None], request_id: str) -> None:
         self.request_id = request_id
-        self._stream = stream
+        self._cancel = cancel
+        self._is_cancelled = False
         self._acc = Accumulator(request_id)
         self._chunks: queue.SimpleQueue[Chunk | Result | StreamError] = queue.SimpleQueue()
         self._done = threading.Event()
@@ -61,8 +66,10 @@ class Generation:
                 return
 
     def cancel(self) -> None:
-        """Ask the server to abort this request; it finishes CANCELLED."""
-        self._stream.cancel(self.request_id)
+        """Ask the server to abort this request; it finishes CANCELLED (on a
+        ``generate_one`` call: the call is cancelled, and so the request)."""
+        self._is_cancelled = True
+        self._cancel()
 
     def result(self, timeout: float | None = None) -> Result:
         if not self._done.wait(timeout):
@@ -125,7 +132,7 @@ class Stream:
     ) -> Generation:
         request_id = request_id or f"r{next(self._ids)}"
         message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
-        generation = Generation(self, request_id)
+        generation = Generation(lambda: self.cancel(request_id), request_id)
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -176,47 +183,119 @@ class Stream:
             generation._settle(error)
 
 
+def _read_one(call: grpc.Call, generation: Generation) -> None:
+    """Feed a ``GenerateOne`` call's events to its generation (own thread)."""
+    try:
+        for response in call:  # type: ignore[attr-defined]
+            if generation._on_response(response):
+                return
+        generation._settle(StreamError("OK", "the call ended before the request finished"))
+    except grpc.RpcError as exc:
+        if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
+            generation._settle(generation._acc.finish(locally_cancelled()))
+        else:
+            generation._settle(call_outcome(generation.request_id, exc))
+
+
 class Client:
-    """A channel to a Slipstream server. ``generate`` multiplexes requests on
-    one shared stream (opened on first use, reopened on the next call after
-    it fails); ``stream()`` opens a stream the caller manages."""
+    """A channel to Slipstream. ``generate`` multiplexes requests on one
+    shared stream (opened on first use, reopened on the next call after it
+    fails); ``generate_one`` gives a request a call of its own, which a load
+    balancer routes on its own; ``stream()`` opens a stream the caller manages.
+
+    ``target`` is one address, a gRPC name (``dns:///name:port``) or a list of
+    addresses; with a list, or with ``balanced=True``, the channel balances
+    calls over every replica (``clients.balancing``: round_robin, health
+    checking, retries of UNAVAILABLE before the first response)."""
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         metadata: Metadata = None,
         options: list[tuple[str, object]] | None = None,
         tls: TLS | None = None,
         token: str | None = None,
+        balanced: bool | None = None,
     ) -> None:
-        self._channel = secure_channel(target, tls, options)
+        if balanced is None:
+            balanced = not isinstance(target, str)
+        merged = [*(channel_options() if balanced else []), *(options or [])]
+        self._channel = secure_channel(channel_target(target), tls, merged)
         self.stub = pb_grpc.InferenceStub(self._channel)
         # The token goes with every call (gRPC metadata is per call).
         self._metadata = with_token(metadata, token)
         self._shared: Stream | None = None
         self._lock = threading.Lock()
+        self._state = grpc.ChannelConnectivity.IDLE
+        self._left_ready = False  # the connection left READY since the shared stream opened
+        self._channel.subscribe(self._on_state)
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
         return Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     def generate(
-        self, prompt: Prompt, *, metadata: Metadata = None, **options: object
+        self,
+        prompt: Prompt,
+        *,
+        metadata: Metadata = None,
+        multiplex: bool = True,
+        **options: object,
     ) -> Generation:
-        """Submit one request. With ``metadata`` (which gRPC attaches per
+        """Submit one request. With ``multiplex=False`` it is a
+        ``generate_one`` call; with ``metadata`` (which gRPC attaches per
         call) the request gets a stream of its own, closed after it."""
+        if not multiplex:
+            return self.generate_one(prompt, metadata=metadata, **options)
         if metadata:
             stream = self.stream(metadata)
             generation = stream.generate(prompt, **options)
             stream.close()
             return generation
-        return self._shared_stream().generate(prompt, **options)
+        with self._lock:
+            return self._shared_stream().generate(prompt, **options)
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        with self._lock:  # a gRPC thread
+            if self._state is grpc.ChannelConnectivity.READY and state is not self._state:
+                self._left_ready = True
+            self._state = state
+
+    def generate_one(
+        self,
+        prompt: Prompt,
+        *,
+        request_id: str = "r0",
+        metadata: Metadata = None,
+        timeout: float | None = None,
+        **options: object,
+    ) -> Generation:
+        """One request on a ``GenerateOne`` call of its own. ``timeout`` is
+        the call's gRPC deadline, which the server also applies to the
+        request. A rejected request's result says why (as on a stream); a
+        failed call (UNAVAILABLE after retries, ...) raises ``StreamError``."""
+        submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        call = self.stub.GenerateOne(
+            submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
+        )
+        generation = Generation(call.cancel, request_id)
+        threading.Thread(
+            target=_read_one, args=(call, generation), name="slipstream-call", daemon=True
+        ).start()
+        return generation
 
     def _shared_stream(self) -> Stream:
-        with self._lock:
-            if self._shared is None or self._shared.is_broken:
-                self._shared = self.stream()
-            return self._shared
+        """The shared stream (caller holds the lock). A connection that left
+        READY after the stream had it (GOAWAY: the server's maximum connection
+        age, a drain) retires the stream: its requests finish on the old
+        connection, new ones go on a new stream, over a new connection."""
+        if self._shared is not None and self._left_ready:
+            self._shared.close()
+            self._shared = None
+        if self._shared is None or self._shared.is_broken:
+            self._shared = self.stream()
+            self._left_ready = False
+        return self._shared
 
     def tokenize(self, text: str) -> list[int]:
         return list(
@@ -239,6 +318,7 @@ class Client:
         with self._lock:
             if self._shared is not None:
                 self._shared.close()
+        self._channel.unsubscribe(self._on_state)
         self._channel.close()
 
     def __enter__(self) -> Client:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from slipstream.v1 import inference_pb2 as pb
@@ -84,6 +85,11 @@ def build_submit(request_id: str, prompt: Prompt, options: GenerateOptions) -> p
     return pb.GenerateRequest(submit=submit)
 
 
+def build_one(request_id: str, prompt: Prompt, options: GenerateOptions) -> pb.Submit:
+    """The ``Submit`` of a ``GenerateOne`` call."""
+    return build_submit(request_id, prompt, options).submit
+
+
 def cancel_message(request_id: str) -> pb.GenerateRequest:
     return pb.GenerateRequest(cancel=pb.Cancel(request_id=request_id))
 
@@ -132,6 +138,46 @@ class Result:
     @property
     def is_ok(self) -> bool:
         return self.status_code == "OK"
+
+
+# Trailing metadata of a GenerateOne call that ended with a rejection.
+REJECT_REASON_KEY = "slipstream-reject-reason"
+
+
+def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
+    """What a ``GenerateOne`` call that ended with ``error`` means for its
+    request: a rejection (the server named its reason) is an ordinary
+    ``Result``, as on ``Generate``; anything else is a ``StreamError``."""
+    code = error.code()  # type: ignore[attr-defined]
+    details = error.details() or ""  # type: ignore[attr-defined]
+    trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    reason = trailers.get(REJECT_REASON_KEY)
+    if reason is None and code is grpc.StatusCode.UNKNOWN and details.startswith("Stream removed"):
+        # The HTTP/2 stream ended with no gRPC status: the replica (or the
+        # proxy's connection to it) went away mid-request. Say so as gRPC does
+        # for a lost connection, so callers handle it like any other.
+        return StreamError("UNAVAILABLE", f"the connection to the server was lost ({details})")
+    if reason is None:
+        return StreamError(code.name, details)
+    return Result(
+        request_id=request_id,
+        token_ids=[],
+        text="",
+        finish_reason="rejected",
+        reject_reason=str(reason),
+        status_code=code.name,
+        message=details,
+    )
+
+
+def locally_cancelled() -> pb.Finished:
+    """How a ``GenerateOne`` call the caller cancelled ends for its request:
+    CANCELLED, as a cancel on a stream ends."""
+    return pb.Finished(
+        reason=pb.FINISH_REASON_CANCELLED,
+        status_code="CANCELLED",
+        message="cancelled by the caller",
+    )
 
 
 class StreamError(Exception):

@@ -20,7 +20,7 @@ import asyncio
 import ipaddress
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,19 +65,37 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def connection_age_options(max_age_s: float | None, grace_s: float | None) -> list[tuple[str, int]]:
+    """Server options of gRPC's A9 proposal: after ``max_age_s`` a connection
+    is sent GOAWAY (clients open a new one, maybe to another replica, for new
+    calls); calls already on it get ``grace_s`` more to finish."""
+    options = []
+    if max_age_s is not None:
+        if max_age_s <= 0:
+            raise ValueError("the maximum connection age must be positive")
+        options.append(("grpc.max_connection_age_ms", round(max_age_s * 1000)))
+    if grace_s is not None:
+        if grace_s < 0:
+            raise ValueError("the connection age grace must not be negative")
+        options.append(("grpc.max_connection_age_grace_ms", round(grace_s * 1000)))
+    return options
+
+
 def build_server(
     lifecycle: Lifecycle,
     host: str,
     port: int,
     telemetry: Telemetry | None = None,
+    options: Sequence[tuple[str, object]] = (),
     *,
     tls: ServerTLS | None = None,
     tenants: Tenants | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server (not started) for ``lifecycle``; returns it and the bound port.
+    ``options`` are extra gRPC server options (``connection_age_options``);
     ``tls``: serve TLS only (mutual with a client CA); ``tenants``: every
     inference call needs a bearer token of one of them."""
-    server = grpc.aio.server(options=_CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=[*_CHANNEL_OPTIONS, *options])
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
     servicer = InferenceServicer(lifecycle, telemetry, tenants)
@@ -147,6 +165,7 @@ async def create_server(
     host: str = "127.0.0.1",
     port: int = 0,
     telemetry: Telemetry | None = None,
+    options: Sequence[tuple[str, object]] = (),
     *,
     tls: ServerTLS | None = None,
     tenants: Tenants | None = None,
@@ -154,7 +173,9 @@ async def create_server(
     """A started server around a loaded engine, health SERVING; ``telemetry``
     (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
-    server, bound = build_server(lifecycle, host, port, telemetry, tls=tls, tenants=tenants)
+    server, bound = build_server(
+        lifecycle, host, port, telemetry, options, tls=tls, tenants=tenants
+    )
     if telemetry is not None:
         telemetry.attach(engine)
     await server.start()
@@ -204,6 +225,7 @@ async def run(
     telemetry: Telemetry | None = None,
     http_port: int = 0,
     on_http: Callable[[int], None] | None = None,
+    options: Sequence[tuple[str, object]] = (),
     *,
     tls: ServerTLS | None = None,
     tenants_file: Path | None = None,
@@ -215,7 +237,9 @@ async def run(
     anything listens (TLSFilesError, TenantsFileError)."""
     tenants = None if tenants_file is None else Tenants.from_file(tenants_file)
     lifecycle = Lifecycle()
-    server, bound = build_server(lifecycle, host, port, telemetry, tls=tls, tenants=tenants)
+    server, bound = build_server(
+        lifecycle, host, port, telemetry, options, tls=tls, tenants=tenants
+    )
     http = None if not http_port else HttpFront(lifecycle, telemetry, tenants=tenants)
     await server.start()
     if http is not None:

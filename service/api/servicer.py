@@ -68,6 +68,46 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
+    async def GenerateOne(
+        self, request: pb.Submit, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One request on its own call: the events of ``Generate``, then OK.
+
+        A rejected submit sends no event: the call ends with the rejection's
+        gRPC status (UNAVAILABLE while draining, RESOURCE_EXHAUSTED for a full
+        queue, INVALID_ARGUMENT, ...), the reason in the trailing metadata
+        ``slipstream-reject-reason``. A call that sent no message is one that
+        clients' retry policies and proxies may retry on another replica;
+        a Finished event would commit it to this one. (A request the
+        scheduler refuses after accepting it finishes REJECTED as an event,
+        as on ``Generate``.)
+        """
+        gate = await self._gate(context, "GenerateOne")
+        try:
+            engine = self._lifecycle.require_serving()
+        except NotServing as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        session = StreamSession(
+            engine,
+            asyncio.get_running_loop(),
+            _call_deadline(context),
+            self._telemetry,
+            context.invocation_metadata() or (),
+            gate,
+        )
+        # Cancelled, disconnected or past its deadline: abort at once.
+        context.add_done_callback(lambda _: session.abort_all())
+        try:
+            session.submit_one(request)
+            is_first = True
+            async for response in session.responses():
+                if is_first and _is_rejection(response):
+                    await _abort_rejected(context, response.finished)
+                is_first = False
+                yield response
+        finally:
+            session.abort_all()
+
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
@@ -110,6 +150,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return self._lifecycle.engine
         except NotServing as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+REJECT_REASON_KEY = "slipstream-reject-reason"
+RETRY_AFTER_KEY = "slipstream-retry-after-ms"
+
+
+def _is_rejection(response: pb.GenerateResponse) -> bool:
+    return (
+        response.WhichOneof("event") == "finished"
+        and response.finished.reason == pb.FINISH_REASON_REJECTED
+    )
+
+
+async def _abort_rejected(context: grpc.aio.ServicerContext, finished: pb.Finished) -> None:
+    reason = pb.RejectReason.Name(finished.reject_reason).removeprefix("REJECT_REASON_").lower()
+    trailers = [(REJECT_REASON_KEY, reason)]
+    if finished.retry_after_ms:
+        trailers.append((RETRY_AFTER_KEY, str(finished.retry_after_ms)))
+    code = grpc.StatusCode[finished.status_code]
+    await context.abort(code, finished.message, trailing_metadata=tuple(trailers))
 
 
 def _call_deadline(context: grpc.aio.ServicerContext) -> float | None:

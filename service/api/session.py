@@ -160,6 +160,12 @@ class StreamSession:
         self._outbox.append(response)
         self._wakeup.set()
 
+    def submit_one(self, submit: pb.Submit) -> None:
+        """The whole inbound side of a ``GenerateOne`` call: one submit, then
+        closed, so ``responses()`` ends when that request has finished."""
+        self._is_closed = True
+        self.submit(submit)
+
     def cancel(self, request_id: str) -> None:
         req_id = self._live.get(request_id)
         if req_id is not None:

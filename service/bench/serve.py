@@ -118,7 +118,11 @@ def metrics(traces: Sequence[Trace], workload: Sequence[WorkloadRequest], wall_s
 
 
 async def _run_remote(
-    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+    target: str,
+    workload: Sequence[WorkloadRequest],
+    shape: LoadShape,
+    num_streams: int,
+    per_request: bool = False,
 ) -> tuple[list[Trace], float]:
     from slipstream.clients import AsyncClient
 
@@ -133,9 +137,15 @@ async def _run_remote(
             async with limit:
                 trace = traces[i]
                 trace.sent = time.perf_counter()
-                gen = await streams[i % num_streams].generate(
-                    workload[i].prompt_token_ids, max_tokens=workload[i].max_tokens, ignore_eos=True
-                )
+                prompt, max_tokens = workload[i].prompt_token_ids, workload[i].max_tokens
+                if per_request:  # a GenerateOne call each: a balancer places each one
+                    gen = await client.generate_one(
+                        prompt, request_id=f"b{i}", max_tokens=max_tokens, ignore_eos=True
+                    )
+                else:
+                    gen = await streams[i % num_streams].generate(
+                        prompt, max_tokens=max_tokens, ignore_eos=True
+                    )
                 async for chunk in gen:
                     trace.chunk_times.append(time.perf_counter())
                     trace.num_tokens += len(chunk.token_ids)
@@ -151,9 +161,13 @@ async def _run_remote(
 
 
 def run_remote(
-    target: str, workload: Sequence[WorkloadRequest], shape: LoadShape, num_streams: int
+    target: str,
+    workload: Sequence[WorkloadRequest],
+    shape: LoadShape,
+    num_streams: int,
+    per_request: bool = False,
 ) -> tuple[list[Trace], float]:
-    return asyncio.run(_run_remote(target, workload, shape, num_streams))
+    return asyncio.run(_run_remote(target, workload, shape, num_streams, per_request))
 
 
 def remote_vocab_size(target: str) -> int:
@@ -279,7 +293,12 @@ def local_engine(args: argparse.Namespace) -> object:
 
 def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = bench_subparsers.add_parser("serve", help="load-test a gRPC server")
-    parser.add_argument("--server", metavar="HOST:PORT", help="an already running server")
+    parser.add_argument(
+        "--server",
+        "--target",
+        metavar="HOST:PORT",
+        help="an already running server, or a balancer in front of several",
+    )
     parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--threads", type=int, default=None)
@@ -295,12 +314,24 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
     parser.add_argument("--streams", type=int, default=1, help="gRPC streams to spread over")
     parser.add_argument(
+        "--per-request",
+        action="store_true",
+        help="one GenerateOne call per request instead of multiplexed streams",
+    )
+    parser.add_argument(
         "--protocol",
         default="grpc",
         choices=("grpc", "http", "both"),
         help="http: the OpenAI-compatible front; both: gRPC then HTTP, side by side",
     )
     parser.add_argument("--http-server", metavar="HOST:PORT", help="the HTTP front of the --server")
+    parser.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="also serve the model with vLLM's OpenAI server from this Python's environment "
+        "and send it the same workload over HTTP (after Slipstream's server stopped)",
+    )
+    parser.add_argument("--vllm-log", type=Path, default=None, help="keep vLLM's server log here")
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
     parser.add_argument("--no-local", action="store_true", help="skip the in-process run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
@@ -331,6 +362,7 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
         workload = make_workload(args.requests, args.seed, vocab)
         warmup = make_workload(args.warmup, args.seed + 1000, vocab, output_len=(4, 16))
         http_target = args.http_server or f"{target.rsplit(':', 1)[0]}:{http_port}"
+        per_request = getattr(args, "per_request", False)
         runs: dict[str, list[tuple[list[Trace], float]]] = {p: [] for p in protocols}
         # Rounds alternate which protocol goes first, so a machine whose load
         # drifts during the run does not favour either.
@@ -338,17 +370,19 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
             order = protocols if round_index % 2 == 0 else protocols[::-1]
             for protocol in order:
                 if protocol == "grpc":
-                    run_remote(target, warmup, at_once, args.streams)
-                    runs[protocol].append(run_remote(target, workload, shape, args.streams))
+                    run_remote(target, warmup, at_once, args.streams, per_request)
+                    run = run_remote(target, workload, shape, args.streams, per_request)
                 else:
                     base_url = f"http://{http_target}"
                     run = run_http(base_url, model, workload, shape, warmup)
-                    runs[protocol].append(run)
+                runs[protocol].append(run)
         for protocol, results in runs.items():
             key, where = ("server", target) if protocol == "grpc" else ("http", http_target)
             traces = [t for result, _ in results for t in result]
             wall = sum(w for _, w in results)
             report[key] = {"target": where, **metrics(traces, list(workload) * len(results), wall)}
+    if args.vllm_python:
+        report["vllm"] = _vllm_run(args, model, workload, warmup, shape)
     if args.model and not args.no_local:
         engine = local_engine(args)
         try:
@@ -359,6 +393,35 @@ def _timed_runs(args: argparse.Namespace, shape: LoadShape) -> dict:
         report["in_process"] = metrics(traces, workload, wall)
     report["workload"] = workload_summary(workload)
     return report
+
+
+def _vllm_run(
+    args: argparse.Namespace,
+    model: str,
+    workload: Sequence[WorkloadRequest],
+    warmup: Sequence[WorkloadRequest],
+    shape: LoadShape,
+) -> dict:
+    """The same requests at the same offsets through vLLM's OpenAI server."""
+    import tempfile
+
+    from slipstream.service.bench.http_load import run_http
+    from slipstream.service.bench.offline import resolve_model_dir
+    from slipstream.service.bench.report import resolved_dtype
+    from slipstream.service.bench.vllm_server import vllm_server
+
+    if args.model is None:
+        raise SystemExit("bench serve --vllm-python: give --model NAME (vLLM loads its folder)")
+    with tempfile.TemporaryDirectory(prefix="slipstream-vllm-serve-") as tmp:
+        log_path = args.vllm_log or Path(tmp, "vllm-server.log")
+        started = time.monotonic()
+        with vllm_server(
+            args.vllm_python, resolve_model_dir(args.model), model, resolved_dtype(args.dtype),
+            args.threads or 2, free_port(), log_path,
+        ) as base_url:  # fmt: skip
+            load_s = time.monotonic() - started
+            traces, wall = run_http(base_url, model, workload, shape, warmup)
+    return {"target": "vllm", "load_s": load_s, **metrics(traces, workload, wall)}
 
 
 @contextmanager
@@ -396,6 +459,12 @@ def run(args: argparse.Namespace) -> int:
 def _ratios(report: dict) -> dict[str, float]:
     ratios = {}
     grpc, http, local = report.get("server"), report.get("http"), report.get("in_process")
+    vllm = report.get("vllm")
+    if grpc and vllm:
+        ratios["vllm_over_slipstream_ttft_p50"] = vllm["ttft_ms"]["p50"] / grpc["ttft_ms"]["p50"]
+        ratios["vllm_over_slipstream_e2e_p95"] = vllm["e2e_ms"]["p95"] / grpc["e2e_ms"]["p95"]
+        ratio = grpc["output_tokens_per_s"] / vllm["output_tokens_per_s"]
+        ratios["slipstream_vs_vllm_output_tokens_per_s"] = ratio
     if grpc and local:
         ratio = grpc["output_tokens_per_s"] / local["output_tokens_per_s"]
         ratios["server_vs_in_process_output_tokens_per_s"] = ratio
@@ -422,7 +491,7 @@ def _table(report: dict) -> str:
         f"{'':12}{'tok/s':>9}{'req/s':>8}{'TTFT p50/p99 ms':>18}{'ITL p50/p99 ms':>17}"
         f"{'TPOT p50 ms':>12}{'E2E p50/p99 ms':>17}  counts ok"
     ]
-    for name in ("server", "http", "in_process"):
+    for name in ("server", "http", "vllm", "in_process"):
         m = report.get(name)
         if m is None:
             continue

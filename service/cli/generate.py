@@ -62,7 +62,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser("generate", help="generate text locally or from a server")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run an in-process engine")
-    where.add_argument("--server", metavar="HOST:PORT", help="call a slipstream server")
+    where.add_argument(
+        "--server",
+        metavar="HOST:PORT",
+        help="call a slipstream server; several comma-separated IP:PORT addresses "
+        "(or --balanced with a dns:/// name) spread calls round-robin over replicas",
+    )
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     prompts.add_argument("--prompts-file", type=Path, help="JSON Lines of prompts")
@@ -75,6 +80,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--expected-tokens", type=int, default=None, help="output-length hint")
     parser.add_argument(
         "--cancel-after", type=int, default=None, metavar="N", help="cancel after N tokens"
+    )
+    parser.add_argument(
+        "--per-request",
+        action="store_true",
+        help="one GenerateOne call per prompt (a load balancer routes each on its own) "
+        "instead of one multiplexed stream",
+    )
+    parser.add_argument(
+        "--balanced",
+        action="store_true",
+        help="round_robin, health checks and retries over every address --server resolves to",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_connection_args(parser)
@@ -184,26 +200,40 @@ class _LocalCollector:
 # ---------------------------------------------------------------- remote
 
 
+def server_target(server: str) -> str | list[str]:
+    """``--server``: one target, or a list for several comma-separated addresses."""
+    addresses = [a.strip() for a in server.split(",") if a.strip()]
+    return addresses if len(addresses) > 1 else server
+
+
 async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
     from slipstream.clients import AsyncClient
 
-    async with AsyncClient(args.server, tls=client_tls(args), token=args.token) as client:
-        stream = client.stream()
-        generations = [
-            await stream.generate(
-                spec.token_ids if spec.token_ids is not None else spec.text or "",
-                request_id=str(i),
-                max_tokens=spec.max_tokens,
-                temperature=spec.temperature,
-                seed=spec.seed,
-                ignore_eos=args.ignore_eos,
-                priority=args.priority,
-                deadline_s=None if args.deadline_ms is None else args.deadline_ms / 1000,
-                expected_tokens=args.expected_tokens,
-            )
-            for i, spec in enumerate(specs)
-        ]
-        await stream.close()
+    target = server_target(args.server)
+    balanced = True if getattr(args, "balanced", False) else None
+    async with AsyncClient(
+        target, tls=client_tls(args), token=args.token, balanced=balanced
+    ) as client:
+        stream = None if args.per_request else client.stream()
+        generations = []
+        for i, spec in enumerate(specs):
+            prompt = spec.token_ids if spec.token_ids is not None else spec.text or ""
+            options = {
+                "request_id": str(i),
+                "max_tokens": spec.max_tokens,
+                "temperature": spec.temperature,
+                "seed": spec.seed,
+                "ignore_eos": args.ignore_eos,
+                "priority": args.priority,
+                "deadline_s": None if args.deadline_ms is None else args.deadline_ms / 1000,
+                "expected_tokens": args.expected_tokens,
+            }
+            if stream is None:
+                generations.append(await client.generate_one(prompt, **options))  # type: ignore[arg-type]
+            else:
+                generations.append(await stream.generate(prompt, **options))
+        if stream is not None:
+            await stream.close()
         results = await asyncio.gather(*(_follow(g, args.cancel_after) for g in generations))
     return [Output(i, r.token_ids, r.text, r.finish_reason) for i, r in enumerate(results)]
 

@@ -137,6 +137,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default=30.0,
         help="on SIGTERM, how long running requests may finish",
     )
+    parser.add_argument(
+        "--max-connection-age-s",
+        type=float,
+        default=None,
+        help="send clients GOAWAY after this long, so they reconnect (and rebalance) "
+        "for new calls (gRPC A9; default: never)",
+    )
+    parser.add_argument(
+        "--max-connection-age-grace-s",
+        type=float,
+        default=None,
+        help="after GOAWAY, how long calls on the old connection may finish "
+        "(default: unlimited); cover the longest request you allow",
+    )
     add_security_args(parser)
     add_engine_args(parser)
     add_telemetry_args(parser)
@@ -213,8 +227,9 @@ def telemetry(args: argparse.Namespace) -> object:
     if args.metrics_port is not None or getattr(args, "http_port", 0):
         metrics = ServerMetrics()
     if args.metrics_port is not None and metrics is not None:
-        _, port = serve_metrics(metrics.registry, args.metrics_host or args.host, args.metrics_port)
-        print(f"slipstream: metrics on http://{args.metrics_host or args.host}:{port}/metrics")
+        host = args.metrics_host or args.host
+        _, port = serve_metrics(metrics.registry, host, args.metrics_port, metrics.is_ready)
+        print(f"slipstream: metrics on http://{host}:{port}/metrics (readiness: /ready)")
     return Telemetry.from_env(os.environ, metrics)
 
 
@@ -247,11 +262,20 @@ def http_hint(host: str, port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
-    from slipstream.service.api.server import StartupFailed, exposure_warning
+    from slipstream.service.api.server import (
+        StartupFailed,
+        connection_age_options,
+        exposure_warning,
+    )
     from slipstream.service.api.server import run as run_server
     from slipstream.service.engine.engine import Engine
 
     config = engine_config(args)
+    try:
+        options = connection_age_options(args.max_connection_age_s, args.max_connection_age_grace_s)
+    except ValueError as exc:
+        print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     tls = server_tls(args)
     has_tls, has_tenants = tls is not None, args.tenants is not None
     has_http = bool(getattr(args, "http_port", 0))
@@ -289,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
                 tenants_file=args.tenants,
                 http_port=args.http_port,
                 on_http=on_http,
+                options=options,
             )
         )
     except StartupFailed as exc:

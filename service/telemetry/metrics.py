@@ -13,6 +13,9 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_running_requests{priority}                  gauge
     slipstream_swapped_requests{priority}                  gauge
     slipstream_kv_blocks{pool=device|host, state=used|free} gauge
+    slipstream_num_requests_waiting                         gauge (all classes)
+    slipstream_num_requests_running                         gauge (all classes)
+    slipstream_kv_cache_usage_ratio                         gauge (device pool, 0..1)
     slipstream_engine_steps_total                           counter
     slipstream_preemptions_total{kind=swap|recompute}       counter
     slipstream_prefix_cache_queried_tokens_total            counter (looked up at admission)
@@ -27,6 +30,14 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     gen_ai_server_time_per_output_token_seconds{priority}   histogram
     gen_ai_server_request_duration_seconds{priority}        histogram
 
+The three unlabelled gauges are what an endpoint picker (the Gateway API
+Inference Extension's model-server protocol: queued requests, running
+requests, KV-cache utilization as a fraction) scrapes from every replica;
+they come from the same single ``engine.stats()`` call as the rest.
+
+The same HTTP server answers ``/ready``: 200 while the engine takes new
+requests, 503 while loading or draining (for proxies' HTTP health checks).
+
 On a server with tenants (``serve --tenants``), each tenant's requests are
 also counted by tenant name; the series above stay per class, so a tenant
 adds a handful of series, not a copy of every histogram::
@@ -38,25 +49,34 @@ adds a handful of series, not a copy of every histogram::
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from slipstream.scheduler.request import FinishReason, Request
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+    from collections.abc import Callable, Iterable
+    from wsgiref.types import StartResponse, WSGIEnvironment
 
     from prometheus_client.metrics_core import Metric
 
     from slipstream.scheduler.plan import RequestOutput, StepPlan
     from slipstream.service.engine.engine import Engine
-    from slipstream.service.engine.events import FinishEvent, GenerationRequest, PrefixCacheStats
+    from slipstream.service.engine.events import (
+        FinishEvent,
+        GenerationRequest,
+        PoolStats,
+        PrefixCacheStats,
+    )
 
 # Bucket boundaries recommended by the OpenTelemetry GenAI semantic conventions.
 TTFT_BUCKETS = (
@@ -131,6 +151,7 @@ class _EngineCollector(Collector):
             blocks.add_metric([pool, "used"], pool_stats.used)
             blocks.add_metric([pool, "free"], pool_stats.free)
         yield blocks
+        yield from _picker_gauges(stats.waiting, stats.running, stats.device_blocks)
         yield CounterMetricFamily("slipstream_engine_steps", "Engine steps run", value=stats.step)
         preemptions = CounterMetricFamily(
             "slipstream_preemptions", "Preemptions by kind", labels=["kind"]
@@ -164,6 +185,22 @@ def _prefix_cache_metrics(stats: PrefixCacheStats) -> Iterator[Metric]:
         "slipstream_prefix_cache_blocks",
         "Device KV blocks in the prefix cache (held or evictable)",
         value=stats.cached_blocks,
+    )
+
+
+def _picker_gauges(waiting: int, running: int, device: PoolStats) -> Iterator[Metric]:
+    """Totals over every class, for an endpoint picker."""
+    yield GaugeMetricFamily(
+        "slipstream_num_requests_waiting", "Requests waiting to be scheduled", value=waiting
+    )
+    yield GaugeMetricFamily(
+        "slipstream_num_requests_running", "Requests in the running batch", value=running
+    )
+    total = device.used + device.free
+    yield GaugeMetricFamily(
+        "slipstream_kv_cache_usage_ratio",
+        "Fraction of the device KV cache blocks in use (0 to 1)",
+        value=device.used / total if total else 0.0,
     )
 
 
@@ -249,6 +286,11 @@ class ServerMetrics:
     def bind_engine(self, engine: Engine) -> None:
         self._engine_collector.engine = engine
 
+    def is_ready(self) -> bool:
+        """An engine is bound (loaded) and not draining."""
+        engine = self._engine_collector.engine
+        return engine is not None and not engine.stats().is_draining
+
     def rejected(self, reason: str, tenant: str = "") -> None:
         self.rejections.labels(reason).inc()
         if tenant:
@@ -296,8 +338,42 @@ class ServerMetrics:
                 self.deadline_misses.labels(priority).inc()
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[WSGIServer, int]:
-    """Starts ``/metrics`` on a daemon thread; returns the server and its port
-    (``port`` 0 picks a free one)."""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per scrape or health check is noise
+
+
+def metrics_app(
+    registry: CollectorRegistry, is_ready: Callable[[], bool] | None = None
+) -> Callable[[WSGIEnvironment, StartResponse], Iterable[bytes]]:
+    """``/ready`` (when ``is_ready`` is given), everything else ``/metrics``."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        if is_ready is not None and environ.get("PATH_INFO") == "/ready":
+            ready = is_ready()
+            status = "200 OK" if ready else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain")])
+            return [b"SERVING\n" if ready else b"NOT_SERVING\n"]
+        return metrics(environ, start_response)
+
+    return app
+
+
+def serve_metrics(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    is_ready: Callable[[], bool] | None = None,
+) -> tuple[WSGIServer, int]:
+    """Starts ``/metrics`` (and ``/ready``) on a daemon thread; returns the
+    server and its port (``port`` 0 picks a free one)."""
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = make_server(
+        host, port, metrics_app(registry, is_ready), Server, handler_class=_QuietHandler
+    )
+    threading.Thread(target=server.serve_forever, name="slipstream-metrics", daemon=True).start()
     return server, server.server_port

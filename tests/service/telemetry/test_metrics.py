@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 
@@ -150,6 +151,61 @@ def test_an_expired_deadline_is_a_miss_of_its_class(
     assert result.finish_reason == "deadline_exceeded"
     miss = "slipstream_deadline_misses_total"
     assert value(after, miss, priority="3") - value(before, miss, priority="3") == 1
+
+
+def test_an_endpoint_pickers_gauges_follow_the_engine(
+    setup: tuple[ServerThread, Callable[[], Samples]],
+) -> None:
+    server, scrape = setup
+    idle = scrape()
+    assert value(idle, "slipstream_num_requests_running") == 0
+    assert value(idle, "slipstream_num_requests_waiting") == 0
+    assert value(idle, "slipstream_kv_cache_usage_ratio") == 0
+    with Client(server.target) as client:
+        # 4 + 56 tokens fill 15 of the 16 four-token blocks by the end.
+        long = client.generate_one([5, 6, 7, 8], max_tokens=56, ignore_eos=True)
+        next(iter(long))
+        during = scrape()
+        used = value(during, "slipstream_kv_blocks", pool="device", state="used")
+        assert value(during, "slipstream_num_requests_running") == 1
+        ratio = value(during, "slipstream_kv_cache_usage_ratio")
+        assert 0 < ratio <= 1
+        # Scraped together, the ratio is the block gauges' used / total.
+        assert abs(ratio - used / 16) <= 2 / 16
+        assert long.result(timeout=120).output_tokens == 56
+    after = scrape()
+    assert value(after, "slipstream_num_requests_running") == 0
+    assert value(after, "slipstream_kv_cache_usage_ratio") == 0
+
+
+class _FakeEngine:
+    def __init__(self) -> None:
+        self.is_draining = False
+
+    def stats(self) -> object:
+        return type("Stats", (), {"is_draining": self.is_draining})()
+
+
+def test_ready_is_200_only_while_an_engine_takes_requests() -> None:
+    metrics = ServerMetrics()
+    http, port = serve_metrics(metrics.registry, "127.0.0.1", 0, metrics.is_ready)
+
+    def status() -> int:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert status() == 503  # loading
+        engine = _FakeEngine()
+        metrics._engine_collector.engine = engine  # type: ignore[assignment]
+        assert status() == 200
+        engine.is_draining = True
+        assert status() == 503
+    finally:
+        http.shutdown()
 
 
 def test_prefix_cache_hits_reach_the_caller_and_the_hit_rate(

@@ -1,0 +1,103 @@
+"""Client-side balancing over several replicas, all through gRPC's own
+service config (no proxy, no home-made router):
+
+- ``round_robin`` over every address the name resolves to (a list of
+  addresses, ``dns:///name:port`` or an ``ipv4:``/``ipv6:`` list);
+- client health checking: a replica whose ``slipstream.v1.Inference`` health
+  is NOT_SERVING (loading, draining) gets no new calls;
+- a retry policy: a call that failed UNAVAILABLE before any response
+  message (a replica that went away or refused it while draining) is sent
+  again, to another replica. A call that has received a message (Accepted)
+  is never retried: gRPC commits to the replica at the first response.
+
+The retry policy covers ``GenerateOne`` and the unary calls. ``Generate``
+(one long-lived stream, many requests) is not retried: its requests are
+the caller's to resubmit.
+
+    from slipstream.clients import Client
+    client = Client(["10.0.0.5:50051", "10.0.0.6:50051"])        # or
+    client = Client("dns:///slipstream.default.svc:50051", balanced=True)
+    client.generate_one("Hello", max_tokens=16).result()
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Sequence
+
+SERVICE = "slipstream.v1.Inference"
+RETRIED_METHODS = ("GenerateOne", "Tokenize", "GetModelInfo", "GetServerStats")
+
+
+def service_config(
+    *,
+    health_service: str | None = SERVICE,
+    max_attempts: int = 5,
+    initial_backoff_s: float = 0.05,
+    max_backoff_s: float = 1.0,
+) -> str:
+    """The service config JSON: round_robin, health checking (unless
+    ``health_service`` is None) and the UNAVAILABLE retry policy."""
+    if not 2 <= max_attempts <= 5:
+        raise ValueError("max_attempts must be in [2, 5] (gRPC caps retries at 5 attempts)")
+    config: dict[str, object] = {
+        "loadBalancingConfig": [{"round_robin": {}}],
+        "methodConfig": [
+            {
+                "name": [{"service": SERVICE, "method": method} for method in RETRIED_METHODS],
+                "retryPolicy": {
+                    "maxAttempts": max_attempts,
+                    "initialBackoff": f"{initial_backoff_s}s",
+                    "maxBackoff": f"{max_backoff_s}s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ],
+    }
+    if health_service is not None:
+        config["healthCheckConfig"] = {"serviceName": health_service}
+    return json.dumps(config)
+
+
+def channel_options(config: str | None = None) -> list[tuple[str, object]]:
+    """Channel options that apply ``config`` (default: ``service_config()``)
+    and ignore any service config a DNS TXT record might carry."""
+    return [
+        ("grpc.service_config", config or service_config()),
+        ("grpc.service_config_disable_resolution", 1),
+        ("grpc.enable_retries", 1),
+    ]
+
+
+def channel_target(addresses: str | Sequence[str]) -> str:
+    """One gRPC target for ``addresses``: a string is used as is
+    (``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``); a list of IP
+    ``host:port`` literals becomes an ``ipv4:``/``ipv6:`` target."""
+    if isinstance(addresses, str):
+        return addresses
+    if not addresses:
+        raise ValueError("no server addresses given")
+    hosts = [_split_host_port(address) for address in addresses]
+    versions = set()
+    for host, _ in hosts:
+        try:
+            versions.add(ipaddress.ip_address(host).version)
+        except ValueError:
+            raise ValueError(
+                f"{host!r} is not an IP address: list IP:port addresses, or give "
+                "one 'dns:///name:port' target that resolves to every replica"
+            ) from None
+    if len(versions) > 1:
+        raise ValueError("mix of IPv4 and IPv6 addresses: use a dns:/// name instead")
+    if versions == {4}:
+        return "ipv4:" + ",".join(f"{h}:{p}" for h, p in hosts)
+    return "ipv6:" + ",".join(f"[{h}]:{p}" for h, p in hosts)
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
