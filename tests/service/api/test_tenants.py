@@ -474,6 +474,21 @@ def test_logs_name_the_tenant_and_never_the_token(served: Served) -> None:
         assert token_sha256(secret) not in text
 
 
+def test_generate_one_answers_for_its_tenant(served: Served) -> None:
+    with served.client(SEARCH_TOKEN) as client:
+        denied = client.generate_one([5, 6, 7], max_tokens=4, priority=0).result(timeout=60)
+        assert denied.reject_reason == "permission_denied"
+        assert denied.status_code == "PERMISSION_DENIED"
+        fine = client.generate_one([5, 6, 7], max_tokens=4, priority=1, ignore_eos=True)
+        assert fine.result(timeout=60).output_tokens == 4
+    with served.client(None) as client:
+        refused = client.generate_one([5, 6, 7], max_tokens=4)
+        with pytest.raises(StreamError) as unauthenticated:
+            refused.result(timeout=60)
+        assert unauthenticated.value.code == "UNAUTHENTICATED"
+    assert wait_until(lambda: served.tenants.num_inflight("search") == 0)
+
+
 def http_post(served: Served, body: dict[str, object], token: str | None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"}
     if token is not None:
