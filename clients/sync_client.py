@@ -2,7 +2,8 @@
 reader thread that routes each event to its request's ``Generation``.
 
     client = Client("localhost:50051")
-    gen = client.generate("Once upon a time", max_tokens=32, priority=0, deadline_s=2.0)
+    gen = client.generate("Once upon a time", max_tokens=32, priority=0, deadline_s=2.0,
+                          first_token_timeout_s=0.5)
     for chunk in gen:
         print(chunk.text, end="")
     print(gen.result().finish_reason)

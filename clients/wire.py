@@ -41,7 +41,8 @@ def call_metadata(*parts: Metadata) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True, slots=True)
 class GenerateOptions:
-    """Keyword arguments of ``generate``; ``deadline_s`` is relative to the
+    """Keyword arguments of ``generate``; ``deadline_s`` (the whole response)
+    and ``first_token_timeout_s`` (the first token) are relative to the
     moment the server receives the submit."""
 
     max_tokens: int | None = None
@@ -54,6 +55,7 @@ class GenerateOptions:
     priority: int = 0
     deadline_s: float | None = None
     expected_tokens: int | None = None
+    first_token_timeout_s: float | None = None
 
 
 def build_submit(request_id: str, prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
@@ -79,15 +81,21 @@ def build_submit(request_id: str, prompt: Prompt, options: GenerateOptions) -> p
     else:
         submit.token_ids.ids.extend(prompt)
     if options.deadline_s is not None:
-        timeout = Duration()
-        timeout.FromNanoseconds(round(options.deadline_s * 1e9))
-        submit.timeout.CopyFrom(timeout)
+        submit.timeout.CopyFrom(_duration(options.deadline_s))
+    if options.first_token_timeout_s is not None:
+        submit.first_token_timeout.CopyFrom(_duration(options.first_token_timeout_s))
     return pb.GenerateRequest(submit=submit)
 
 
 def build_one(request_id: str, prompt: Prompt, options: GenerateOptions) -> pb.Submit:
     """The ``Submit`` of a ``GenerateOne`` call."""
     return build_submit(request_id, prompt, options).submit
+
+
+def _duration(seconds: float) -> Duration:
+    duration = Duration()
+    duration.FromNanoseconds(round(seconds * 1e9))
+    return duration
 
 
 def cancel_message(request_id: str) -> pb.GenerateRequest:

@@ -1,6 +1,7 @@
 """Slipstream scheduler: request state, KV block accounting, admission,
 policy and preemption decisions. Standard library only (no torch, no grpc)."""
 
+from .batch_shaping import BatchShaper
 from .block_manager import BlockAccountingError, BlockPool
 from .config import SchedulerConfig
 from .cost_model import CostCoefficients, CostModel, StepShape
@@ -15,13 +16,21 @@ from .errors import (
 )
 from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
 from .policies import DEFAULT_POLICY, POLICY_NAMES, make_policy
-from .policy import FcfsPolicy, PreemptionMode, PriorityPolicy, SchedulingPolicy
-from .request import FinishReason, Request, RequestStatus, SamplingParams
+from .policy import FcfsPolicy, Infeasible, PreemptionMode, PriorityPolicy, SchedulingPolicy
+from .request import (
+    ExpiredLimit,
+    FinishReason,
+    RejectCause,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from .scheduler import Scheduler
 
 __all__ = [
     "DEFAULT_POLICY",
     "POLICY_NAMES",
+    "BatchShaper",
     "BlockAccountingError",
     "BlockPool",
     "CostCoefficients",
@@ -30,13 +39,16 @@ __all__ = [
     "DeadlinePolicy",
     "Draining",
     "DuplicateRequest",
+    "ExpiredLimit",
     "FcfsPolicy",
     "FinishReason",
     "FinishedRequest",
+    "Infeasible",
     "PreemptionMode",
     "PriorityPolicy",
     "PromptTooLong",
     "QueueFull",
+    "RejectCause",
     "Request",
     "RequestOutput",
     "RequestStatus",

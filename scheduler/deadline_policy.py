@@ -47,11 +47,12 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
+from .batch_shaping import CEILING_MARGIN_STEPS, BatchShaper
 from .config import SchedulerConfig
 from .cost_model import CostModel
 from .plan import StepPlan
-from .policy import PreemptionMode, SchedulingPolicy
-from .request import Request, RequestStatus
+from .policy import Infeasible, PreemptionMode, SchedulingPolicy, least_urgent_class_victim
+from .request import ExpiredLimit, Request, RequestStatus
 
 # Steps of headroom an urgent waiting request keeps before it preempts.
 _MARGIN_STEPS = 3.0
@@ -64,9 +65,9 @@ _STEP_EWMA = 0.05
 
 
 # The request fields an urgency depends on: (computed tokens, outputs,
-# status, deadline, priority, arrival time, arrival index). The first three
-# are the progress an estimate depends on.
-_Signature = tuple[int, int, RequestStatus, float | None, int, float, int]
+# status, deadline, first-token deadline, priority, arrival time, arrival
+# index). The first three are the progress an estimate depends on.
+_Signature = tuple[int, int, RequestStatus, float | None, float | None, int, float, int]
 _Progress = tuple[int, int, RequestStatus]
 
 
@@ -82,6 +83,9 @@ class _Entry:
 
     __slots__ = (
         "epoch",
+        "first_token_isolated_s",
+        "first_token_steps",
+        "hopeless_limit",
         "is_hopeless",
         "isolated_s",
         "key",
@@ -95,9 +99,13 @@ class _Entry:
         self.progress: _Progress | None = None
         self.isolated_s = 0.0
         self.num_steps = 0
+        # Until the first output: the same for the first token (else 0).
+        self.first_token_isolated_s = 0.0
+        self.first_token_steps = 0
         self.epoch = -1
         self.signature: _Signature | None = None
         self.is_hopeless = False
+        self.hopeless_limit = ExpiredLimit.DEADLINE
         self.latest_start = math.inf
         self.key: tuple[float, ...] = ()
 
@@ -159,30 +167,41 @@ class DeadlinePolicy(SchedulingPolicy):
         outputs_left = max(1, target - outputs)
         num_tokens = len(req.prompt_token_ids) + outputs
         cost = self.cost_model
-        isolated = cost.service_seconds(computed, num_tokens, outputs_left, self._budget)
+        prefill = cost.prefill_seconds(num_tokens - computed, self._budget, computed)
+        isolated = prefill + cost.decode_seconds(num_tokens, max(0, outputs_left - 1))
         if status is RequestStatus.SWAPPED:
-            isolated += cost.swap_seconds(len(req.host_block_ids))
+            swap = cost.swap_seconds(len(req.host_block_ids))
+            isolated += swap
+            prefill += swap
         chunks = -(-(num_tokens - computed) // self._budget)
         entry.progress = progress
         entry.isolated_s = isolated
         entry.num_steps = chunks + outputs_left - 1
+        entry.first_token_isolated_s = prefill if outputs == 0 else 0.0
+        entry.first_token_steps = max(1, chunks) if outputs == 0 else 0
 
     def slack(self, req: Request, now: float) -> float:
         return self._latest_start(req) - now
 
     def _latest_start(self, req: Request) -> float:
-        """``deadline - loaded remaining``: the last moment it could start
-        under the current load and still finish in time (+inf without one)."""
-        if req.deadline is None:
-            return math.inf
-        return req.deadline - self.loaded_remaining_seconds(req)
+        """The last moment it could start under the current load and still
+        meet its deadline (``deadline - loaded remaining``) and, before its
+        first token, its first-token deadline; +inf without either."""
+        latest = math.inf
+        if req.deadline is not None:
+            latest = req.deadline - self.loaded_remaining_seconds(req)
+        est = self._estimate(req)
+        if req.first_token_deadline is not None and est.first_token_steps:
+            loaded = max(est.first_token_isolated_s, est.first_token_steps * self.loaded_step_s)
+            latest = min(latest, req.first_token_deadline - loaded)
+        return latest
 
     def forget(self, req_id: str) -> None:
         self._entries.pop(req_id, None)
 
     def _urgency_of(self, req: Request, now: float) -> _Entry:
         """``req``'s entry with its urgency at ``now``: exactly what
-        ``is_hopeless``, ``effective_class`` and ``_latest_start`` compute,
+        ``is_hopeless``, ``effective_class`` and ``slack`` compute,
         memoized per epoch."""
         if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
             self._epoch += 1
@@ -192,6 +211,7 @@ class DeadlinePolicy(SchedulingPolicy):
             len(req.output_token_ids),
             req.status,
             req.deadline,
+            req.first_token_deadline,
             req.priority,
             req.arrival_time,
             req.arrival_index,
@@ -203,23 +223,34 @@ class DeadlinePolicy(SchedulingPolicy):
         return entry
 
     def _new_urgency(self, entry: _Entry, req: Request, now: float, signature: _Signature) -> None:
-        computed, outputs, status, deadline, _, _, arrival_index = signature
+        computed, outputs, status, deadline, first_token_deadline, _, _, arrival_index = signature
         if entry.progress != (computed, outputs, status):
             self._new_estimate(entry, req, (computed, outputs, status))
         effective = self.effective_class(req, now)
-        if deadline is None:
-            hopeless, latest = False, math.inf
-        else:
-            step_s = self.loaded_step_s
+        hopeless, latest, limit = False, math.inf, ExpiredLimit.DEADLINE
+        # Loaded time counts against waiting / swapped work of a class above 0
+        # only: see ``is_hopeless``.
+        judge_loaded = effective > 0 and status is not RequestStatus.RUNNING
+        step_s = self.loaded_step_s
+        if deadline is not None:
             isolated, loaded = entry.isolated_s, entry.num_steps * step_s
             latest = deadline - (loaded if loaded > isolated else isolated)  # max()
             needed = isolated
-            if effective > 0 and status is not RequestStatus.RUNNING:
+            if judge_loaded:
                 needed = max(needed, HOPELESS_LOAD_FRACTION * entry.num_steps * step_s)
             hopeless = now + needed > deadline
+        if first_token_deadline is not None and entry.first_token_steps:
+            isolated, loaded = entry.first_token_isolated_s, entry.first_token_steps * step_s
+            latest = min(latest, first_token_deadline - (loaded if loaded > isolated else isolated))
+            needed = isolated
+            if judge_loaded:
+                needed = max(needed, HOPELESS_LOAD_FRACTION * loaded)
+            if not hopeless and now + needed > first_token_deadline:
+                hopeless, limit = True, ExpiredLimit.FIRST_TOKEN
         entry.epoch = self._epoch
         entry.signature = signature
         entry.is_hopeless = hopeless
+        entry.hopeless_limit = limit
         entry.latest_start = latest
         entry.key = (1.0 if hopeless else 0.0, float(effective), latest, float(arrival_index))
 
@@ -312,36 +343,84 @@ class DeadlinePolicy(SchedulingPolicy):
         recompute = cost.prefill_seconds(victim.num_computed_tokens, self._budget)
         return PreemptionMode.SWAP if swap <= recompute else PreemptionMode.RECOMPUTE
 
-    def check_admission(self, req: Request, now: float) -> str:
-        """Why ``req`` is infeasible even alone from ``now`` ("" if feasible)."""
+    def check_admission(self, req: Request, now: float) -> Infeasible | None:
+        """Which time limit ``req`` misses even alone from ``now`` (None if none)."""
+        first_token_deadline = req.first_token_deadline
+        if first_token_deadline is not None and req.first_token_time is None:
+            needed = self._estimate(req).first_token_isolated_s
+            if now + needed > first_token_deadline:
+                return Infeasible(
+                    ExpiredLimit.FIRST_TOKEN,
+                    f"first-token deadline in {first_token_deadline - now:.3f}s, but the "
+                    f"prompt alone needs an estimated {needed:.3f}s",
+                )
         if req.deadline is None:
-            return ""
+            return None
         remaining = self.remaining_seconds(req)
         if now + remaining <= req.deadline:
-            return ""
-        return (
+            return None
+        return Infeasible(
+            ExpiredLimit.DEADLINE,
             f"deadline in {req.deadline - now:.3f}s, but running alone it needs "
-            f"an estimated {remaining:.3f}s"
+            f"an estimated {remaining:.3f}s",
         )
 
+    def expired_limit(self, req: Request, now: float) -> ExpiredLimit:
+        return self._urgency_of(req, now).hopeless_limit
+
     def abandon_reason(self, req: Request, now: float) -> str:
-        if req.deadline is None or not self._urgency_of(req, now).is_hopeless:
+        if not self._urgency_of(req, now).is_hopeless:
             return ""
-        return self._abandon_message(req, req.deadline, now)
+        return self._abandon_message(req, now)
 
     def abandon_reasons(self, live: Iterable[Request], now: float) -> list[tuple[Request, str]]:
         urgency_of = self._urgency_of
         return [
-            (req, self._abandon_message(req, deadline, now))
+            (req, self._abandon_message(req, now))
             for req in live
-            if (deadline := req.deadline) is not None and urgency_of(req, now).is_hopeless
+            if (req.deadline is not None or req.first_token_deadline is not None)
+            and urgency_of(req, now).is_hopeless
         ]
 
-    def _abandon_message(self, req: Request, deadline: float, now: float) -> str:
+    def _abandon_message(self, req: Request, now: float) -> str:
+        entry = self._urgency_of(req, now)
+        if entry.hopeless_limit is ExpiredLimit.FIRST_TOKEN:
+            assert req.first_token_deadline is not None
+            left = req.first_token_deadline - now
+            needed = max(entry.first_token_isolated_s, entry.first_token_steps * self.loaded_step_s)
+            return (
+                f"cannot meet first-token deadline: {left:.3f}s left, an estimated "
+                f"{needed:.3f}s needed at the current load"
+            )
+        assert req.deadline is not None
         return (
-            f"cannot meet deadline: {deadline - now:.3f}s left, an estimated "
+            f"cannot meet deadline: {req.deadline - now:.3f}s left, an estimated "
             f"{self.loaded_remaining_seconds(req):.3f}s needed at the current load"
         )
+
+    def shed_victim(
+        self, newcomer: Request, waiting: Iterable[Request], now: float
+    ) -> Request | None:
+        return least_urgent_class_victim(newcomer, waiting)
+
+    # -- batch shaping ---------------------------------------------------
+
+    def batch_shaper(self, now: float) -> BatchShaper:
+        return BatchShaper(self.cost_model, now, self.step_ceiling)
+
+    def step_ceiling(self, req: Request, now: float) -> float:
+        """The longest step ``req`` can afford: the time to its nearest limit
+        over the steps it still needs (plus a margin); +inf without limits."""
+        if req.deadline is None and req.first_token_deadline is None:
+            return math.inf
+        entry = self._estimate(req)
+        ceiling = math.inf
+        if req.deadline is not None:
+            ceiling = (req.deadline - now) / (entry.num_steps + CEILING_MARGIN_STEPS)
+        if req.first_token_deadline is not None and entry.first_token_steps:
+            steps = entry.first_token_steps + CEILING_MARGIN_STEPS
+            ceiling = min(ceiling, (req.first_token_deadline - now) / steps)
+        return ceiling
 
     @property
     def is_urgency_driven(self) -> bool:

@@ -1,6 +1,10 @@
 """Domain errors raised inside the scheduler. ``service/`` maps each to a gRPC
 status / REJECTED reason in one table."""
 
+from __future__ import annotations
+
+from .request import ExpiredLimit
+
 
 class SchedulerError(Exception):
     """Base of every error a caller can cause."""
@@ -11,11 +15,21 @@ class PromptTooLong(SchedulerError):
 
 
 class QueueFull(SchedulerError):
-    """The waiting queue is at its configured bound."""
+    """The waiting queue is at its configured bound and nothing queued is in
+    a less urgent class. ``retry_after_s`` hints when a retry may succeed."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineInfeasible(SchedulerError):
-    """The deadline cannot be met even if the request ran alone from now."""
+    """A time limit cannot be met even if the request ran alone from now.
+    ``expired_limit`` says which (``ExpiredLimit.DEADLINE`` when unset)."""
+
+    def __init__(self, message: str, expired_limit: ExpiredLimit = ExpiredLimit.DEADLINE) -> None:
+        super().__init__(message)
+        self.expired_limit = expired_limit
 
 
 class Draining(SchedulerError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .request import FinishReason, SamplingParams
+from .request import ExpiredLimit, FinishReason, RejectCause, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +36,19 @@ class ScheduledSeq:
 
 @dataclass(frozen=True, slots=True)
 class FinishedRequest:
-    """A request the scheduler ended while planning (rejected, expired,
-    aborted), reported so the service can tell its caller."""
+    """A request the scheduler ended while planning or admitting (rejected,
+    shed, expired, aborted), reported so the service can tell its caller.
+
+    ``expired_limit`` is set when a time limit ended it (DEADLINE_EXCEEDED,
+    or REJECTED for DEADLINE_INFEASIBLE); ``reject_cause`` when it is
+    REJECTED; ``retry_after_s`` when a retry may succeed later (SHED)."""
 
     req_id: str
     reason: FinishReason
     message: str = ""
+    expired_limit: ExpiredLimit | None = None
+    reject_cause: RejectCause | None = None
+    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

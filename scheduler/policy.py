@@ -14,6 +14,11 @@ only answers questions about order and victims:
 - ``admission_victim``: before the step is planned, may a waiting request
   push a running one out even though no pool is exhausted? (FCFS and
   priority: never.)
+- ``shed_victim``: the queue is full and a request arrives — which queued
+  request (of a less urgent class) gives its place up, or ``None`` to refuse
+  the newcomer (FCFS: always refuse).
+- ``batch_shaper``: a ``BatchShaper`` that holds back less urgent tokens
+  when the step would be too slow for urgent work, or ``None`` (no shaping).
 
 Convention: "more urgent" sorts first; ``urgency_key`` is the one ordering a
 policy usually needs to define.
@@ -42,10 +47,12 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
+from .batch_shaping import BatchShaper
 from .plan import StepPlan
-from .request import Request
+from .request import ExpiredLimit, Request
 
 
 class PreemptionMode(enum.Enum):
@@ -54,6 +61,14 @@ class PreemptionMode(enum.Enum):
 
     RECOMPUTE = "recompute"
     SWAP = "swap"
+
+
+@dataclass(frozen=True, slots=True)
+class Infeasible:
+    """Why a request cannot meet one of its time limits: which, and a message."""
+
+    limit: ExpiredLimit
+    message: str
 
 
 class SchedulingPolicy(abc.ABC):
@@ -102,10 +117,26 @@ class SchedulingPolicy(abc.ABC):
         and swapped work resumes only ahead of less urgent waiting work."""
         return False
 
-    def check_admission(self, req: Request, now: float) -> str:
-        """Why ``req`` cannot meet its deadline even alone from ``now``, or
-        "" — the scheduler then raises DeadlineInfeasible (if configured)."""
-        return ""
+    def check_admission(self, req: Request, now: float) -> Infeasible | None:
+        """Which time limit ``req`` cannot meet even alone from ``now``, or
+        None — the scheduler then raises DeadlineInfeasible (if configured)."""
+        return None
+
+    def expired_limit(self, req: Request, now: float) -> ExpiredLimit:
+        """The limit an abandoned ``req`` (see ``abandon_reason``) would miss."""
+        return ExpiredLimit.DEADLINE
+
+    def shed_victim(
+        self, newcomer: Request, waiting: Iterable[Request], now: float
+    ) -> Request | None:
+        """The queue is full: a waiting request to reject (SHED) so that
+        ``newcomer`` takes its place, or None to refuse the newcomer
+        (QueueFull). Default: never shed."""
+        return None
+
+    def batch_shaper(self, now: float) -> BatchShaper | None:
+        """This step's batch shaper, or None: no shaping (the default)."""
+        return None
 
     def abandon_reason(self, req: Request, now: float) -> str:
         """Why live ``req`` can no longer meet its deadline, or "" — the
@@ -115,7 +146,7 @@ class SchedulingPolicy(abc.ABC):
 
     def abandon_reasons(self, live: Iterable[Request], now: float) -> list[tuple[Request, str]]:
         """``(req, abandon_reason(req, now))`` for each request of ``live``
-        that has a deadline and a non-empty reason, in ``live``'s order: what
+        that has a time limit and a non-empty reason, in ``live``'s order: what
         the scheduler asks once per step about all its live requests. An
         override may only be faster, never different."""
         if type(self).abandon_reason is SchedulingPolicy.abandon_reason:
@@ -123,7 +154,7 @@ class SchedulingPolicy(abc.ABC):
         return [
             (req, reason)
             for req in live
-            if req.deadline is not None and (reason := self.abandon_reason(req, now))
+            if has_time_limit(req) and (reason := self.abandon_reason(req, now))
         ]
 
     def observe_plan(self, plan: StepPlan) -> None:
@@ -150,9 +181,36 @@ class FcfsPolicy(SchedulingPolicy):
 
 class PriorityPolicy(SchedulingPolicy):
     """Priority class first (0 most urgent), then arrival. Preempts only when
-    KV runs out; the least urgent running request is the victim."""
+    KV runs out; the least urgent running request is the victim. A full
+    queue sheds its least urgent class for a more urgent newcomer."""
 
     name: ClassVar[str] = "priority"
 
     def urgency_key(self, req: Request, now: float) -> tuple[float, ...]:
         return (req.priority, req.arrival_time, req.arrival_index)
+
+    def shed_victim(
+        self, newcomer: Request, waiting: Iterable[Request], now: float
+    ) -> Request | None:
+        return least_urgent_class_victim(newcomer, waiting)
+
+
+def has_time_limit(req: Request) -> bool:
+    return req.deadline is not None or (
+        req.first_token_deadline is not None and req.first_token_time is None
+    )
+
+
+def least_urgent_class_victim(newcomer: Request, waiting: Iterable[Request]) -> Request | None:
+    """The waiting request of the least urgent class, if that class is less
+    urgent than ``newcomer``'s; within it, one that never ran before one
+    that was preempted (nothing it streamed is lost), then the latest
+    arrival (it has waited least)."""
+    victim = max(
+        waiting,
+        key=lambda r: (r.priority, r.first_scheduled_time is None, r.arrival_index),
+        default=None,
+    )
+    if victim is None or victim.priority <= newcomer.priority:
+        return None
+    return victim

@@ -46,6 +46,23 @@ class FinishReason(enum.IntEnum):
     ERROR = 6
 
 
+class ExpiredLimit(enum.IntEnum):
+    """Which time limit ended a request (DEADLINE_EXCEEDED, or a
+    DEADLINE_INFEASIBLE rejection): the whole-response deadline or the
+    first-token deadline."""
+
+    DEADLINE = 1
+    FIRST_TOKEN = 2
+
+
+class RejectCause(enum.IntEnum):
+    """Why the scheduler rejected (``FinishReason.REJECTED``) a request it had
+    already queued. ``service/`` maps each to a wire reject reason."""
+
+    SHED = 1  # displaced from a full queue by a request of a more urgent class
+    DEADLINE_INFEASIBLE = 2  # the cost model says it can no longer make a time limit
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is drawn. ``temperature == 0`` means greedy;

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .admission import check_request_fits, check_request_shape
+from .batch_shaping import BatchShaper
 from .block_manager import (
     BlockPool,
     commit_computed_blocks,
@@ -51,7 +52,12 @@ from .errors import DeadlineInfeasible, DuplicateRequest, QueueFull
 from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
 from .policies import make_policy
 from .policy import PreemptionMode, SchedulingPolicy
-from .request import FinishReason, Request, RequestStatus
+from .request import ExpiredLimit, FinishReason, RejectCause, Request, RequestStatus
+
+# Bounds of a retry-after hint, and the weight of the newest gap between
+# finishes in the average that sizes it.
+_RETRY_AFTER_S = (0.05, 300.0)
+_FINISH_GAP_EWMA = 0.1
 
 
 @dataclass(slots=True)
@@ -76,6 +82,9 @@ class _StepState:
     # ranking serves every walk of an unchanged queue in this step.
     waiting_order: list[Request] = field(default_factory=list)
     waiting_version: int = -1
+    # Holds back less urgent tokens when the step would be too slow for
+    # urgent work (None: the policy does not shape batches).
+    shaper: BatchShaper | None = None
 
     def to_plan(self) -> StepPlan:
         return StepPlan(
@@ -125,25 +134,47 @@ class Scheduler:
         # (time, arrival_index, req) per deadline / first-token deadline;
         # entries of finished requests are dropped lazily when they surface.
         self._deadlines: list[tuple[float, int, Request]] = []
+        # Requests ended outside schedule() (shed by add_request), reported
+        # in the next plan's ``finished``.
+        self._ended: list[FinishedRequest] = []
+        self._num_shed: dict[int, int] = {}
+        self._num_held_back = 0
+        self._last_finish_time: float | None = None
+        self._finish_gap_s: float | None = None  # average time between finishes
 
     # == requests in and out ==============================================
 
     def add_request(self, req: Request, now: float | None = None) -> None:
         """Queues ``req`` (WAITING). Raises ValueError, DuplicateRequest,
         PromptTooLong, DeadlineInfeasible or QueueFull — and then changes
-        nothing. ``now`` defaults to ``req.arrival_time``."""
+        nothing. ``now`` defaults to ``req.arrival_time``.
+
+        A full queue sheds the queued request the policy names
+        (``shed_victim``: a less urgent class) to make room: it ends
+        REJECTED (``RejectCause.SHED``) and is reported in the next plan's
+        ``finished``. Without a victim the newcomer gets QueueFull."""
         check_request_shape(req)
         if req.req_id in self._requests:
             raise DuplicateRequest(f"request {req.req_id!r} is already live")
         check_request_fits(req, self.config)
         self._prefix_hits(req)  # cached tokens cost nothing in the estimates below
+        at = req.arrival_time if now is None else now
         if self.config.reject_infeasible:
-            reason = self.policy.check_admission(req, req.arrival_time if now is None else now)
-            if reason:
+            infeasible = self.policy.check_admission(req, at)
+            if infeasible is not None:
                 self.policy.forget(req.req_id)
-                raise DeadlineInfeasible(reason)
+                raise DeadlineInfeasible(infeasible.message, infeasible.limit)
         if len(self._waiting) >= self.config.max_queue_len:
-            raise QueueFull(f"waiting queue is full ({self.config.max_queue_len} requests)")
+            victim = self.policy.shed_victim(req, self._waiting, at)
+            if victim is None:
+                self.policy.forget(req.req_id)
+                retry = self.retry_after_seconds(req.priority)
+                raise QueueFull(
+                    f"waiting queue is full ({self.config.max_queue_len} requests); "
+                    f"retry after {retry:.3f}s",
+                    retry,
+                )
+            self._shed(victim)
         req.arrival_index = self._num_arrivals
         self._num_arrivals += 1
         self._requests[req.req_id] = req
@@ -152,6 +183,34 @@ class Scheduler:
         for when in (req.deadline, req.first_token_deadline):
             if when is not None:
                 heapq.heappush(self._deadlines, (when, req.arrival_index, req))
+
+    def _shed(self, victim: Request) -> None:
+        if (
+            victim.status is not RequestStatus.WAITING
+            or self._requests.get(victim.req_id) is not victim
+        ):
+            raise ValueError(f"policy chose {victim.req_id!r} to shed, which is not waiting")
+        retry = self.retry_after_seconds(victim.priority)
+        message = f"shed from a full queue for a more urgent request; retry after {retry:.3f}s"
+        self._finish(victim, FinishReason.REJECTED, message)
+        self._num_shed[victim.priority] = self._num_shed.get(victim.priority, 0) + 1
+        self._ended.append(
+            FinishedRequest(
+                victim.req_id,
+                FinishReason.REJECTED,
+                message,
+                reject_cause=RejectCause.SHED,
+                retry_after_s=retry,
+            )
+        )
+
+    def retry_after_seconds(self, priority: int) -> float:
+        """When a retry of class ``priority`` may find room: the queued work
+        of that class or a more urgent one, at the recent rate of finishes."""
+        gap = self._finish_gap_s if self._finish_gap_s is not None else 1.0
+        ahead = sum(1 for r in self._waiting if r.priority <= priority)
+        low, high = _RETRY_AFTER_S
+        return min(high, max(low, (ahead + 1) * gap))
 
     def abort_request(
         self, req_id: str, reason: FinishReason = FinishReason.CANCELLED, message: str = ""
@@ -171,6 +230,9 @@ class Scheduler:
         appear only in ``plan.finished``, never in ``update()``'s outputs."""
         self._step += 1
         state = _StepState(step=self._step, token_budget=self.config.max_num_batched_tokens)
+        if self._ended:
+            state.finished.extend(self._ended)
+            self._ended = []
         self._expire_deadlines(state, now)
         if self.config.abandon_hopeless:
             self._abandon_hopeless(state, now)
@@ -191,22 +253,37 @@ class Scheduler:
             if self._requests.get(req.req_id) is req:
                 due[index] = req
         for _, req in sorted(due.items()):
-            message = _expiry_message(req, now)
-            if message:
+            expiry = _expiry(req, now)
+            if expiry is not None:
+                limit, message = expiry
                 self._finish(req, FinishReason.DEADLINE_EXCEEDED, message)
                 self._num_expired += 1
                 state.finished.append(
-                    FinishedRequest(req.req_id, FinishReason.DEADLINE_EXCEEDED, message)
+                    FinishedRequest(
+                        req.req_id, FinishReason.DEADLINE_EXCEEDED, message, expired_limit=limit
+                    )
                 )
 
     def _abandon_hopeless(self, state: _StepState, now: float) -> None:
         """Ends, in arrival order, live work the policy says can no longer
-        make its deadline: its compute would be wasted."""
+        make a time limit: its compute would be wasted, its queue slot is
+        better given to work that can. Work still queued that never ran is
+        rejected (DEADLINE_INFEASIBLE); work that ran expires early
+        (DEADLINE_EXCEEDED). Work without a time limit is never asked about."""
         for req, reason in self.policy.abandon_reasons(self._requests.values(), now):
-            self._finish(req, FinishReason.DEADLINE_EXCEEDED, reason)
+            limit = self.policy.expired_limit(req, now)
+            never_ran = req.status is RequestStatus.WAITING and req.first_scheduled_time is None
+            finish = FinishReason.REJECTED if never_ran else FinishReason.DEADLINE_EXCEEDED
+            self._finish(req, finish, reason)
             self._num_abandoned += 1
             state.finished.append(
-                FinishedRequest(req.req_id, FinishReason.DEADLINE_EXCEEDED, reason)
+                FinishedRequest(
+                    req.req_id,
+                    finish,
+                    reason,
+                    expired_limit=limit,
+                    reject_cause=RejectCause.DEADLINE_INFEASIBLE if never_ran else None,
+                )
             )
 
     def _make_room_for_waiting(self, state: _StepState, now: float) -> None:
@@ -252,6 +329,7 @@ class Scheduler:
                 state.reservations.append((policy.urgency_key(candidate, now), tokens))
 
     def _schedule_running(self, state: _StepState, now: float) -> None:
+        state.shaper = self.policy.batch_shaper(now)
         for req in self.policy.order_running(self._running_list(), now):
             if state.token_budget == 0:
                 return
@@ -260,7 +338,7 @@ class Scheduler:
             available = state.token_budget
             if state.reservations:
                 available -= self._held(state, req, now)
-            num_new = min(req.num_uncomputed_tokens, available)
+            num_new = self._shaped(state, req, min(req.num_uncomputed_tokens, available))
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
                 self._add_seq(state, req, num_new)
 
@@ -303,8 +381,10 @@ class Scheduler:
             if hits is None:
                 self._requeue_lost_swap(req)
                 continue
-            num_new = min(
-                req.num_uncomputed_tokens, state.token_budget - self._held(state, req, now)
+            num_new = self._shaped(
+                state,
+                req,
+                min(req.num_uncomputed_tokens, state.token_budget - self._held(state, req, now)),
             )
             if num_new <= 0:
                 return
@@ -328,7 +408,9 @@ class Scheduler:
                 continue  # pushed out this very step: admitting it back would thrash
             hits = self._prefix_hits(req)
             cached = len(hits) * self.config.block_size
-            num_new = min(req.num_tokens - cached, state.token_budget)
+            num_new = self._shaped(state, req, min(req.num_tokens - cached, state.token_budget))
+            if num_new <= 0:
+                return  # the step is as slow as urgent work can afford
             target = cached + num_new
             if not self.device_pool.can_allocate(
                 self._blocks_to_admit(hits, self.device_pool.blocks_for(target))
@@ -356,6 +438,17 @@ class Scheduler:
         )
         state.token_budget -= num_new
         state.scheduled[req.req_id] = req
+        if state.shaper is not None:
+            state.shaper.commit(req, num_new)
+
+    def _shaped(self, state: _StepState, req: Request, num_new: int) -> int:
+        """``num_new`` as far as the batch shaper lets ``req`` have it."""
+        if state.shaper is None or num_new <= 0:
+            return num_new
+        allowed = state.shaper.fit(req, num_new)
+        if allowed == 0:
+            self._num_held_back += 1
+        return allowed
 
     # == the prefix cache =================================================
 
@@ -529,7 +622,19 @@ class Scheduler:
         reason = self._stop_reason(req, token_id)
         if reason is not None:
             self._finish(req, reason, "")
+            self._note_finish(now)
         return RequestOutput(req.req_id, [token_id], reason)  # by position: see _add_seq
+
+    def _note_finish(self, now: float) -> None:
+        """Tracks the average gap between completions (for retry hints)."""
+        last, self._last_finish_time = self._last_finish_time, now
+        if last is None:
+            return
+        gap = now - last
+        average = self._finish_gap_s
+        self._finish_gap_s = (
+            gap if average is None else average + _FINISH_GAP_EWMA * (gap - average)
+        )
 
     def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
         if not req.ignore_eos and token_id in req.eos_token_ids:
@@ -590,7 +695,7 @@ class Scheduler:
 
     @property
     def num_abandoned(self) -> int:
-        """Requests ended early by ``schedule()`` as unable to make their deadline."""
+        """Requests ended early by ``schedule()`` as unable to make a time limit."""
         return self._num_abandoned
 
     @property
@@ -612,6 +717,15 @@ class Scheduler:
     def num_cached_device_blocks(self) -> int:
         """Device blocks in the prefix cache (held or evictable)."""
         return self.device_pool.num_cached
+
+    @property
+    def num_held_back(self) -> int:
+        """Times batch shaping held a request's tokens out of a step."""
+        return self._num_held_back
+
+    def num_shed_by_priority(self) -> dict[int, int]:
+        """Requests shed from a full queue, by priority class (ascending)."""
+        return dict(sorted(self._num_shed.items()))
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -688,16 +802,16 @@ def _is_current(seq: ScheduledSeq, req: Request) -> bool:
     return req.status is RequestStatus.RUNNING and req.num_computed_tokens == seq.start_pos
 
 
-def _expiry_message(req: Request, now: float) -> str:
+def _expiry(req: Request, now: float) -> tuple[ExpiredLimit, str] | None:
     if req.deadline is not None and req.deadline <= now:
-        return "deadline exceeded"
+        return ExpiredLimit.DEADLINE, "deadline exceeded"
     if (
         req.first_token_deadline is not None
         and req.first_token_time is None
         and req.first_token_deadline <= now
     ):
-        return "first-token deadline exceeded"
-    return ""
+        return ExpiredLimit.FIRST_TOKEN, "first-token deadline exceeded"
+    return None
 
 
 def _remove_by_identity(queue: deque[Request], req: Request) -> None:

@@ -24,7 +24,7 @@ from .cost_model import CostModel
 from .errors import SchedulerError
 from .plan import RequestOutput, StepPlan
 from .policy import SchedulingPolicy
-from .request import FinishReason, Request
+from .request import FinishReason, RejectCause, Request
 from .scheduler import Scheduler
 
 _TOKEN = 5  # every prompt and output token; the simulated "model" ignores content
@@ -41,12 +41,22 @@ class SimRequest:
     priority: int = 0
     deadline: float | None = None
     expected_output_tokens: int | None = None
+    first_token_deadline: float | None = None
+
+
+# ``SimOutcome.rejection`` of requests the scheduler rejected after queueing
+# them (the names of the errors an early rejection raises, and "Shed").
+REJECT_CAUSE_NAMES = {
+    RejectCause.SHED: "Shed",
+    RejectCause.DEADLINE_INFEASIBLE: "DeadlineInfeasible",
+}
 
 
 @dataclass(frozen=True, slots=True)
 class SimOutcome:
     """What happened to one request. ``rejection`` names the domain error of
-    an early rejection ("" when admitted); times are None when not reached."""
+    an early rejection ("" when admitted; "Shed" when displaced from a full
+    queue); times are None when not reached."""
 
     req_id: str
     priority: int
@@ -60,11 +70,18 @@ class SimOutcome:
     num_output_tokens: int
     compute_s: float
     num_preemptions: int
+    first_token_deadline: float | None = None
 
     @property
     def met_deadline(self) -> bool:
+        """Completed within its deadline and, if it had one, its first-token deadline."""
         completed = self.finish_reason in (FinishReason.MAX_TOKENS, FinishReason.EOS)
-        return completed and (self.deadline is None or self.finish_time <= self.deadline)
+        if not completed or (self.deadline is not None and self.finish_time > self.deadline):
+            return False
+        limit = self.first_token_deadline
+        return limit is None or (
+            self.first_token_time is not None and self.first_token_time <= limit
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +160,7 @@ class Simulator:
             priority=spec.priority,
             arrival_time=spec.arrival,
             deadline=spec.deadline,
+            first_token_deadline=spec.first_token_deadline,
             expected_output_tokens=spec.expected_output_tokens,
         )
         track = _Track(spec, req)
@@ -157,7 +175,9 @@ class Simulator:
     def _step(self, next_arrival: float | None) -> None:
         plan = self.scheduler.schedule(self.now)
         for finished in plan.finished:
-            self._finish(finished.req_id, finished.reason)
+            cause = finished.reject_cause
+            rejection = "" if cause is None else REJECT_CAUSE_NAMES[cause]
+            self._finish(finished.req_id, finished.reason, rejection)
         if plan.is_empty:
             # Nothing runnable right now: idle until the next arrival (or a
             # tick, so deadlines of the queued work still come due).
@@ -184,10 +204,10 @@ class Simulator:
             if out.finish_reason is not None:
                 self._finish(out.req_id, out.finish_reason)
 
-    def _finish(self, req_id: str, reason: FinishReason) -> None:
+    def _finish(self, req_id: str, reason: FinishReason, rejection: str = "") -> None:
         track = self._tracks.pop(req_id)
         track.finish_time = self.now
-        self._close(track, reason, "")
+        self._close(track, reason, rejection)
 
     def _close(self, track: _Track, reason: FinishReason, rejection: str) -> None:
         spec, req = track.spec, track.req
@@ -207,6 +227,7 @@ class Simulator:
             num_output_tokens=req.num_output_tokens,
             compute_s=track.compute_s,
             num_preemptions=req.num_preemptions,
+            first_token_deadline=spec.first_token_deadline,
         )
 
 

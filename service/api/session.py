@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from slipstream.scheduler.errors import DuplicateRequest
 from slipstream.service.api import wire
-from slipstream.service.api.status import Rejection, rejection_for, retry_after_ms
+from slipstream.service.api.status import Rejection, rejection_for
 from slipstream.service.engine.events import Event, EventCallback, FinishEvent
 from slipstream.v1 import inference_pb2 as pb
 
@@ -104,7 +104,7 @@ class StreamSession:
             rejection = rejection_for(exc)
             if rejection is None:
                 raise
-            self._reject(request_id, rejection, str(exc), retry_after_ms(exc))
+            self._reject(request_id, rejection, str(exc), exc)
             if self._telemetry is not None:
                 self._telemetry.rejected(
                     request_id,
@@ -151,13 +151,13 @@ class StreamSession:
         self._wakeup.set()
 
     def _reject(
-        self, request_id: str, rejection: Rejection, message: str, retry_after_ms: int = 0
+        self, request_id: str, rejection: Rejection, message: str, error: Exception | None = None
     ) -> None:
-        response = wire.rejected(
-            request_id, rejection.reject_reason, rejection.status.name, message
+        self._outbox.append(
+            wire.rejected(
+                request_id, rejection.reject_reason, rejection.status.name, message, error
+            )
         )
-        response.finished.retry_after_ms = retry_after_ms
-        self._outbox.append(response)
         self._wakeup.set()
 
     def submit_one(self, submit: pb.Submit) -> None:

@@ -21,7 +21,7 @@ from slipstream.scheduler.errors import (
     PromptTooLong,
     QueueFull,
 )
-from slipstream.scheduler.request import FinishReason
+from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
 from slipstream.service.telemetry.request_trace import WireStatus
 from slipstream.v1 import inference_pb2 as pb
@@ -67,6 +67,12 @@ _REJECTIONS: dict[type[Exception], Rejection] = {
     ValueError: INVALID,
 }
 
+# Why the scheduler rejected a request it had queued -> the same table's rejection.
+_CAUSES: dict[RejectCause, Rejection] = {
+    RejectCause.SHED: Rejection(pb.REJECT_REASON_SHED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    RejectCause.DEADLINE_INFEASIBLE: _REJECTIONS[DeadlineInfeasible],
+}
+
 # Domain finish reason -> (wire finish reason, equivalent gRPC status).
 _FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
     FinishReason.EOS: (pb.FINISH_REASON_EOS, grpc.StatusCode.OK),
@@ -96,6 +102,11 @@ def retry_after_ms(error: Exception) -> int:
     """The retry hint a rejection carries (``Finished.retry_after_ms``); 0: none."""
     seconds = getattr(error, "retry_after_s", None)
     return 0 if seconds is None else max(1, math.ceil(seconds * 1000))
+
+
+def rejection_for_cause(cause: RejectCause) -> Rejection:
+    """The rejection of a request the scheduler rejected after queueing it."""
+    return _CAUSES[cause]
 
 
 def wire_finish(reason: FinishReason) -> tuple[int, grpc.StatusCode]:

@@ -14,8 +14,10 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from slipstream.scheduler.request import SamplingParams
-from slipstream.service.api.status import wire_finish
+from slipstream.scheduler.errors import DeadlineInfeasible, QueueFull
+from slipstream.scheduler.request import ExpiredLimit, FinishReason, SamplingParams
+from slipstream.service.api.auth import QuotaExceeded
+from slipstream.service.api.status import rejection_for_cause, wire_finish
 from slipstream.service.engine.events import (
     EngineStats,
     FinishEvent,
@@ -121,6 +123,16 @@ def _deadline(submit: pb.Submit, now: float, call_deadline: float | None) -> flo
     return min(candidates, default=None)
 
 
+def _first_token_deadline(submit: pb.Submit, now: float) -> float | None:
+    """``now`` plus the submit's first-token timeout, or None without one."""
+    if not submit.HasField("first_token_timeout"):
+        return None
+    timeout_s = _seconds(submit.first_token_timeout, "first_token_timeout", DURATION_RANGE)
+    if timeout_s < 0:
+        raise ValueError("first_token_timeout must not be negative")
+    return now + timeout_s
+
+
 def to_generation_request(
     submit: pb.Submit,
     req_id: str,
@@ -133,8 +145,6 @@ def to_generation_request(
     _reject_unknown_fields(submit, "submit")
     if submit.return_logprobs:
         raise ValueError("logprobs are not available from this server")
-    if submit.HasField("first_token_timeout"):
-        raise ValueError("first_token_timeout is not available from this server yet")
     return GenerationRequest(
         req_id=req_id,
         prompt_token_ids=_prompt_ids(submit, tokenizer, info),
@@ -148,6 +158,7 @@ def to_generation_request(
             submit.expected_output_tokens if submit.HasField("expected_output_tokens") else None
         ),
         arrival_time=now,
+        first_token_deadline=_first_token_deadline(submit, now),
     )
 
 
@@ -167,18 +178,45 @@ def accepted(request_id: str, queue_position: int, num_prompt_tokens: int) -> pb
     )
 
 
+_EXPIRED_LIMITS = {
+    ExpiredLimit.DEADLINE: pb.EXPIRED_LIMIT_DEADLINE,
+    ExpiredLimit.FIRST_TOKEN: pb.EXPIRED_LIMIT_FIRST_TOKEN,
+}
+RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+
+
+def _retry_after_ms(seconds: float | None) -> int:
+    return 0 if seconds is None else max(1, math.ceil(seconds * 1000))
+
+
 def rejected(
-    request_id: str, reject_reason: int, status_name: str, message: str
+    request_id: str,
+    reject_reason: int,
+    status_name: str,
+    message: str,
+    error: Exception | None = None,
 ) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
-        request_id=request_id,
-        finished=pb.Finished(
-            reason=pb.FINISH_REASON_REJECTED,
-            reject_reason=reject_reason,
-            status_code=status_name,
-            message=message,
-        ),
+    """A submit refused before it queued; ``error`` (the domain error, if
+    any) supplies the expired limit and the retry-after hint."""
+    finished = pb.Finished(
+        reason=pb.FINISH_REASON_REJECTED,
+        reject_reason=reject_reason,
+        status_code=status_name,
+        message=message,
     )
+    if isinstance(error, DeadlineInfeasible):
+        finished.expired_limit = _EXPIRED_LIMITS[error.expired_limit]
+    if isinstance(error, QueueFull | QuotaExceeded):
+        finished.retry_after_ms = _retry_after_ms(error.retry_after_s)
+    return pb.GenerateResponse(request_id=request_id, finished=finished)
+
+
+def retry_after_metadata(finished: pb.Finished) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata for a call whose status carries ``finished`` (one
+    request per call): ``retry-after-ms`` when a retry hint is set."""
+    if not finished.retry_after_ms:
+        return ()
+    return ((RETRY_AFTER_METADATA_KEY, str(finished.retry_after_ms)),)
 
 
 def token_chunk(request_id: str, event: TokenEvent) -> pb.GenerateResponse:
@@ -196,13 +234,21 @@ def token_chunk(request_id: str, event: TokenEvent) -> pb.GenerateResponse:
 
 def finished(request_id: str, event: FinishEvent) -> pb.GenerateResponse:
     reason, status = wire_finish(event.reason)
+    reject_reason = pb.REJECT_REASON_UNSPECIFIED
+    if event.reason is FinishReason.REJECTED and event.reject_cause is not None:
+        rejection = rejection_for_cause(event.reject_cause)
+        reject_reason, status = rejection.reject_reason, rejection.status
     timings = pb.Timings(queue_wait=_duration(event.queue_wait_s), total=_duration(event.total_s))
     if event.ttft_s is not None:
         timings.time_to_first_token.CopyFrom(_duration(event.ttft_s))
+    limit = event.expired_limit
     return pb.GenerateResponse(
         request_id=request_id,
         finished=pb.Finished(
             reason=reason,
+            reject_reason=reject_reason,
+            expired_limit=pb.EXPIRED_LIMIT_UNSPECIFIED if limit is None else _EXPIRED_LIMITS[limit],
+            retry_after_ms=_retry_after_ms(event.retry_after_s),
             status_code=status.name,
             message=event.message,
             text=event.text,

@@ -22,6 +22,16 @@ so in a short run the drain after the last arrival can lift it above 1).
 Writes JSON ``{"runs": [{"policy", "load", "cv", "mode", "goodput_tokens_per_s",
 "classes": {"0": {"attainment", "ttft_p99_s", "tpot_p99_s", "max_wait_s", ...},
 ...}, ...}], ...}`` and a PNG of attainment vs load per policy.
+
+``--capacity`` asks the better question instead (see ``slo_capacity``): per
+policy, the highest load at which class-0 attainment >= 99% and overall
+attainment >= 90% — top-level ``"capacity": {"<policy>": {"load",
+"rate_rps"}}`` in the JSON, every evaluated load in ``capacity_runs`` (with
+goodput as a fraction of capacity), and a PNG of attainment vs load per
+class and policy with each capacity marked. It uses the first ``--cv``.
+
+``--calibration F`` (a ``slipstream bench calibrate`` file) gives the
+simulator the step-time model measured on this machine.
 """
 
 from __future__ import annotations
@@ -38,6 +48,15 @@ from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.policies import POLICY_NAMES
 from slipstream.scheduler.simulator import SimRequest, SimResult, simulate
 from slipstream.service.bench.report import hardware, resolved_dtype
+from slipstream.service.bench.slo_capacity import (
+    SWEEP_LOADS,
+    CapacityResult,
+    capacity_json,
+    capacity_ratios,
+    find_capacity,
+    format_capacity,
+    plot_capacity,
+)
 from slipstream.service.bench.slo_workload import (
     DEFAULT_SLACK_FACTORS,
     WorkloadSpec,
@@ -83,6 +102,14 @@ class SloOptions:
     dtype: str = "float32"
     json_path: str | None = None
     plot_path: str | None = None
+    capacity: bool = False
+    capacity_sweep: tuple[float, ...] = SWEEP_LOADS
+    capacity_bisections: int = 4
+
+
+# The engine replays in real time: a shorter sweep and fewer bisections.
+ENGINE_CAPACITY_SWEEP = (0.5, 1.0, 1.5, 2.0, 3.0)
+ENGINE_CAPACITY_BISECTIONS = 2
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -111,6 +138,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--aging-s", type=float, default=None, help="0 disables aging")
     parser.add_argument("--no-reject-infeasible", action="store_true")
     parser.add_argument("--coefficients", type=Path, help="cost-model JSON (sim mode)")
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        help="a `slipstream bench calibrate` file: the simulator's step-time model",
+    )
+    parser.add_argument(
+        "--capacity",
+        action="store_true",
+        help="per policy, the highest load meeting class 0 >= 99%% and all >= 90%%",
+    )
+    parser.add_argument(
+        "--capacity-loads",
+        type=float,
+        nargs="+",
+        metavar="LOAD",
+        help="ascending loads the capacity sweep tries before bisecting",
+    )
+    parser.add_argument("--capacity-bisections", type=int, default=None)
     parser.add_argument("--capacity-requests", type=int, default=None)
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
@@ -160,19 +205,42 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
     if args.coefficients:
         coeffs = CostCoefficients(**json.loads(args.coefficients.read_text()))
         opts = replace(opts, coefficients=coeffs)
+    if args.calibration:
+        from slipstream.service.bench.calibrate import load_calibration
+
+        opts = replace(opts, coefficients=load_calibration(args.calibration))
+    if args.capacity:
+        engine = mode == "engine"
+        opts = replace(
+            opts,
+            capacity=True,
+            capacity_sweep=tuple(
+                args.capacity_loads or (ENGINE_CAPACITY_SWEEP if engine else SWEEP_LOADS)
+            ),
+            capacity_bisections=(
+                args.capacity_bisections
+                if args.capacity_bisections is not None
+                else (ENGINE_CAPACITY_BISECTIONS if engine else opts.capacity_bisections)
+            ),
+        )
     return opts
 
 
 def main(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
-    report = run_engine_bench(opts) if opts.mode == "engine" else run_sim_bench(opts)
+    if opts.capacity:
+        report = run_engine_capacity(opts) if opts.mode == "engine" else run_sim_capacity(opts)
+    else:
+        report = run_engine_bench(opts) if opts.mode == "engine" else run_sim_bench(opts)
     if opts.mode == "engine":
         report["hardware"] = hardware(args.dtype)
     if opts.json_path:
         Path(opts.json_path).write_text(json.dumps(report, indent=2))
     if opts.plot_path:
-        plot_attainment(report, opts.plot_path)
-    print(format_summary(report))
+        (plot_capacity if opts.capacity else plot_attainment)(report, opts.plot_path)
+    print(format_summary(report) if report["runs"] else "")
+    if opts.capacity:
+        print(format_capacity(report))
     return 0
 
 
@@ -249,6 +317,38 @@ def run_sim_bench(opts: SloOptions) -> dict[str, object]:
         "capacity_rps": capacity.rps,
         "capacity_tokens_per_s": capacity.tokens_per_s,
         "goodput_ratios": goodput_ratios(runs),
+        "options": _options_json(opts),
+    }
+
+
+def run_sim_capacity(opts: SloOptions) -> dict[str, object]:
+    """Each policy's SLO capacity in the simulator (see ``slo_capacity``)."""
+    capacity = sim_capacity(opts)
+    cv = opts.cvs[0]
+    results = [
+        find_capacity(
+            policy,
+            lambda load, policy=policy: sim_run(opts, policy, load, cv, capacity),  # type: ignore[misc]
+            opts.capacity_sweep,
+            opts.capacity_bisections,
+        )
+        for policy in opts.policies
+    ]
+    return capacity_report(results, capacity, opts, cv)
+
+
+def capacity_report(
+    results: Sequence[CapacityResult], capacity: Capacity, opts: SloOptions, cv: float
+) -> dict[str, object]:
+    found = capacity_json(results, capacity.rps)
+    return {
+        "capacity": found,
+        "capacity_ratios": capacity_ratios(found),
+        "capacity_cv": cv,
+        "capacity_runs": [run for r in results for run in r.runs],
+        "runs": [],
+        "capacity_rps": capacity.rps,
+        "capacity_tokens_per_s": capacity.tokens_per_s,
         "options": _options_json(opts),
     }
 
@@ -347,6 +447,12 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
     return run(opts)
 
 
+def run_engine_capacity(opts: SloOptions) -> dict[str, object]:
+    from slipstream.service.bench.slo_engine import run_engine_capacity as run
+
+    return run(opts)
+
+
 # -- report -------------------------------------------------------------------
 
 
@@ -422,6 +528,7 @@ def format_summary(report: dict[str, object]) -> str:
     if twins:
         lines += ["", _capacity_line(report), "engine vs its simulated twin (attainment %):"]
         lines += [_twin_line(r) for r in twins]
+        lines += _disagreement_lines(twins)
     ratios = report.get("goodput_ratios") or []
     assert isinstance(ratios, list)
     if ratios:
@@ -456,6 +563,27 @@ def _twin_line(run: dict[str, object]) -> str:
         f"  cv {run['cv']:g} load {run['load']:g} {run['policy']:<8} {str(run['deadlines'])[:4]:<4}"
         f" all {_pct(run['attainment'])}/{_pct(twin['attainment'])}  {per_class}"
     )
+
+
+def _disagreement_lines(runs: Sequence[dict[str, object]]) -> list[str]:
+    """The requests the engine and its twin scored differently, per run."""
+    lines: list[str] = []
+    for run in runs:
+        rows = run.get("twin_disagreements") or []
+        assert isinstance(rows, list)
+        if not rows:
+            continue
+        lines.append(
+            f"  requests scored differently, cv {run['cv']:g} load {run['load']:g} "
+            f"{run['policy']} ({run['num_twin_disagreements']} in all):"
+        )
+        for row in rows:
+            side = "met on the engine only" if row["met_on_engine"] else "met in the twin only"
+            lines.append(
+                f"    {row['req_id']:<6} class {row['priority']} {side}: "
+                f"engine {row['engine']}, twin {row['twin']}, deadline {_num(row['deadline_s'])}s"
+            )
+    return lines
 
 
 def _pct(value: object) -> str:

@@ -31,11 +31,12 @@ from slipstream.scheduler.cost_model import CostModel
 from slipstream.scheduler.errors import SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
-from slipstream.scheduler.simulator import SimOutcome, SimRequest, SimResult
+from slipstream.scheduler.simulator import REJECT_CAUSE_NAMES, SimOutcome, SimRequest, SimResult
 from slipstream.service.bench.slo_workload import (
     as_scheduled,
     make_requests,
     saturating_requests,
+    score_against,
     scored_metrics,
 )
 from slipstream.service.engine.calibration import calibrate
@@ -45,19 +46,13 @@ from slipstream.service.engine.events import Event, FinishEvent, GenerationReque
 from slipstream.service.engine.runner import kv_bytes_per_block
 
 if TYPE_CHECKING:
-    from slipstream.service.bench.slo import SloOptions
+    from slipstream.service.bench.slo import Capacity, SloOptions
 
 
-def run_engine_bench(opts: SloOptions) -> dict[str, object]:
-    from slipstream.service.bench.slo import (
-        Capacity,
-        goodput_fraction,
-        goodput_ratios,
-        run_grid,
-        scheduler_config,
-        sim_capacity,
-        workload_spec,
-    )
+def _start_engines(opts: SloOptions) -> tuple[dict[str, Engine], CostModel]:
+    """One started engine per policy, each with its own copy of one
+    calibration (refit online from its own steps)."""
+    from slipstream.service.bench.slo import scheduler_config
 
     engines: dict[str, Engine] = {}
     cost: CostModel | None = None
@@ -87,12 +82,66 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
         engine.start()
         engines[policy] = engine
     assert cost is not None
+    return engines, cost
+
+
+def _measure_capacity(opts: SloOptions, engine: Engine) -> Capacity:
+    from slipstream.service.bench.slo import Capacity, workload_spec
+
+    batch = saturating_requests(workload_spec(opts, 1.0, 1.0), opts.capacity_requests)
+    started = time.monotonic()
+    _replay(engine, batch, started, engine.info.vocab_size)
+    return Capacity.of(batch, time.monotonic() - started)
+
+
+def run_engine_capacity(opts: SloOptions) -> dict[str, object]:
+    """Each policy's SLO capacity on the real engine (see ``slo_capacity``):
+    every evaluated load is a real-time replay, with its simulated twin."""
+    from slipstream.service.bench.slo import capacity_report, goodput_fraction, workload_spec
+    from slipstream.service.bench.slo_capacity import find_capacity
+
+    engines, cost = _start_engines(opts)
+    cv = opts.cvs[0]
+    try:
+        capacity = _measure_capacity(opts, engines[opts.policies[0]])
+
+        def evaluate(policy: str, load: float) -> dict[str, object]:
+            spec = workload_spec(opts, load * capacity.rps, cv)
+            requests = make_requests(spec, cost, opts.max_num_batched_tokens)
+            run = _engine_run(engines[policy], policy, "enforced", load, cv, requests, opts)
+            run["goodput_fraction_of_capacity"] = goodput_fraction(run, capacity)
+            return run
+
+        results = [
+            find_capacity(
+                policy,
+                lambda load, policy=policy: evaluate(policy, load),  # type: ignore[misc]
+                opts.capacity_sweep,
+                opts.capacity_bisections,
+            )
+            for policy in opts.policies
+        ]
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    report = capacity_report(results, capacity, opts, cv)
+    report["coefficients"] = _coeffs(cost)
+    return report
+
+
+def run_engine_bench(opts: SloOptions) -> dict[str, object]:
+    from slipstream.service.bench.slo import (
+        goodput_fraction,
+        goodput_ratios,
+        run_grid,
+        sim_capacity,
+        workload_spec,
+    )
+
+    engines, cost = _start_engines(opts)
     try:
         first = engines[opts.policies[0]]
-        batch = saturating_requests(workload_spec(opts, 1.0, 1.0), opts.capacity_requests)
-        started = time.monotonic()
-        _replay(first, batch, started, first.info.vocab_size)
-        capacity = Capacity.of(batch, time.monotonic() - started)
+        capacity = _measure_capacity(opts, first)
         predicted = sim_capacity(opts, CostModel(cost.coefficients))
         assert first.cost_model is not None
         refit = sim_capacity(opts, CostModel(first.cost_model.coefficients))
@@ -140,6 +189,7 @@ def _engine_run(
     outcomes = _replay(engine, seen, time.monotonic(), engine.info.vocab_size)
     swaps = sched.num_swap_preemptions - swaps0
     twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines)
+    disagreements = scored_differently(outcomes, twin.outcomes, requests)
     return {
         "policy": policy,
         "deadlines": deadlines,
@@ -153,7 +203,43 @@ def _engine_run(
         "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(engine.model, opts.block_size),
         "swapped_bytes": None,
         "sim_twin": _twin_summary(twin_metrics, twin),
+        "num_twin_disagreements": len(disagreements),
+        "twin_disagreements": disagreements[:MAX_LISTED_DISAGREEMENTS],
     }
+
+
+MAX_LISTED_DISAGREEMENTS = 20
+
+
+def scored_differently(
+    engine: Sequence[SimOutcome], twin: Sequence[SimOutcome], requests: Sequence[SimRequest]
+) -> list[dict[str, object]]:
+    """The requests that met their deadline on one side and not the other
+    (both judged against ``requests``' deadlines), in request order."""
+    ours, theirs = score_against(engine, requests), score_against(twin, requests)
+    rows: list[dict[str, object]] = []
+    for e, t, spec in zip(ours, theirs, requests, strict=True):
+        if e.met_deadline == t.met_deadline:
+            continue
+        rows.append(
+            {
+                "req_id": spec.req_id,
+                "priority": spec.priority,
+                "met_on_engine": e.met_deadline,
+                "met_in_twin": t.met_deadline,
+                "engine": _fate(e),
+                "twin": _fate(t),
+                "deadline_s": None if spec.deadline is None else spec.deadline - spec.arrival,
+            }
+        )
+    return rows
+
+
+def _fate(outcome: SimOutcome) -> str:
+    reason = outcome.finish_reason.name.lower()
+    if outcome.rejection:
+        reason = f"{reason}:{outcome.rejection}"
+    return f"{reason} after {outcome.finish_time - outcome.arrival:.2f}s"
 
 
 def _twin_summary(metrics: dict[str, object], result: SimResult) -> dict[str, object]:
@@ -224,6 +310,8 @@ def _outcome(
 ) -> SimOutcome:
     event, when, rejection = end
     reason = FinishReason.REJECTED if event is None else event.reason
+    if event is not None and event.reject_cause is not None:
+        rejection = REJECT_CAUSE_NAMES[event.reject_cause]
     wait = (
         None
         if event is None or (event.ttft_s is None and event.num_output_tokens == 0)

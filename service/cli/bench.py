@@ -8,6 +8,7 @@ import argparse
 from slipstream.service.cli import register_subcommands
 
 BENCH_MODULES = (
+    "slipstream.service.bench.calibrate",
     "slipstream.service.bench.offline",
     "slipstream.service.bench.prefix",
     "slipstream.service.bench.serve",

@@ -77,6 +77,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--priority", type=int, default=0, help="0 = most urgent")
     parser.add_argument("--deadline-ms", type=float, default=None, help="per-request deadline")
+    parser.add_argument(
+        "--first-token-timeout",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="time-to-first-token limit per request, in ms",
+    )
     parser.add_argument("--expected-tokens", type=int, default=None, help="output-length hint")
     parser.add_argument(
         "--cancel-after", type=int, default=None, metavar="N", help="cancel after N tokens"
@@ -157,6 +164,11 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
                 deadline=None if args.deadline_ms is None else now + args.deadline_ms / 1000,
                 expected_output_tokens=args.expected_tokens,
                 arrival_time=now,
+                first_token_deadline=(
+                    None
+                    if args.first_token_timeout is None
+                    else now + args.first_token_timeout / 1000
+                ),
             )
             try:
                 if not spec.text and not spec.token_ids:
@@ -226,6 +238,9 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
                 "ignore_eos": args.ignore_eos,
                 "priority": args.priority,
                 "deadline_s": None if args.deadline_ms is None else args.deadline_ms / 1000,
+                "first_token_timeout_s": (
+                    None if args.first_token_timeout is None else args.first_token_timeout / 1000
+                ),
                 "expected_tokens": args.expected_tokens,
             }
             if stream is None:

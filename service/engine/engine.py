@@ -29,7 +29,7 @@ from slipstream.kernels.cpu_features import CpuFeatures, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import Draining
-from slipstream.scheduler.plan import RequestOutput, StepPlan
+from slipstream.scheduler.plan import FinishedRequest, RequestOutput, StepPlan
 from slipstream.scheduler.policies import DEFAULT_POLICY
 from slipstream.scheduler.request import FinishReason, Request
 from slipstream.scheduler.scheduler import Scheduler
@@ -244,6 +244,7 @@ class Engine:
             priority=request.priority,
             arrival_time=arrival,
             deadline=request.deadline,
+            first_token_deadline=request.first_token_deadline,
             expected_output_tokens=request.expected_output_tokens,
         )
         detokenizer = IncrementalDetokenizer(
@@ -332,7 +333,7 @@ class Engine:
             started = time.monotonic()
             plan = self.scheduler.schedule(started)
         for finished in plan.finished:
-            self._finish(finished.req_id, finished.reason, finished.message)
+            self._finish(finished.req_id, finished.reason, finished.message, finished)
         if not plan.seqs and not plan.swap_in and not plan.swap_out:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
@@ -404,7 +405,15 @@ class Engine:
         if out is not None:
             self._finish(req_id, reason, message)
 
-    def _finish(self, req_id: str, reason: FinishReason, message: str = "") -> None:
+    def _finish(
+        self,
+        req_id: str,
+        reason: FinishReason,
+        message: str = "",
+        detail: FinishedRequest | None = None,
+    ) -> None:
+        """Tells the caller; ``detail`` is the scheduler's record of a
+        request it ended while planning or admitting (limits, causes)."""
         live = self._live.get(req_id)
         if live is None:
             return
@@ -424,6 +433,9 @@ class Engine:
             total_s=now - state.arrival_time,
             num_preemptions=state.num_preemptions,
             text=live.detokenizer.flush(),
+            expired_limit=None if detail is None else detail.expired_limit,
+            reject_cause=None if detail is None else detail.reject_cause,
+            retry_after_s=None if detail is None else detail.retry_after_s,
         )
         with self._idle:
             del self._live[req_id]

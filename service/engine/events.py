@@ -12,15 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from slipstream.scheduler.request import FinishReason, SamplingParams
+from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """A request as the engine takes it. Times are absolute ``time.monotonic()``
     seconds. ``req_id`` is unique across the engine (the gRPC layer prefixes
-    the stream's id to the client's request id). ``tenant`` names who asked,
-    for telemetry only (empty on a server without tenants)."""
+    the stream's id to the client's request id). ``first_token_deadline`` is
+    the time by which the first output token must be out. ``tenant`` names
+    who asked, for telemetry only (empty on a server without tenants)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -32,6 +33,7 @@ class GenerationRequest:
     deadline: float | None = None
     expected_output_tokens: int | None = None
     arrival_time: float | None = None
+    first_token_deadline: float | None = None
     tenant: str = ""
 
 
@@ -53,7 +55,10 @@ class TokenEvent:
 
 @dataclass(frozen=True, slots=True)
 class FinishEvent:
-    """The one final event of a request."""
+    """The one final event of a request. ``expired_limit`` says which time
+    limit ended it (DEADLINE_EXCEEDED, or REJECTED as infeasible);
+    ``reject_cause`` why the scheduler rejected it after queueing it;
+    ``retry_after_s`` when a retry may succeed (shed)."""
 
     req_id: str
     reason: FinishReason
@@ -66,6 +71,9 @@ class FinishEvent:
     total_s: float = 0.0
     num_preemptions: int = 0
     text: str = ""  # any text held back until the end (incomplete UTF-8, stop-string lookahead)
+    expired_limit: ExpiredLimit | None = None
+    reject_cause: RejectCause | None = None
+    retry_after_s: float | None = None
 
 
 Event = TokenEvent | FinishEvent

@@ -24,6 +24,7 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_prefix_cache_blocks                          gauge (device blocks cached)
     slipstream_rejections_total{reason}                     counter
     slipstream_requests_finished_total{priority, reason}    counter
+    slipstream_shed_total{priority}                         counter (shed from a full queue)
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
     slipstream_deadline_misses_total{priority}              counter (expired or late)
     gen_ai_server_time_to_first_token_seconds{priority}     histogram
@@ -61,7 +62,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from slipstream.scheduler.request import FinishReason, Request
+from slipstream.scheduler.request import FinishReason, RejectCause, Request
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -224,6 +225,12 @@ class ServerMetrics:
             ["priority", "reason"],
             registry=self.registry,
         )
+        self.shed = Counter(
+            "slipstream_shed",
+            "Queued requests shed from a full queue for a more urgent one, by priority class",
+            labels,
+            registry=self.registry,
+        )
         self.deadline_requests = Counter(
             "slipstream_deadline_requests",
             "Finished requests that had a deadline",
@@ -321,9 +328,14 @@ class ServerMetrics:
             self.tenant_tokens.labels(tenant, "prompt").inc(event.num_prompt_tokens)
             self.tenant_tokens.labels(tenant, "output").inc(event.num_output_tokens)
         if event.reason is FinishReason.REJECTED:
-            self.rejections.labels(_ENGINE_REJECTION).inc()
+            cause = event.reject_cause
+            self.rejections.labels(_ENGINE_REJECTION if cause is None else cause.name.lower()).inc()
+            if cause is RejectCause.SHED:
+                self.shed.labels(priority).inc()
             if tenant:
-                self.tenant_rejections.labels(tenant, _ENGINE_REJECTION).inc()
+                self.tenant_rejections.labels(
+                    tenant, _ENGINE_REJECTION if cause is None else cause.name.lower()
+                ).inc()
             return
         if event.ttft_s is not None:
             self.ttft.labels(priority).observe(event.ttft_s)

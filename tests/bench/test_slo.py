@@ -182,6 +182,9 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) 
         assert sum(c["num_requests"] for c in run["classes"].values()) == 24
         twin = run["sim_twin"]
         assert 0.0 <= twin["attainment"] <= 1.0
+        listed = run["twin_disagreements"]
+        assert len(listed) == min(run["num_twin_disagreements"], 20)
+        assert all(row["met_on_engine"] != row["met_in_twin"] for row in listed)
         assert set(twin["classes"]) == {"0", "1", "2"}
     assert report["capacity_rps"] > 0 and report["sim_capacity_rps"] > 0
     assert {r["baseline_deadlines"] for r in report["goodput_ratios"]} == {"unaware"}
@@ -193,3 +196,21 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     slo.add_parser(parser.add_subparsers())
     return parser.parse_args(argv)
+
+
+@pytest.mark.slow
+def test_engine_capacity_search_on_the_real_engine(tiny_model_dir) -> None:
+    opts = replace(
+        slo.options_from_args(_parse(["slo", "--capacity", "--requests", "16", "--model", "tiny"])),
+        cvs=(1.0,),
+        policies=("deadline",),
+        capacity_requests=16,
+        capacity_sweep=(0.5, 1.0),
+        capacity_bisections=0,
+    )
+    report = slo.run_engine_capacity(opts)
+    entry = report["capacity"]["deadline"]
+    assert entry["load"] in (0.0, 0.5, 1.0)
+    assert entry["rate_rps"] == pytest.approx(entry["load"] * report["capacity_rps"])
+    runs = report["capacity_runs"]
+    assert 1 <= len(runs) <= 2 and all(r["mode"] == "engine" and "sim_twin" in r for r in runs)

@@ -11,8 +11,10 @@ from slipstream.scheduler import (
     CostModel,
     DeadlineInfeasible,
     DeadlinePolicy,
+    ExpiredLimit,
     FinishReason,
     PreemptionMode,
+    RejectCause,
     Scheduler,
     SchedulerConfig,
     StepShape,
@@ -124,8 +126,13 @@ def test_waiting_work_that_cannot_make_its_deadline_is_abandoned_early() -> None
     sched.add_request(make_request("doomed", 4, 2, priority=2, arrival=driver.now, deadline=8.0))
     while "doomed" not in driver.finishes:
         driver.step()
-    assert driver.finishes["doomed"] == [FinishReason.DEADLINE_EXCEEDED]
+    # It never ran: rejected as infeasible, its queue slot freed at once.
+    assert driver.finishes["doomed"] == [FinishReason.REJECTED]
+    (ended,) = [f for plan in driver.plans for f in plan.finished if f.req_id == "doomed"]
+    assert ended.reject_cause is RejectCause.DEADLINE_INFEASIBLE
+    assert ended.expired_limit is ExpiredLimit.DEADLINE
     assert driver.now < 8.0 and sched.num_abandoned == 1 and sched.num_expired == 0
+    assert sched.num_waiting == 0
     check_pools(sched)
 
 
@@ -159,7 +166,8 @@ def test_past_deadline_finishes_deadline_exceeded_and_is_not_preempted() -> None
     sched.add_request(make_request("urgent", 4, 2, priority=0, arrival=driver.now))
     while "late" not in driver.finishes:
         driver.step()
-    assert driver.finishes["late"] == [FinishReason.DEADLINE_EXCEEDED]
+    # Hopeless from its arrival and never run: rejected as infeasible, not left to expire.
+    assert driver.finishes["late"] == [FinishReason.REJECTED]
     # Hopeless work is preempted first (no time to waste on it) but never swapped.
     assert sched.num_swap_preemptions == 0
 

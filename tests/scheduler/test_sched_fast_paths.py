@@ -266,5 +266,7 @@ def test_simulated_overload_decides_exactly_like_brute_force() -> None:
     slow = simulate(requests, config, cost, BruteForceDeadlinePolicy(config, cost))
     assert fast == slow
     reasons = {o.finish_reason.name for o in fast.outcomes}
-    assert {"DEADLINE_EXCEEDED", "MAX_TOKENS"} <= reasons  # the workload reaches both
+    # The workload reaches both completion and an early end (expired, or
+    # rejected as infeasible while queued).
+    assert "MAX_TOKENS" in reasons and reasons & {"DEADLINE_EXCEEDED", "REJECTED"}
     assert fast.num_swap_preemptions + fast.num_recompute_preemptions > 0

@@ -15,6 +15,7 @@ from sched_fakes import (
 
 from slipstream.scheduler import (
     DuplicateRequest,
+    FcfsPolicy,
     FinishReason,
     PriorityPolicy,
     PromptTooLong,
@@ -290,7 +291,8 @@ def test_deadline_expiry_finishes_and_frees_waiting_running_and_swapped() -> Non
 
 
 def test_first_token_deadline_expires_only_before_the_first_token() -> None:
-    sched = make_scheduler(max_num_batched_tokens=4)
+    # Arrival order (the deadline policy would run "slow" first: it needs more).
+    sched = make_scheduler(max_num_batched_tokens=4, policy=FcfsPolicy())
     slow = make_request("slow", prompt_len=12, max_new_tokens=2)
     slow.first_token_deadline = 2.0
     fast = make_request("fast", prompt_len=1, max_new_tokens=5)

@@ -243,6 +243,17 @@ def test_cli_cancel_after(server: ServerThread, capsys: pytest.CaptureFixture[st
     assert all(3 <= len(o["token_ids"]) < LONG for o in outputs)
 
 
+def test_cli_first_token_timeout(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    from slipstream.service.cli import main
+
+    argv = ["generate", "--server", server.target, "--prompt", "Hello", "--json"]
+    assert main([*argv, "--max-tokens", "4", "--first-token-timeout", "0.000001"]) == 0
+    assert main([*argv, "--max-tokens", "4", "--first-token-timeout", "60000"]) == 0
+    late, ok = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert late["finish_reason"] == "deadline_exceeded" and late["token_ids"] == []
+    assert ok["finish_reason"] in ("max_tokens", "eos")
+
+
 def test_client_disconnect_aborts_all_its_requests(client: Client, server: ServerThread) -> None:
     with Client(server.target) as other:
         stream = other.stream()
@@ -307,6 +318,21 @@ def test_request_deadline_finishes_deadline_exceeded(client: Client) -> None:
     assert len(result.token_ids) < LONG
     assert neighbour.result(timeout=30).finish_reason == "max_tokens"
     assert wait_until(lambda: engine_idle(client))
+
+
+def test_first_token_timeout_expires_and_says_so(stub: pb_grpc.InferenceStub) -> None:
+    # Early rejection is off on this engine: the limit passes in the queue.
+    late = _submit("ft", first_token_timeout=Duration(nanos=1))
+    neighbour = _submit("ok", first_token_timeout=Duration(seconds=60))
+    finished = {
+        r.request_id: r.finished
+        for r in stub.Generate(iter([late, neighbour]), timeout=30)
+        if r.WhichOneof("event") == "finished"
+    }
+    assert finished["ft"].reason == pb.FINISH_REASON_DEADLINE_EXCEEDED
+    assert finished["ft"].expired_limit == pb.EXPIRED_LIMIT_FIRST_TOKEN
+    assert finished["ok"].reason in (pb.FINISH_REASON_MAX_TOKENS, pb.FINISH_REASON_EOS)
+    assert finished["ok"].expired_limit == pb.EXPIRED_LIMIT_UNSPECIFIED
 
 
 def test_call_deadline_bounds_every_request(client: Client) -> None:

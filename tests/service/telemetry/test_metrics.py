@@ -229,3 +229,20 @@ def test_prefix_cache_hits_reach_the_caller_and_the_hit_rate(
     queried = value(after, "slipstream_prefix_cache_queried_tokens_total")
     assert value(after, "slipstream_prefix_cache_hit_rate") == pytest.approx(hits / queried)
     assert value(after, "slipstream_prefix_cache_blocks") >= 2
+
+
+def test_sheds_are_counted_by_class() -> None:
+    from slipstream.scheduler.request import FinishReason, RejectCause
+    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+
+    metrics = ServerMetrics()
+    for req_id, priority in (("a", 2), ("b", 2), ("c", 1)):
+        request = GenerationRequest(req_id, [1, 2], 4, priority=priority)
+        metrics.on_submit(request, None)  # type: ignore[arg-type]
+    for req_id in ("a", "b", "c"):
+        shed = FinishEvent(req_id, FinishReason.REJECTED, reject_cause=RejectCause.SHED)
+        metrics.on_finish(shed)
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_shed_total", {"priority": "2"}) == 2
+    assert sample("slipstream_shed_total", {"priority": "1"}) == 1
+    assert sample("slipstream_rejections_total", {"reason": "shed"}) == 3

@@ -1,0 +1,116 @@
+"""Time limits, shedding and retry hints on the wire: pure conversions of
+``service/api/wire.py`` (no server, no engine) and the client's submit."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from slipstream.clients.wire import GenerateOptions, build_submit
+from slipstream.scheduler.errors import DeadlineInfeasible, QueueFull
+from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause
+from slipstream.service.api import wire
+from slipstream.service.api.status import rejection_for
+from slipstream.service.engine.events import FinishEvent, ModelInfo
+from slipstream.v1 import inference_pb2 as pb
+
+INFO = ModelInfo(
+    name="m",
+    path="/m",
+    architecture="llama",
+    max_model_len=256,
+    vocab_size=100,
+    dtype="float32",
+    block_size=16,
+    attention_backend="torch",
+    eos_token_ids=[0],
+)
+
+
+def submit(**fields: object) -> pb.Submit:
+    return pb.Submit(request_id="r", token_ids=pb.TokenIds(ids=[1, 2, 3]), **fields)
+
+
+def convert(message: pb.Submit, call_deadline: float | None = None) -> object:
+    return wire.to_generation_request(message, "s/r", None, INFO, 100.0, call_deadline)
+
+
+def test_first_token_timeout_becomes_an_absolute_first_token_deadline() -> None:
+    request = convert(submit(first_token_timeout=Duration(seconds=1, nanos=500_000_000)))
+    assert request.first_token_deadline == pytest.approx(101.5)  # type: ignore[attr-defined]
+    assert request.deadline is None  # type: ignore[attr-defined]
+    assert convert(submit()).first_token_deadline is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "timeout", [Duration(seconds=-1), Duration(seconds=10**13), Duration(nanos=-5)]
+)
+def test_bad_first_token_timeout_is_a_clear_error(timeout: Duration) -> None:
+    with pytest.raises(ValueError, match="first_token_timeout"):
+        convert(submit(first_token_timeout=timeout))
+
+
+def finish(**fields: object) -> pb.Finished:
+    event = FinishEvent(req_id="s/r", **fields)  # type: ignore[arg-type]
+    return wire.finished("r", event).finished
+
+
+def test_finished_says_which_limit_expired() -> None:
+    done = finish(reason=FinishReason.DEADLINE_EXCEEDED, expired_limit=ExpiredLimit.FIRST_TOKEN)
+    assert done.reason == pb.FINISH_REASON_DEADLINE_EXCEEDED
+    assert done.expired_limit == pb.EXPIRED_LIMIT_FIRST_TOKEN
+    assert done.status_code == "DEADLINE_EXCEEDED"
+    whole = finish(reason=FinishReason.DEADLINE_EXCEEDED, expired_limit=ExpiredLimit.DEADLINE)
+    assert whole.expired_limit == pb.EXPIRED_LIMIT_DEADLINE
+    assert finish(reason=FinishReason.EOS).expired_limit == pb.EXPIRED_LIMIT_UNSPECIFIED
+
+
+def test_shed_request_finishes_rejected_shed_with_a_retry_hint() -> None:
+    done = finish(
+        reason=FinishReason.REJECTED,
+        message="shed; retry after 0.250s",
+        reject_cause=RejectCause.SHED,
+        retry_after_s=0.25,
+    )
+    assert done.reason == pb.FINISH_REASON_REJECTED
+    assert done.reject_reason == pb.REJECT_REASON_SHED
+    assert done.status_code == grpc.StatusCode.RESOURCE_EXHAUSTED.name
+    assert done.retry_after_ms == 250
+    assert wire.retry_after_metadata(done) == (("retry-after-ms", "250"),)
+    assert wire.retry_after_metadata(finish(reason=FinishReason.EOS)) == ()
+
+
+def test_queued_request_rejected_as_infeasible_keeps_its_limit() -> None:
+    done = finish(
+        reason=FinishReason.REJECTED,
+        reject_cause=RejectCause.DEADLINE_INFEASIBLE,
+        expired_limit=ExpiredLimit.FIRST_TOKEN,
+    )
+    assert done.reject_reason == pb.REJECT_REASON_DEADLINE_INFEASIBLE
+    assert done.status_code == "DEADLINE_EXCEEDED"
+    assert done.expired_limit == pb.EXPIRED_LIMIT_FIRST_TOKEN
+
+
+def reject(error: Exception) -> pb.Finished:
+    rejection = rejection_for(error)
+    assert rejection is not None
+    response = wire.rejected("r", rejection.reject_reason, rejection.status.name, str(error), error)
+    return response.finished
+
+
+def test_submit_rejections_carry_the_limit_and_the_retry_hint() -> None:
+    full = reject(QueueFull("queue is full; retry after 1.500s", 1.5))
+    assert full.reject_reason == pb.REJECT_REASON_QUEUE_FULL
+    assert full.retry_after_ms == 1500
+    infeasible = reject(DeadlineInfeasible("too tight", ExpiredLimit.FIRST_TOKEN))
+    assert infeasible.reject_reason == pb.REJECT_REASON_DEADLINE_INFEASIBLE
+    assert infeasible.expired_limit == pb.EXPIRED_LIMIT_FIRST_TOKEN
+    assert infeasible.retry_after_ms == 0
+
+
+def test_client_sends_the_first_token_timeout() -> None:
+    message = build_submit("r", "hi", GenerateOptions(first_token_timeout_s=0.25, deadline_s=2.0))
+    assert message.submit.first_token_timeout.ToNanoseconds() == 250_000_000
+    assert message.submit.timeout.ToNanoseconds() == 2_000_000_000
+    assert not build_submit("r", "hi", GenerateOptions()).submit.HasField("first_token_timeout")
