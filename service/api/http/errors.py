@@ -100,7 +100,9 @@ def from_domain(error: Exception, param: str | None = None) -> ApiError | None:
         mapped = _STATUSES.get(cls)
         if mapped is not None:
             status, kind, code = mapped
-            hint_s = math.ceil(retry_after_ms(error) / 1000) or RETRY_AFTER_S
+            # A tenant's quota knows when it refills; the queue's hint stays as it was.
+            is_quota = isinstance(error, QuotaExceeded)
+            hint_s = math.ceil(retry_after_ms(error) / 1000) if is_quota else RETRY_AFTER_S
             headers = {"Retry-After": str(hint_s)} if status == 429 else {}
             return ApiError(status, str(error), kind, param, code, headers, rejection)
     return None
