@@ -3,10 +3,12 @@
 one bidirectional stream."""
 
 from slipstream.clients.async_client import AsyncClient, AsyncGeneration, AsyncStream
+from slipstream.clients.security import TLS
 from slipstream.clients.sync_client import Client, Generation, Stream
 from slipstream.clients.wire import Chunk, Result, StreamError
 
 __all__ = [
+    "TLS",
     "AsyncClient",
     "AsyncGeneration",
     "AsyncStream",

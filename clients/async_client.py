@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import grpc
 
 from slipstream.clients.balancing import channel_options, channel_target
+from slipstream.clients.security import TLS, secure_aio_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
@@ -202,15 +203,18 @@ class AsyncClient:
         *,
         metadata: Metadata = None,
         options: list[tuple[str, object]] | None = None,
+        tls: TLS | None = None,
+        token: str | None = None,
         balanced: bool | None = None,
     ) -> None:
         if balanced is None:
             balanced = not isinstance(target, str)
         merged = [*(channel_options() if balanced else []), *(options or [])]
-        self._channel = grpc.aio.insecure_channel(channel_target(target), options=merged)
+        self._channel = secure_aio_channel(channel_target(target), tls, merged)
         self._calls: set[asyncio.Task[None]] = set()
         self.stub = pb_grpc.InferenceStub(self._channel)
-        self._metadata = metadata
+        # The token goes with every call (gRPC metadata is per call).
+        self._metadata = with_token(metadata, token)
         self._shared: AsyncStream | None = None
         self._left_ready = False  # the connection left READY since the shared stream opened
         self._watcher: asyncio.Task[None] | None = None
@@ -286,13 +290,23 @@ class AsyncClient:
         return generation
 
     async def tokenize(self, text: str) -> list[int]:
-        return list((await self.stub.Tokenize(pb.TokenizeRequest(text=text))).token_ids)
+        return list(
+            (
+                await self.stub.Tokenize(
+                    pb.TokenizeRequest(text=text), metadata=call_metadata(self._metadata)
+                )
+            ).token_ids
+        )
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return await self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
+        )
 
     async def server_stats(self) -> pb.ServerStats:
-        return await self.stub.GetServerStats(pb.GetServerStatsRequest())
+        return await self.stub.GetServerStats(
+            pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
+        )
 
     async def close(self) -> None:
         if self._shared is not None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 import grpc
 
 from slipstream.clients.balancing import channel_options, channel_target
+from slipstream.clients.security import TLS, secure_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
@@ -214,14 +215,17 @@ class Client:
         *,
         metadata: Metadata = None,
         options: list[tuple[str, object]] | None = None,
+        tls: TLS | None = None,
+        token: str | None = None,
         balanced: bool | None = None,
     ) -> None:
         if balanced is None:
             balanced = not isinstance(target, str)
         merged = [*(channel_options() if balanced else []), *(options or [])]
-        self._channel = grpc.insecure_channel(channel_target(target), options=merged)
+        self._channel = secure_channel(channel_target(target), tls, merged)
         self.stub = pb_grpc.InferenceStub(self._channel)
-        self._metadata = metadata
+        # The token goes with every call (gRPC metadata is per call).
+        self._metadata = with_token(metadata, token)
         self._shared: Stream | None = None
         self._lock = threading.Lock()
         self._state = grpc.ChannelConnectivity.IDLE
@@ -295,13 +299,21 @@ class Client:
         return self._shared
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.stub.Tokenize(pb.TokenizeRequest(text=text)).token_ids)
+        return list(
+            self.stub.Tokenize(
+                pb.TokenizeRequest(text=text), metadata=call_metadata(self._metadata)
+            ).token_ids
+        )
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self.stub.GetModelInfo(
+            pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
+        )
 
     def server_stats(self) -> pb.ServerStats:
-        return self.stub.GetServerStats(pb.GetServerStatsRequest())
+        return self.stub.GetServerStats(
+            pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
+        )
 
     def close(self) -> None:
         with self._lock:

@@ -141,6 +141,7 @@ class Result:
     ttft_s: float | None = None
     total_s: float = 0.0
     queue_position: int | None = None
+    retry_after_s: float | None = None  # a rejection's hint: a retry may succeed after this
 
     @property
     def is_ok(self) -> bool:
@@ -231,4 +232,5 @@ class Accumulator:
             ttft_s=None if ttft is None else ttft.ToNanoseconds() / 1e9,
             total_s=timings.total.ToNanoseconds() / 1e9,
             queue_position=self.queue_position,
+            retry_after_s=done.retry_after_ms / 1000 if done.retry_after_ms else None,
         )

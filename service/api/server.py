@@ -3,15 +3,25 @@ reflection services, always on.
 
 ``create_server`` builds a server around a loaded engine (tests use it on port
 0); ``run`` is the process's life: listen while loading (health NOT_SERVING),
-serve, and on SIGTERM/SIGINT drain within a grace period, then stop.
+serve, and on SIGTERM/SIGINT drain within a grace period, then stop; on
+SIGHUP re-read the tenants file.
+
+Security sits at this edge: TLS (optionally mutual) from ``tls.py``; with
+tenants, the servicer refuses any ``slipstream.v1.Inference`` call without a
+known bearer token (UNAUTHENTICATED) and the session applies each tenant's
+per-request limits. Health and reflection stay open. (Not a server
+interceptor: with one installed, grpc.aio clients often see an early abort
+as INTERNAL instead of its real status.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import signal
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,11 +29,13 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from slipstream.service.api.auth import Tenants, TenantsFileError, load_tenants
 from slipstream.service.api.http.app import HttpFront
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.servicer import InferenceServicer, add_to_server
 from slipstream.service.api.status import finish_status
+from slipstream.service.api.tls import CertificateFiles, ServerTLS
 from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -78,20 +90,78 @@ def build_server(
     telemetry: Telemetry | None = None,
     options: Sequence[tuple[str, object]] = (),
     limits: Limits | None = None,
+    *,
+    tls: ServerTLS | None = None,
+    tenants: Tenants | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server (not started) for ``lifecycle``; returns it and the bound port.
-    ``options`` are extra gRPC server options (``connection_age_options``)."""
+    ``options`` are extra gRPC server options (``connection_age_options``);
+    ``tls``: serve TLS only (mutual with a client CA); ``tenants``: every
+    inference call needs a bearer token of one of them."""
     limits = limits or Limits()
     server = grpc.aio.server(options=[*_channel_options(limits), *options])
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
-    add_to_server(InferenceServicer(lifecycle, telemetry, limits), server)
+    servicer = InferenceServicer(lifecycle, telemetry, limits, tenants)
+    add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, CertificateFiles(tls).credentials())
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server, bound
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (as ``serve --host`` takes it) is reachable from this
+    machine only."""
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def exposure_warning(
+    host: str, has_tls: bool, has_tenants: bool, has_http: bool = False
+) -> str | None:
+    """Why listening on ``host`` this way lets anyone on the network in, or
+    None when it does not (loopback, or TLS and tenants both on, and no
+    HTTP front, which speaks plaintext only)."""
+    if is_loopback(host) or (has_tls and has_tenants and not has_http):
+        return None
+    if has_tls and has_tenants:
+        return (
+            f"the HTTP front on {host} speaks plaintext: bearer tokens would cross the "
+            "network in the clear (put a TLS proxy in front of it)"
+        )
+    missing = [
+        what
+        for what, is_on in (("TLS (--tls-cert/--tls-key)", has_tls), ("tenants", has_tenants))
+        if not is_on
+    ]
+    return (
+        f"listening on {host}, reachable from the network, without {' or '.join(missing)}: "
+        "anyone who reaches the port can submit work of any class"
+    )
+
+
+def reload_tenants(tenants: Tenants, path: Path) -> bool:
+    """Re-reads the tenants file into ``tenants``; a bad file keeps the old
+    tenants and logs why. True when the new file was taken."""
+    try:
+        tenants.replace(load_tenants(path))
+    except TenantsFileError as exc:
+        log.error("tenants_reload_failed", detail=str(exc), keeping="the current tenants")
+        return False
+    log.info("tenants_reloaded", path=str(path), tenants=tenants.names)
+    return True
 
 
 async def create_server(
@@ -101,11 +171,16 @@ async def create_server(
     telemetry: Telemetry | None = None,
     options: Sequence[tuple[str, object]] = (),
     limits: Limits | None = None,
+    *,
+    tls: ServerTLS | None = None,
+    tenants: Tenants | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started server around a loaded engine, health SERVING; ``telemetry``
     (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
-    server, bound = build_server(lifecycle, host, port, telemetry, options, limits)
+    server, bound = build_server(
+        lifecycle, host, port, telemetry, options, limits, tls=tls, tenants=tenants
+    )
     if telemetry is not None:
         telemetry.attach(engine)
     await server.start()
@@ -157,13 +232,21 @@ async def run(
     on_http: Callable[[int], None] | None = None,
     options: Sequence[tuple[str, object]] = (),
     limits: Limits | None = None,
+    *,
+    tls: ServerTLS | None = None,
+    tenants_file: Path | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully. With an
     ``http_port`` (0: none) the OpenAI-compatible front listens there too,
-    on this event loop and engine; ``on_http`` gets its bound port."""
+    on this event loop and engine; ``on_http`` gets its bound port. SIGHUP
+    re-reads ``tenants_file``. A bad TLS or tenants file raises before
+    anything listens (TLSFilesError, TenantsFileError)."""
+    tenants = None if tenants_file is None else Tenants.from_file(tenants_file)
     lifecycle = Lifecycle()
-    server, bound = build_server(lifecycle, host, port, telemetry, options, limits)
-    http = None if not http_port else HttpFront(lifecycle, telemetry)
+    server, bound = build_server(
+        lifecycle, host, port, telemetry, options, limits, tls=tls, tenants=tenants
+    )
+    http = None if not http_port else HttpFront(lifecycle, telemetry, tenants=tenants)
     await server.start()
     if http is not None:
         try:
@@ -175,11 +258,19 @@ async def run(
         if on_http is not None:
             on_http(http_bound)
     await lifecycle.report_loading()
-    log.info("server_loading", host=host, port=bound)
+    log.info(
+        "server_loading",
+        host=host,
+        port=bound,
+        tls="off" if tls is None else ("mutual" if tls.client_ca_file else "on"),
+        tenants=None if tenants is None else tenants.names,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if tenants is not None and tenants_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_tenants, tenants, tenants_file)
     try:
         engine = await asyncio.to_thread(load_engine)
     except Exception as exc:  # anything at all: the process must end with one clear line

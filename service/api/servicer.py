@@ -14,6 +14,7 @@ import grpc
 import structlog
 
 from slipstream.service.api import wire
+from slipstream.service.api.auth import TenantGate, Tenants, Unauthenticated, authorization_header
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.session import StreamSession
@@ -34,9 +35,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         lifecycle: Lifecycle,
         telemetry: Telemetry | None = None,
         limits: Limits | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
+        self._tenants = tenants
         self.limits = limits or Limits()
         self.workers = WorkerPool(
             self.limits.num_tokenizer_workers,
@@ -49,6 +52,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateResponse]:
+        gate = await self._gate(context, "Generate")
         try:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
@@ -61,6 +65,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             context.invocation_metadata() or (),
             self.limits,
             self.workers,
+            gate,
         )
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
@@ -93,6 +98,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         scheduler refuses after accepting it finishes REJECTED as an event,
         as on ``Generate``.)
         """
+        gate = await self._gate(context, "GenerateOne")
         try:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
@@ -105,6 +111,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             context.invocation_metadata() or (),
             self.limits,
             self.workers,
+            gate,
         )
         # Cancelled, disconnected or past its deadline: abort at once.
         context.add_done_callback(lambda _: session.abort_all())
@@ -122,7 +129,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        engine = await self._engine_or_abort(context)
+        engine = await self._engine_or_abort(context, "Tokenize")
         num_bytes = len(request.text.encode())
         if num_bytes > self.limits.max_prompt_bytes:
             await context.abort(
@@ -146,16 +153,31 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        engine = await self._engine_or_abort(context)
+        engine = await self._engine_or_abort(context, "GetModelInfo")
         return wire.model_info(engine.info)
 
     async def GetServerStats(
         self, request: pb.GetServerStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerStats:
-        engine = await self._engine_or_abort(context)
+        engine = await self._engine_or_abort(context, "GetServerStats")
         return wire.server_stats(engine.stats())
 
-    async def _engine_or_abort(self, context: grpc.aio.ServicerContext) -> Engine:
+    async def _gate(self, context: grpc.aio.ServicerContext, method: str) -> TenantGate | None:
+        """The call's tenant (None on a server without tenants); aborts the
+        call UNAUTHENTICATED without a known bearer token. Every method calls
+        it first (a test holds every method of the service to that)."""
+        if self._tenants is None:
+            return None
+        try:
+            header = authorization_header(context.invocation_metadata() or ())
+            return TenantGate(self._tenants, self._tenants.authenticate(header))
+        except Unauthenticated as exc:
+            if self._telemetry is not None:
+                self._telemetry.unauthenticated(method, context.peer(), str(exc))
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
+    async def _engine_or_abort(self, context: grpc.aio.ServicerContext, method: str) -> Engine:
+        await self._gate(context, method)
         try:
             return self._lifecycle.engine
         except NotServing as exc:

@@ -40,6 +40,7 @@ from slipstream.v1 import inference_pb2 as pb
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from slipstream.service.api.auth import TenantGate
     from slipstream.service.api.workers import WorkerPool
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.tracing import Telemetry
@@ -63,10 +64,12 @@ class StreamSession:
         metadata: Sequence[tuple[str, str | bytes]] = (),
         limits: Limits | None = None,
         workers: WorkerPool | None = None,
+        gate: TenantGate | None = None,
     ) -> None:
         self._engine = engine
         self._limits = limits or Limits()
         self._workers = workers  # None: prompts are converted inline
+        self._gate = gate  # the call's tenant, on a server with tenants
         self._telemetry = telemetry
         self._metadata = metadata  # the call's, for trace context
         self._loop = loop
@@ -147,6 +150,7 @@ class StreamSession:
                     str(exc),
                     self._metadata,
                     submit.trace_context,
+                    tenant="" if self._gate is None else self._gate.tenant.name,
                 )
 
     async def _admit(self, submit: pb.Submit, request_id: str) -> None:
@@ -170,6 +174,12 @@ class StreamSession:
                 return
         else:
             request = convert()
+        grant = None
+        if self._gate is not None:  # PermissionDenied, QuotaExceeded: this request alone
+            request, grant = self._gate.admit(request)
+        on_event = self._callback(request_id)
+        if grant is not None:
+            on_event = grant.wrap(on_event)  # releases the tenant's quota on the finish
         # Accepted goes in first so it precedes any token the engine thread
         # may publish before submit() returns; withdrawn if submit raises.
         ack = wire.accepted(request_id, engine.stats().waiting, len(request.prompt_token_ids))
@@ -177,8 +187,10 @@ class StreamSession:
         if self._telemetry is not None:
             self._telemetry.begin(request, request_id, self._metadata, submit.trace_context)
         try:
-            engine.submit(request, self._callback(request_id))
+            engine.submit(request, on_event)
         except Exception:
+            if grant is not None:
+                grant.release()
             self._outbox.remove(ack)
             if self._telemetry is not None:
                 self._telemetry.abandon(request.req_id)

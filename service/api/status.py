@@ -9,6 +9,7 @@ these values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +22,7 @@ from slipstream.scheduler.errors import (
     QueueFull,
 )
 from slipstream.scheduler.request import FinishReason, RejectCause
+from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
 from slipstream.service.telemetry.request_trace import WireStatus
 from slipstream.v1 import inference_pb2 as pb
 
@@ -57,6 +59,11 @@ _REJECTIONS: dict[type[Exception], Rejection] = {
         pb.REJECT_REASON_DEADLINE_INFEASIBLE, grpc.StatusCode.DEADLINE_EXCEEDED
     ),
     Draining: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
+    Unauthenticated: Rejection(pb.REJECT_REASON_UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED),
+    PermissionDenied: Rejection(
+        pb.REJECT_REASON_PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED
+    ),
+    QuotaExceeded: Rejection(pb.REJECT_REASON_QUOTA_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED),
     ValueError: INVALID,
 }
 
@@ -91,6 +98,12 @@ def rejection_for(error: Exception) -> Rejection | None:
         if rejection is not None:
             return rejection
     return None
+
+
+def retry_after_ms(error: Exception) -> int:
+    """The retry hint a rejection carries (``Finished.retry_after_ms``); 0: none."""
+    seconds = getattr(error, "retry_after_s", None)
+    return 0 if seconds is None else max(1, math.ceil(seconds * 1000))
 
 
 def rejection_for_cause(cause: RejectCause) -> Rejection:

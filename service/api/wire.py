@@ -16,6 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from slipstream.scheduler.errors import DeadlineInfeasible, PromptTooLong, QueueFull
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, SamplingParams
+from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.status import rejection_for_cause, wire_finish
 from slipstream.service.engine.events import (
@@ -274,7 +275,7 @@ def rejected(
     )
     if isinstance(error, DeadlineInfeasible):
         finished.expired_limit = _EXPIRED_LIMITS[error.expired_limit]
-    if isinstance(error, QueueFull):
+    if isinstance(error, QueueFull | QuotaExceeded):
         finished.retry_after_ms = _retry_after_ms(error.retry_after_s)
     return pb.GenerateResponse(request_id=request_id, finished=finished)
 

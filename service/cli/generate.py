@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.service.cli.connect import add_connection_args, client_tls
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
 
@@ -99,6 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="round_robin, health checks and retries over every address --server resolves to",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_connection_args(parser)
     add_engine_args(parser)
     parser.set_defaults(func=run)
 
@@ -221,7 +223,9 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
 
     target = server_target(args.server)
     balanced = True if getattr(args, "balanced", False) else None
-    async with AsyncClient(target, balanced=balanced) as client:
+    async with AsyncClient(
+        target, tls=client_tls(args), token=args.token, balanced=balanced
+    ) as client:
         stream = None if args.per_request else client.stream()
         generations = []
         for i, spec in enumerate(specs):
@@ -267,7 +271,19 @@ def run(args: argparse.Namespace) -> int:
         # stdout carries the results (JSON lines); logs go to stderr.
         configure_logging(level="warning")
     specs = load_prompts(args)
-    outputs = run_local(specs, args) if args.local else asyncio.run(run_remote(specs, args))
+    if args.local:
+        outputs = run_local(specs, args)
+    else:
+        from slipstream.clients import StreamError
+
+        try:
+            outputs = asyncio.run(run_remote(specs, args))
+        except StreamError as exc:  # the whole call failed: unreachable, TLS, token
+            print(f"slipstream: error: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:  # a --tls-* file
+            print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+            return 1
     for out in outputs:
         if args.json:
             print(out.to_json())

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from slipstream.scheduler.policies import POLICY_NAMES
 from slipstream.service.cli.extras import require_server_extra
@@ -150,6 +151,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="after GOAWAY, how long calls on the old connection may finish "
         "(default: unlimited); cover the longest request you allow",
     )
+    add_security_args(parser)
     add_engine_args(parser)
     add_limit_args(parser)
     add_telemetry_args(parser)
@@ -215,6 +217,43 @@ def limits(args: argparse.Namespace) -> object:
     return Limits(**{name: getattr(args, name) for name in names})
 
 
+def add_security_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "security", "TLS files are re-read when they change; SIGHUP re-reads --tenants"
+    )
+    group.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
+    group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--tls-client-ca",
+        type=Path,
+        help="PEM CA: mutual TLS, clients must present a certificate it signed",
+    )
+    group.add_argument(
+        "--tenants",
+        type=Path,
+        help="TOML file of tenants (bearer-token hashes and limits); every inference call "
+        "then needs 'authorization: Bearer <token>'",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS and tenants",
+    )
+
+
+def server_tls(args: argparse.Namespace) -> object | None:
+    """The ``ServerTLS`` the flags ask for, or None; ValueError for half a pair."""
+    from slipstream.service.api.tls import ServerTLS
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
 def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "telemetry", "tracing is configured by the standard OTEL_* environment variables"
@@ -254,19 +293,25 @@ def telemetry(args: argparse.Namespace) -> object:
     return Telemetry.from_env(os.environ, metrics)
 
 
-def usage_hint(host: str, port: int, model: str) -> str:
+def usage_hint(
+    host: str, port: int, model: str, has_tls: bool = False, has_tenants: bool = False
+) -> str:
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
-    return "\n".join(
-        (
-            f"slipstream: serving {model} on {host}:{port} (listening on {address})",
-            "try:",
-            f"  slipstream generate --server {address} --prompt 'Hello' --max-tokens 16 --json",
-            f"  slipstream stats --server {address}",
-            f"  grpcurl -plaintext -d '{submit}' {address} slipstream.v1.Inference/Generate",
-            f"  grpcurl -plaintext {address} list",
-        )
-    )
+    client = " --tls-ca CA.pem" if has_tls else ""
+    grpcurl = "-cacert CA.pem" if has_tls else "-plaintext"
+    auth = ' -H "authorization: Bearer $SLIPSTREAM_TOKEN"' if has_tenants else ""
+    lines = [
+        f"slipstream: serving {model} on {host}:{port} (listening on {address})",
+        "try:",
+        f"  slipstream generate --server {address}{client} --prompt 'Hello' --max-tokens 16 --json",
+        f"  slipstream stats --server {address}{client}",
+        f"  grpcurl {grpcurl}{auth} -d '{submit}' {address} slipstream.v1.Inference/Generate",
+        f"  grpcurl {grpcurl} {address} list",
+    ]
+    if has_tenants:
+        lines.append("(the slipstream commands read the token from $SLIPSTREAM_TOKEN or --token)")
+    return "\n".join(lines)
 
 
 def http_hint(host: str, port: int) -> str:
@@ -277,7 +322,11 @@ def http_hint(host: str, port: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
-    from slipstream.service.api.server import StartupFailed, connection_age_options
+    from slipstream.service.api.server import (
+        StartupFailed,
+        connection_age_options,
+        exposure_warning,
+    )
     from slipstream.service.api.server import run as run_server
     from slipstream.service.engine.engine import Engine
 
@@ -288,10 +337,26 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    tls = server_tls(args)
+    has_tls, has_tenants = tls is not None, args.tenants is not None
+    has_http = bool(getattr(args, "http_port", 0))
+    warning = exposure_warning(args.host, has_tls, has_tenants, has_http)
+    if warning is not None:
+        banner = "*" * 78
+        if not args.insecure:
+            print(
+                f"{banner}\nslipstream: error: refusing to start: {warning}.\n"
+                "Add --tls-cert/--tls-key and --tenants, listen on 127.0.0.1, or pass "
+                f"--insecure if the network is trusted.\n{banner}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
+        print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
     observability = telemetry(args)
 
     def on_ready(port: int, engine: object) -> None:
-        print(usage_hint(args.host, port, config.model), flush=True)
+        print(usage_hint(args.host, port, config.model, has_tls, has_tenants), flush=True)
 
     def on_http(port: int) -> None:
         print(http_hint(args.host, port), flush=True)
@@ -305,6 +370,8 @@ def run(args: argparse.Namespace) -> int:
                 args.grace_s,
                 on_ready=on_ready,
                 telemetry=observability,  # type: ignore[arg-type]
+                tls=tls,  # type: ignore[arg-type]
+                tenants_file=args.tenants,
                 http_port=args.http_port,
                 on_http=on_http,
                 options=options,

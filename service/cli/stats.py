@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import grpc
 
+from slipstream.clients.security import secure_channel, with_token
+from slipstream.clients.wire import call_metadata
+from slipstream.service.cli.connect import add_connection_args, client_tls
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -17,6 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--server", required=True, metavar="HOST:PORT")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument("--timeout-s", type=float, default=10.0)
+    add_connection_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -65,8 +70,19 @@ def _table(stats: dict[str, object]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.server) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        stats = stats_dict(stub.GetServerStats(pb.GetServerStatsRequest(), timeout=args.timeout_s))
+    metadata = call_metadata(with_token(None, args.token))
+    try:
+        with secure_channel(args.server, client_tls(args), None) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            response = stub.GetServerStats(
+                pb.GetServerStatsRequest(), timeout=args.timeout_s, metadata=metadata
+            )
+    except grpc.RpcError as exc:
+        print(f"slipstream: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a --tls-* file
+        print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
+    stats = stats_dict(response)
     print(json.dumps(stats) if args.json else _table(stats))
     return 0

@@ -20,7 +20,8 @@ class GenerationRequest:
     """A request as the engine takes it. Times are absolute ``time.monotonic()``
     seconds. ``req_id`` is unique across the engine (the gRPC layer prefixes
     the stream's id to the client's request id). ``first_token_deadline`` is
-    the time by which the first output token must be out."""
+    the time by which the first output token must be out. ``tenant`` names
+    who asked, for telemetry only (empty on a server without tenants)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -33,6 +34,7 @@ class GenerationRequest:
     expected_output_tokens: int | None = None
     arrival_time: float | None = None
     first_token_deadline: float | None = None
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)

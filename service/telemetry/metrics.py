@@ -38,6 +38,14 @@ they come from the same single ``engine.stats()`` call as the rest.
 
 The same HTTP server answers ``/ready``: 200 while the engine takes new
 requests, 503 while loading or draining (for proxies' HTTP health checks).
+
+On a server with tenants (``serve --tenants``), each tenant's requests are
+also counted by tenant name; the series above stay per class, so a tenant
+adds a handful of series, not a copy of every histogram::
+
+    slipstream_tenant_requests_finished_total{tenant, reason} counter
+    slipstream_tenant_rejections_total{tenant, reason}        counter
+    slipstream_tenant_tokens_total{tenant, kind=prompt|output} counter
 """
 
 from __future__ import annotations
@@ -259,9 +267,27 @@ class ServerMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
-        # req_id -> (priority class, absolute deadline): written on the
-        # submitting thread, read on the engine thread.
-        self._requests: dict[str, tuple[str, float | None]] = {}
+        self.tenant_finished = Counter(
+            "slipstream_tenant_requests_finished",
+            "Requests finished, by tenant and finish reason",
+            ["tenant", "reason"],
+            registry=self.registry,
+        )
+        self.tenant_rejections = Counter(
+            "slipstream_tenant_rejections",
+            "Submits refused, by tenant and reason",
+            ["tenant", "reason"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "slipstream_tenant_tokens",
+            "Prompt and output tokens of finished requests, by tenant",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
+        # req_id -> (priority class, absolute deadline, tenant): written on
+        # the submitting thread, read on the engine thread.
+        self._requests: dict[str, tuple[str, float | None, str]] = {}
         self._lock = threading.Lock()
 
     def bind_engine(self, engine: Engine) -> None:
@@ -272,14 +298,20 @@ class ServerMetrics:
         engine = self._engine_collector.engine
         return engine is not None and not engine.stats().is_draining
 
-    def rejected(self, reason: str) -> None:
+    def rejected(self, reason: str, tenant: str = "") -> None:
         self.rejections.labels(reason).inc()
+        if tenant:
+            self.tenant_rejections.labels(tenant, reason).inc()
 
     # -- engine thread (EngineObserver) -----------------------------------
 
     def on_submit(self, request: GenerationRequest, state: Request) -> None:
         with self._lock:
-            self._requests[request.req_id] = (str(request.priority), request.deadline)
+            self._requests[request.req_id] = (
+                str(request.priority),
+                request.deadline,
+                request.tenant,
+            )
 
     def on_step(
         self, plan: StepPlan, outputs: list[RequestOutput], started: float, ended: float
@@ -288,13 +320,22 @@ class ServerMetrics:
 
     def on_finish(self, event: FinishEvent) -> None:
         with self._lock:
-            priority, deadline = self._requests.pop(event.req_id, ("unknown", None))
-        self.finished.labels(priority, event.reason.name.lower()).inc()
+            priority, deadline, tenant = self._requests.pop(event.req_id, ("unknown", None, ""))
+        reason = event.reason.name.lower()
+        self.finished.labels(priority, reason).inc()
+        if tenant:
+            self.tenant_finished.labels(tenant, reason).inc()
+            self.tenant_tokens.labels(tenant, "prompt").inc(event.num_prompt_tokens)
+            self.tenant_tokens.labels(tenant, "output").inc(event.num_output_tokens)
         if event.reason is FinishReason.REJECTED:
             cause = event.reject_cause
             self.rejections.labels(_ENGINE_REJECTION if cause is None else cause.name.lower()).inc()
             if cause is RejectCause.SHED:
                 self.shed.labels(priority).inc()
+            if tenant:
+                self.tenant_rejections.labels(
+                    tenant, _ENGINE_REJECTION if cause is None else cause.name.lower()
+                ).inc()
             return
         if event.ttft_s is not None:
             self.ttft.labels(priority).observe(event.ttft_s)

@@ -118,6 +118,7 @@ class _Finished:
     client_request_id: str
     context: SpanContext | None
     at: float
+    tenant: str = ""
 
 
 class RequestTracer:
@@ -131,7 +132,8 @@ class RequestTracer:
         self.finish_status: FinishStatus | None = None
         self._offset_ns = time.time_ns() - time.monotonic_ns()
         self._timelines: dict[str, _Timeline] = {}  # recording spans only
-        self._contexts: dict[str, tuple[str, SpanContext | None]] = {}  # every begun request
+        # Every begun request: (client request id, log context, tenant).
+        self._contexts: dict[str, tuple[str, SpanContext | None, str]] = {}
         self._finished: queue.SimpleQueue[_Finished | threading.Event | None] = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._worker_lock = threading.Lock()
@@ -154,7 +156,11 @@ class RequestTracer:
             start_time=self._wall_ns(arrival),
             attributes=self._request_attributes(request, client_request_id, arrival),
         )
-        self._contexts[request.req_id] = (client_request_id, _log_context(span, parent))
+        self._contexts[request.req_id] = (
+            client_request_id,
+            _log_context(span, parent),
+            request.tenant,
+        )
         if span.is_recording():
             self._timelines[request.req_id] = _Timeline(
                 span, arrival, len(request.prompt_token_ids), waiting_since=arrival
@@ -173,9 +179,11 @@ class RequestTracer:
         status: WireStatus,
         message: str,
         parent: Context,
+        tenant: str = "",
     ) -> str:
         """Records a submit refused before the engine took it (``reason``, e.g.
         ``queue_full``); returns the reason as a metric label."""
+        tenant_attributes = {"slipstream.tenant": tenant} if tenant else {}
         span = self._tracer.start_span(
             f"{OPERATION} {self._model}",
             context=parent,
@@ -186,6 +194,7 @@ class RequestTracer:
                 "slipstream.rejection.reason": reason,
                 "gen_ai.response.finish_reasons": ("rejected",),
                 "rpc.grpc.status_code": status.code,
+                **tenant_attributes,
             },
         )
         span.set_status(Status(StatusCode.ERROR, f"{status.name}: {message}"))
@@ -195,6 +204,7 @@ class RequestTracer:
             request_id=client_request_id,
             reason=reason,
             detail=message,
+            **({"tenant": tenant} if tenant else {}),
             **_ids(_log_context(span, parent)),
         )
         return reason
@@ -218,6 +228,8 @@ class RequestTracer:
         }
         if sampling.seed is not None:
             attributes["gen_ai.request.seed"] = sampling.seed
+        if request.tenant:
+            attributes["slipstream.tenant"] = request.tenant
         if request.deadline is not None:
             attributes["slipstream.request.deadline_ms"] = (request.deadline - arrival) * 1e3
         if request.expected_output_tokens is not None:
@@ -254,9 +266,11 @@ class RequestTracer:
 
     def on_finish(self, event: FinishEvent) -> None:
         timeline = self._timelines.pop(event.req_id, None)
-        client_request_id, context = self._contexts.pop(event.req_id, ("", None))
+        client_request_id, context, tenant = self._contexts.pop(event.req_id, ("", None, ""))
         self._start_worker()
-        self._finished.put(_Finished(event, timeline, client_request_id, context, time.monotonic()))
+        self._finished.put(
+            _Finished(event, timeline, client_request_id, context, time.monotonic(), tenant)
+        )
 
     # -- the slipstream-trace thread ----------------------------------------
 
@@ -310,6 +324,7 @@ class RequestTracer:
             ttft_ms=None if event.ttft_s is None else round(event.ttft_s * 1e3, 3),
             total_ms=round(event.total_s * 1e3, 3),
             preemptions=event.num_preemptions,
+            **({"tenant": finished.tenant} if finished.tenant else {}),
             **_ids(context),
         )
 

@@ -163,13 +163,21 @@ class Telemetry:
         message: str,
         metadata: Iterable[tuple[str, str | bytes]],
         trace_context: Mapping[str, str],
+        tenant: str = "",
     ) -> None:
         """A submit refused before the engine took it; ``reason`` as on the wire
-        (``queue_full``), ``status`` the gRPC status it was refused with."""
+        (``queue_full``), ``status`` the gRPC status it was refused with,
+        ``tenant`` the caller's (empty on a server without tenants)."""
         parent = extract_context(metadata, trace_context)
-        reason = self.requests.rejected(client_request_id, reason, status, message, parent)
+        reason = self.requests.rejected(client_request_id, reason, status, message, parent, tenant)
         if self.metrics is not None:
-            self.metrics.rejected(reason)
+            self.metrics.rejected(reason, tenant)
+
+    def unauthenticated(self, method: str, peer: str, message: str) -> None:
+        """A call refused for want of a valid bearer token (never logs the token)."""
+        log.warning("call_unauthenticated", method=method, peer=peer, detail=message)
+        if self.metrics is not None:
+            self.metrics.rejected("unauthenticated")
 
     def shutdown(self) -> None:
         """Record finished requests still queued, then flush buffered spans

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from slipstream.service.api.auth import Tenants
 from slipstream.service.api.http.errors import ApiError, too_large
 from slipstream.service.api.http.generation import Authenticator, Generations
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
@@ -76,11 +77,12 @@ class HttpFront:
         telemetry: Telemetry | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         authenticate: Authenticator | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._created = int(time.time())
-        generations = Generations(lifecycle, telemetry, authenticate)
+        generations = Generations(lifecycle, telemetry, authenticate, tenants)
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[openai_errors(max_body_bytes)]
         )

@@ -7,6 +7,7 @@ domain errors (``service.api.status``) to HTTP statuses.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -18,7 +19,8 @@ from slipstream.scheduler.errors import (
     PromptTooLong,
     QueueFull,
 )
-from slipstream.service.api.status import INVALID, Rejection, rejection_for
+from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
+from slipstream.service.api.status import INVALID, Rejection, rejection_for, retry_after_ms
 from slipstream.service.engine.chat import ChatError
 
 # What a client told "the queue is full" should wait before trying again.
@@ -81,6 +83,9 @@ _STATUSES: dict[type[Exception], tuple[int, str, str | None]] = {
     # The google.rpc mapping of DEADLINE_EXCEEDED; answered before any token.
     DeadlineInfeasible: (504, "deadline_exceeded", "deadline_infeasible"),
     Draining: (503, "service_unavailable", "draining"),
+    Unauthenticated: (401, "authentication_error", "invalid_api_key"),
+    PermissionDenied: (403, "permission_denied", "permission_denied"),
+    QuotaExceeded: (429, "rate_limit_exceeded", "quota_exceeded"),
     ValueError: (400, "invalid_request_error", None),
 }
 
@@ -95,6 +100,9 @@ def from_domain(error: Exception, param: str | None = None) -> ApiError | None:
         mapped = _STATUSES.get(cls)
         if mapped is not None:
             status, kind, code = mapped
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else {}
+            # A tenant's quota knows when it refills; the queue's hint stays as it was.
+            is_quota = isinstance(error, QuotaExceeded)
+            hint_s = math.ceil(retry_after_ms(error) / 1000) if is_quota else RETRY_AFTER_S
+            headers = {"Retry-After": str(hint_s)} if status == 429 else {}
             return ApiError(status, str(error), kind, param, code, headers, rejection)
     return None

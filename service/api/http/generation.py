@@ -22,6 +22,7 @@ from aiohttp import web
 from slipstream.scheduler.errors import SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
+from slipstream.service.api.auth import Grant, TenantGate, Tenants
 from slipstream.service.api.http.errors import ApiError, from_domain, invalid, too_large
 from slipstream.service.api.http.params import OpenAIRequest, Prompt, parse
 from slipstream.service.api.http.relay import EventRelay
@@ -95,10 +96,12 @@ class Generations:
         lifecycle: Lifecycle,
         telemetry: Telemetry | None = None,
         authenticate: Authenticator | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._authenticate = authenticate
+        self._tenants = tenants  # bearer tokens and limits, as on gRPC
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, is_chat=False)
@@ -114,6 +117,13 @@ class Generations:
             raise ApiError(503, str(exc), "service_unavailable", None, "not_serving") from None
         if self._authenticate is not None:
             self._authenticate(request.headers.get("Authorization"))
+        gate = None
+        if self._tenants is not None:  # 401 before any work
+            try:
+                tenant = self._tenants.authenticate(request.headers.get("Authorization"))
+            except Exception as exc:
+                raise _domain(exc) from None
+            gate = TenantGate(self._tenants, tenant)
         parsed = parse(await _json(request), request.headers, is_chat)
         if parsed.model != engine.info.name:
             raise ApiError(
@@ -125,8 +135,14 @@ class Generations:
         envelope = Envelope.new(parsed.model, is_chat)
         try:
             gen_request = await self._request(engine, parsed, envelope, now)
+            grant = None
+            if gate is not None:  # 403 never allowed, 429 over quota
+                try:
+                    gen_request, grant = gate.admit(gen_request)
+                except Exception as exc:
+                    raise _domain(exc) from None
             relay = EventRelay(asyncio.get_running_loop())
-            self._submit(engine, gen_request, relay, parsed, envelope)
+            self._submit(engine, gen_request, relay, parsed, envelope, grant)
         except ApiError as exc:
             if self._telemetry is not None:
                 rejection = exc.rejection
@@ -137,6 +153,7 @@ class Generations:
                     exc.message,
                     (),
                     parsed.submit.trace_context,
+                    tenant="" if gate is None else gate.tenant.name,
                 )
             raise
         try:
@@ -173,13 +190,17 @@ class Generations:
         relay: EventRelay,
         parsed: OpenAIRequest,
         envelope: Envelope,
+        grant: Grant | None = None,
     ) -> None:
         telemetry = self._telemetry
         if telemetry is not None:
             telemetry.begin(gen_request, envelope.id, (), parsed.submit.trace_context)
+        on_event = relay.on_event if grant is None else grant.wrap(relay.on_event)
         try:
-            engine.submit(gen_request, relay.on_event)
+            engine.submit(gen_request, on_event)
         except Exception as exc:
+            if grant is not None:
+                grant.release()
             if telemetry is not None:
                 telemetry.abandon(gen_request.req_id)
             raise _domain(exc) from None

@@ -1,0 +1,37 @@
+"""Flags of the commands that call a server (``generate --server``,
+``stats``): TLS to it and the bearer token to present."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from slipstream.clients.security import TLS
+
+TOKEN_ENV = "SLIPSTREAM_TOKEN"
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connection (with --server)")
+    group.add_argument(
+        "--tls", action="store_true", help="TLS, checking the server against the system's CAs"
+    )
+    group.add_argument("--tls-ca", type=Path, help="TLS, checking the server against this CA")
+    group.add_argument("--tls-cert", type=Path, help="client certificate, for mutual TLS")
+    group.add_argument("--tls-key", type=Path, help="key of --tls-cert")
+    group.add_argument(
+        "--tls-server-name", help="name the server's certificate must carry, if not the host's"
+    )
+    group.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        help=f"bearer token for a server with tenants (env {TOKEN_ENV})",
+    )
+
+
+def client_tls(args: argparse.Namespace) -> TLS | None:
+    """The TLS the flags ask for (any --tls* flag turns it on), or None."""
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
+        return None
+    return TLS(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)

@@ -1,0 +1,364 @@
+"""TLS and mutual TLS over a real ``grpc.aio`` server on the ``tiny`` model,
+with a CA made here (the ``cryptography`` package): TLS works, plaintext is
+refused, a wrong CA is refused, mTLS without a client certificate is
+refused, a rotated certificate is served without a restart (and a
+half-written rotation is not), and the CLI's client flags reach the server."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import io
+import ipaddress
+import json
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from slipstream.clients import TLS, Client
+from slipstream.service.api.tls import CertificateFiles, ServerTLS, TLSFilesError
+from slipstream.service.engine.config import EngineConfig
+from slipstream.v1 import inference_pb2 as pb
+from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+CONFIG = EngineConfig(model="tiny", dtype="float32", calibrate_cost_model=False)
+
+
+# ---------------------------------------------------------------- a CA of our own
+
+
+@dataclass(frozen=True)
+class Issued:
+    cert: bytes
+    key: bytes
+
+
+class CA:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._key = ec.generate_private_key(ec.SECP256R1())
+        self.cert = self._build(name, self._key, is_ca=True).public_bytes(
+            serialization.Encoding.PEM
+        )
+
+    def issue(self, subject: str, *, server: bool) -> Issued:
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = self._build(subject, key, is_ca=False, server=server)
+        return Issued(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+    def _build(
+        self, subject: str, key: ec.EllipticCurvePrivateKey, *, is_ca: bool, server: bool = False
+    ) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.name)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
+        )
+        if server:
+            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return builder.sign(self._key, hashes.SHA256())
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def write(path: Path, data: bytes) -> Path:
+    """Replaces ``path`` atomically, as certificate rotation tools do."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- servers
+
+
+class ServerThread:
+    def __init__(self, engine: object, tls: ServerTLS) -> None:
+        from slipstream.service.api.server import create_server
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        start = create_server(engine, "127.0.0.1", 0, tls=tls)  # type: ignore[arg-type]
+        self.server, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
+        self.target = f"localhost:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[object]:
+    from slipstream.service.engine.engine import Engine
+
+    eng = Engine(CONFIG)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Server CA, a server certificate, a client CA and a client
+    certificate, and an unrelated CA with a client certificate of its own."""
+    root = tmp_path_factory.mktemp("pki")
+    server_ca, client_ca, other_ca = CA("server-ca"), CA("client-ca"), CA("other-ca")
+    server = server_ca.issue("localhost", server=True)
+    client = client_ca.issue("client-a", server=False)
+    stranger = other_ca.issue("client-b", server=False)
+    files = {
+        "server_ca": server_ca.cert,
+        "server_cert": server.cert,
+        "server_key": server.key,
+        "client_ca": client_ca.cert,
+        "client_cert": client.cert,
+        "client_key": client.key,
+        "other_ca": other_ca.cert,
+        "stranger_cert": stranger.cert,
+        "stranger_key": stranger.key,
+    }
+    return {name: write(root / f"{name}.pem", data) for name, data in files.items()}
+
+
+@pytest.fixture(scope="module")
+def tls_server(engine: object, pki: dict[str, Path]) -> Iterator[ServerThread]:
+    srv = ServerThread(engine, ServerTLS(pki["server_cert"], pki["server_key"]))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def mtls_server(engine: object, pki: dict[str, Path]) -> Iterator[ServerThread]:
+    tls = ServerTLS(pki["server_cert"], pki["server_key"], pki["client_ca"])
+    srv = ServerThread(engine, tls)
+    yield srv
+    srv.stop()
+
+
+def rpc_code(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    """The status of one GetModelInfo over a fresh channel."""
+    channel = (
+        grpc.insecure_channel(target)
+        if credentials is None
+        else grpc.secure_channel(target, credentials)
+    )
+    with channel:
+        try:
+            pb_grpc.InferenceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[no-any-return]
+    return grpc.StatusCode.OK
+
+
+def ca_credentials(pki: dict[str, Path], ca: str = "server_ca") -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=pki[ca].read_bytes())
+
+
+# ---------------------------------------------------------------- TLS
+
+
+def test_tls_serves_generation(tls_server: ServerThread, pki: dict[str, Path]) -> None:
+    with Client(tls_server.target, tls=TLS(ca_file=pki["server_ca"])) as client:
+        result = client.generate([5, 6, 7], max_tokens=6, ignore_eos=True).result(timeout=60)
+        assert result.is_ok and result.output_tokens == 6
+        assert client.model_info().name == "tiny"
+
+
+def test_plaintext_is_refused(tls_server: ServerThread) -> None:
+    assert rpc_code(tls_server.target, None) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_wrong_ca_is_refused(tls_server: ServerThread, pki: dict[str, Path]) -> None:
+    assert rpc_code(tls_server.target, ca_credentials(pki, "other_ca")) is (
+        grpc.StatusCode.UNAVAILABLE
+    )
+    assert rpc_code(tls_server.target, ca_credentials(pki)) is grpc.StatusCode.OK
+
+
+# ---------------------------------------------------------------- mutual TLS
+
+
+def test_mtls_refuses_a_client_without_a_certificate(
+    mtls_server: ServerThread, pki: dict[str, Path]
+) -> None:
+    assert rpc_code(mtls_server.target, ca_credentials(pki)) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_refuses_a_certificate_from_another_ca(
+    mtls_server: ServerThread, pki: dict[str, Path]
+) -> None:
+    tls = TLS(pki["server_ca"], pki["stranger_cert"], pki["stranger_key"])
+    assert rpc_code(mtls_server.target, tls.credentials()) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_mtls_serves_a_client_with_a_certificate(
+    mtls_server: ServerThread, pki: dict[str, Path]
+) -> None:
+    tls = TLS(pki["server_ca"], pki["client_cert"], pki["client_key"])
+    with Client(mtls_server.target, tls=tls) as client:
+        result = client.generate([5, 6, 7], max_tokens=4, ignore_eos=True).result(timeout=60)
+    assert result.is_ok and result.output_tokens == 4
+
+
+# ---------------------------------------------------------------- rotation
+
+
+def test_a_rotated_certificate_is_served_without_a_restart(engine: object, tmp_path: Path) -> None:
+    old_ca, new_ca = CA("old-ca"), CA("new-ca")
+    old, new = old_ca.issue("localhost", server=True), new_ca.issue("localhost", server=True)
+    cert, key = write(tmp_path / "cert.pem", old.cert), write(tmp_path / "key.pem", old.key)
+    old_ca_file = write(tmp_path / "old-ca.pem", old_ca.cert)
+    new_ca_file = write(tmp_path / "new-ca.pem", new_ca.cert)
+    srv = ServerThread(engine, ServerTLS(cert, key))
+    try:
+        trust_old = grpc.ssl_channel_credentials(old_ca_file.read_bytes())
+        trust_new = grpc.ssl_channel_credentials(new_ca_file.read_bytes())
+        assert rpc_code(srv.target, trust_old) is grpc.StatusCode.OK
+        assert rpc_code(srv.target, trust_new) is grpc.StatusCode.UNAVAILABLE
+
+        # Half-way through a rotation (new certificate, old key) the pair does
+        # not match: the server keeps serving the old certificate.
+        write(cert, new.cert)
+        assert rpc_code(srv.target, trust_old) is grpc.StatusCode.OK
+
+        write(key, new.key)
+        assert rpc_code(srv.target, trust_new) is grpc.StatusCode.OK
+        assert rpc_code(srv.target, trust_old) is grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop()
+
+
+def test_certificate_files_reload_only_on_change(pki: dict[str, Path], tmp_path: Path) -> None:
+    cert = write(tmp_path / "cert.pem", pki["server_cert"].read_bytes())
+    key = write(tmp_path / "key.pem", pki["server_key"].read_bytes())
+    files = CertificateFiles(ServerTLS(cert, key))
+    assert files.fetch() is None and files.num_reloads == 0
+    write(cert, pki["server_cert"].read_bytes())  # same bytes, new inode: read again
+    assert files.fetch() is not None and files.num_reloads == 1
+    assert files.fetch() is None
+    key.unlink()  # a missing file keeps the current certificate
+    assert files.fetch() is None and files.num_reloads == 1
+
+
+def test_unusable_files_stop_the_server_from_starting(pki: dict[str, Path], tmp_path: Path) -> None:
+    with pytest.raises(TLSFilesError, match="cannot read"):
+        CertificateFiles(ServerTLS(tmp_path / "absent.pem", pki["server_key"]))
+    with pytest.raises(TLSFilesError, match="certificate and its key"):
+        CertificateFiles(ServerTLS(pki["server_cert"], pki["client_key"]))
+    garbage = write(tmp_path / "ca.pem", b"not a certificate")
+    with pytest.raises(TLSFilesError, match="CA"):
+        CertificateFiles(ServerTLS(pki["server_cert"], pki["server_key"], garbage))
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def test_stats_command_speaks_mtls(
+    mtls_server: ServerThread, pki: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slipstream.service.cli import main
+
+    argv = ["stats", "--server", mtls_server.target, "--json", "--tls-ca", str(pki["server_ca"])]
+    mtls = ["--tls-cert", str(pki["client_cert"]), "--tls-key", str(pki["client_key"])]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([*argv, *mtls]) == 0
+    assert json.loads(out.getvalue())["draining"] is False
+    assert main(argv) == 1  # no client certificate
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert main([*argv, "--tls-cert", "absent.pem", "--tls-key", "absent.key"]) == 1
+    assert "cannot read absent" in capsys.readouterr().err
+
+
+def test_generate_command_speaks_mtls(mtls_server: ServerThread, pki: dict[str, Path]) -> None:
+    from slipstream.service.cli import main
+
+    argv = ["generate", "--server", mtls_server.target, "--prompt", "Hello", "--max-tokens", "3"]
+    tls = ["--tls-ca", str(pki["server_ca"]), "--tls-cert", str(pki["client_cert"])]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main([*argv, *tls, "--tls-key", str(pki["client_key"]), "--json"]) == 0
+        assert main([*argv, "--tls-ca", str(pki["server_ca"])]) == 1  # no client certificate
+    (line,) = [line for line in out.getvalue().splitlines() if line.startswith("{")]
+    assert json.loads(line)["finish_reason"] in {"max_tokens", "eos"}
+
+
+def test_serve_refuses_a_public_address_without_tls_and_tenants(
+    capsys: pytest.CaptureFixture[str], pki: dict[str, Path]
+) -> None:
+    from slipstream.service.cli import main
+
+    assert main(["serve", "--model", "tiny", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to start" in err and "TLS" in err and "tenants" in err and "--insecure" in err
+    tls = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+    assert main(["serve", "--model", "tiny", "--host", "10.1.2.3", *tls]) == 2
+    err = capsys.readouterr().err
+    assert "without tenants" in err
+
+
+def test_serve_says_which_file_is_unusable(
+    capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
+) -> None:
+    from slipstream.service.cli import main
+
+    serve = ["serve", "--model", "tiny", "--port", "0", "--no-calibrate"]
+    mismatched = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["client_key"])]
+    bad_tenants = write(tmp_path / "tenants.toml", b"[tenants.a\n")
+    for extra, complaint in [
+        (mismatched, "certificate and its key"),
+        (["--tenants", str(bad_tenants)], "not valid TOML"),
+        (["--tls-cert", str(pki["server_cert"])], "--tls-cert and --tls-key go together"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main([*serve, *extra])
+        assert exited.value.code == 2
+        assert complaint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("host", "is_loopback"),
+    [
+        ("127.0.0.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("example.com", False),
+    ],
+)
+def test_loopback_addresses(host: str, is_loopback: bool) -> None:
+    from slipstream.service.api.server import exposure_warning
+    from slipstream.service.api.server import is_loopback as loopback
+
+    assert loopback(host) is is_loopback
+    assert (exposure_warning(host, False, False) is None) is is_loopback
+    assert exposure_warning(host, True, True) is None
+    assert (exposure_warning(host, True, True, has_http=True) is None) is is_loopback
