@@ -300,7 +300,18 @@ def test_a_client_that_stops_reading_is_paused_then_cancelled(
         os.kill(client.pid, signal.SIGSTOP)
         scheduler = engine.scheduler  # type: ignore[attr-defined]
         assert wait_until(lambda: scheduler.num_paused == 8, timeout_s=30), _live_outputs(engine)
+        # A step planned before the pause may still land its tokens: wait until
+        # the held requests' outputs stop moving, then check they stay put.
         held = _live_outputs(engine)
+
+        def settled() -> bool:
+            nonlocal held
+            time.sleep(0.3)
+            now = _live_outputs(engine)
+            stable, held = now == held, now
+            return stable
+
+        assert wait_until(settled, timeout_s=30)
         # Another stream is served while they are held; the held ones do not move.
         other = pb_grpc.InferenceStub(channel).Generate(iter([submit("other", 32)]), timeout=30)
         reasons = [r.finished.reason for r in other if r.WhichOneof("event") == "finished"]
