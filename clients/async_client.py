@@ -22,7 +22,9 @@ import grpc
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
+    Conversation,
     GenerateOptions,
+    Messages,
     Metadata,
     Prompt,
     Result,
@@ -115,7 +117,7 @@ class AsyncStream:
             yield message  # type: ignore[misc]
 
     async def generate(
-        self, prompt: Prompt, *, request_id: str | None = None, **options: object
+        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
     ) -> AsyncGeneration:
         if self._error is not None:
             raise self._error
@@ -129,6 +131,12 @@ class AsyncStream:
         self._pending[request_id] = generation
         await self._outgoing.put(message)
         return generation
+
+    async def chat(
+        self, messages: Messages, *, request_id: str | None = None, **options: object
+    ) -> AsyncGeneration:
+        """Submit a conversation; the answer stops at the model's end of turn."""
+        return await self.generate(Conversation.of(messages), request_id=request_id, **options)
 
     async def cancel(self, request_id: str) -> None:
         await self._outgoing.put(cancel_message(request_id))
@@ -188,7 +196,7 @@ class AsyncClient:
         return AsyncStream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     async def generate(
-        self, prompt: Prompt, *, metadata: Metadata = None, **options: object
+        self, prompt: Prompt | Conversation, *, metadata: Metadata = None, **options: object
     ) -> AsyncGeneration:
         if metadata:
             stream = self.stream(metadata)
@@ -198,6 +206,12 @@ class AsyncClient:
         if self._shared is None or self._shared.is_broken:
             self._shared = self.stream()
         return await self._shared.generate(prompt, **options)
+
+    async def chat(
+        self, messages: Messages, *, metadata: Metadata = None, **options: object
+    ) -> AsyncGeneration:
+        """Submit a conversation (see ``Client.chat``)."""
+        return await self.generate(Conversation.of(messages), metadata=metadata, **options)
 
     async def tokenize(self, text: str) -> list[int]:
         return list((await self.stub.Tokenize(pb.TokenizeRequest(text=text))).token_ids)

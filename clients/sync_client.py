@@ -7,6 +7,8 @@ reader thread that routes each event to its request's ``Generation``.
         print(chunk.text, end="")
     print(gen.result().finish_reason)
 
+    answer = client.chat([("user", "What is the capital of France?")]).result().text
+
 Nothing is retried or reconnected behind the caller's back: when a stream
 fails, its unfinished requests raise ``StreamError`` and the caller decides.
 """
@@ -23,7 +25,9 @@ import grpc
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
+    Conversation,
     GenerateOptions,
+    Messages,
     Metadata,
     Prompt,
     Result,
@@ -120,7 +124,7 @@ class Stream:
         self._reader.start()
 
     def generate(
-        self, prompt: Prompt, *, request_id: str | None = None, **options: object
+        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
     ) -> Generation:
         request_id = request_id or f"r{next(self._ids)}"
         message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
@@ -135,6 +139,12 @@ class Stream:
             self._pending[request_id] = generation
         self._outgoing.put(message)
         return generation
+
+    def chat(
+        self, messages: Messages, *, request_id: str | None = None, **options: object
+    ) -> Generation:
+        """Submit a conversation; the answer stops at the model's end of turn."""
+        return self.generate(Conversation.of(messages), request_id=request_id, **options)
 
     def cancel(self, request_id: str) -> None:
         self._outgoing.put(cancel_message(request_id))
@@ -197,7 +207,7 @@ class Client:
         return Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     def generate(
-        self, prompt: Prompt, *, metadata: Metadata = None, **options: object
+        self, prompt: Prompt | Conversation, *, metadata: Metadata = None, **options: object
     ) -> Generation:
         """Submit one request. With ``metadata`` (which gRPC attaches per
         call) the request gets a stream of its own, closed after it."""
@@ -207,6 +217,14 @@ class Client:
             stream.close()
             return generation
         return self._shared_stream().generate(prompt, **options)
+
+    def chat(
+        self, messages: Messages, *, metadata: Metadata = None, **options: object
+    ) -> Generation:
+        """Submit a conversation ((role, content) pairs or role/content dicts),
+        rendered by the server with the model's chat template; the model's
+        end-of-turn token ends the answer. Takes ``generate``'s options."""
+        return self.generate(Conversation.of(messages), metadata=metadata, **options)
 
     def _shared_stream(self) -> Stream:
         with self._lock:

@@ -34,6 +34,7 @@ from slipstream.scheduler.policies import DEFAULT_POLICY
 from slipstream.scheduler.request import FinishReason, Request
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.calibration import calibrate
+from slipstream.service.engine.chat import has_chat_template
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.detokenizer import IncrementalDetokenizer
 from slipstream.service.engine.events import (
@@ -179,6 +180,7 @@ class Engine:
             kv_bytes_per_block=kv_bytes_per_block(self.model, config.block_size),
             requested_dtype=choice.requested,
             weights_packed=choice.pack_weights,
+            has_chat_template=has_chat_template(self.tokenizer),
             cpu=cpu.describe(),
             compiled=fused,
         )
