@@ -92,7 +92,8 @@ def _model_and_kernels(config: EngineConfig) -> tuple[Path, str, bool]:
     """The checkpoint directory, the attention backend and whether the fused
     step kernels load. On a first start all three can be slow and none needs
     another (a GGUF conversion in Python, two C++ builds in compiler
-    processes, each under its own lock), so they overlap."""
+    processes, each under its own lock), so they overlap. A model that cannot
+    be resolved is reported once the builds end; they are cached either way."""
     home = slipstream_home()
     with ThreadPoolExecutor(2, thread_name_prefix="slipstream-build") as pool:
         backend = pool.submit(
@@ -104,7 +105,7 @@ def _model_and_kernels(config: EngineConfig) -> tuple[Path, str, bool]:
 
 
 def _step_cost_identity(
-    model_dir: Path, choice: DtypeChoice, backend: str, cpu: CpuFeatures
+    model_dir: Path, choice: DtypeChoice, backend: str, fused: bool, cpu: CpuFeatures
 ) -> dict[str, object]:
     """What a step's time depends on besides the plan: the key of a cached
     calibration. Weight files are named with their size and mtime, so a
@@ -118,6 +119,7 @@ def _step_cost_identity(
         "dtype": choice.dtype,
         "weights_packed": choice.pack_weights,
         "attention_backend": backend,
+        "compiled": fused,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": cpu.describe(),
@@ -183,7 +185,7 @@ class Engine:
                     config.max_num_batched_tokens,
                     config.max_num_seqs,
                     slipstream_home() / "cache" / "calibration",
-                    _step_cost_identity(model_dir, choice, backend, cpu),
+                    _step_cost_identity(model_dir, choice, backend, fused, cpu),
                 )
                 if config.calibrate_cost_model
                 else CostModel(CostCoefficients())
