@@ -17,7 +17,7 @@ from typing import TextIO
 
 import grpc
 
-from slipstream.clients import Client, Result
+from slipstream.clients import Client, Result, StreamError
 
 PROMPT = "you> "
 RESET, EXIT = "/reset", "/exit"
@@ -96,7 +96,11 @@ def chat_loop(session: ChatSession, read_line: Callable[[str], str], out: TextIO
             session.reset()
             out.write("(new conversation)\n")
             continue
-        result = session.ask(question)
+        try:
+            result = session.ask(question)
+        except StreamError as exc:  # the server went away: say so, no traceback
+            out.write(f"\nerror: the connection to the server failed ({exc})\n")
+            return 1
         out.write(_status_line(result))
         out.flush()
 
@@ -104,6 +108,8 @@ def chat_loop(session: ChatSession, read_line: Callable[[str], str], out: TextIO
 def _status_line(result: Result) -> str:
     if result.finish_reason == "cancelled":
         return " [cancelled]\n"
+    if result.reject_reason == "prompt_too_long":
+        return f"error: {result.message}; /reset starts a new conversation\n"
     if result.finish_reason == "rejected":
         return f"error: {result.message} ({result.status_code})\n"
     if not result.is_ok:

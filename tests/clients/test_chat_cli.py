@@ -126,3 +126,10 @@ def test_async_client_chat_sends_messages(scripted: ScriptedServer) -> None:
 
     assert asyncio.run(run()) == "t0 t1 !"
     assert _sent(scripted) == [[("user", "hi")]]
+
+
+def test_a_lost_server_ends_the_chat_with_one_line() -> None:
+    out = io.StringIO()
+    with Client("127.0.0.1:1") as client:  # nothing listens there
+        assert chat_loop(ChatSession(client, out), _feed(["hello"]), out) == 1  # type: ignore[arg-type]
+    assert "the connection to the server failed (UNAVAILABLE" in out.getvalue()
