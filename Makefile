@@ -6,7 +6,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-MODEL ?= tiny
+MODEL ?= smollm2
 PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

@@ -24,7 +24,9 @@ from slipstream.clients.security import TLS, secure_aio_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
+    Conversation,
     GenerateOptions,
+    Messages,
     Metadata,
     Prompt,
     Result,
@@ -122,7 +124,7 @@ class AsyncStream:
             yield message  # type: ignore[misc]
 
     async def generate(
-        self, prompt: Prompt, *, request_id: str | None = None, **options: object
+        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
     ) -> AsyncGeneration:
         if self._error is not None:
             raise self._error
@@ -136,6 +138,12 @@ class AsyncStream:
         self._pending[request_id] = generation
         await self._outgoing.put(message)
         return generation
+
+    async def chat(
+        self, messages: Messages, *, request_id: str | None = None, **options: object
+    ) -> AsyncGeneration:
+        """Submit a conversation; the answer stops at the model's end of turn."""
+        return await self.generate(Conversation.of(messages), request_id=request_id, **options)
 
     async def cancel(self, request_id: str) -> None:
         await self._outgoing.put(cancel_message(request_id))
@@ -225,7 +233,7 @@ class AsyncClient:
 
     async def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Conversation,
         *,
         metadata: Metadata = None,
         multiplex: bool = True,
@@ -288,6 +296,12 @@ class AsyncClient:
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
         return generation
+
+    async def chat(
+        self, messages: Messages, *, metadata: Metadata = None, **options: object
+    ) -> AsyncGeneration:
+        """Submit a conversation (see ``Client.chat``)."""
+        return await self.generate(Conversation.of(messages), metadata=metadata, **options)
 
     async def tokenize(self, text: str) -> list[int]:
         return list(

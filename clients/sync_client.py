@@ -8,6 +8,8 @@ reader thread that routes each event to its request's ``Generation``.
         print(chunk.text, end="")
     print(gen.result().finish_reason)
 
+    answer = client.chat([("user", "What is the capital of France?")]).result().text
+
 Nothing is retried or reconnected behind the caller's back: when a stream
 fails, its unfinished requests raise ``StreamError`` and the caller decides.
 """
@@ -26,7 +28,9 @@ from slipstream.clients.security import TLS, secure_channel, with_token
 from slipstream.clients.wire import (
     Accumulator,
     Chunk,
+    Conversation,
     GenerateOptions,
+    Messages,
     Metadata,
     Prompt,
     Result,
@@ -129,7 +133,7 @@ class Stream:
         self._reader.start()
 
     def generate(
-        self, prompt: Prompt, *, request_id: str | None = None, **options: object
+        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
     ) -> Generation:
         request_id = request_id or f"r{next(self._ids)}"
         message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
@@ -144,6 +148,12 @@ class Stream:
             self._pending[request_id] = generation
         self._outgoing.put(message)
         return generation
+
+    def chat(
+        self, messages: Messages, *, request_id: str | None = None, **options: object
+    ) -> Generation:
+        """Submit a conversation; the answer stops at the model's end of turn."""
+        return self.generate(Conversation.of(messages), request_id=request_id, **options)
 
     def cancel(self, request_id: str) -> None:
         self._outgoing.put(cancel_message(request_id))
@@ -237,7 +247,7 @@ class Client:
 
     def generate(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Conversation,
         *,
         metadata: Metadata = None,
         multiplex: bool = True,
@@ -284,6 +294,14 @@ class Client:
             target=_read_one, args=(call, generation), name="slipstream-call", daemon=True
         ).start()
         return generation
+
+    def chat(
+        self, messages: Messages, *, metadata: Metadata = None, **options: object
+    ) -> Generation:
+        """Submit a conversation ((role, content) pairs or role/content dicts),
+        rendered by the server with the model's chat template; the model's
+        end-of-turn token ends the answer. Takes ``generate``'s options."""
+        return self.generate(Conversation.of(messages), metadata=metadata, **options)
 
     def _shared_stream(self) -> Stream:
         """The shared stream (caller holds the lock). A connection that left

@@ -12,6 +12,8 @@ from google.protobuf.duration_pb2 import Duration
 from slipstream.v1 import inference_pb2 as pb
 
 Prompt = str | Sequence[int]
+# A conversation: (role, content) pairs or {"role": ..., "content": ...} dicts.
+Messages = Sequence[tuple[str, str] | Mapping[str, str]]
 Metadata = Sequence[tuple[str, str]] | Mapping[str, str] | None
 
 
@@ -40,6 +42,32 @@ def call_metadata(*parts: Metadata) -> list[tuple[str, str]]:
 
 
 @dataclass(frozen=True, slots=True)
+class Conversation:
+    """A chat prompt: the server renders it with the model's chat template."""
+
+    messages: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, messages: Messages) -> Conversation:
+        """Raises ``ValueError`` for an item that is neither a pair nor a
+        role/content mapping (the server checks roles and templates)."""
+        pairs = []
+        for i, message in enumerate(messages):
+            if isinstance(message, Mapping):
+                if set(message) != {"role", "content"}:
+                    raise ValueError(f"messages[{i}] must have exactly 'role' and 'content'")
+                role, content = message["role"], message["content"]
+            elif isinstance(message, tuple | list) and len(message) == 2:
+                role, content = message
+            else:
+                raise ValueError(f"messages[{i}] is not a (role, content) pair or mapping")
+            if not (isinstance(role, str) and isinstance(content, str)):
+                raise ValueError(f"messages[{i}]: role and content must be strings")
+            pairs.append((role, content))
+        return cls(tuple(pairs))
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateOptions:
     """Keyword arguments of ``generate``; ``deadline_s`` (the whole response)
     and ``first_token_timeout_s`` (the first token) are relative to the
@@ -58,7 +86,9 @@ class GenerateOptions:
     first_token_timeout_s: float | None = None
 
 
-def build_submit(request_id: str, prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
+def build_submit(
+    request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
+) -> pb.GenerateRequest:
     submit = pb.Submit(
         request_id=request_id,
         priority=options.priority,
@@ -76,7 +106,12 @@ def build_submit(request_id: str, prompt: Prompt, options: GenerateOptions) -> p
         expected_output_tokens=options.expected_tokens,
         trace_context=trace_context(),
     )
-    if isinstance(prompt, str):
+    if isinstance(prompt, Conversation):
+        submit.messages.SetInParent()  # selects the oneof even for an empty conversation
+        submit.messages.messages.extend(
+            pb.ChatMessage(role=role, content=content) for role, content in prompt.messages
+        )
+    elif isinstance(prompt, str):
         submit.text = prompt
     else:
         submit.token_ids.ids.extend(prompt)

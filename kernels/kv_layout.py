@@ -15,6 +15,9 @@ module which one they hold.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -28,10 +31,23 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """A zero-filled head-major cache, returned as its logical view. Zeros, not
     garbage: padded attention reads unused slots under a mask, and a masked
-    NaN would still poison the softmax."""
-    storage = torch.zeros(
-        (num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device
-    )
+    NaN would still poison the softmax.
+
+    On the CPU the storage is an anonymous memory map: the kernel hands out
+    zero pages on first touch, so a pool of gigabytes costs nothing at
+    start-up (``torch.zeros`` writes every byte first: seconds per GB on a
+    busy machine) and its memory is committed as blocks are first written."""
+    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device).permute(1, 2, 0, 3)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * itemsize
+    if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype).permute(1, 2, 0, 3)
+    # Page-aligned and zero by the kernel's guarantee for anonymous mappings;
+    # the tensor keeps the map alive.
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
     return storage.permute(1, 2, 0, 3)
 
 

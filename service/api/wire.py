@@ -1,7 +1,8 @@
 """Conversions between the wire (``slipstream.v1`` protos) and the engine's
 domain objects. Pure functions: no engine, no event loop.
 
-A submit that the wire layer itself finds malformed raises ``ValueError``;
+A submit that the wire layer itself finds malformed raises ``ValueError``
+(``ChatError``, a ``ValueError``, for a conversation that cannot be rendered);
 the engine raises the rest (domain errors) when it is submitted.
 """
 
@@ -19,6 +20,7 @@ from slipstream.scheduler.request import ExpiredLimit, FinishReason, SamplingPar
 from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.status import rejection_for_cause, wire_finish
+from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.events import (
     EngineStats,
     FinishEvent,
@@ -152,8 +154,10 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
             raise ValueError(f"prompt token ids must be < vocab size {info.vocab_size}")
         return ids
     if kind == "messages":
-        raise ValueError("chat messages are not available from this server yet")
-    raise ValueError("submit has no prompt (set text or token_ids)")
+        # Rendered here, beside text tokenization, so both move together.
+        messages = [(m.role, m.content) for m in submit.messages.messages]
+        return render_chat(tokenizer, messages)
+    raise ValueError("submit has no prompt (set text, token_ids or messages)")
 
 
 def _sampling(params: pb.SamplingParams) -> SamplingParams:
@@ -344,6 +348,7 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         eos_token_ids=info.eos_token_ids,
         requested_dtype=info.requested_dtype,
         weights_packed=info.weights_packed,
+        has_chat_template=info.has_chat_template,
         cpu=pb.CpuInfo(
             model=str(info.cpu.get("model", "")),
             flags=list(info.cpu.get("flags", [])),  # type: ignore[call-overload]

@@ -15,6 +15,7 @@ from slipstream.service.cli.extras import ServerExtraMissing, missing_server_mod
 COMMAND_MODULES = (
     "slipstream.service.cli.model",
     "slipstream.service.cli.generate",
+    "slipstream.service.cli.chat",
     "slipstream.service.cli.serve",
     "slipstream.service.cli.stats",
     "slipstream.service.cli.bench",

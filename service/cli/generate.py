@@ -6,7 +6,8 @@ object per prompt, in prompt order: ``{"index", "token_ids", "text",
 
 A prompts file is JSON Lines: each line a JSON string, or an object with
 ``prompt`` (text) or ``prompt_token_ids`` and optionally ``max_tokens``,
-``temperature``, ``seed``.
+``temperature``, ``seed``. A messages file is one conversation, a JSON list
+of ``{"role", "content"}`` objects, rendered with the model's chat template.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from slipstream.service.cli.serve import add_engine_args, engine_config
 
 if TYPE_CHECKING:
     from slipstream.clients import AsyncGeneration, Result
+    from slipstream.clients.wire import Conversation
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,7 @@ class PromptSpec:
     max_tokens: int
     temperature: float
     seed: int | None
+    messages: tuple[tuple[str, str], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     prompts.add_argument("--prompts-file", type=Path, help="JSON Lines of prompts")
+    prompts.add_argument(
+        "--messages-file",
+        type=Path,
+        help='a conversation: a JSON list of {"role": ..., "content": ...}',
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
@@ -108,6 +116,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
     if args.prompt:
         return [_spec(text, None, {}, args) for text in args.prompt]
+    if args.messages_file:
+        return [_spec(None, None, {}, args, load_messages(args.messages_file))]
     specs = []
     for line_no, line in enumerate(args.prompts_file.read_text().splitlines(), start=1):
         if not line.strip():
@@ -124,8 +134,25 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
     return specs
 
 
+def load_messages(path: Path) -> tuple[tuple[str, str], ...]:
+    """A conversation file; ``SystemExit`` naming the file when malformed."""
+    from slipstream.clients.wire import Conversation
+
+    try:
+        items = json.loads(path.read_text())
+        if not isinstance(items, list):
+            raise ValueError('need a JSON list of {"role": ..., "content": ...}')
+        return Conversation.of(items).messages
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise SystemExit(f"{path}: {exc}") from None
+
+
 def _spec(
-    text: str | None, token_ids: list[int] | None, item: dict, args: argparse.Namespace
+    text: str | None,
+    token_ids: list[int] | None,
+    item: dict,
+    args: argparse.Namespace,
+    messages: tuple[tuple[str, str], ...] | None = None,
 ) -> PromptSpec:
     return PromptSpec(
         text=text,
@@ -133,6 +160,7 @@ def _spec(
         max_tokens=item.get("max_tokens", args.max_tokens),
         temperature=item.get("temperature", args.temperature),
         seed=item.get("seed", args.seed),
+        messages=messages,
     )
 
 
@@ -141,7 +169,6 @@ def _spec(
 
 def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
     from slipstream.scheduler.request import FinishReason, SamplingParams
-    from slipstream.service.api.wire import encode_prompt
     from slipstream.service.engine.engine import Engine
     from slipstream.service.engine.events import FinishEvent, GenerationRequest
 
@@ -151,28 +178,23 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
     now = time.monotonic()
     try:
         for spec, collector in zip(specs, collectors, strict=True):
-            ids = (
-                spec.token_ids if spec.text is None else encode_prompt(engine.tokenizer, spec.text)
-            )
-            request = GenerationRequest(
-                req_id=collector.req_id,
-                prompt_token_ids=list(ids or []),
-                max_new_tokens=spec.max_tokens,
-                sampling=SamplingParams(temperature=spec.temperature, seed=spec.seed),
-                ignore_eos=args.ignore_eos,
-                priority=args.priority,
-                deadline=None if args.deadline_ms is None else now + args.deadline_ms / 1000,
-                expected_output_tokens=args.expected_tokens,
-                arrival_time=now,
-                first_token_deadline=(
-                    None
-                    if args.first_token_timeout is None
-                    else now + args.first_token_timeout / 1000
-                ),
-            )
             try:
-                if not spec.text and not spec.token_ids:
-                    raise ValueError("prompt is empty")
+                request = GenerationRequest(
+                    req_id=collector.req_id,
+                    prompt_token_ids=_local_prompt_ids(spec, engine.tokenizer),
+                    max_new_tokens=spec.max_tokens,
+                    sampling=SamplingParams(temperature=spec.temperature, seed=spec.seed),
+                    ignore_eos=args.ignore_eos,
+                    priority=args.priority,
+                    deadline=None if args.deadline_ms is None else now + args.deadline_ms / 1000,
+                    expected_output_tokens=args.expected_tokens,
+                    arrival_time=now,
+                    first_token_deadline=(
+                        None
+                        if args.first_token_timeout is None
+                        else now + args.first_token_timeout / 1000
+                    ),
+                )
                 engine.submit(request, collector.on_event)
             except Exception as exc:  # a bad prompt fails alone, as over the wire
                 reject = FinishEvent(collector.req_id, FinishReason.REJECTED, str(exc))
@@ -180,6 +202,18 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
         return [c.wait(i) for i, c in enumerate(collectors)]
     finally:
         engine.shutdown()
+
+
+def _local_prompt_ids(spec: PromptSpec, tokenizer: object) -> list[int]:
+    """The prompt's token ids as the server would make them; ValueError if empty."""
+    from slipstream.service.api.wire import encode_prompt
+    from slipstream.service.engine.chat import render_chat
+
+    if spec.messages is not None:
+        return render_chat(tokenizer, spec.messages)
+    if not spec.text and not spec.token_ids:
+        raise ValueError("prompt is empty")
+    return list(spec.token_ids) if spec.text is None else encode_prompt(tokenizer, spec.text)
 
 
 class _LocalCollector:
@@ -229,7 +263,7 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
         stream = None if args.per_request else client.stream()
         generations = []
         for i, spec in enumerate(specs):
-            prompt = spec.token_ids if spec.token_ids is not None else spec.text or ""
+            prompt = _remote_prompt(spec)
             options = {
                 "request_id": str(i),
                 "max_tokens": spec.max_tokens,
@@ -251,6 +285,14 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
             await stream.close()
         results = await asyncio.gather(*(_follow(g, args.cancel_after) for g in generations))
     return [Output(i, r.token_ids, r.text, r.finish_reason) for i, r in enumerate(results)]
+
+
+def _remote_prompt(spec: PromptSpec) -> str | list[int] | Conversation:
+    from slipstream.clients.wire import Conversation
+
+    if spec.messages is not None:
+        return Conversation(spec.messages)
+    return spec.token_ids if spec.token_ids is not None else spec.text or ""
 
 
 async def _follow(generation: AsyncGeneration, cancel_after: int | None) -> Result:

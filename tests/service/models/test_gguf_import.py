@@ -616,15 +616,64 @@ QUESTIONS = [
     "Write a haiku about the sea.",
     "Explain gravity to a child in one sentence.",
 ]
+# Twelve prompts, half plain text, half conversations (rendered by the
+# engine's own renderer, checked against transformers' below).
+PLAIN = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+    "1, 2, 3, 5, 8, 13,",
+]
+CONVERSATIONS = [
+    *([("user", q)] for q in QUESTIONS),
+    [("system", "You answer in French."), ("user", "How are you today?")],
+    [("user", "Name a fruit."), ("assistant", "An apple."), ("user", "Another one?")],
+    [("user", "List three planets of the solar system.")],
+]
 
 
 def _chat_prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    return [
+    from slipstream.service.engine.chat import render_chat
+
+    return [render_chat(tokenizer, messages) for messages in CONVERSATIONS]
+
+
+def _mixed_prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [*(tokenizer(text).input_ids for text in PLAIN), *_chat_prompts(tokenizer)]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:  # type: ignore[no-untyped-def]
+    """The twelve prompts and transformers' greedy 32 tokens for each, from
+    the converted folder and from the original GGUF (fp32 both)."""
+    source, out = smollm2
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompts = _mixed_prompts(tokenizer)
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    from_converted = [_hf_greedy(converted, p, 32) for p in prompts]
+    del converted
+    original = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    ).eval()
+    from_gguf = [_hf_greedy(original, p, 32) for p in prompts]
+    return prompts, from_converted, from_gguf
+
+
+@pytest.mark.slow
+def test_smollm2_chat_prompts_render_like_transformers(smollm2) -> None:  # type: ignore[no-untyped-def]
+    _, out = smollm2
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    expected = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            [{"role": r, "content": c} for r, c in messages],
+            add_generation_prompt=True,
+            tokenize=True,
         )["input_ids"]
-        for q in QUESTIONS
+        for messages in CONVERSATIONS
     ]
+    assert _chat_prompts(tokenizer) == expected
 
 
 @pytest.mark.slow
@@ -637,23 +686,21 @@ def test_smollm2_knows_the_capital_of_france(smollm2) -> None:  # type: ignore[n
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_tokens_match_transformers_reading_the_gguf(smollm2) -> None:  # type: ignore[no-untyped-def]
-    source, out = smollm2
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    prompts = [*_chat_prompts(tokenizer), tokenizer("The capital of France is").input_ids]
-    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    reference = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
-    ).eval()
-    for prompt in prompts:
-        assert _hf_greedy(ours, prompt, 32) == _hf_greedy(reference, prompt, 32)
+def test_smollm2_greedy_tokens_match_transformers_reading_the_gguf(smollm2_reference) -> None:  # type: ignore[no-untyped-def]
+    prompts, from_converted, from_gguf = smollm2_reference
+    assert len(prompts) == 12
+    for i, (ours, reference) in enumerate(zip(from_converted, from_gguf, strict=True)):
+        assert ours == reference, f"prompt {i}"
 
 
 @pytest.mark.slow
-def test_smollm2_engine_greedy_tokens_match_transformers(smollm2) -> None:  # type: ignore[no-untyped-def]
+def test_smollm2_engine_greedy_tokens_match_transformers(smollm2, smollm2_reference) -> None:  # type: ignore[no-untyped-def]
+    """Slipstream's engine (fp32, the whole batch of twelve at once) against
+    transformers on the converted folder and on the original GGUF."""
     _, out = smollm2
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    prompts = [*_chat_prompts(tokenizer), tokenizer("Once upon a time").input_ids]
+    prompts, from_converted, from_gguf = smollm2_reference
     got = _engine_greedy(out, prompts, 32)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert got == [_hf_greedy(model, p, 32) for p in prompts]
+    for i, tokens in enumerate(got):
+        assert tokens == from_converted[i] == from_gguf[i], f"prompt {i}"
+    # The chat answers end on <|im_end|> (id 2, generation_config's EOS) or run the full 32.
+    assert all(len(t) == 32 or t[-1] == 2 for t in got[len(PLAIN) :])

@@ -1,0 +1,135 @@
+"""``slipstream chat`` and the clients' ``chat`` against the scripted server:
+the conversation is kept across turns, Ctrl-C cancels only the current
+answer, and a conversation reaches the wire as ``Submit.messages``."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Iterator
+
+import pytest
+from conftest import ScriptedServer
+
+from slipstream.clients import AsyncClient, Client
+from slipstream.clients.wire import Conversation, GenerateOptions, build_submit
+from slipstream.service.cli.chat import ChatSession, chat_loop
+
+
+def _feed(lines: list[str]) -> object:
+    """A ``read_line`` that answers the prompts with ``lines``, then EOF."""
+    pending: Iterator[str] = iter(lines)
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(pending)
+        except StopIteration:
+            raise EOFError from None
+
+    return read_line
+
+
+def _sent(scripted: ScriptedServer) -> list[list[tuple[str, str]]]:
+    return [
+        [(m.role, m.content) for m in submit.messages.messages]
+        for submit in scripted.servicer.recorded.submits
+    ]
+
+
+def test_the_conversation_is_kept_across_turns(scripted: ScriptedServer) -> None:
+    out = io.StringIO()
+    with Client(scripted.target) as client:
+        session = ChatSession(client, out, system="Be brief.", options={"max_tokens": 3})
+        assert chat_loop(session, _feed(["hello", "", "and then?"]), out) == 0  # type: ignore[arg-type]
+    answer = "t0 t1 t2 !"  # the scripted tokens, then Finished.text
+    assert _sent(scripted) == [
+        [("system", "Be brief."), ("user", "hello")],
+        [("system", "Be brief."), ("user", "hello"), ("assistant", answer), ("user", "and then?")],
+    ]
+    assert session.messages[-1] == ("assistant", answer)
+    assert out.getvalue().count(answer) == 2, "each answer streamed, tail included"
+
+
+def test_reset_and_exit(scripted: ScriptedServer) -> None:
+    out = io.StringIO()
+    with Client(scripted.target) as client:
+        session = ChatSession(client, out, options={"max_tokens": 1})
+        chat_loop(session, _feed(["one", "/reset", "two", "/exit", "never sent"]), out)  # type: ignore[arg-type]
+    assert _sent(scripted) == [[("user", "one")], [("user", "two")]]
+    assert "(new conversation)" in out.getvalue()
+
+
+class _InterruptOnFirstToken(io.StringIO):
+    """Raises KeyboardInterrupt at the first streamed text, as Ctrl-C would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def write(self, text: str) -> int:
+        if self.armed and text.startswith("t"):
+            self.armed = False
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+def test_ctrl_c_cancels_only_the_current_answer(scripted: ScriptedServer) -> None:
+    out = _InterruptOnFirstToken()
+    with Client(scripted.target) as client:
+        session = ChatSession(client, out, options={"max_tokens": 1000})
+        out.armed = True
+        cancelled = session.ask("a long story please")
+        assert cancelled.finish_reason == "cancelled"
+        assert len(cancelled.token_ids) < 1000
+        assert session.messages == [], "a cancelled exchange stays out of the conversation"
+        session.options["max_tokens"] = 2
+        answered = session.ask("short, then")
+    assert answered.finish_reason == "max_tokens"
+    assert scripted.servicer.recorded.cancels == [cancelled.request_id]
+    assert _sent(scripted)[-1] == [("user", "short, then")]
+    assert session.messages == [("user", "short, then"), ("assistant", "t0 t1 !")]
+
+
+def test_ctrl_c_at_the_prompt_ends_the_chat(scripted: ScriptedServer) -> None:
+    def interrupted(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    with Client(scripted.target) as client:
+        out = io.StringIO()
+        assert chat_loop(ChatSession(client, out), interrupted, out) == 0
+    assert scripted.servicer.recorded.submits == []
+
+
+def test_chat_messages_as_pairs_or_dicts_reach_the_wire() -> None:
+    pairs = build_submit("a", Conversation.of([("user", "hi")]), GenerateOptions()).submit
+    dicts = build_submit(
+        "a", Conversation.of([{"role": "user", "content": "hi"}]), GenerateOptions()
+    ).submit
+    assert pairs == dicts and pairs.WhichOneof("prompt") == "messages"
+    empty = build_submit("b", Conversation.of([]), GenerateOptions()).submit
+    assert empty.WhichOneof("prompt") == "messages", "empty is sent (the server rejects it)"
+
+
+@pytest.mark.parametrize(
+    "bad", [[("user",)], [{"role": "user"}], [{"role": "user", "content": 1}], ["hello"]]
+)
+def test_malformed_messages_are_refused_before_sending(bad: list) -> None:
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        Conversation.of(bad)
+
+
+def test_async_client_chat_sends_messages(scripted: ScriptedServer) -> None:
+    async def run() -> str:
+        async with AsyncClient(scripted.target) as client:
+            generation = await client.chat([{"role": "user", "content": "hi"}], max_tokens=2)
+            return (await generation.result()).text
+
+    assert asyncio.run(run()) == "t0 t1 !"
+    assert _sent(scripted) == [[("user", "hi")]]
+
+
+def test_a_lost_server_ends_the_chat_with_one_line() -> None:
+    out = io.StringIO()
+    with Client("127.0.0.1:1") as client:  # nothing listens there
+        assert chat_loop(ChatSession(client, out), _feed(["hello"]), out) == 1  # type: ignore[arg-type]
+    assert "the connection to the server failed (UNAVAILABLE" in out.getvalue()

@@ -1,0 +1,88 @@
+"""The start-up calibration is measured once per machine and set-up, then
+read back: same key → no measuring; another key or a damaged file → measured
+again; the file appears atomically."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+from slipstream.service.engine import calibration
+from slipstream.service.engine.calibration import calibrate_cached
+from slipstream.service.engine.config import EngineConfig
+
+IDENTITY = {"model": "tiny", "dtype": "float32", "threads": 2, "cpu": {"flags": ["avx2"]}}
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[object]:
+    from slipstream.service.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model="tiny", dtype="float32", attention_backend="torch"))
+    yield engine.runner
+    engine.shutdown()
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    calls: list[bool] = []
+    real = calibration.calibrate
+
+    def counted(*args: object, **kwargs: object) -> CostModel:
+        calls.append(bool(kwargs.get("quick")))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(calibration, "calibrate", counted)
+    return calls
+
+
+def test_measured_once_then_read_back(
+    runner: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _counting(monkeypatch)
+    first = calibrate_cached(runner, 128, 16, tmp_path, IDENTITY)  # type: ignore[arg-type]
+    second = calibrate_cached(runner, 128, 16, tmp_path, IDENTITY)  # type: ignore[arg-type]
+    assert calls == [True], "measured once, quickly"
+    assert second.coefficients == first.coefficients
+    assert first.coefficients != CostCoefficients(), "measured, not the built-in guess"
+    (saved,) = tmp_path.glob("cost-*.json")
+    assert json.loads(saved.read_text())["key"]["model"] == "tiny"
+    assert not list(tmp_path.glob(".*")), "no temporary file left behind"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"threads": 1}, {"dtype": "bfloat16"}, {"cpu": {"flags": ["avx2", "avx512f"]}}],
+    ids=["threads", "dtype", "cpu"],
+)
+def test_another_set_up_is_measured_again(
+    runner: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: dict
+) -> None:
+    calls = _counting(monkeypatch)
+    calibrate_cached(runner, 128, 16, tmp_path, IDENTITY)  # type: ignore[arg-type]
+    calibrate_cached(runner, 128, 16, tmp_path, {**IDENTITY, **change})  # type: ignore[arg-type]
+    calibrate_cached(runner, 256, 16, tmp_path, IDENTITY)  # type: ignore[arg-type]
+    assert len(calls) == 3
+    assert len(list(tmp_path.glob("cost-*.json"))) == 3
+
+
+def test_a_damaged_file_is_measured_again_and_replaced(
+    runner: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calibrate_cached(runner, 128, 16, tmp_path, IDENTITY)  # type: ignore[arg-type]
+    (saved,) = tmp_path.glob("cost-*.json")
+    saved.write_text('{"key": ')
+    calls = _counting(monkeypatch)
+    model = calibrate_cached(runner, 128, 16, tmp_path, IDENTITY)  # type: ignore[arg-type]
+    assert calls == [True]
+    assert json.loads(saved.read_text())["coefficients"]["base_s"] == model.coefficients.base_s
+
+
+def test_an_unwritable_cache_still_calibrates(runner: object, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    model = calibrate_cached(runner, 128, 16, blocker / "cache", IDENTITY)  # type: ignore[arg-type]
+    assert model.coefficients.per_prefill_token_s >= 0
