@@ -47,17 +47,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.limits.trim_after_bytes,
         )
 
-    async def Generate(
-        self,
-        request_iterator: AsyncIterator[pb.GenerateRequest],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        gate = await self._gate(context, "Generate")
+    async def _session(self, context: grpc.aio.ServicerContext, method: str) -> StreamSession:
+        """The call's session: its tenant checked, the engine serving (else the
+        call ends UNAUTHENTICATED / UNAVAILABLE)."""
+        gate = await self._gate(context, method)
         try:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        session = StreamSession(
+        return StreamSession(
             engine,
             asyncio.get_running_loop(),
             _call_deadline(context),
@@ -67,6 +65,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.workers,
             gate,
         )
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[pb.GenerateRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        session = await self._session(context, "Generate")
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
         context.add_done_callback(lambda _: session.abort_all())
@@ -98,21 +103,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         scheduler refuses after accepting it finishes REJECTED as an event,
         as on ``Generate``.)
         """
-        gate = await self._gate(context, "GenerateOne")
-        try:
-            engine = self._lifecycle.require_serving()
-        except NotServing as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        session = StreamSession(
-            engine,
-            asyncio.get_running_loop(),
-            _call_deadline(context),
-            self._telemetry,
-            context.invocation_metadata() or (),
-            self.limits,
-            self.workers,
-            gate,
-        )
+        session = await self._session(context, "GenerateOne")
         # Cancelled, disconnected or past its deadline: abort at once.
         context.add_done_callback(lambda _: session.abort_all())
         try:

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from slipstream.service.bench.peer_process import PeerError, wait_healthy
 from slipstream.service.bench.report import EngineRun, RequestTiming
 from slipstream.service.bench.workload import WARMUP_WORKLOAD, WorkloadRequest
 
@@ -40,15 +41,8 @@ ENV_BINARY = "SLIPSTREAM_LLAMA_SERVER"
 LOG_TAIL_LINES = 25
 
 
-class LlamaServerError(RuntimeError):
+class LlamaServerError(PeerError):
     """llama-server did not produce a usable run; ``log_tail`` holds its log's end."""
-
-    def __init__(self, message: str, log_tail: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.log_tail = list(log_tail)
-
-    def report_entry(self, settings: Mapping[str, object]) -> dict[str, object]:
-        return {"error": str(self), "log_tail": self.log_tail, "settings": dict(settings)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,19 +149,9 @@ def _server(
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], port: int, timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise LlamaServerError(f"llama-server exited with {proc.returncode}", _tail(log))
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise LlamaServerError(f"llama-server not healthy after {timeout_s:.0f} s", _tail(log))
+    wait_healthy(
+        proc, port, timeout_s, lambda why: LlamaServerError(f"llama-server {why}", _tail(log))
+    )
 
 
 def _send_all(

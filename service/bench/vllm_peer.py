@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from slipstream.service.bench.peer_process import PeerError
 from slipstream.service.bench.report import (
     EngineRun,
     RequestTiming,
@@ -59,16 +60,8 @@ _COMPILE_CACHE = (
 )
 
 
-class VllmPeerError(RuntimeError):
+class VllmPeerError(PeerError):
     """vLLM did not produce a usable run; ``log_tail`` holds its last log lines."""
-
-    def __init__(self, message: str, log_tail: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.log_tail = list(log_tail)
-
-    def report_entry(self, settings: Mapping[str, object]) -> dict[str, object]:
-        """The report entry of a failed run (no metrics, so nothing to compare)."""
-        return {"error": str(self), "log_tail": self.log_tail, "settings": dict(settings)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,15 +14,14 @@ its ``/v1/completions`` by the client that drives Slipstream's HTTP front
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from slipstream.service.bench.peer_process import wait_healthy
 from slipstream.service.bench.vllm_peer import cpu_bind
 
 START_TIMEOUT_S = 900.0
@@ -78,19 +77,8 @@ def vllm_server(
 
 
 def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = log_path.read_text(errors="replace").splitlines()[-15:]
-            raise VllmServerError(
-                f"vLLM's server exited with {proc.returncode}: " + " | ".join(tail)
-            )
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise VllmServerError(f"vLLM's server not healthy after {START_TIMEOUT_S:.0f} s ({log_path})")
+    def fail(why: str) -> VllmServerError:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        return VllmServerError(f"vLLM's server {why}: " + " | ".join(tail))
+
+    wait_healthy(proc, port, START_TIMEOUT_S, fail)
