@@ -56,7 +56,6 @@ def vllm_server(
         "--host", "127.0.0.1",
         "--port", str(port),
         "--max-model-len", "2048",
-        "--disable-log-requests",
     ]  # fmt: skip
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
