@@ -383,13 +383,14 @@ class _Collector:
             self.done.set()
 
 
-def _submit_and_wait(
-    engine: Any, workload: Sequence[WorkloadRequest], prefix: str, t0: float
-) -> list[RequestTiming]:
-    """Submit every request stamped as arriving at ``t0``; wait for all.
-    A request's token count is what its token events delivered."""
-    ids = [f"{prefix}-{i}" for i in range(len(workload))]
-    collector = _Collector(ids)
+def submit_workload(
+    engine: Any,
+    workload: Sequence[WorkloadRequest],
+    ids: Sequence[str],
+    t0: float,
+    on_event: Callable[[Event], None],
+) -> None:
+    """Submit every request of ``workload`` (EOS ignored) as arriving at ``t0``."""
     for req_id, req in zip(ids, workload, strict=True):
         request = GenerationRequest(
             req_id=req_id,
@@ -398,7 +399,17 @@ def _submit_and_wait(
             ignore_eos=True,
             arrival_time=t0,
         )
-        engine.submit(request, collector.on_event)
+        engine.submit(request, on_event)
+
+
+def _submit_and_wait(
+    engine: Any, workload: Sequence[WorkloadRequest], prefix: str, t0: float
+) -> list[RequestTiming]:
+    """Submit every request stamped as arriving at ``t0``; wait for all.
+    A request's token count is what its token events delivered."""
+    ids = [f"{prefix}-{i}" for i in range(len(workload))]
+    collector = _Collector(ids)
+    submit_workload(engine, workload, ids, t0, collector.on_event)
     collector.done.wait()
     timings = []
     for req_id in ids:

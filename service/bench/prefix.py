@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.service.bench.offline import submit_workload
 from slipstream.service.bench.report import hardware, resolved_dtype
 from slipstream.service.bench.workload import NUM_SPECIAL_IDS, WARMUP_WORKLOAD, WorkloadRequest
 from slipstream.service.engine.config import DTYPE_CHOICES
-from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest
+from slipstream.service.engine.events import Event, FinishEvent
 
 MODES = {"on": True, "off": False}
 
@@ -125,15 +126,7 @@ def _submit_and_wait(
     ids = [f"{tag}-{i}" for i in range(len(workload))]
     collector = _Collector(len(ids))
     t0 = time.monotonic()
-    for req_id, req in zip(ids, workload, strict=True):
-        request = GenerationRequest(
-            req_id=req_id,
-            prompt_token_ids=list(req.prompt_token_ids),
-            max_new_tokens=req.max_tokens,
-            ignore_eos=True,
-            arrival_time=t0,
-        )
-        engine.submit(request, collector.on_event)
+    submit_workload(engine, workload, ids, t0, collector.on_event)
     collector.done.wait()
     wall_s = max(at for at, _ in collector.finished.values()) - t0
     rows = []
