@@ -36,6 +36,7 @@ from slipstream.service.api.limits import Limits
 from slipstream.service.api.servicer import InferenceServicer, add_to_server
 from slipstream.service.api.status import finish_status
 from slipstream.service.api.tls import CertificateFiles, ServerTLS
+from slipstream.service.api.workers import WorkerPool
 from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -93,16 +94,18 @@ def build_server(
     *,
     tls: ServerTLS | None = None,
     tenants: Tenants | None = None,
+    workers: WorkerPool | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server (not started) for ``lifecycle``; returns it and the bound port.
     ``options`` are extra gRPC server options (``connection_age_options``);
     ``tls``: serve TLS only (mutual with a client CA); ``tenants``: every
-    inference call needs a bearer token of one of them."""
+    inference call needs a bearer token of one of them; ``workers``: the
+    tokenizer pool (one of its own when not given)."""
     limits = limits or Limits()
     server = grpc.aio.server(options=[*_channel_options(limits), *options])
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
-    servicer = InferenceServicer(lifecycle, telemetry, limits, tenants)
+    servicer = InferenceServicer(lifecycle, telemetry, limits, tenants, workers)
     add_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
@@ -174,6 +177,7 @@ async def create_server(
     *,
     tls: ServerTLS | None = None,
     tenants: Tenants | None = None,
+    workers: WorkerPool | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A started server around a loaded engine, health SERVING; ``telemetry``
     (if given) is attached to the engine."""
@@ -243,10 +247,23 @@ async def run(
     anything listens (TLSFilesError, TenantsFileError)."""
     tenants = None if tenants_file is None else Tenants.from_file(tenants_file)
     lifecycle = Lifecycle()
+    # One bounded tokenizer pool for both front doors: a flood on one cannot
+    # take more threads than the limits allow.
+    workers = WorkerPool.for_limits(limits or Limits())
     server, bound = build_server(
-        lifecycle, host, port, telemetry, options, limits, tls=tls, tenants=tenants
+        lifecycle,
+        host,
+        port,
+        telemetry,
+        options,
+        limits,
+        tls=tls,
+        tenants=tenants,
+        workers=workers,
     )
-    http = None if not http_port else HttpFront(lifecycle, telemetry, tenants=tenants)
+    http = (
+        None if not http_port else HttpFront(lifecycle, telemetry, tenants=tenants, workers=workers)
+    )
     await server.start()
     if http is not None:
         try:

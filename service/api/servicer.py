@@ -36,16 +36,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         telemetry: Telemetry | None = None,
         limits: Limits | None = None,
         tenants: Tenants | None = None,
+        workers: WorkerPool | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._tenants = tenants
         self.limits = limits or Limits()
-        self.workers = WorkerPool(
-            self.limits.num_tokenizer_workers,
-            self.limits.max_queued_prompts,
-            self.limits.trim_after_bytes,
-        )
+        self.workers = workers or WorkerPool.for_limits(self.limits)
 
     async def _session(self, context: grpc.aio.ServicerContext, method: str) -> StreamSession:
         """The call's session: its tenant checked, the engine serving (else the

@@ -31,11 +31,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import structlog
 
 from slipstream.scheduler.errors import QueueFull
+
+if TYPE_CHECKING:
+    from slipstream.service.api.limits import Limits
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +92,10 @@ class WorkerPool:
         self._pending_lock = threading.Lock()
         self._trim_after_bytes = trim_after_bytes
         self._trim_lock = threading.Lock()
+
+    @classmethod
+    def for_limits(cls, limits: Limits) -> WorkerPool:
+        return cls(limits.num_tokenizer_workers, limits.max_queued_prompts, limits.trim_after_bytes)
 
     @property
     def num_pending(self) -> int:

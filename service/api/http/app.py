@@ -26,6 +26,7 @@ from slipstream.service.api.http.generation import Authenticator, Generations
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
 
 if TYPE_CHECKING:
+    from slipstream.service.api.workers import WorkerPool
     from slipstream.service.telemetry.tracing import Telemetry
 
 # Bodies past this are refused (413) before they are read in full. A prompt
@@ -78,11 +79,12 @@ class HttpFront:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         authenticate: Authenticator | None = None,
         tenants: Tenants | None = None,
+        workers: WorkerPool | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._created = int(time.time())
-        generations = Generations(lifecycle, telemetry, authenticate, tenants)
+        generations = Generations(lifecycle, telemetry, authenticate, tenants, workers)
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[openai_errors(max_body_bytes)]
         )

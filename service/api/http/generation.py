@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from slipstream.scheduler.errors import SchedulerError
+from slipstream.scheduler.errors import QueueFull, SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, TenantGate, Tenants
@@ -37,6 +37,7 @@ from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.events import FinishEvent, GenerationRequest, TokenEvent
 
 if TYPE_CHECKING:
+    from slipstream.service.api.workers import WorkerPool
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.tracing import Telemetry
 
@@ -69,9 +70,13 @@ def _encode(tokenizer: object, prompt: Prompt) -> list[int]:
     return render_chat(tokenizer, prompt)
 
 
-async def prompt_token_ids(engine: Engine, prompt: Prompt) -> list[int]:
-    """The one place a prompt becomes token ids, on a worker thread so a
-    large input never stalls the event loop. Size is checked first."""
+async def prompt_token_ids(
+    engine: Engine, prompt: Prompt, workers: WorkerPool | None = None
+) -> list[int]:
+    """The one place a prompt becomes token ids, off the event loop so a
+    large input never stalls it: on the server's bounded tokenizer pool (the
+    one gRPC uses; full → ``WorkersBusy``) or, without one, a plain thread.
+    Size is checked first."""
     if isinstance(prompt, list) and isinstance(prompt[0], int):
         return prompt
     texts = [prompt] if isinstance(prompt, str) else [content for _, content in prompt]
@@ -79,7 +84,10 @@ async def prompt_token_ids(engine: Engine, prompt: Prompt) -> list[int]:
     if sum(len(t) for t in texts) > max_chars:
         param = "prompt" if isinstance(prompt, str) else "messages"
         raise too_large(f"the prompt is over {max_chars} characters, more than fits", param)
-    return await asyncio.to_thread(_encode, engine.tokenizer, prompt)
+    if workers is None:
+        return await asyncio.to_thread(_encode, engine.tokenizer, prompt)
+    num_chars = sum(len(t) for t in texts)
+    return await workers.run(lambda: _encode(engine.tokenizer, prompt), num_chars)
 
 
 def finish_error(event: FinishEvent) -> ApiError:
@@ -97,11 +105,13 @@ class Generations:
         telemetry: Telemetry | None = None,
         authenticate: Authenticator | None = None,
         tenants: Tenants | None = None,
+        workers: WorkerPool | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._authenticate = authenticate
         self._tenants = tenants  # bearer tokens and limits, as on gRPC
+        self._workers = workers  # the server's tokenizer pool, shared with gRPC
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, is_chat=False)
@@ -168,8 +178,8 @@ class Generations:
         self, engine: Engine, parsed: OpenAIRequest, envelope: Envelope, now: float
     ) -> GenerationRequest:
         try:
-            ids = await prompt_token_ids(engine, parsed.prompt)
-        except ValueError as exc:  # ChatError: bad roles, no template
+            ids = await prompt_token_ids(engine, parsed.prompt, self._workers)
+        except (ValueError, QueueFull) as exc:  # ChatError: bad roles, no template; pool full
             raise _domain(exc, "messages" if parsed.is_chat else "prompt") from None
         submit = parsed.submit
         submit.token_ids.ids.extend(ids)

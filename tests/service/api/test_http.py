@@ -39,7 +39,14 @@ CHATML = (
 class Servers:
     """gRPC and HTTP around one engine, on one event loop thread."""
 
-    def __init__(self, engine: object, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self, engine: object, telemetry: Telemetry | None = None, workers: object = None
+    ) -> None:
+        from slipstream.service.api.limits import Limits
+        from slipstream.service.api.workers import WorkerPool
+
+        # One tokenizer pool for both front doors, as ``slipstream serve`` has.
+        self.workers = workers or WorkerPool.for_limits(Limits())
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -57,11 +64,15 @@ class Servers:
         from slipstream.service.api.server import build_server
 
         self.lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
-        self.server, self.grpc_port = build_server(self.lifecycle, "127.0.0.1", 0, self.telemetry)
+        self.server, self.grpc_port = build_server(
+            self.lifecycle, "127.0.0.1", 0, self.telemetry, workers=self.workers
+        )
         if self.telemetry is not None:
             self.telemetry.attach(engine)  # type: ignore[arg-type]
         await self.server.start()
-        self.http = HttpFront(self.lifecycle, self.telemetry, max_body_bytes=MAX_BODY_BYTES)
+        self.http = HttpFront(
+            self.lifecycle, self.telemetry, max_body_bytes=MAX_BODY_BYTES, workers=self.workers
+        )
         self.http_port = await self.http.start("127.0.0.1", 0)
         await self.lifecycle.serve()
 
@@ -578,7 +589,42 @@ def test_tokenizing_runs_off_the_event_loop(
 
     monkeypatch.setattr(tokenizer, "encode", encode)
     oai.completions.create(model="tiny", prompt="a text prompt", max_tokens=2)
+    # On the server's tokenizer pool, the one gRPC uses, not a thread of its own.
     assert threads and servers.thread not in threads
+    assert all(t.name.startswith("slipstream-tokenizer") for t in threads)
+
+
+def test_a_full_tokenizer_pool_is_429_over_http_and_grpc(engine: object) -> None:
+    """HTTP and gRPC prompts share one bounded pool: while it is full, a text
+    prompt on either front door is refused at once (429 / RESOURCE_EXHAUSTED)
+    and nothing waits unboundedly; token-id prompts need no tokenizing."""
+    import grpc
+
+    from slipstream.service.api.workers import WorkerPool
+
+    pool = WorkerPool(num_workers=1, max_queued=0, trim_after_bytes=2**40)
+    srv = Servers(engine, workers=pool)
+    release = threading.Event()
+    try:
+        future = asyncio.run_coroutine_threadsafe(pool.run(release.wait), srv.loop)
+        assert wait_until(lambda: pool.num_pending == 1)
+        with srv.client() as oai:
+            with pytest.raises(openai.RateLimitError) as full:
+                oai.completions.create(model="tiny", prompt="a text prompt", max_tokens=2)
+            assert error_of(full.value)["code"] == "queue_full"
+            ids = oai.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2)
+            assert ids.choices[0].finish_reason == "length"
+        with Client(srv.target) as grpc_client, pytest.raises(grpc.RpcError) as refused:
+            grpc_client.tokenize("a" * 100_000)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        future.result(timeout=5)
+        with srv.client() as oai:
+            done = oai.completions.create(model="tiny", prompt="a text prompt", max_tokens=2)
+            assert done.choices[0].finish_reason == "length"
+    finally:
+        release.set()
+        srv.stop()
 
 
 # ---------------------------------------------------------------- queue full, draining
