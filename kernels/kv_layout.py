@@ -28,6 +28,7 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
+    commit: bool = False,
 ) -> torch.Tensor:
     """A zero-filled head-major cache, returned as its logical view. Zeros, not
     garbage: padded attention reads unused slots under a mask, and a masked
@@ -36,7 +37,9 @@ def allocate_kv_cache(
     On the CPU the storage is an anonymous memory map: the kernel hands out
     zero pages on first touch, so a pool of gigabytes costs nothing at
     start-up (``torch.zeros`` writes every byte first: seconds per GB on a
-    busy machine) and its memory is committed as blocks are first written."""
+    busy machine) and its memory is committed as blocks are first written.
+    ``commit`` faults every page in now instead (``commit_pages``), so the
+    process's memory is what it will be once every block has been used."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device).permute(1, 2, 0, 3)
@@ -48,7 +51,22 @@ def allocate_kv_cache(
     # the tensor keeps the map alive.
     buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     storage = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+    if commit:
+        commit_pages(buffer, storage)
     return storage.permute(1, 2, 0, 3)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; not in Python's mmap module
+
+
+def commit_pages(buffer: mmap.mmap, storage: torch.Tensor) -> None:
+    """Backs every page of an anonymous map with memory now: one
+    ``madvise(MADV_POPULATE_WRITE)`` (the kernel faults the pages in, zeroed,
+    without a pass in user space); on an older kernel, writing zeros does it."""
+    try:
+        buffer.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        storage.view(torch.uint8).zero_()
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor | None:

@@ -89,6 +89,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
     group.add_argument(
+        "--kv-memory",
+        default="commit",
+        choices=("commit", "lazy"),
+        help="commit: back the KV pools (device and host) with memory at start-up, so the "
+        "server's memory is flat from the first request on; lazy: map them and let memory "
+        "grow as blocks are first used (quicker start)",
+    )
+    group.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
         action="store_false",
@@ -119,6 +127,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.threads,
         kv_cache_memory_gb=args.kv_cache_gb,
         prefix_cache=args.prefix_cache,
+        commit_kv_memory=args.kv_memory == "commit",
     )
 
 

@@ -45,6 +45,11 @@ class EngineConfig:
     compile: bool = True
     num_threads: int | None = None
     kv_cache_memory_gb: float = 2.0
+    # Back both KV pools with memory at start-up, so the process's memory
+    # does not grow as blocks are first used (the prefix cache ends up using
+    # every block); False maps them lazily: quick to start, for tests and tools.
+    # The CLI turns it on.
+    commit_kv_memory: bool = False
     # Automatic prefix caching: full KV blocks are shared between requests
     # with equal prefixes and kept, evictable, after use (scheduler/block_manager.py).
     prefix_cache: bool = True

@@ -176,7 +176,13 @@ class Engine:
             model_cfg.max_position_embeddings,
         )
         num_device_blocks, num_host_blocks = self._pool_sizes(max_model_len)
-        self.runner = ModelRunner(self.model, num_device_blocks, num_host_blocks, config.block_size)
+        self.runner = ModelRunner(
+            self.model,
+            num_device_blocks,
+            num_host_blocks,
+            config.block_size,
+            config.commit_kv_memory,
+        )
         # The deadline policy estimates service times from measured step costs;
         # calibrate on the real runner while the pools are still empty.
         self.cost_model: CostModel | None = None
@@ -249,6 +255,7 @@ class Engine:
             attention_backend=backend,
             compiled=fused,
             prefix_cache=config.prefix_cache,
+            kv_memory="commit" if config.commit_kv_memory else "lazy",
         )
 
     def _pool_sizes(self, max_model_len: int) -> tuple[int, int]:

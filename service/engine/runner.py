@@ -29,11 +29,17 @@ from slipstream.service.models.llama import LlamaModel
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def allocate_pool(model: LlamaModel, num_blocks: int, block_size: int) -> KVPool:
+def allocate_pool(
+    model: LlamaModel, num_blocks: int, block_size: int, commit: bool = False
+) -> KVPool:
+    """``commit``: back the whole pool with memory now (see ``allocate_kv_cache``)."""
     cfg = model.config
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        (allocate_kv_cache(*shape, model.dtype), allocate_kv_cache(*shape, model.dtype))
+        (
+            allocate_kv_cache(*shape, model.dtype, commit=commit),
+            allocate_kv_cache(*shape, model.dtype, commit=commit),
+        )
         for _ in range(cfg.num_layers)
     ]
 
@@ -54,12 +60,17 @@ class StepResult:
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, num_device_blocks: int, num_host_blocks: int, block_size: int
+        self,
+        model: LlamaModel,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        commit_kv_memory: bool = False,
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.device_pool = allocate_pool(model, num_device_blocks, block_size)
-        self.host_pool = allocate_pool(model, num_host_blocks, block_size)
+        self.device_pool = allocate_pool(model, num_device_blocks, block_size, commit_kv_memory)
+        self.host_pool = allocate_pool(model, num_host_blocks, block_size, commit_kv_memory)
         self._copy_blocks = copy_blocks_for(model.attention_backend)
 
     @torch.inference_mode()

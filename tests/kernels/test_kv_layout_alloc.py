@@ -35,3 +35,42 @@ def test_a_large_pool_is_not_written_at_allocation() -> None:
 
 def test_empty_pool() -> None:
     assert allocate_kv_cache(0, 16, 2, 8, torch.float32).numel() == 0
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not hasattr(mmap.mmap, "madvise"), reason="needs mmap.madvise")
+def test_a_committed_pool_is_resident_at_once_and_zero() -> None:
+    """``commit``: the memory is taken at allocation, not as blocks are first
+    used, so a server's RSS does not creep up as the prefix cache fills."""
+    pool_bytes = 4096 * 32 * 4 * 32 * 4  # 64 MiB
+    before = _rss_bytes()
+    lazy = allocate_kv_cache(4096, 32, 4, 32, torch.float32)
+    after_lazy = _rss_bytes()
+    committed = allocate_kv_cache(4096, 32, 4, 32, torch.float32, commit=True)
+    after_commit = _rss_bytes()
+    assert after_lazy - before < pool_bytes // 8
+    assert after_commit - after_lazy > pool_bytes * 9 // 10
+    assert not committed.any() and lazy.shape == committed.shape
+    # Now reading every page costs nothing more: it is all resident already.
+    assert _rss_bytes() - after_commit < pool_bytes // 8
+
+
+def test_committing_falls_back_to_writing_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older kernel refuses MADV_POPULATE_WRITE: the pages are written instead."""
+    from slipstream.kernels import kv_layout
+
+    def refuse(self: object, option: int, *args: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    class OldKernelMap(mmap.mmap):
+        madvise = refuse  # type: ignore[assignment]
+
+    monkeypatch.setattr(kv_layout.mmap, "mmap", OldKernelMap)
+    before = _rss_bytes()
+    cache = allocate_kv_cache(1024, 32, 4, 32, torch.float32, commit=True)  # 16 MiB
+    assert _rss_bytes() - before > 14 * 2**20
+    assert not cache.any()
