@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -25,6 +26,9 @@ from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
 from slipstream.service.telemetry.request_trace import WireStatus
 from slipstream.v1 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from slipstream.service.engine.events import FinishEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,10 @@ def wire_finish(reason: FinishReason) -> tuple[int, grpc.StatusCode]:
     return _FINISHES[reason]
 
 
-def finish_status(reason: FinishReason) -> WireStatus:
-    """The gRPC status of a finish, for telemetry (which never reads the wire)."""
-    return _wire_status(_FINISHES[reason][1])
+def finish_status(event: FinishEvent) -> WireStatus:
+    """The gRPC status of a finish, for telemetry (which never reads the wire):
+    the one the wire carries, so a request the scheduler shed after queueing
+    it is RESOURCE_EXHAUSTED on its span as in its status."""
+    if event.reason is FinishReason.REJECTED and event.reject_cause is not None:
+        return _wire_status(rejection_for_cause(event.reject_cause).status)
+    return _wire_status(_FINISHES[event.reason][1])

@@ -60,7 +60,7 @@ class WireStatus:
     code: int
 
 
-FinishStatus = Callable[[FinishReason], WireStatus]
+FinishStatus = Callable[["FinishEvent"], WireStatus]
 
 OPERATION = "text_completion"
 PROVIDER = "slipstream"
@@ -337,7 +337,7 @@ class RequestTracer:
             timeline.queue_wait_s += now - timeline.waiting_since
         self._child_spans(timeline, parent, now)
         self._events(timeline)
-        status = self.finish_status(event.reason) if self.finish_status is not None else None
+        status = self.finish_status(event) if self.finish_status is not None else None
         span.set_attributes(
             {
                 "gen_ai.response.finish_reasons": (event.reason.name.lower(),),

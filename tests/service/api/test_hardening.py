@@ -336,6 +336,27 @@ def test_slow_reader_finish_maps_to_the_wire() -> None:
     assert (reason, status) == (pb.FINISH_REASON_SLOW_READER, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
+@pytest.mark.parametrize(
+    ("cause", "code"),
+    [("SHED", "RESOURCE_EXHAUSTED"), ("DEADLINE_INFEASIBLE", "DEADLINE_EXCEEDED"), (None, None)],
+)
+def test_spans_carry_the_status_the_wire_carries(cause: str | None, code: str | None) -> None:
+    """A request the scheduler rejected after queueing it (shed, infeasible)
+    gets on its span the status its caller saw, not a generic one."""
+    from slipstream.scheduler.request import FinishReason, RejectCause
+    from slipstream.service.api.status import finish_status, rejection_for_cause
+    from slipstream.service.engine.events import FinishEvent
+
+    reject_cause = None if cause is None else RejectCause[cause]
+    event = FinishEvent("r", FinishReason.REJECTED, reject_cause=reject_cause)
+    status = finish_status(event)
+    if reject_cause is None:
+        assert status.name == "FAILED_PRECONDITION"
+    else:
+        assert status.name == code == rejection_for_cause(reject_cause).status.name
+    assert finish_status(FinishEvent("r", FinishReason.MAX_TOKENS)).name == "OK"
+
+
 @pytest.fixture(autouse=True)
 def _structlog_defaults() -> Iterator[None]:
     yield
