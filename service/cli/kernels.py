@@ -1,12 +1,13 @@
 """``slipstream kernels build``: builds the native CPU kernels (fused paged
-attention, fused elementwise ops) into ``$SLIPSTREAM_HOME/cache/extensions``
-ahead of the first start, so set-up pays the compile, not the server."""
+attention, fused elementwise ops, float32 panel projections) into
+``$SLIPSTREAM_HOME/cache/extensions`` ahead of the first start, so set-up
+pays the compile, not the server."""
 
 from __future__ import annotations
 
 import argparse
 
-from slipstream.kernels import cpu_attention, fused_ops
+from slipstream.kernels import cpu_attention, fused_ops, linear
 from slipstream.service.models.store import slipstream_home
 
 
@@ -22,7 +23,11 @@ def _build(args: argparse.Namespace) -> int:
     results = {
         "fused attention": (cpu_attention.is_available(home), cpu_attention.failure()),
         "fused elementwise ops": (fused_ops.is_available(home), fused_ops.failure()),
+        "panel projections": (linear.panels_available(home), linear.panels_failure()),
     }
+    if results["panel projections"][1] == linear.NO_AVX2:
+        results["panel projections"] = (True, None)  # built; only not used on this CPU
+        print(f"panel projections: built, not used here ({linear.NO_AVX2}): oneDNN's are")
     for name, (ok, why) in results.items():
         print(f"{name}: {'ready' if ok else f'unavailable ({why}); the torch path will be used'}")
     print(f"cache: {home / 'cache' / 'extensions'}")

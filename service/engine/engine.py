@@ -25,7 +25,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from slipstream.kernels import fused_ops
+from slipstream.kernels import fused_ops, linear
 from slipstream.kernels.backend import resolve_backend
 from slipstream.kernels.cpu_features import CpuFeatures, DtypeChoice, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
@@ -90,24 +90,36 @@ def _eos_token_ids(model_dir: Path, fallback: tuple[int, ...]) -> list[int]:
     return list(fallback)
 
 
-def _model_and_kernels(config: EngineConfig) -> tuple[Path, str, bool]:
+def _model_and_kernels(config: EngineConfig) -> tuple[Path, str, bool, bool]:
     """The checkpoint directory, the attention backend and whether the fused
-    step kernels load. On a first start all three can be slow and none needs
-    another (a GGUF conversion in Python, two C++ builds in compiler
-    processes, each under its own lock), so they overlap. A model that cannot
-    be resolved is reported once the builds end; they are cached either way."""
+    step kernels and the panel projections load. On a first start all of them
+    can be slow and none needs another (a GGUF conversion in Python, C++
+    builds in compiler processes, each under its own lock), so they overlap.
+    A model that cannot be resolved is reported once the builds end; they are
+    cached either way."""
     home = slipstream_home()
     with ThreadPoolExecutor(2, thread_name_prefix="slipstream-build") as pool:
         backend = pool.submit(
             resolve_backend, config.attention_backend, torch.device("cpu"), home=home
         )
         fused = pool.submit(fused_ops.is_available, home) if config.compile else None
+        panels = pool.submit(linear.panels_available, home) if config.compile else None
         model_dir = resolve_model(config.model)
-        return model_dir, backend.result(), fused is not None and fused.result()
+        return (
+            model_dir,
+            backend.result(),
+            fused is not None and fused.result(),
+            panels is not None and panels.result(),
+        )
 
 
 def _step_cost_identity(
-    model_dir: Path, choice: DtypeChoice, backend: str, fused: bool, cpu: CpuFeatures
+    model_dir: Path,
+    choice: DtypeChoice,
+    backend: str,
+    fused: bool,
+    panels: bool,
+    cpu: CpuFeatures,
 ) -> dict[str, object]:
     """What a step's time depends on besides the plan: the key of a cached
     calibration. Weight files are named with their size and mtime, so a
@@ -122,6 +134,7 @@ def _step_cost_identity(
         "weights_packed": choice.pack_weights,
         "attention_backend": backend,
         "compiled": fused,
+        "panel_linears": panels,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cpu": cpu.describe(),
@@ -164,9 +177,14 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        model_dir, backend, fused = _model_and_kernels(config)
+        model_dir, backend, fused, panels = _model_and_kernels(config)
         self.model = LlamaModel(
-            model_dir, DTYPES[choice.dtype], backend, choice.pack_weights, fused=fused
+            model_dir,
+            DTYPES[choice.dtype],
+            backend,
+            choice.pack_weights,
+            fused=fused,
+            panel_linears=panels,
         )
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
         self._fast_tokenizer = self.tokenizer.backend_tokenizer
@@ -193,7 +211,7 @@ class Engine:
                     config.max_num_batched_tokens,
                     config.max_num_seqs,
                     slipstream_home() / "cache" / "calibration",
-                    _step_cost_identity(model_dir, choice, backend, fused, cpu),
+                    _step_cost_identity(model_dir, choice, backend, fused, panels, cpu),
                 )
                 if config.calibrate_cost_model
                 else CostModel(CostCoefficients())
@@ -254,6 +272,7 @@ class Engine:
             max_model_len=max_model_len,
             attention_backend=backend,
             compiled=fused,
+            panel_linears=self.model.panel_linears and choice.dtype == "float32",
             prefix_cache=config.prefix_cache,
             kv_memory="commit" if config.commit_kv_memory else "lazy",
         )

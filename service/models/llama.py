@@ -161,15 +161,19 @@ class LlamaModel:
         attention_backend: str = "torch",
         pack_weights: bool = False,
         fused: bool = False,
+        panel_linears: bool = False,
     ) -> None:
         """``pack_weights`` packs projections for oneDNN (only where the CPU
         can: see ``kernels/cpu_features.py``). ``fused`` runs the elementwise
         work between the projections in ``kernels.fused_ops`` (loaded by the
-        caller); otherwise eager torch ops, the reference."""
+        caller); otherwise eager torch ops, the reference. ``panel_linears``
+        runs float32 projections in the panel kernel (``kernels.linear``,
+        loaded by the caller) instead of oneDNN."""
         self.config = LlamaConfig.from_dir(model_dir)
         self.dtype = dtype
         self.pack_weights = pack_weights
         self.fused = fused
+        self.panel_linears = panel_linears
         self.attention_backend = attention_backend
         self._write_kv = write_kv_for(attention_backend)
         self._paged_attention = paged_attention_for(attention_backend)
@@ -214,7 +218,7 @@ class LlamaModel:
         )
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        return Linear(weight, bias, pack=self.pack_weights)
+        return Linear(weight, bias, pack=self.pack_weights, panels=self.panel_linears)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)

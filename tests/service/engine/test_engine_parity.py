@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slipstream.kernels import linear
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
@@ -66,6 +67,9 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, compile):
         )
     )
     assert engine.info.compiled is compile
+    # Compiled float32 on an AVX2 CPU: the projections run in the panel kernel too.
+    uses_panels = engine.model.layers[0].qkv.uses_panels
+    assert uses_panels is (compile and linear.panels_available())
     prompts = _prompts(engine.info.vocab_size)
     max_tokens = [8 + (i * 5) % 17 for i in range(NUM_PROMPTS)]
     requests = [
