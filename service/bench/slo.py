@@ -159,8 +159,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--capacity-requests", type=int, default=None)
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    parser.add_argument("--json", dest="json_path", default="slo.json")
-    parser.add_argument("--plot", dest="plot_path", default="slo.png")
+    # Defaults under bench-results/ (ignored by git), like the Makefile's benchmarks.
+    parser.add_argument("--json", dest="json_path", default="bench-results/slo.json")
+    parser.add_argument("--plot", dest="plot_path", default="bench-results/slo.png")
     parser.set_defaults(func=main)
 
 
@@ -234,6 +235,9 @@ def main(args: argparse.Namespace) -> int:
         report = run_engine_bench(opts) if opts.mode == "engine" else run_sim_bench(opts)
     if opts.mode == "engine":
         report["hardware"] = hardware(args.dtype)
+    for path in (opts.json_path, opts.plot_path):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     if opts.json_path:
         Path(opts.json_path).write_text(json.dumps(report, indent=2))
     if opts.plot_path:
