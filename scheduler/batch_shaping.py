@@ -24,12 +24,25 @@ change that keeps the urgent set on time. A request whose ceiling is below
 the step that more urgent work already makes constrains nobody: it would
 miss anyway, and holding others back for it would only make them miss too.
 
+The ceilings of work in the step cannot protect work that is not there yet:
+a class-0 request that arrives while a long step runs (a prefill chunk of
+less urgent work, say) waits out that step first. So the step also keeps a
+*reserve*: the step ceiling that recent class-0 arrivals had when they
+arrived (a low quantile of the last few, ``ArrivalReserve``), applied to
+every less urgent candidate like the ceiling of admitted class-0 work, for
+as long as class-0 requests keep arriving. Class-0 work itself answers only
+to the ceilings of class-0 work present (measured: holding it to the reserve
+too cost class 0 1.6 points at 0.8x load). The reserve never empties a step
+(the first candidate is admitted as if there were none) and it is dropped
+where no step could meet it.
+
 Pure arithmetic on the cost model's coefficients: O(1) per candidate.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 
 from .cost_model import CostModel
@@ -37,6 +50,39 @@ from .request import Request
 
 # Spare steps a ceiling keeps (prediction noise, the step being planned).
 CEILING_MARGIN_STEPS = 1.0
+# The reserve: over the last RESERVE_WINDOW class-0 arrivals, the ceiling
+# that RESERVE_QUANTILE of them had at arrival or less; kept while arrivals
+# continue (a gap of RESERVE_HORIZON_GAPS mean gaps, at least
+# RESERVE_MIN_HORIZON_S, ends it).
+RESERVE_WINDOW = 32
+RESERVE_QUANTILE = 0.1
+RESERVE_HORIZON_GAPS = 4.0
+RESERVE_MIN_HORIZON_S = 1.0
+
+
+class ArrivalReserve:
+    """The step ceilings recent class-0 requests had when they arrived."""
+
+    __slots__ = ("_arrivals",)
+
+    def __init__(self) -> None:
+        self._arrivals: deque[tuple[float, float]] = deque(maxlen=RESERVE_WINDOW)
+
+    def observe(self, now: float, ceiling_s: float) -> None:
+        if math.isfinite(ceiling_s) and ceiling_s > 0:
+            self._arrivals.append((now, ceiling_s))
+
+    def ceiling_s(self, now: float) -> float:
+        """The reserve at ``now``; +inf when class-0 arrivals have stopped."""
+        arrivals = self._arrivals
+        if not arrivals:
+            return math.inf
+        first, last = arrivals[0][0], arrivals[-1][0]
+        mean_gap = (last - first) / (len(arrivals) - 1) if len(arrivals) > 1 else 0.0
+        if now - last > max(RESERVE_MIN_HORIZON_S, RESERVE_HORIZON_GAPS * mean_gap):
+            return math.inf
+        ceilings = sorted(c for _, c in arrivals)
+        return ceilings[int(RESERVE_QUANTILE * (len(ceilings) - 1))]
 
 
 class BatchShaper:
@@ -50,18 +96,27 @@ class BatchShaper:
         "_decode_s",
         "_last",
         "_now",
+        "_num_admitted",
         "_prefill_s",
+        "_reserve_s",
         "_step_s",
     )
 
     def __init__(
-        self, cost: CostModel, now: float, ceiling_of: Callable[[Request, float], float]
+        self,
+        cost: CostModel,
+        now: float,
+        ceiling_of: Callable[[Request, float], float],
+        reserve_s: float = math.inf,
     ) -> None:
         c = cost.coefficients
         self._decode_s = c.per_decode_seq_s
         self._prefill_s = c.per_prefill_token_s
         self._context_s = c.per_context_token_s
         self._step_s = c.base_s  # predicted forward time of what is admitted so far
+        self._num_admitted = 0
+        # A reserve no step can meet (below one decode) protects nobody.
+        self._reserve_s = reserve_s if reserve_s > c.base_s + c.per_decode_seq_s else math.inf
         # Priority class -> the lowest ceiling among what is admitted of it.
         self._ceilings: dict[int, float] = {}
         self._ceiling_of = ceiling_of
@@ -92,7 +147,10 @@ class BatchShaper:
         work of a more urgent class (class 0: of class 0 too)."""
         if num_new <= 0:
             return 0
-        spare = self._ceiling_above(req.priority) - self._step_s
+        limit = self._ceiling_above(req.priority)
+        if req.priority > 0 and self._num_admitted:  # never the first candidate
+            limit = min(limit, self._reserve_s)
+        spare = limit - self._step_s
         if spare == math.inf:
             return num_new
         cost = self._cost(req, num_new)
@@ -115,6 +173,7 @@ class BatchShaper:
         if last_req is not req or last_num != num_new:
             cost = self._cost(req, num_new)
         self._step_s += cost
+        self._num_admitted += 1
         ceiling = self._ceiling_of(req, self._now)
         if ceiling >= self._step_s and ceiling < self._ceilings.get(req.priority, math.inf):
             self._ceilings[req.priority] = ceiling

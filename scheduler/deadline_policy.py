@@ -47,7 +47,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from .batch_shaping import CEILING_MARGIN_STEPS, BatchShaper
+from .batch_shaping import CEILING_MARGIN_STEPS, ArrivalReserve, BatchShaper
 from .config import SchedulerConfig
 from .cost_model import CostModel
 from .plan import StepPlan
@@ -122,6 +122,7 @@ class DeadlinePolicy(SchedulingPolicy):
         self._aging_s = config.aging_s
         self._min_residency_s = config.min_residency_s
         self._entries: dict[str, _Entry] = {}
+        self._reserve = ArrivalReserve()  # keeps steps short for class-0 arrivals
         # Every queue is ranked several times per step at one (now, loaded
         # step time), an epoch: urgencies are computed once per epoch.
         self._epoch = 0
@@ -406,7 +407,11 @@ class DeadlinePolicy(SchedulingPolicy):
     # -- batch shaping ---------------------------------------------------
 
     def batch_shaper(self, now: float) -> BatchShaper:
-        return BatchShaper(self.cost_model, now, self.step_ceiling)
+        return BatchShaper(self.cost_model, now, self.step_ceiling, self._reserve.ceiling_s(now))
+
+    def observe_arrival(self, req: Request, now: float) -> None:
+        if req.priority == 0:
+            self._reserve.observe(now, self.step_ceiling(req, now))
 
     def step_ceiling(self, req: Request, now: float) -> float:
         """The longest step ``req`` can afford: the time to its nearest limit

@@ -138,6 +138,10 @@ class SchedulingPolicy(abc.ABC):
         """This step's batch shaper, or None: no shaping (the default)."""
         return None
 
+    def observe_arrival(self, req: Request, now: float) -> None:
+        """``req`` joined the queue at ``now`` (after admission and shedding)."""
+        return None
+
     def abandon_reason(self, req: Request, now: float) -> str:
         """Why live ``req`` can no longer meet its deadline, or "" — the
         scheduler then ends it DEADLINE_EXCEEDED (if configured) instead of

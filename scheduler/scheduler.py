@@ -179,6 +179,7 @@ class Scheduler:
             self._shed(victim)
         req.arrival_index = self._num_arrivals
         self._num_arrivals += 1
+        self.policy.observe_arrival(req, at)
         self._requests[req.req_id] = req
         self._waiting.append(req)
         self._waiting_version += 1

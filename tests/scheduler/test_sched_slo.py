@@ -318,3 +318,32 @@ def test_shaper_shortens_a_prefill_chunk_before_holding_it_back() -> None:
     other.commit(make_request("c1", 1, 4, priority=1), 1)
     assert other.fit(make_request("c1-peer", 200, 4, priority=1), 200) == 200
     assert other.fit(make_request("c2", 200, 4, priority=2), 200) < 200
+
+
+def test_the_reserve_keeps_steps_short_for_class_0_arrivals_not_yet_here() -> None:
+    """With no class-0 work in the step, recent class-0 arrivals' ceilings
+    still bound less urgent work — but never the first candidate of a step,
+    never class-0 work itself, and not once class-0 arrivals have stopped."""
+    from slipstream.scheduler.batch_shaping import ArrivalReserve
+
+    cost = CostModel(CostCoefficients(0.01, 0.001, 0.01, 0.0, 0.0))
+    reserve = ArrivalReserve()
+    assert reserve.ceiling_s(0.0) == float("inf")
+    for i in range(10):
+        reserve.observe(i * 0.1, 0.05 + 0.01 * i)  # ceilings 0.05 .. 0.14 s
+    assert reserve.ceiling_s(1.0) == pytest.approx(0.05)  # a low quantile
+    assert reserve.ceiling_s(100.0) == float("inf")  # arrivals stopped
+
+    shaper = BatchShaper(cost, 1.0, lambda r, now: float("inf"), reserve.ceiling_s(1.0))
+    first = make_request("first", 200, 4, priority=2)
+    assert shaper.fit(first, 200) == 200  # never an empty step
+    shaper.commit(first, 10)  # 0.01 + 0.01 s
+    assert shaper.fit(make_request("bg", 200, 4, priority=1), 200) == 30  # 0.03 s left
+    assert shaper.fit(make_request("c0", 200, 4, priority=0), 200) == 200
+    unreserved = BatchShaper(cost, 1.0, lambda r, now: float("inf"))
+    unreserved.commit(first, 10)
+    assert unreserved.fit(make_request("bg", 200, 4, priority=1), 200) == 200
+    # A reserve no step can meet (below one decode step) is ignored.
+    hopeless = BatchShaper(cost, 1.0, lambda r, now: float("inf"), 0.015)
+    hopeless.commit(first, 10)
+    assert hopeless.fit(make_request("bg", 200, 4, priority=1), 200) == 200
