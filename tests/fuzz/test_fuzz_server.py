@@ -10,10 +10,8 @@ runs many more.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -24,6 +22,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_thread import ServerThread
 
 from slipstream.service.engine.config import EngineConfig
 from slipstream.v1 import inference_pb2 as pb
@@ -43,23 +42,6 @@ CALL_TIMEOUT_S = 60.0
 INT32 = (-(2**31), 2**31 - 1)
 UINT32_MAX = 2**32 - 1
 INT64 = (-(2**63), 2**63 - 1)
-
-
-class ServerThread:
-    def __init__(self, engine: object) -> None:
-        from slipstream.service.api.server import create_server
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        start = create_server(engine, "127.0.0.1", 0)  # type: ignore[arg-type]
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
-        self.target = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,12 @@ stubs."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
 import sysconfig
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +22,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_thread import ServerThread
 
 from slipstream.clients import Client, StreamError
 from slipstream.kernels.cpu_features import detect
@@ -46,25 +45,6 @@ CONFIG = EngineConfig(
     abandon_hopeless=False,
 )
 LONG = 960  # tokens: outlives anything a test does to it (tiny: ~5 s alone)
-
-
-class ServerThread:
-    """A started server on its own event loop thread, like a real process's."""
-
-    def __init__(self, engine: object) -> None:
-        from slipstream.service.api.server import create_server
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        start = create_server(engine, "127.0.0.1", 0)  # type: ignore[arg-type]
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
-        self.target = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
 
 
 @pytest.fixture(scope="module")

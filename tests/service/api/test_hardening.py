@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 import structlog
+from server_thread import ServerThread
 from structlog.testing import capture_logs
 
 from slipstream.service.api import wire
@@ -48,25 +49,6 @@ GENERATE = "/slipstream.v1.Inference/Generate"
 NEVER_READS = Path(__file__).with_name("never_reads.py")
 
 
-class ServerThread:
-    """A started server on its own event loop thread, like a real process's."""
-
-    def __init__(self, engine: object, limits: Limits) -> None:
-        from slipstream.service.api.server import create_server
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        start = create_server(engine, "127.0.0.1", 0, limits=limits)  # type: ignore[arg-type]
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
-        self.target = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
     from slipstream.service.engine.engine import Engine
@@ -79,7 +61,7 @@ def engine() -> Iterator[object]:
 
 @pytest.fixture(scope="module")
 def server(engine: object) -> Iterator[ServerThread]:
-    srv = ServerThread(engine, LIMITS)
+    srv = ServerThread(engine, limits=LIMITS)
     yield srv
     srv.stop()
 

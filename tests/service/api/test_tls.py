@@ -6,13 +6,11 @@ half-written rotation is not), and the CLI's client flags reach the server."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import io
 import ipaddress
 import json
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import redirect_stdout
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from server_thread import ServerThread
 
 from slipstream.clients import TLS, Client
 from slipstream.service.api.tls import CertificateFiles, ServerTLS, TLSFilesError
@@ -95,23 +94,6 @@ def write(path: Path, data: bytes) -> Path:
 # ---------------------------------------------------------------- servers
 
 
-class ServerThread:
-    def __init__(self, engine: object, tls: ServerTLS) -> None:
-        from slipstream.service.api.server import create_server
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        start = create_server(engine, "127.0.0.1", 0, tls=tls)  # type: ignore[arg-type]
-        self.server, self.port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
-        self.target = f"localhost:{self.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
     from slipstream.service.engine.engine import Engine
@@ -147,7 +129,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def tls_server(engine: object, pki: dict[str, Path]) -> Iterator[ServerThread]:
-    srv = ServerThread(engine, ServerTLS(pki["server_cert"], pki["server_key"]))
+    srv = ServerThread(engine, "localhost", tls=ServerTLS(pki["server_cert"], pki["server_key"]))
     yield srv
     srv.stop()
 
@@ -155,7 +137,7 @@ def tls_server(engine: object, pki: dict[str, Path]) -> Iterator[ServerThread]:
 @pytest.fixture(scope="module")
 def mtls_server(engine: object, pki: dict[str, Path]) -> Iterator[ServerThread]:
     tls = ServerTLS(pki["server_cert"], pki["server_key"], pki["client_ca"])
-    srv = ServerThread(engine, tls)
+    srv = ServerThread(engine, "localhost", tls=tls)
     yield srv
     srv.stop()
 
@@ -234,7 +216,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(engine: object, tmp_p
     cert, key = write(tmp_path / "cert.pem", old.cert), write(tmp_path / "key.pem", old.key)
     old_ca_file = write(tmp_path / "old-ca.pem", old_ca.cert)
     new_ca_file = write(tmp_path / "new-ca.pem", new_ca.cert)
-    srv = ServerThread(engine, ServerTLS(cert, key))
+    srv = ServerThread(engine, "localhost", tls=ServerTLS(cert, key))
     try:
         trust_old = grpc.ssl_channel_credentials(old_ca_file.read_bytes())
         trust_new = grpc.ssl_channel_credentials(new_ca_file.read_bytes())

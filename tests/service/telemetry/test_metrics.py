@@ -3,8 +3,6 @@ while real requests run through a real gRPC server on the ``tiny`` model."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -12,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_thread import ServerThread
 
 from slipstream.clients import Client
 from slipstream.service.engine.config import EngineConfig
@@ -29,23 +28,6 @@ CONFIG = EngineConfig(
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-class ServerThread:
-    def __init__(self, engine: object, telemetry: Telemetry) -> None:
-        from slipstream.service.api.server import create_server
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        start = create_server(engine, "127.0.0.1", 0, telemetry)  # type: ignore[arg-type]
-        self.server, port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
-        self.target = f"127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
 @pytest.fixture(scope="module")
 def setup() -> Iterator[tuple[ServerThread, Callable[[], Samples]]]:
     from slipstream.service.engine.engine import Engine
@@ -54,7 +36,7 @@ def setup() -> Iterator[tuple[ServerThread, Callable[[], Samples]]]:
     http, port = serve_metrics(metrics.registry, "127.0.0.1", 0)
     engine = Engine(CONFIG)
     engine.start()
-    srv = ServerThread(engine, Telemetry(None, metrics))
+    srv = ServerThread(engine, telemetry=Telemetry(None, metrics))
 
     def scrape() -> Samples:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:

@@ -5,17 +5,16 @@ sent over real gRPC with a W3C ``traceparent``. The KV pool is tiny
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
 import os
 import secrets
-import threading
 from collections.abc import Iterator
 
 import pytest
 import structlog
+from server_thread import ServerThread
 
 from slipstream.clients import Client
 from slipstream.service.bench.otlp_receiver import OtlpReceiver, attributes
@@ -40,24 +39,6 @@ TOKEN_ATTRIBUTES = {
 }
 
 
-class ServerThread:
-    def __init__(self, engine: object, telemetry: Telemetry) -> None:
-        from slipstream.service.api.server import create_server
-
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        start = create_server(engine, "127.0.0.1", 0, telemetry)  # type: ignore[arg-type]
-        self.server, port = asyncio.run_coroutine_threadsafe(start, self.loop).result()
-        self.target = f"127.0.0.1:{port}"
-        self.telemetry = telemetry
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
-
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[OtlpReceiver]:
     rec = OtlpReceiver().start()
@@ -78,7 +59,7 @@ def server(receiver: OtlpReceiver) -> Iterator[ServerThread]:
     assert telemetry.provider is not None
     engine = Engine(CONFIG)
     engine.start()
-    srv = ServerThread(engine, telemetry)
+    srv = ServerThread(engine, telemetry=telemetry)
     yield srv
     srv.stop()
     engine.shutdown()
