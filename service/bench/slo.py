@@ -56,6 +56,8 @@ from slipstream.service.bench.slo_capacity import (
     find_capacity,
     format_capacity,
     plot_capacity,
+    save_figure,
+    style_attainment_axes,
 )
 from slipstream.service.bench.slo_workload import (
     DEFAULT_SLACK_FACTORS,
@@ -496,15 +498,8 @@ def plot_attainment(report: dict[str, object], path: str) -> None:
             color = line[0].get_color()
             class0 = [r["classes"]["0"]["attainment"] for r in rows]
             ax.plot(loads, class0, linestyle="--", marker="x", color=color, label=f"{name} class 0")
-        ax.set_title(f"{rows[0]['mode'] if rows else ''} CV {cv:g}")
-        ax.set_xlabel("load (x capacity)")
-        ax.set_ylabel("deadline attainment")
-        ax.set_ylim(0, 1.05)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        style_attainment_axes(ax, f"{rows[0]['mode'] if rows else ''} CV {cv:g}")
+    save_figure(fig, path)
 
 
 def format_summary(report: dict[str, object]) -> str:

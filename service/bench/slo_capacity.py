@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 SWEEP_LOADS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
 BISECTIONS = 4
@@ -139,12 +140,23 @@ def plot_capacity(report: dict[str, object], path: str) -> None:
         target = OVERALL_TARGET if cls is None else (CLASS0_TARGET if cls == "0" else None)
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
-        ax.set_title(f"{title} (capacity: dotted)")
-        ax.set_xlabel("load (x capacity)")
-        ax.set_ylabel("deadline attainment")
-        ax.set_ylim(0, 1.05)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        style_attainment_axes(ax, f"{title} (capacity: dotted)")
+    save_figure(fig, path)
+
+
+def style_attainment_axes(ax: Any, title: str) -> None:
+    """The look every attainment-vs-load panel of ``bench slo`` shares."""
+    ax.set_title(title)
+    ax.set_xlabel("load (x capacity)")
+    ax.set_ylabel("deadline attainment")
+    ax.set_ylim(0, 1.05)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def save_figure(fig: Any, path: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
