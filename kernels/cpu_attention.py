@@ -38,8 +38,6 @@ EXTENSION = extensions.Extension(
 )
 DTYPES = (torch.float32, torch.bfloat16)
 
-# Outcome of the one build attempt per source file: True, or the failure message.
-_attempts: dict[Path, bool | str] = {}
 _fake_registered = False
 
 __all__ = ["default_home", "failure", "is_available", "paged_attention"]
@@ -57,27 +55,22 @@ def is_available(home: Path | None = None, source: Path | None = None) -> bool:
     """True once the kernel is loaded. The first call per source (default
     ``SOURCE``) builds or loads it into ``extension_dir(home or default_home())``;
     later calls return that outcome. Failure logs one line and returns False."""
-    source = source or SOURCE
-    outcome = _attempts.get(source)
-    if outcome is None:
-        outcome = extensions.attempt(EXTENSION, home or default_home(), source)
-        if outcome is True:
-            _register_fake()
-        _attempts[source] = outcome
-    return outcome is True
+    return extensions.attempt_once(
+        EXTENSION, home or default_home(), source or SOURCE, _register_fake
+    )
 
 
 def failure(source: Path | None = None) -> str | None:
     """Why the attempt for ``source`` failed, None if it succeeded or was not made."""
-    outcome = _attempts.get(source or SOURCE)
-    return outcome if isinstance(outcome, str) else None
+    return extensions.failure(source or SOURCE)
 
 
-def _register_fake() -> None:
+def _register_fake() -> bool:
     global _fake_registered
     if not _fake_registered:
         torch.library.register_fake("slipstream::paged_attention", _fake_paged_attention)
         _fake_registered = True
+    return True
 
 
 def _fake_paged_attention(

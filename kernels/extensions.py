@@ -25,6 +25,7 @@ import hashlib
 import logging
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,31 @@ def attempt(ext: Extension, home: Path, source: Path) -> bool | str:
     log.info("%s ready: %s variant, %s (%.1f s)", ext.what, isa, build_dir,
              time.perf_counter() - started)  # fmt: skip
     return True
+
+
+# One outcome per source file and process: True, or why not.
+_outcomes: dict[Path, bool | str] = {}
+
+
+def attempt_once(
+    ext: Extension, home: Path, source: Path, after_load: Callable[[], bool | str] | None = None
+) -> bool:
+    """``attempt`` on the first call for ``source``; later calls return its
+    outcome. ``after_load`` runs once the library loaded (register fakes,
+    check the variant) and may turn the outcome into a reason not to use it."""
+    outcome = _outcomes.get(source)
+    if outcome is None:
+        outcome = attempt(ext, home, source)
+        if outcome is True and after_load is not None:
+            outcome = after_load()
+        _outcomes[source] = outcome
+    return outcome is True
+
+
+def failure(source: Path) -> str | None:
+    """Why the attempt for ``source`` failed; None if it succeeded or was not made."""
+    outcome = _outcomes.get(source)
+    return outcome if isinstance(outcome, str) else None
 
 
 def _first_error_line(error: Exception) -> str:

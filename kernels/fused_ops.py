@@ -29,24 +29,18 @@ EXTENSION = extensions.Extension(
     fallback="eager torch ops",
 )
 
-_outcome: dict[Path, bool | str] = {}
 _fakes_registered = False
 
 
 def is_available(home: Path | None = None) -> bool:
     """Builds or loads the library once per process; True if it loaded."""
-    outcome = _outcome.get(SOURCE)
-    if outcome is None:
-        outcome = extensions.attempt(EXTENSION, home or extensions.default_home(), SOURCE)
-        if outcome is True:
-            _register_fakes()
-        _outcome[SOURCE] = outcome
-    return outcome is True
+    return extensions.attempt_once(
+        EXTENSION, home or extensions.default_home(), SOURCE, _register_fakes
+    )
 
 
 def failure() -> str | None:
-    outcome = _outcome.get(SOURCE)
-    return outcome if isinstance(outcome, str) else None
+    return extensions.failure(SOURCE)
 
 
 def add_rms_norm_(
@@ -73,11 +67,11 @@ def rotary_neox_(
     torch.ops.slipstream.rotary_neox_(qk, cos, signed_sin, positions)
 
 
-def _register_fakes() -> None:
+def _register_fakes() -> bool:
     """Shapes for tracing, so a model calling these compiles under torch.compile."""
     global _fakes_registered
     if _fakes_registered:
-        return
+        return True
     torch.library.register_fake(
         "slipstream::add_rms_norm_", lambda x, d, w, eps: x.new_empty(x.shape)
     )
@@ -87,3 +81,4 @@ def _register_fakes() -> None:
     )
     torch.library.register_fake("slipstream::rotary_neox_", lambda qk, c, s, p: None)
     _fakes_registered = True
+    return True

@@ -38,25 +38,20 @@ EXTENSION = extensions.Extension(
 PANEL = 16  # output features per panel (csrc/linear_cpu.cpp)
 NO_AVX2 = "the CPU has no AVX2"
 
-_outcome: dict[Path, bool | str] = {}
-
 
 def panels_available(home: Path | None = None) -> bool:
     """Builds or loads the panel kernel once per process; True only where it
     loaded *and* runs its AVX2 variant (the baseline one is a reference, not
     a speed-up). Never raises."""
-    outcome = _outcome.get(SOURCE)
-    if outcome is None:
-        outcome = extensions.attempt(EXTENSION, home or extensions.default_home(), SOURCE)
-        if outcome is True and torch.ops.slipstream.linear_cpu_isa() != "avx2":
-            outcome = NO_AVX2
-        _outcome[SOURCE] = outcome
-    return outcome is True
+    return extensions.attempt_once(EXTENSION, home or extensions.default_home(), SOURCE, _runs_avx2)
+
+
+def _runs_avx2() -> bool | str:
+    return torch.ops.slipstream.linear_cpu_isa() == "avx2" or NO_AVX2
 
 
 def panels_failure() -> str | None:
-    outcome = _outcome.get(SOURCE)
-    return outcome if isinstance(outcome, str) else None
+    return extensions.failure(SOURCE)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from paged_fixtures import PagedBatch, dense_attention, make_paged_batch
 
-from slipstream.kernels import attention, backend, cpu_attention
+from slipstream.kernels import attention, backend, cpu_attention, extensions
 from slipstream.kernels.attention import AttentionMetadata, build_attention_metadata
 from slipstream.kernels.block_copy import copy_blocks
 from slipstream.kernels.kv_layout import head_major
@@ -268,7 +268,7 @@ def test_a_failed_build_falls_back_to_torch_with_one_log_line(
     broken = tmp_path / "paged_attention_cpu.cpp"
     broken.write_text("#error this source does not compile\n")
     monkeypatch.setattr(cpu_attention, "SOURCE", broken)  # what is_available() builds by default
-    monkeypatch.setattr(cpu_attention, "_attempts", {})
+    monkeypatch.setattr(extensions, "_outcomes", {})
     with caplog.at_level(logging.INFO, logger="slipstream.kernels"):
         assert backend.resolve_backend("auto", CPU, home=tmp_path) == "torch"
         assert not cpu_attention.is_available(tmp_path)  # the outcome is kept: no second build
