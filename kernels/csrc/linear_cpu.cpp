@@ -1,10 +1,11 @@
-// A float32 projection for the few-token case of decode steps,
+// A float32 projection for every batch size of a step,
 //
 //   y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N])
 //
-// where oneDNN's GEMM is far from the memory floor: at M = 1..32 rows a step
-// reads every weight once and does little arithmetic on it, so the time to
-// beat is that of streaming the weights from memory.
+// built first for the few-token decode steps, where oneDNN's GEMM is far from
+// the memory floor (at M = 1..32 rows a step reads every weight once and does
+// little arithmetic on it), and measured faster than oneDNN at up to 512 rows
+// too (kernels/linear.py), so it serves prefill chunks as well.
 //
 // Weights are packed once, at load time, into panels of 16 output features
 // laid out k-major (kernels/linear.py packs them):
@@ -25,9 +26,10 @@
 // accumulator per output; a different order than oneDNN's or MKL's, so
 // results agree with them to ~1e-6 relative, not bit for bit.
 //
-// Instruction sets: the kernel is a template instantiated for an AVX2+FMA
-// and a baseline entry point, picked at run time (__builtin_cpu_supports),
-// so the binary does not depend on the build machine's CPU.
+// Instruction sets: an AVX2+FMA kernel (intrinsics) and a plain scalar
+// baseline, picked at run time (__builtin_cpu_supports), so the binary does
+// not depend on the build machine's CPU; kernels/linear.py uses it only
+// where the AVX2 variant runs.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -183,7 +183,7 @@ async def create_server(
     (if given) is attached to the engine."""
     lifecycle = Lifecycle(engine)
     server, bound = build_server(
-        lifecycle, host, port, telemetry, options, limits, tls=tls, tenants=tenants
+        lifecycle, host, port, telemetry, options, limits, tls=tls, tenants=tenants, workers=workers
     )
     if telemetry is not None:
         telemetry.attach(engine)

@@ -25,11 +25,14 @@ def _build(args: argparse.Namespace) -> int:
         "fused elementwise ops": (fused_ops.is_available(home), fused_ops.failure()),
         "panel projections": (linear.panels_available(home), linear.panels_failure()),
     }
-    if results["panel projections"][1] == linear.NO_AVX2:
-        results["panel projections"] = (True, None)  # built; only not used on this CPU
-        print(f"panel projections: built, not used here ({linear.NO_AVX2}): oneDNN's are")
     for name, (ok, why) in results.items():
-        print(f"{name}: {'ready' if ok else f'unavailable ({why}); the torch path will be used'}")
+        if why == linear.NO_AVX2:  # built; only not used on this CPU
+            print(f"{name}: built, not used here ({why}): oneDNN's are")
+            results[name] = (True, None)
+        elif ok:
+            print(f"{name}: ready")
+        else:
+            print(f"{name}: unavailable ({why}); the torch path will be used")
     print(f"cache: {home / 'cache' / 'extensions'}")
     # A missing kernel is not fatal (the server falls back), but set-up should say so.
     return 0 if all(ok for ok, _ in results.values()) else 1

@@ -81,12 +81,12 @@ async def prompt_token_ids(
         return prompt
     texts = [prompt] if isinstance(prompt, str) else [content for _, content in prompt]
     max_chars = engine.info.max_model_len * MAX_CHARS_PER_TOKEN
-    if sum(len(t) for t in texts) > max_chars:
+    num_chars = sum(len(t) for t in texts)
+    if num_chars > max_chars:
         param = "prompt" if isinstance(prompt, str) else "messages"
         raise too_large(f"the prompt is over {max_chars} characters, more than fits", param)
     if workers is None:
         return await asyncio.to_thread(_encode, engine.tokenizer, prompt)
-    num_chars = sum(len(t) for t in texts)
     return await workers.run(lambda: _encode(engine.tokenizer, prompt), num_chars)
 
 
