@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.scheduler.request import FinishReason
-from slipstream.service.bench import llamacpp_peer, vllm_peer
+from slipstream.service.bench import llamacpp_peer, roofline, vllm_peer
 from slipstream.service.bench.report import (
     EngineRun,
     RequestTiming,
@@ -76,6 +76,7 @@ class OfflineOptions:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     prefix_cache: bool = True
+    floor: bool = True
     hf_batch_size: int = 16
     hf_cb_page_size: int = 64
     hf_cb_max_batch_tokens: int = 512
@@ -115,6 +116,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine.add_argument("--max-num-seqs", type=int)
     engine.add_argument(
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefix caching off"
+    )
+    parser.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip measuring the workload's floor on this CPU (bench/roofline.py)",
     )
     peers = parser.add_argument_group("peers")
     peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
@@ -173,6 +180,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
+        floor=args.floor,
         hf_batch_size=args.hf_batch_size,
         hf_cb_page_size=args.hf_cb_page_size,
         hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
@@ -197,6 +205,10 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         "environment": _environment(options, model_dir),
     }
     _print_parameters(report)
+    floor = _floor(model_dir, workload, options) if options.floor else None
+    if floor is not None:
+        report["floor"] = floor.as_dict()
+        print(floor.describe(), flush=True)
     engines: dict[str, dict[str, object]] = {}
     for name in options.engines:
         print(f"running {name} ...", flush=True)
@@ -223,6 +235,11 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
     report["environment"]["load_avg_1m_at_end"] = os.getloadavg()[0]  # type: ignore[index]
     report = {"engines": engines, **report, "ratios": throughput_ratios(engines)}
     print(format_table(engines))
+    if floor is not None and "output_tokens_per_s" in engines.get("slipstream", {}):
+        ours = float(engines["slipstream"]["output_tokens_per_s"])  # type: ignore[arg-type]
+        fraction = ours / floor.output_tokens_per_s
+        report["floor"] = {**floor.as_dict(), "slipstream_fraction": fraction}
+        print(f"slipstream ran at {fraction:.2f}x the floor's rate")
     if "vllm" in engines:
         print(vllm_peer.summary_line(engines["vllm"]))
     for key, value in report["ratios"].items():  # type: ignore[attr-defined]
@@ -232,6 +249,16 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
     if options.plot_path:
         plot_engines(report, options.plot_path)
     return report
+
+
+def _floor(
+    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+) -> roofline.Floor:
+    shape = roofline.ModelShape.from_dir(model_dir)
+    kv_bytes = 4 if options.dtype == "float32" else 2
+    work = roofline.workload_work(shape, workload, kv_bytes)
+    rates = roofline.measure_rates(shape, options.dtype)
+    return roofline.Floor.of(work, rates, sum(r.max_tokens for r in workload))
 
 
 def resolve_model_dir(model: str) -> str:

@@ -142,6 +142,16 @@ def plot_engines(report: Mapping[str, Any], path: str) -> None:
     fig, (tps_ax, ttft_ax) = plt.subplots(1, 2, figsize=(10, 4))
     tps_ax.bar(names, [engines[n]["output_tokens_per_s"] for n in names], color="tab:blue")
     tps_ax.set_ylabel("output tokens/s (higher is better)")
+    floor = report.get("floor")
+    if floor:
+        tps_ax.axhline(floor["output_tokens_per_s"], color="black", linestyle="--", linewidth=1)
+        tps_ax.annotate(
+            "floor on this CPU (matmuls + K/V reads only)",
+            (0, floor["output_tokens_per_s"]),
+            xytext=(0, 3),
+            textcoords="offset points",
+            fontsize=8,
+        )
     ttft_ax.bar(names, [engines[n].get("ttft_p50_s") or 0.0 for n in names], color="tab:orange")
     ttft_ax.set_ylabel("TTFT p50, s (lower is better)")
     for ax in (tps_ax, ttft_ax):

@@ -73,3 +73,19 @@ def test_slipstream_against_peers(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert set(engines["slipstream"]) >= ENGINE_KEYS
     assert engines["slipstream"]["settings"]["block_size"] == 16
     assert set(report["ratios"]) == {"slipstream/hf_static", "slipstream/hf_cb"}
+
+
+def test_the_report_carries_the_floor_of_this_cpu(tmp_path: Path, tiny_model_dir: Path) -> None:
+    report = _bench(tmp_path, tiny_model_dir, "slipstream")
+    floor = report["floor"]
+    assert floor["matmul_flop_per_s"] > 0 and floor["read_bytes_per_s"] > 0
+    assert floor["wall_s"] == pytest.approx(
+        floor["projections_s"] + floor["kv_read_s"] + floor["prefill_attention_s"]
+    )
+    tokens = report["workload"]["num_output_tokens"]
+    assert floor["output_tokens_per_s"] == pytest.approx(tokens / floor["wall_s"])
+    ours = report["engines"]["slipstream"]["output_tokens_per_s"]
+    assert floor["slipstream_fraction"] == pytest.approx(ours / floor["output_tokens_per_s"])
+    # Everything an engine does beyond matmuls and K/V reads is free in the floor.
+    assert floor["slipstream_fraction"] < 1
+    assert "floor" not in _bench(tmp_path, tiny_model_dir, "slipstream", "--no-floor")
