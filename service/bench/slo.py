@@ -525,9 +525,15 @@ def format_summary(report: dict[str, object]) -> str:
         )
     twins = [r for r in runs if "sim_twin" in r]
     if twins:
-        lines += ["", _capacity_line(report), "engine vs its simulated twin (attainment %):"]
+        lines += [
+            "",
+            _capacity_line(report),
+            "engine vs its simulated twin (attainment %: engine / twin with the model held at "
+            "the run's start / twin with the run's own steps fit):",
+        ]
         lines += [_twin_line(r) for r in twins]
         lines += _disagreement_lines(twins)
+        lines += _class0_miss_lines(twins)
     ratios = report.get("goodput_ratios") or []
     assert isinstance(ratios, list)
     if ratios:
@@ -550,18 +556,24 @@ def _capacity_line(report: dict[str, object]) -> str:
 
 
 def _twin_line(run: dict[str, object]) -> str:
-    twin = run["sim_twin"]
-    assert isinstance(twin, dict)
-    ours, theirs = run["classes"], twin["classes"]
-    assert isinstance(ours, dict)
-    per_class = "  ".join(
-        f"c{c} {_pct(ours[c]['attainment'])}/{_pct(theirs[c]['attainment'])}"
-        for c in ("0", "1", "2")
-    )
+    """Engine / twin with the model held at the start / twin with the run's own fit."""
+    sides = [run, run["sim_twin"], run.get("sim_twin_run_fit")]
+
+    def triple(cls: str | None) -> str:
+        return "/".join(_pct(_attainment(side, cls)) for side in sides)
+
+    per_class = "  ".join(f"c{c} {triple(c)}" for c in ("0", "1", "2"))
     return (
         f"  cv {run['cv']:g} load {run['load']:g} {run['policy']:<8} {str(run['deadlines'])[:4]:<4}"
-        f" all {_pct(run['attainment'])}/{_pct(twin['attainment'])}  {per_class}"
+        f" all {triple(None)}  {per_class}"
     )
+
+
+def _attainment(side: object, cls: str | None) -> object:
+    """A run's (or twin's) attainment, overall or of class ``cls``; None when absent."""
+    if not isinstance(side, dict):
+        return None
+    return side["attainment"] if cls is None else side["classes"][cls]["attainment"]
 
 
 def _disagreement_lines(runs: Sequence[dict[str, object]]) -> list[str]:
@@ -581,6 +593,28 @@ def _disagreement_lines(runs: Sequence[dict[str, object]]) -> list[str]:
             lines.append(
                 f"    {row['req_id']:<6} class {row['priority']} {side}: "
                 f"engine {row['engine']}, twin {row['twin']}, deadline {_num(row['deadline_s'])}s"
+            )
+    return lines
+
+
+def _class0_miss_lines(runs: Sequence[dict[str, object]]) -> list[str]:
+    """Class-0 requests that missed on the engine, per run."""
+    lines: list[str] = []
+    for run in runs:
+        rows = run.get("class0_misses") or []
+        assert isinstance(rows, list)
+        if not rows:
+            continue
+        lines.append(
+            f"  class-0 misses on the engine, cv {run['cv']:g} load {run['load']:g} "
+            f"{run['policy']} {str(run['deadlines'])[:4]}:"
+        )
+        for row in rows:
+            lines.append(
+                f"    {row['req_id']:<6} at {row['arrival_s']:.2f}s: {row['fate']}, deadline "
+                f"{_num(row['deadline_s'])}s, prompt {row['prompt_len']} / output "
+                f"{row['output_len']}, queued {_num(row['queue_wait_s'])}s, TTFT "
+                f"{_num(row['ttft_s'])}s, preempted {row['preemptions']}x"
             )
     return lines
 

@@ -185,11 +185,20 @@ def _engine_run(
     assert engine.cost_model is not None
     held = CostModel(engine.cost_model.coefficients)  # what the engine knew at the start
     swaps0, recomputes0 = sched.num_swap_preemptions, sched.num_recompute_preemptions
+    # The run's own steps, fit afresh (no forgetting): the step-time model of
+    # exactly the machine time this run had, whatever the machine did before.
+    own_steps = CostModel(held.coefficients, forgetting=1.0)
+    engine.step_listeners.append(own_steps.observe_plan)
     seen = as_scheduled(requests, deadlines)
-    outcomes = _replay(engine, seen, time.monotonic(), engine.info.vocab_size)
+    try:
+        outcomes = _replay(engine, seen, time.monotonic(), engine.info.vocab_size)
+    finally:
+        engine.step_listeners.remove(own_steps.observe_plan)
     swaps = sched.num_swap_preemptions - swaps0
     twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines)
     disagreements = scored_differently(outcomes, twin.outcomes, requests)
+    refit = CostModel(own_steps.coefficients)
+    twin_refit, twin_refit_metrics = simulate_workload(opts, policy, requests, refit, deadlines)
     return {
         "policy": policy,
         "deadlines": deadlines,
@@ -203,12 +212,48 @@ def _engine_run(
         "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(engine.model, opts.block_size),
         "swapped_bytes": None,
         "sim_twin": _twin_summary(twin_metrics, twin),
+        "sim_twin_run_fit": {
+            **_twin_summary(twin_refit_metrics, twin_refit),
+            "coefficients": _coeffs(refit),
+            "num_disagreements": len(scored_differently(outcomes, twin_refit.outcomes, requests)),
+        },
         "num_twin_disagreements": len(disagreements),
         "twin_disagreements": disagreements[:MAX_LISTED_DISAGREEMENTS],
+        "class0_misses": class0_misses(outcomes, requests)[:MAX_LISTED_DISAGREEMENTS],
     }
 
 
 MAX_LISTED_DISAGREEMENTS = 20
+
+
+def class0_misses(
+    outcomes: Sequence[SimOutcome], requests: Sequence[SimRequest]
+) -> list[dict[str, object]]:
+    """Every class-0 request that missed on the engine, with what happened
+    to it and what it asked for: the first place to look when class 0 falls
+    short."""
+    rows: list[dict[str, object]] = []
+    for outcome, spec in zip(score_against(outcomes, requests), requests, strict=True):
+        if spec.priority != 0 or outcome.met_deadline:
+            continue
+        rows.append(
+            {
+                "req_id": spec.req_id,
+                "arrival_s": spec.arrival,
+                "fate": _fate(outcome),
+                "deadline_s": None if spec.deadline is None else spec.deadline - spec.arrival,
+                "prompt_len": spec.prompt_len,
+                "output_len": spec.output_len,
+                "queue_wait_s": None
+                if outcome.first_scheduled_time is None
+                else outcome.first_scheduled_time - spec.arrival,
+                "ttft_s": None
+                if outcome.first_token_time is None
+                else outcome.first_token_time - spec.arrival,
+                "preemptions": outcome.num_preemptions,
+            }
+        )
+    return rows
 
 
 def scored_differently(

@@ -16,7 +16,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,6 +262,9 @@ class Engine:
         self._idle = threading.Condition(self._lock)
         # Telemetry hook; set before start(). None: no call, no cost.
         self.observer: EngineObserver | None = None
+        # Called on the engine thread with every step that ran and its measured
+        # seconds (what the cost model refits from); keep them cheap.
+        self.step_listeners: list[Callable[[StepPlan, float], None]] = []
         log.info(
             "engine_ready",
             model=str(model_dir),
@@ -433,13 +436,15 @@ class Engine:
             outputs = self.scheduler.update(plan, result.sampled, time.monotonic())
         self._observe(plan, outputs, started)
         self._publish(plan, outputs)
+        # The refit sees the whole step — planning, forward, update, publishing —
+        # because step-to-step time is what deadlines are spent in: timing the
+        # forward alone overstated capacity by about half on `small`.
+        seconds = time.monotonic() - started
         if self.cost_model is not None:
-            # The refit sees the whole step — planning, forward, update, publishing —
-            # because step-to-step time is what deadlines are spent in: timing the
-            # forward alone overstated capacity by about half on `small`.
-            seconds = time.monotonic() - started
             with self._lock:
                 self.cost_model.observe_plan(plan, seconds)
+        for listener in self.step_listeners:
+            listener(plan, seconds)
 
     def _observe(self, plan: StepPlan, outputs: list[RequestOutput], started: float) -> None:
         # Before _publish, so an observer sees a request's last tokens before its finish.

@@ -185,6 +185,15 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) 
         listed = run["twin_disagreements"]
         assert len(listed) == min(run["num_twin_disagreements"], 20)
         assert all(row["met_on_engine"] != row["met_in_twin"] for row in listed)
+        run_fit = run["sim_twin_run_fit"]
+        assert 0.0 <= run_fit["attainment"] <= 1.0 and run_fit["num_disagreements"] >= 0
+        # fit on this run's own steps: moved away from the start-up calibration
+        assert run_fit["coefficients"] != report["coefficients"]
+        misses = run["class0_misses"]
+        c0 = run["classes"]["0"]
+        missed_c0 = round(c0["num_requests"] * (1 - c0["attainment"]))
+        assert len(misses) == min(missed_c0, 20)
+        assert all(row["fate"] and row["deadline_s"] > 0 for row in misses)
         assert set(twin["classes"]) == {"0", "1", "2"}
     assert report["capacity_rps"] > 0 and report["sim_capacity_rps"] > 0
     assert {r["baseline_deadlines"] for r in report["goodput_ratios"]} == {"unaware"}
