@@ -27,6 +27,11 @@ from .plan import StepPlan
 # all four: [1, prefill tokens / 100, decode seqs / 10, context tokens / 1000].
 _SCALES = (1.0, 100.0, 10.0, 1000.0)
 _MIN_STEP_S = 1e-6
+# Weight of the newest step in the average overrun; the overrun a margin is
+# built from never exceeds MAX_OVERRUN (a start-up guess far off is refit in
+# a few steps and must not starve everything meanwhile).
+_OVERRUN_EWMA = 0.05
+MAX_OVERRUN = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +104,7 @@ class CostModel:
         self._p = [[1.0 / prior_weight if i == j else 0.0 for j in range(4)] for i in range(4)]
         self._forgetting = forgetting
         self._num_samples = 0
+        self._overrun = 0.0
         self._refresh()
 
     def _refresh(self) -> None:
@@ -118,6 +124,14 @@ class CostModel:
     def num_samples(self) -> int:
         return self._num_samples
 
+    @property
+    def overrun(self) -> float:
+        """How far measured steps ran past the prediction made just before
+        them, as a fraction of it: an exponential average of
+        ``max(0, measured / predicted - 1)``, at most ``MAX_OVERRUN``. What a
+        deadline must keep in hand for the model's own error."""
+        return self._overrun
+
     def set_swap_cost(self, seconds_per_block: float) -> None:
         if seconds_per_block < 0:
             raise ValueError(f"swap cost must be >= 0, got {seconds_per_block}")
@@ -129,6 +143,14 @@ class CostModel:
         weighted recursive least squares; O(16) float operations."""
         if seconds <= 0 or seconds != seconds:
             return  # a clock glitch, not information
+        predicted = max(
+            _MIN_STEP_S,
+            self._forward_seconds(
+                shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens
+            ),
+        )
+        over = min(MAX_OVERRUN, max(0.0, seconds / predicted - 1.0))
+        self._overrun += _OVERRUN_EWMA * (over - self._overrun)
         x = _features(shape)
         px = [sum(self._p[i][j] * x[j] for j in range(4)) for i in range(4)]
         denom = self._forgetting + sum(x[i] * px[i] for i in range(4))

@@ -414,8 +414,11 @@ class DeadlinePolicy(SchedulingPolicy):
             self._reserve.observe(now, self.step_ceiling(req, now))
 
     def step_ceiling(self, req: Request, now: float) -> float:
-        """The longest step ``req`` can afford: the time to its nearest limit
-        over the steps it still needs (plus a margin); +inf without limits."""
+        """The longest step ``req`` can afford, as the cost model predicts
+        steps: the time to its nearest limit over the steps it still needs
+        (plus a margin), shrunk by the model's measured overrun (a step
+        predicted at the ceiling tends to run that much longer); +inf
+        without limits."""
         if req.deadline is None and req.first_token_deadline is None:
             return math.inf
         entry = self._estimate(req)
@@ -425,7 +428,7 @@ class DeadlinePolicy(SchedulingPolicy):
         if req.first_token_deadline is not None and entry.first_token_steps:
             steps = entry.first_token_steps + CEILING_MARGIN_STEPS
             ceiling = min(ceiling, (req.first_token_deadline - now) / steps)
-        return ceiling
+        return ceiling / (1.0 + self.cost_model.overrun)
 
     @property
     def is_urgency_driven(self) -> bool:

@@ -347,3 +347,42 @@ def test_the_reserve_keeps_steps_short_for_class_0_arrivals_not_yet_here() -> No
     hopeless = BatchShaper(cost, 1.0, lambda r, now: float("inf"), 0.015)
     hopeless.commit(first, 10)
     assert hopeless.fit(make_request("bg", 200, 4, priority=1), 200) == 200
+
+
+# -- the cost model's own error -------------------------------------------------
+
+
+def test_overrun_tracks_steps_that_run_past_their_prediction() -> None:
+    from slipstream.scheduler.cost_model import MAX_OVERRUN, StepShape
+
+    shape = StepShape(num_prefill_tokens=0, num_decode_seqs=4, num_context_tokens=400)
+    # forgetting 1 and a heavy prior: the coefficients barely move, the error stays
+    model = CostModel(CostCoefficients(0.1, 0.0, 0.0, 0.0), forgetting=1.0, prior_weight=1e9)
+    assert model.overrun == 0.0
+    for _ in range(200):
+        model.observe(shape, 0.12)  # 20 % slower than predicted, every step
+    assert model.overrun == pytest.approx(0.2, abs=0.01)
+    for _ in range(200):
+        model.observe(shape, 0.05)  # faster than predicted: no overrun
+    assert model.overrun < 0.001
+    for _ in range(200):
+        model.observe(shape, 10.0)  # a stall: capped
+    assert model.overrun == pytest.approx(MAX_OVERRUN, abs=0.01)
+
+
+def test_step_ceilings_keep_the_models_overrun_in_hand() -> None:
+    from slipstream.scheduler.cost_model import StepShape
+
+    cost = CostModel(CostCoefficients(0.1, 0.0, 0.0, 0.0), forgetting=1.0, prior_weight=1e9)
+    config = SchedulerConfig(
+        num_device_blocks=64, block_size=4, max_model_len=64, policy="deadline"
+    )
+    policy = DeadlinePolicy(config, cost)
+    req = make_request("r", 8, 10)
+    req.deadline = 5.0
+    exact = policy.step_ceiling(req, 0.0)
+    shape = StepShape(num_prefill_tokens=0, num_decode_seqs=1, num_context_tokens=10)
+    for _ in range(300):
+        cost.observe(shape, 0.125)  # 25 % over
+    assert policy.step_ceiling(req, 0.0) == pytest.approx(exact / (1 + cost.overrun))
+    assert policy.step_ceiling(req, 0.0) < exact / 1.2
