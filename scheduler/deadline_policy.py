@@ -43,6 +43,7 @@ the most slack.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
@@ -302,7 +303,7 @@ class DeadlinePolicy(SchedulingPolicy):
         return max(candidates, key=lambda r: self.victim_key(r, now), default=None)
 
     def admission_victim(
-        self, candidate: Request, running: Sequence[Request], now: float
+        self, candidate: Request, running: Sequence[Request], now: float, num_ahead: int = 0
     ) -> Request | None:
         """For a candidate that is not hopeless: the ``victim_key`` maximum
         of the unprotected running requests when it is hopeless, or when it
@@ -320,16 +321,27 @@ class DeadlinePolicy(SchedulingPolicy):
         least_urgent = max((r.priority for r in eligible), default=None)
         if least_urgent is None or least_urgent <= candidate.priority:
             return None
-        if self._can_wait(candidate, running, now):
+        if self._can_wait(candidate, running, now, num_ahead):
             return None
         return max(eligible, key=lambda r: self.victim_key(r, now))
 
-    def _can_wait(self, candidate: Request, running: Sequence[Request], now: float) -> bool:
-        """True when the candidate's slack outlasts the next finish among
-        ``running`` (plus a margin): a slot frees up in time without a push."""
+    def _can_wait(
+        self, candidate: Request, running: Sequence[Request], now: float, num_ahead: int = 0
+    ) -> bool:
+        """True when the candidate's slack outlasts the finish that frees its
+        slot (plus a margin): the ``num_ahead + 1``-th among ``running``, the
+        earlier ones going to the waiting work ahead of it."""
         if candidate.deadline is None:
             return True
-        next_free = min((self.loaded_remaining_seconds(r) for r in running), default=0.0)
+        if num_ahead == 0:
+            next_free = min((self.loaded_remaining_seconds(r) for r in running), default=0.0)
+        else:
+            finishes = heapq.nsmallest(
+                num_ahead + 1, (self.loaded_remaining_seconds(r) for r in running)
+            )
+            if len(finishes) <= num_ahead:
+                return False  # more waiting ahead than running work to finish
+            next_free = finishes[-1]
         return self.slack(candidate, now) > next_free + _MARGIN_STEPS * self.loaded_step_s
 
     def _is_protected(self, req: Request, now: float) -> bool:

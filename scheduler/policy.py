@@ -103,10 +103,13 @@ class SchedulingPolicy(abc.ABC):
         return PreemptionMode.RECOMPUTE
 
     def admission_victim(
-        self, candidate: Request, running: Sequence[Request], now: float
+        self, candidate: Request, running: Sequence[Request], now: float, num_ahead: int = 0
     ) -> Request | None:
         """A running request to preempt so ``candidate`` can be admitted, or
-        ``None``. Default: waiting work never preempts running work."""
+        ``None``. ``num_ahead`` more urgent waiting requests found no room
+        this step and wait for running work to finish: they take the first
+        ``num_ahead`` slots that free up. Default: waiting work never preempts
+        running work."""
         return None
 
     @property

@@ -57,6 +57,9 @@ from .request import ExpiredLimit, FinishReason, RejectCause, Request, RequestSt
 # Bounds of a retry-after hint, and the weight of the newest gap between
 # finishes in the average that sizes it.
 _RETRY_AFTER_S = (0.05, 300.0)
+# Waiting requests that found no room, past which the walk that makes room for
+# waiting work stops (it stops at the first for policies that never preempt).
+MAX_WAITING_AHEAD = 4
 _FINISH_GAP_EWMA = 0.1
 
 
@@ -319,7 +322,8 @@ class Scheduler:
         waiting = self._ordered_waiting(state, now)
         if self._paused:
             waiting = [r for r in waiting if r.req_id not in self._paused]
-        for num_admitted, candidate in enumerate(waiting):
+        num_admitted = num_ahead = 0
+        for candidate in waiting:
             hits = self._prefix_hits(candidate)
             cached = len(hits) * self.config.block_size
             chunk = min(candidate.num_tokens - cached, self.config.max_num_batched_tokens)
@@ -327,21 +331,36 @@ class Scheduler:
                 hits, self.device_pool.blocks_for(cached + chunk)
             )
             min_tokens = min(chunk, self.config.block_size) if budget else 0
+            has_room = False
             while True:
                 if self._fits(need, num_admitted + 1):
                     if not budget:
+                        has_room = True
                         break
                     if rigid is None:
                         rigid = self._rigid_running_tokens()
                     if rigid + reserved_tokens + min_tokens <= budget:
+                        has_room = True
                         break
-                victim = policy.admission_victim(candidate, self._running_list(), now)
+                victim = policy.admission_victim(candidate, self._running_list(), now, num_ahead)
                 if victim is None:
-                    return
+                    break
                 self._check_is_running(victim)
                 if rigid is not None:
                     rigid -= self._rigid_tokens(victim)
                 self._preempt(state, victim, now)
+            if not has_room or num_ahead:
+                # The candidate waits for running work to finish (or, behind
+                # such a waiter, has made what room it could: the first waiter
+                # is admitted first). More urgent work further back — a class
+                # 0 behind an aged request, or behind the waiters of a burst
+                # that all count on the same next finish — may not be able to
+                # wait: the walk goes on past MAX_WAITING_AHEAD waiters at most.
+                num_ahead += 1
+                if not policy.is_urgency_driven or num_ahead > MAX_WAITING_AHEAD:
+                    return
+                continue
+            num_admitted += 1
             reserved_blocks = need
             if budget:
                 assert rigid is not None  # the loop above only ends in budget once summed

@@ -551,7 +551,8 @@ def _capacity_line(report: dict[str, object]) -> str:
     return (
         f"capacity: engine {_num(report['capacity_rps'])} req/s; simulated with the start-up "
         f"calibration {_num(report['sim_capacity_rps'])}, with the online refit "
-        f"{_num(report.get('sim_capacity_rps_refit'))} req/s"
+        f"{_num(report.get('sim_capacity_rps_refit'))} req/s; deadlines set with the "
+        f"calibration x {_num(report.get('deadline_scale'))} (isolated requests measured)"
     )
 
 

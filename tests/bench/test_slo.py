@@ -196,6 +196,7 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) 
         assert all(row["fate"] and row["deadline_s"] > 0 for row in misses)
         assert set(twin["classes"]) == {"0", "1", "2"}
     assert report["capacity_rps"] > 0 and report["sim_capacity_rps"] > 0
+    assert report["deadline_scale"] > 0  # isolated requests measured on the engine
     assert {r["baseline_deadlines"] for r in report["goodput_ratios"]} == {"unaware"}
     summary = slo.format_summary(report)
     assert "engine vs its simulated twin" in summary and "capacity: engine" in summary

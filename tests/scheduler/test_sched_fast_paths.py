@@ -80,7 +80,7 @@ class BruteForceDeadlinePolicy(DeadlinePolicy):
         )
 
     def admission_victim(
-        self, candidate: Request, running: Sequence[Request], now: float
+        self, candidate: Request, running: Sequence[Request], now: float, num_ahead: int = 0
     ) -> Request | None:
         if self.is_hopeless(candidate, now):
             return None
@@ -89,7 +89,8 @@ class BruteForceDeadlinePolicy(DeadlinePolicy):
         if victim is None:
             return None
         if not self.is_hopeless(victim, now) and (
-            victim.priority <= candidate.priority or self._can_wait(candidate, running, now)
+            victim.priority <= candidate.priority
+            or self._can_wait(candidate, running, now, num_ahead)
         ):
             return None
         self.num_admission_victims += 1

@@ -237,7 +237,7 @@ def test_fcfs_head_of_line_is_never_overtaken() -> None:
 def test_policy_hook_lets_urgent_waiting_work_push_running_work_out() -> None:
     class Urgent(PriorityPolicy):
         def admission_victim(
-            self, candidate: Request, running: list[Request], now: float
+            self, candidate: Request, running: list[Request], now: float, num_ahead: int = 0
         ) -> Request | None:
             victim = self.choose_victim(running, candidate, now)
             if victim is None or victim.priority <= candidate.priority:
