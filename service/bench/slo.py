@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -579,44 +579,57 @@ def _attainment(side: object, cls: str | None) -> object:
 
 def _disagreement_lines(runs: Sequence[dict[str, object]]) -> list[str]:
     """The requests the engine and its twin scored differently, per run."""
-    lines: list[str] = []
-    for run in runs:
-        rows = run.get("twin_disagreements") or []
-        assert isinstance(rows, list)
-        if not rows:
-            continue
-        lines.append(
-            f"  requests scored differently, cv {run['cv']:g} load {run['load']:g} "
-            f"{run['policy']} ({run['num_twin_disagreements']} in all):"
+
+    def row_line(row: dict[str, object]) -> str:
+        side = "met on the engine only" if row["met_on_engine"] else "met in the twin only"
+        return (
+            f"    {row['req_id']:<6} class {row['priority']} {side}: "
+            f"engine {row['engine']}, twin {row['twin']}, deadline {_num(row['deadline_s'])}s"
         )
-        for row in rows:
-            side = "met on the engine only" if row["met_on_engine"] else "met in the twin only"
-            lines.append(
-                f"    {row['req_id']:<6} class {row['priority']} {side}: "
-                f"engine {row['engine']}, twin {row['twin']}, deadline {_num(row['deadline_s'])}s"
-            )
-    return lines
+
+    return _listed_per_run(
+        runs,
+        "twin_disagreements",
+        lambda run: (
+            f"requests scored differently, cv {run['cv']:g} load {run['load']:g} "
+            f"{run['policy']} ({run['num_twin_disagreements']} in all):"
+        ),
+        row_line,
+    )
 
 
 def _class0_miss_lines(runs: Sequence[dict[str, object]]) -> list[str]:
     """Class-0 requests that missed on the engine, per run."""
+    return _listed_per_run(
+        runs,
+        "class0_misses",
+        lambda run: (
+            f"class-0 misses on the engine, cv {run['cv']:g} load {run['load']:g} "
+            f"{run['policy']} {str(run['deadlines'])[:4]}:"
+        ),
+        lambda row: (
+            f"    {row['req_id']:<6} at {row['arrival_s']:.2f}s: {row['fate']}, deadline "
+            f"{_num(row['deadline_s'])}s, prompt {row['prompt_len']} / output "
+            f"{row['output_len']}, queued {_num(row['queue_wait_s'])}s, TTFT "
+            f"{_num(row['ttft_s'])}s, preempted {row['preemptions']}x"
+        ),
+    )
+
+
+def _listed_per_run(
+    runs: Sequence[dict[str, object]],
+    key: str,
+    header: Callable[[dict[str, object]], str],
+    line: Callable[[dict[str, object]], str],
+) -> list[str]:
+    """For each run with rows under ``key``: its header, then a line per row."""
     lines: list[str] = []
     for run in runs:
-        rows = run.get("class0_misses") or []
+        rows = run.get(key) or []
         assert isinstance(rows, list)
-        if not rows:
-            continue
-        lines.append(
-            f"  class-0 misses on the engine, cv {run['cv']:g} load {run['load']:g} "
-            f"{run['policy']} {str(run['deadlines'])[:4]}:"
-        )
-        for row in rows:
-            lines.append(
-                f"    {row['req_id']:<6} at {row['arrival_s']:.2f}s: {row['fate']}, deadline "
-                f"{_num(row['deadline_s'])}s, prompt {row['prompt_len']} / output "
-                f"{row['output_len']}, queued {_num(row['queue_wait_s'])}s, TTFT "
-                f"{_num(row['ttft_s'])}s, preempted {row['preemptions']}x"
-            )
+        if rows:
+            lines.append("  " + header(run))
+            lines += [line(row) for row in rows]
     return lines
 
 
