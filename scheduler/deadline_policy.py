@@ -333,15 +333,12 @@ class DeadlinePolicy(SchedulingPolicy):
         earlier ones going to the waiting work ahead of it."""
         if candidate.deadline is None:
             return True
-        if num_ahead == 0:
-            next_free = min((self.loaded_remaining_seconds(r) for r in running), default=0.0)
-        else:
-            finishes = heapq.nsmallest(
-                num_ahead + 1, (self.loaded_remaining_seconds(r) for r in running)
-            )
-            if len(finishes) <= num_ahead:
-                return False  # more waiting ahead than running work to finish
-            next_free = finishes[-1]
+        finishes = heapq.nsmallest(
+            num_ahead + 1, (self.loaded_remaining_seconds(r) for r in running)
+        )
+        if len(finishes) <= num_ahead:
+            return False  # more waiting ahead than running work to finish
+        next_free = finishes[-1]
         return self.slack(candidate, now) > next_free + _MARGIN_STEPS * self.loaded_step_s
 
     def _is_protected(self, req: Request, now: float) -> bool:

@@ -125,6 +125,7 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
     import torch.nn.functional as F
 
     from slipstream.kernels import linear
+    from slipstream.service.bench.step_timing import read_floor_ms
 
     dtype = getattr(torch, dtype_name)
     weights = [torch.randn(n, k).to(dtype) for n, k in shape.projection_shapes()]
@@ -143,8 +144,7 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
         )
         if flop / seconds > best_rate:
             best_rate, best_name = flop / seconds, name
-    buffer = torch.ones(READ_BYTES // 4, dtype=torch.float32)
-    read_s = _median_seconds(buffer.sum, repeats)
+    read_s = read_floor_ms(READ_BYTES, torch.float32, repeats) / 1e3
     return Rates(best_rate, best_name, READ_BYTES / read_s)
 
 
