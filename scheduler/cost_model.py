@@ -91,7 +91,11 @@ class CostModel:
         *,
         forgetting: float = 0.995,
         prior_weight: float = 10.0,
+        overrun: float = 0.0,
     ) -> None:
+        """``overrun`` starts the model with a margin measured elsewhere (a
+        simulated twin planning with the margin its engine held); it is
+        clamped to ``[0, MAX_OVERRUN]`` and moves only with ``observe``."""
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
         if prior_weight <= 0:
@@ -104,7 +108,7 @@ class CostModel:
         self._p = [[1.0 / prior_weight if i == j else 0.0 for j in range(4)] for i in range(4)]
         self._forgetting = forgetting
         self._num_samples = 0
-        self._overrun = 0.0
+        self._overrun = min(MAX_OVERRUN, max(0.0, overrun))
         self._refresh()
 
     def _refresh(self) -> None:

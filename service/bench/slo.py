@@ -49,6 +49,8 @@ from slipstream.scheduler.policies import POLICY_NAMES
 from slipstream.scheduler.simulator import SimRequest, SimResult, simulate
 from slipstream.service.bench.report import hardware, resolved_dtype
 from slipstream.service.bench.slo_capacity import (
+    CLASS0_TARGET,
+    OVERALL_TARGET,
     SWEEP_LOADS,
     CapacityResult,
     capacity_json,
@@ -63,6 +65,7 @@ from slipstream.service.bench.slo_workload import (
     DEFAULT_SLACK_FACTORS,
     WorkloadSpec,
     as_scheduled,
+    attainable_load,
     make_requests,
     saturating_requests,
     scored_metrics,
@@ -107,6 +110,7 @@ class SloOptions:
     capacity: bool = False
     capacity_sweep: tuple[float, ...] = SWEEP_LOADS
     capacity_bisections: int = 4
+    repeats: int = 1  # engine mode: replays of every cell (the engine's own spread)
 
 
 # The engine replays in real time: a shorter sweep and fewer bisections.
@@ -132,6 +136,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="how fcfs/priority treat deadlines (repeatable; default both)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="engine mode: replay every cell N times (the engine's run-to-run spread)",
+    )
     parser.add_argument("--slack", type=float, nargs=3, metavar=("S0", "S1", "S2"))
     parser.add_argument("--num-device-blocks", type=int, default=None)
     parser.add_argument("--num-host-blocks", type=int, default=None)
@@ -195,6 +205,11 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
             capacity_requests=96,  # 3x max_num_seqs: saturated, not ramp-dominated
             aging_s=10.0,
         )
+    if args.repeats < 1 or (args.repeats > 1 and (mode == "sim" or args.capacity)):
+        raise SystemExit(
+            "--repeats takes N >= 1, and more than 1 only in engine mode without --capacity"
+        )
+    opts = replace(opts, repeats=args.repeats)
     if args.capacity_requests:
         opts = replace(opts, capacity_requests=args.capacity_requests)
     if args.slack:
@@ -308,7 +323,11 @@ def sim_capacity(opts: SloOptions, cost: CostModel | None = None) -> Capacity:
     spec = workload_spec(opts, 1.0, 1.0)
     batch = saturating_requests(spec, opts.capacity_requests)
     cost = cost if cost is not None else CostModel(opts.coefficients)
-    result = simulate(batch, scheduler_config(opts, "fcfs"), cost)
+    # The whole batch is queued at once: a queue limit must not turn it away.
+    config = replace(
+        scheduler_config(opts, "fcfs"), max_queue_len=max(opts.max_queue_len, len(batch))
+    )
+    result = simulate(batch, config, cost)
     return Capacity.of(batch, result.makespan_s)
 
 
@@ -340,16 +359,30 @@ def run_sim_capacity(opts: SloOptions) -> dict[str, object]:
         )
         for policy in opts.policies
     ]
-    return capacity_report(results, capacity, opts, cv)
+    return capacity_report(results, capacity, opts, cv, CostModel(opts.coefficients))
+
+
+def workload_bound(opts: SloOptions, cost: CostModel, cv: float) -> float:
+    """``attainable_load`` of the workload's requests (their lengths and
+    classes; the load only moves their arrivals)."""
+    requests = make_requests(workload_spec(opts, 1.0, cv), cost, opts.max_num_batched_tokens)
+    return attainable_load(requests, cost, opts.max_num_seqs, OVERALL_TARGET, CLASS0_TARGET)
 
 
 def capacity_report(
-    results: Sequence[CapacityResult], capacity: Capacity, opts: SloOptions, cv: float
+    results: Sequence[CapacityResult],
+    capacity: Capacity,
+    opts: SloOptions,
+    cv: float,
+    cost: CostModel,
 ) -> dict[str, object]:
+    """The report of a capacity search; ``cost`` is the model the workload's
+    deadlines were set with (it weighs the requests for ``attainable_load``)."""
     found = capacity_json(results, capacity.rps)
     return {
         "capacity": found,
         "capacity_ratios": capacity_ratios(found),
+        "attainable_load": workload_bound(opts, cost, cv),
         "capacity_cv": cv,
         "capacity_runs": [run for r in results for run in r.runs],
         "runs": [],
@@ -532,6 +565,7 @@ def format_summary(report: dict[str, object]) -> str:
             "the run's start / twin with the run's own steps fit):",
         ]
         lines += [_twin_line(r) for r in twins]
+        lines += _reproducibility_lines(report)
         lines += _disagreement_lines(twins)
         lines += _class0_miss_lines(twins)
     ratios = report.get("goodput_ratios") or []
@@ -561,7 +595,7 @@ def _twin_line(run: dict[str, object]) -> str:
     sides = [run, run["sim_twin"], run.get("sim_twin_run_fit")]
 
     def triple(cls: str | None) -> str:
-        return "/".join(_pct(_attainment(side, cls)) for side in sides)
+        return "/".join(_pct(side_attainment(side, cls)) for side in sides)
 
     per_class = "  ".join(f"c{c} {triple(c)}" for c in ("0", "1", "2"))
     return (
@@ -570,7 +604,35 @@ def _twin_line(run: dict[str, object]) -> str:
     )
 
 
-def _attainment(side: object, cls: str | None) -> object:
+def _reproducibility_lines(report: dict[str, object]) -> list[str]:
+    """Per cell replayed more than once: the engine's spread over its replays
+    and how far each twin's median is from the engine's, in points."""
+    rows = report.get("reproducibility") or []
+    assert isinstance(rows, list)
+    if not rows:
+        return []
+    lines = [
+        "the engine replaying the same requests (points: engine spread max-min / |twin median"
+        " - engine median| / same, twin fit on each run's steps):"
+    ]
+    for row in rows:
+        parts = []
+        for cls, entry in row["classes"].items():
+            name = "all" if cls == "all" else f"c{cls}"
+            values = (entry["engine_spread"], entry["twin_gap"], entry["twin_run_fit_gap"])
+            parts.append(f"{name} " + "/".join(_points(v) for v in values))
+        lines.append(
+            f"  cv {row['cv']:g} load {row['load']:g} {row['policy']:<8} "
+            f"{str(row['deadlines'])[:4]:<4} x{row['replays']}  " + "  ".join(parts)
+        )
+    return lines
+
+
+def _points(value: object) -> str:
+    return "-" if value is None else f"{100 * float(value):.1f}"  # type: ignore[arg-type]
+
+
+def side_attainment(side: object, cls: str | None) -> object:
     """A run's (or twin's) attainment, overall or of class ``cls``; None when absent."""
     if not isinstance(side, dict):
         return None

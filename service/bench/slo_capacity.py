@@ -174,6 +174,12 @@ def format_capacity(report: dict[str, object]) -> str:
         lines.append(
             f"  {policy:<8} load {entry['load']:.3f}  {entry['rate_rps']:.2f} req/s{bound}"
         )
+    limit = report.get("attainable_load")
+    if isinstance(limit, float):
+        lines.append(
+            f"  any      at most load {limit:.3f}: past it, the heaviest requests the target"
+            " lets go carry less than the 1 - 1/load of the work that must go"
+        )
     ratios = report.get("capacity_ratios") or {}
     assert isinstance(ratios, dict)
     if ratios:

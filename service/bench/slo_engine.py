@@ -14,8 +14,12 @@ reported as 0 here.
 
 Every engine run carries ``sim_twin``: the same requests, scheduler
 configuration and deadline mode through the simulator, with the cost model
-the engine held when the run started — where the two disagree, the report
-says by how much. Capacity is predicted twice: from the start-up calibration
+the engine held when the run started (and the margin it kept for its own
+error, ``CostModel.overrun``) — where the two disagree, the report says by
+how much — and ``sim_twin_run_fit``, the same with a model fit on the run's
+own steps and the run's mean margin. ``--repeats N`` replays every cell N
+times on the same requests: ``reproducibility`` states the engine's own
+spread next to each twin's distance from the engine's median. Capacity is predicted twice: from the start-up calibration
 (``sim_capacity_rps``) and from the model the first engine refit online over
 the capacity run (``sim_capacity_rps_refit``).
 """
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import SchedulerError
+from slipstream.scheduler.plan import StepPlan
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.scheduler.simulator import REJECT_CAUSE_NAMES, SimOutcome, SimRequest, SimResult
@@ -169,7 +174,7 @@ def run_engine_capacity(opts: SloOptions) -> dict[str, object]:
     finally:
         for engine in engines.values():
             engine.shutdown()
-    report = capacity_report(results, capacity, opts, cv)
+    report = capacity_report(results, capacity, opts, cv, yardstick)
     report["coefficients"] = _coeffs(cost)
     report["deadline_scale"] = scale
     return report
@@ -193,15 +198,18 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
         assert first.cost_model is not None
         refit = sim_capacity(opts, CostModel(first.cost_model.coefficients))
         workloads: dict[tuple[float, float], list[SimRequest]] = {}
-        runs = []
+        runs: list[dict[str, object]] = []
+        repeat_runs: list[dict[str, object]] = []
         for cv, load, policy, deadlines in run_grid(opts):
             if (cv, load) not in workloads:
                 spec = workload_spec(opts, load * capacity.rps, cv)
                 workloads[cv, load] = make_requests(spec, yardstick, opts.max_num_batched_tokens)
             requests = workloads[cv, load]
-            run = _engine_run(engines[policy], policy, deadlines, load, cv, requests, opts)
-            run["goodput_fraction_of_capacity"] = goodput_fraction(run, capacity)
-            runs.append(run)
+            for repeat in range(opts.repeats):
+                run = _engine_run(engines[policy], policy, deadlines, load, cv, requests, opts)
+                run["goodput_fraction_of_capacity"] = goodput_fraction(run, capacity)
+                run["repeat"] = repeat
+                (repeat_runs if repeat else runs).append(run)
     finally:
         for engine in engines.values():
             engine.shutdown()
@@ -215,7 +223,61 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
         "goodput_ratios": goodput_ratios(runs),
         "coefficients": _coeffs(cost),
         "deadline_scale": scale,
+        "repeat_runs": repeat_runs,
+        "reproducibility": reproducibility([*runs, *repeat_runs]),
     }
+
+
+SIDES = (("engine", None), ("twin", "sim_twin"), ("twin_run_fit", "sim_twin_run_fit"))
+
+
+def reproducibility(runs: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+    """For every cell replayed more than once (same requests, same policy):
+    per class and overall, the engine's attainment in each replay and its
+    spread (max - min), each twin's, and how far each twin's median is from
+    the engine's. A deterministic twin cannot be within ``d`` of every
+    replay when the replays themselves spread by more than ``2d``."""
+    from slipstream.service.bench.slo import side_attainment
+
+    cells: dict[tuple[object, ...], list[dict[str, object]]] = {}
+    for run in runs:
+        key = (run["cv"], run["load"], run["policy"], run["deadlines"])
+        cells.setdefault(key, []).append(run)
+    rows: list[dict[str, object]] = []
+    for (cv, load, policy, deadlines), group in cells.items():
+        if len(group) < 2:
+            continue
+        classes: dict[str, dict[str, object]] = {}
+        for cls in ("all", "0", "1", "2"):
+            entry: dict[str, object] = {}
+            for name, field_name in SIDES:
+                side_class = None if cls == "all" else cls
+                values = [
+                    side_attainment(run if field_name is None else run.get(field_name), side_class)
+                    for run in group
+                ]
+                known = [float(v) for v in values if v is not None]  # type: ignore[arg-type]
+                entry[name] = values
+                entry[f"{name}_median"] = statistics.median(known) if known else None
+            engine = [v for v in entry["engine"] if v is not None]  # type: ignore[attr-defined]
+            entry["engine_spread"] = max(engine) - min(engine) if engine else None
+            for name, _ in SIDES[1:]:
+                theirs, ours = entry[f"{name}_median"], entry["engine_median"]
+                entry[f"{name}_gap"] = (
+                    None if theirs is None or ours is None else abs(float(theirs) - float(ours))  # type: ignore[arg-type]
+                )
+            classes[cls] = entry
+        rows.append(
+            {
+                "cv": cv,
+                "load": load,
+                "policy": policy,
+                "deadlines": deadlines,
+                "replays": len(group),
+                "classes": classes,
+            }
+        )
+    return rows
 
 
 def _engine_run(
@@ -230,22 +292,32 @@ def _engine_run(
     from slipstream.service.bench.slo import simulate_workload
 
     sched = engine.scheduler
-    assert engine.cost_model is not None
-    held = CostModel(engine.cost_model.coefficients)  # what the engine knew at the start
+    model = engine.cost_model
+    assert model is not None
+    # What the engine knew at the start, margin for its own error included
+    # (a twin without it would plan closer to deadlines than the engine does).
+    held = CostModel(model.coefficients, overrun=model.overrun)
     swaps0, recomputes0 = sched.num_swap_preemptions, sched.num_recompute_preemptions
     # The run's own steps, fit afresh (no forgetting): the step-time model of
     # exactly the machine time this run had, whatever the machine did before.
     own_steps = CostModel(held.coefficients, forgetting=1.0)
-    engine.step_listeners.append(own_steps.observe_plan)
+    overruns: list[float] = []
+
+    def listen(plan: StepPlan, seconds: float) -> None:
+        own_steps.observe_plan(plan, seconds)
+        overruns.append(model.overrun)  # the margin the engine planned the next step with
+
+    engine.step_listeners.append(listen)
     seen = as_scheduled(requests, deadlines)
     try:
         outcomes = _replay(engine, seen, time.monotonic(), engine.info.vocab_size)
     finally:
-        engine.step_listeners.remove(own_steps.observe_plan)
+        engine.step_listeners.remove(listen)
     swaps = sched.num_swap_preemptions - swaps0
     twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines)
     disagreements = scored_differently(outcomes, twin.outcomes, requests)
-    refit = CostModel(own_steps.coefficients)
+    mean_overrun = statistics.fmean(overruns) if overruns else model.overrun
+    refit = CostModel(own_steps.coefficients, overrun=mean_overrun)
     twin_refit, twin_refit_metrics = simulate_workload(opts, policy, requests, refit, deadlines)
     return {
         "policy": policy,
@@ -259,10 +331,11 @@ def _engine_run(
         "preemptions_recompute": sched.num_recompute_preemptions - recomputes0,
         "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(engine.model, opts.block_size),
         "swapped_bytes": None,
-        "sim_twin": _twin_summary(twin_metrics, twin),
+        "sim_twin": {**_twin_summary(twin_metrics, twin), "overrun": held.overrun},
         "sim_twin_run_fit": {
             **_twin_summary(twin_refit_metrics, twin_refit),
             "coefficients": _coeffs(refit),
+            "overrun": mean_overrun,
             "num_disagreements": len(scored_differently(outcomes, twin_refit.outcomes, requests)),
         },
         "num_twin_disagreements": len(disagreements),

@@ -223,3 +223,61 @@ def run_metrics(outcomes: Sequence[SimOutcome], window_s: float) -> dict[str, ob
         "compute_s": overall["compute_s"],
         "classes": classes,
     }
+
+
+# -- what any policy can attain -------------------------------------------------
+
+
+def batched_seconds(cost: CostModel, prompt: int, output: int, batch: int) -> float:
+    """A request's share of a full batch's time: its prompt tokens, its
+    ``output - 1`` decodes (each with a ``1 / batch`` share of the step's
+    fixed cost) and the context each of its steps reads. Under overload the
+    batch stays full, so a run's machine time is the sum of these."""
+    c = cost.coefficients
+    decodes = max(0, output - 1)
+    # Prefill reads the prompt once; decode k (1-based) reads prompt + k tokens.
+    context = prompt + decodes * prompt + decodes * (decodes + 1) / 2
+    return (
+        c.per_prefill_token_s * prompt
+        + (c.per_decode_seq_s + c.base_s / batch) * decodes
+        + c.per_context_token_s * context
+    )
+
+
+def attainable_load(
+    requests: Sequence[SimRequest],
+    cost: CostModel,
+    batch: int,
+    overall_target: float,
+    class0_target: float,
+) -> float:
+    """The highest load (x capacity) at which any policy could still meet
+    ``overall_target`` of the requests and ``class0_target`` of class 0, in
+    a long run: at load ``L`` only ``1 / L`` of the arriving work can be
+    served, so the requests given up must carry ``1 - 1 / L`` of it, and the
+    most they can carry is that of the heaviest ones the targets allow to be
+    given up (greedy by weight, class 0 within its own allowance: optimal,
+    the allowed sets form a matroid). Capacity is measured on the same length
+    mix, so its unit of work cancels out; what this leaves out (a run's drain
+    after the last arrival, batches below full) only lowers what is reachable."""
+    weights = sorted(
+        ((batched_seconds(cost, r.prompt_len, r.output_len, batch), r.priority) for r in requests),
+        reverse=True,
+    )
+    total = sum(w for w, _ in weights)
+    num_class0 = sum(cls == 0 for _, cls in weights)
+    may_drop = math.floor(len(weights) * (1.0 - overall_target) + 1e-9)
+    may_drop_class0 = math.floor(num_class0 * (1.0 - class0_target) + 1e-9)
+    dropped = dropped_class0 = 0
+    given_up = 0.0
+    for weight, cls in weights:
+        if dropped == may_drop:
+            break
+        if cls == 0:
+            if dropped_class0 == may_drop_class0:
+                continue
+            dropped_class0 += 1
+        dropped += 1
+        given_up += weight
+    kept = total - given_up
+    return total / kept if kept > 0 else math.inf

@@ -9,7 +9,9 @@ from dataclasses import replace
 
 import pytest
 
+from slipstream.scheduler.cost_model import MAX_OVERRUN
 from slipstream.service.bench import slo
+from slipstream.service.bench.slo_engine import reproducibility
 from slipstream.service.bench.slo_workload import gamma_arrivals, hide_deadlines, score_against
 
 CLASS_KEYS = {"attainment", "goodput_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s"}
@@ -164,7 +166,9 @@ def test_cli_single_run_writes_json_and_plot(tmp_path) -> None:
 
 def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) -> None:
     opts = replace(
-        slo.options_from_args(_parse(["slo", "--requests", "24", "--model", "tiny"])),
+        slo.options_from_args(
+            _parse(["slo", "--requests", "24", "--model", "tiny", "--repeats", "2"])
+        ),
         loads=(1.5,),
         cvs=(1.0,),
         policies=("priority", "deadline"),
@@ -195,11 +199,65 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) 
         assert len(misses) == min(missed_c0, 20)
         assert all(row["fate"] and row["deadline_s"] > 0 for row in misses)
         assert set(twin["classes"]) == {"0", "1", "2"}
+        # the twins plan with the margin the engine kept for its own error
+        assert 0.0 <= twin["overrun"] <= MAX_OVERRUN
+        assert 0.0 <= run_fit["overrun"] <= MAX_OVERRUN
+    # every cell replayed a second time on the same requests
+    again = report["repeat_runs"]
+    assert [(r["policy"], r["repeat"]) for r in again] == [("priority", 1), ("deadline", 1)]
+    cells = report["reproducibility"]
+    assert [(c["policy"], c["replays"]) for c in cells] == [("priority", 2), ("deadline", 2)]
+    for cell, first, second in zip(cells, runs, again, strict=True):
+        engine_all = cell["classes"]["all"]
+        assert engine_all["engine"] == [first["attainment"], second["attainment"]]
+        assert engine_all["engine_spread"] == pytest.approx(
+            abs(first["attainment"] - second["attainment"])
+        )
     assert report["capacity_rps"] > 0 and report["sim_capacity_rps"] > 0
     assert report["deadline_scale"] > 0  # isolated requests measured on the engine
     assert {r["baseline_deadlines"] for r in report["goodput_ratios"]} == {"unaware"}
     summary = slo.format_summary(report)
     assert "engine vs its simulated twin" in summary and "capacity: engine" in summary
+    assert "the engine replaying the same requests" in summary
+
+
+def test_reproducibility_states_the_engines_spread_and_each_twins_gap() -> None:
+    def run(engine: float, twin: float, fit: float, policy: str = "deadline") -> dict:
+        def side(value: float) -> dict:
+            return {"attainment": value, "classes": {c: {"attainment": value} for c in "012"}}
+
+        return {
+            "cv": 1.0,
+            "load": 1.5,
+            "policy": policy,
+            "deadlines": "enforced",
+            **side(engine),
+            "sim_twin": side(twin),
+            "sim_twin_run_fit": side(fit),
+        }
+
+    rows = reproducibility(
+        [
+            run(0.90, 0.80, 0.91),
+            run(0.96, 0.82, 0.93),
+            run(0.93, 0.81, 0.92),
+            run(0.5, 0.5, 0.5, "fcfs"),
+        ]
+    )
+    assert len(rows) == 1  # fcfs ran once: no spread to state
+    c1 = rows[0]["classes"]["1"]
+    assert rows[0]["replays"] == 3
+    assert c1["engine"] == [0.90, 0.96, 0.93]
+    assert c1["engine_spread"] == pytest.approx(0.06)
+    assert c1["engine_median"] == pytest.approx(0.93)
+    assert c1["twin_gap"] == pytest.approx(0.12)
+    assert c1["twin_run_fit_gap"] == pytest.approx(0.01)
+
+
+def test_repeats_are_refused_where_they_cannot_differ() -> None:
+    for argv in (["slo", "--sim", "--repeats", "2"], ["slo", "--capacity", "--repeats", "3"]):
+        with pytest.raises(SystemExit):
+            slo.options_from_args(_parse(argv))
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

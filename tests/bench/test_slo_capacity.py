@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from slipstream.scheduler.cost_model import CostCoefficients
+from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.request import FinishReason
-from slipstream.scheduler.simulator import SimOutcome, SimRequest
+from slipstream.scheduler.simulator import SimOutcome, SimRequest, simulate
 from slipstream.service.bench import slo
 from slipstream.service.bench.calibrate import FORMAT, load_calibration
 from slipstream.service.bench.slo_capacity import capacity_ratios, find_capacity, meets_target
 from slipstream.service.bench.slo_engine import scored_differently
+from slipstream.service.bench.slo_workload import (
+    attainable_load,
+    batched_seconds,
+    saturating_requests,
+)
 
 
 def synthetic_run(load: float, class0: float, overall: float) -> dict[str, object]:
@@ -91,6 +97,7 @@ def test_cli_capacity_in_the_simulator_writes_json_and_plot(tmp_path: Path) -> N
         passing = [r["load"] for r in runs if meets_target(r)]
         assert entry["load"] == (max(passing) if passing else 0.0) or entry["is_lower_bound"]
         assert all("goodput_fraction_of_capacity" in r for r in runs)
+    assert 1.0 < report["attainable_load"] < 3.0
     assert png.stat().st_size > 1000
 
 
@@ -139,3 +146,55 @@ def test_requests_scored_differently_are_listed() -> None:
     assert row["req_id"] == "r1" and row["priority"] == 1
     assert row["met_in_twin"] and not row["met_on_engine"]
     assert "max_tokens after 1.50s" in str(row["engine"])
+
+
+# -- what any policy can attain -------------------------------------------------
+
+
+def _req(i: int, prompt: int, output: int, cls: int) -> SimRequest:
+    return SimRequest(f"r{i}", 0.0, prompt, output, priority=cls)
+
+
+def test_attainable_load_gives_up_the_heaviest_the_targets_allow() -> None:
+    cost = CostModel(CostCoefficients(0.0, 0.0, 0.01, 0.0))  # one unit per decode
+    # 20 requests: outputs 11 (10 decodes) except two of 101 (100 decodes).
+    requests = [_req(i, 8, 11, 2) for i in range(18)]
+    requests += [_req(18, 8, 101, 2), _req(19, 8, 101, 0)]
+    total = 18 * 10 + 2 * 100
+    # 90 % of 20 lets 2 go; class 0 has one request, 99 % of it lets none go:
+    # the heavy class-2 request and one light one.
+    expected = total / (total - 100 - 10)
+    assert attainable_load(requests, cost, 32, 0.90, 0.99) == pytest.approx(expected)
+    # Class 0 free to go as well: both heavy ones.
+    assert attainable_load(requests, cost, 32, 0.90, 0.0) == pytest.approx(total / (total - 200))
+    # Every request must be met: no load above capacity is attainable.
+    assert attainable_load(requests, cost, 32, 1.0, 1.0) == pytest.approx(1.0)
+
+
+def test_batched_shares_add_up_to_a_saturated_runs_time() -> None:
+    """The weights ``attainable_load`` compares are the simulated machine
+    time of a saturating batch (within the ramp-down of its last steps)."""
+    opts = slo.SloOptions(
+        mode="sim", num_requests=400, loads=(1.0,), cvs=(1.0,), policies=("fcfs",)
+    )
+    spec = slo.workload_spec(opts, 1.0, 1.0)
+    batch = saturating_requests(spec, 400)
+    cost = CostModel(opts.coefficients)
+    result = simulate(batch, slo.scheduler_config(opts, "fcfs"), cost)
+    shares = sum(
+        batched_seconds(cost, r.prompt_len, r.output_len, opts.max_num_seqs) for r in batch
+    )
+    assert shares == pytest.approx(result.makespan_s, rel=0.05)
+
+
+def test_capacity_is_not_inflated_by_a_queue_limit() -> None:
+    opts = slo.SloOptions(
+        mode="sim",
+        num_requests=100,
+        loads=(1.0,),
+        cvs=(1.0,),
+        policies=("fcfs",),
+        capacity_requests=120,
+    )
+    limited = slo.sim_capacity(replace(opts, max_queue_len=16))
+    assert limited.rps == pytest.approx(slo.sim_capacity(opts).rps)

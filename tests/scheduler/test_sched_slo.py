@@ -386,3 +386,17 @@ def test_step_ceilings_keep_the_models_overrun_in_hand() -> None:
         cost.observe(shape, 0.125)  # 25 % over
     assert policy.step_ceiling(req, 0.0) == pytest.approx(exact / (1 + cost.overrun))
     assert policy.step_ceiling(req, 0.0) < exact / 1.2
+
+
+def test_a_model_can_start_with_a_margin_measured_elsewhere() -> None:
+    from slipstream.scheduler.cost_model import MAX_OVERRUN, StepShape
+
+    coeffs = CostCoefficients(0.1, 0.0, 0.0, 0.0)
+    assert CostModel(coeffs, overrun=0.15).overrun == 0.15
+    assert CostModel(coeffs, overrun=3.0).overrun == MAX_OVERRUN
+    assert CostModel(coeffs, overrun=-1.0).overrun == 0.0
+    seeded = CostModel(coeffs, forgetting=1.0, prior_weight=1e9, overrun=0.3)
+    shape = StepShape(num_prefill_tokens=0, num_decode_seqs=1, num_context_tokens=10)
+    for _ in range(200):
+        seeded.observe(shape, 0.1)  # exactly as predicted: the margin wears off
+    assert seeded.overrun < 0.001
