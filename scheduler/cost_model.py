@@ -15,6 +15,19 @@ start-up (``slipstream.service.engine.calibration.calibrate``) and then feeds ev
 measured step to ``CostModel.observe``, which refits them online by
 exponentially weighted recursive least squares (older samples decay by
 ``forgetting`` per sample). Pure standard library; never reads a clock.
+
+The fit is guarded against the two ways online least squares goes wrong on
+a real host. A stall (a page-fault storm, a recompile, a noisy neighbour)
+is one step many times its prediction: each sample is clipped to within
+``OUTLIER_FACTOR`` of the prediction before it is fit, so a stall moves the
+model no more than a step that ran twice as long, while a lasting change is
+still followed, by up to that factor per step. And forgetting, over long
+stretches of one step shape, inflates the covariance in the directions those
+steps do not excite until one sample swings them (windup): the covariance
+is kept within its prior, so no direction is ever trusted less than at the
+start. Without the guards one stall could make the model predict every step
+ten times too slow, the scheduler turn every request away as infeasible, and
+no step ever run again to correct it.
 """
 
 from __future__ import annotations
@@ -32,6 +45,9 @@ _MIN_STEP_S = 1e-6
 # a few steps and must not starve everything meanwhile).
 _OVERRUN_EWMA = 0.05
 MAX_OVERRUN = 0.5
+# A measured step is fit as at most this many times its prediction (and at
+# least its prediction divided by it): see the module docstring.
+OUTLIER_FACTOR = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +121,8 @@ class CostModel:
         self._theta = coeffs.as_vector()
         # Covariance of the estimate; a small prior weight lets the first
         # measured samples dominate the start-up guess.
-        self._p = [[1.0 / prior_weight if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._prior_variance = 1.0 / prior_weight
+        self._p = [[self._prior_variance if i == j else 0.0 for j in range(4)] for i in range(4)]
         self._forgetting = forgetting
         self._num_samples = 0
         self._overrun = min(MAX_OVERRUN, max(0.0, overrun))
@@ -155,6 +172,7 @@ class CostModel:
         )
         over = min(MAX_OVERRUN, max(0.0, seconds / predicted - 1.0))
         self._overrun += _OVERRUN_EWMA * (over - self._overrun)
+        seconds = min(predicted * OUTLIER_FACTOR, max(predicted / OUTLIER_FACTOR, seconds))
         x = _features(shape)
         px = [sum(self._p[i][j] * x[j] for j in range(4)) for i in range(4)]
         denom = self._forgetting + sum(x[i] * px[i] for i in range(4))
@@ -163,8 +181,18 @@ class CostModel:
         self._theta = [t + g * error for t, g in zip(self._theta, gain, strict=True)]
         lam = self._forgetting
         self._p = [[(self._p[i][j] - gain[i] * px[j]) / lam for j in range(4)] for i in range(4)]
+        self._bound_covariance()
         self._num_samples += 1
         self._refresh()
+
+    def _bound_covariance(self) -> None:
+        """Scales the covariance down when a variance has grown past the
+        prior's (windup; see the module docstring). Scaling keeps it
+        symmetric positive definite and its directions as they are."""
+        largest = max(self._p[i][i] for i in range(4))
+        if largest > self._prior_variance:
+            k = self._prior_variance / largest
+            self._p = [[v * k for v in row] for row in self._p]
 
     def observe_plan(self, plan: StepPlan, seconds: float) -> None:
         """A measured ``runner.execute(plan)``: the predicted swap time is

@@ -19,9 +19,10 @@ error, ``CostModel.overrun``) — where the two disagree, the report says by
 how much — and ``sim_twin_run_fit``, the same with a model fit on the run's
 own steps and the run's mean margin. ``--repeats N`` replays every cell N
 times on the same requests: ``reproducibility`` states the engine's own
-spread next to each twin's distance from the engine's median. Capacity is predicted twice: from the start-up calibration
-(``sim_capacity_rps``) and from the model the first engine refit online over
-the capacity run (``sim_capacity_rps_refit``).
+spread next to each twin's distance from the engine's median. Capacity is
+predicted twice: from the start-up calibration (``sim_capacity_rps``) and
+from the model the first engine refit online over the capacity run
+(``sim_capacity_rps_refit``).
 """
 
 from __future__ import annotations

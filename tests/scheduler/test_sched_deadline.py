@@ -3,6 +3,8 @@ fake runner."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from sched_fakes import Driver, check_pools, make_request, reference_outputs
 
@@ -244,6 +246,53 @@ def test_cost_model_online_fit_recovers_the_true_coefficients() -> None:
                 model.observe(shape, truth.step_seconds(shape))
     for shape in shapes:
         assert model.step_seconds(shape) == pytest.approx(truth.step_seconds(shape), rel=0.02)
+
+
+def _steady_steps(model: CostModel, truth: CostModel, num: int, seed: int = 0) -> None:
+    """Mostly full decode batches (prefill rare): the shape mix of a loaded engine."""
+    rng = random.Random(seed)
+    for i in range(num):
+        decodes = 32 if i % 400 < 350 else rng.randint(1, 4)
+        prefill = 0 if rng.random() < 0.9 else rng.randint(16, 512)
+        shape = StepShape(prefill, decodes, decodes * rng.randint(60, 160) + prefill)
+        model.observe(shape, truth.step_seconds(shape) * rng.uniform(0.95, 1.1))
+
+
+TRUTH = CostCoefficients(0.015, 0.0007, 0.0007, 2.4e-6, 0.0)
+START = CostCoefficients(0.0042, 0.00066, 0.00044, 4.1e-6, 0.0)  # a start-up calibration
+
+
+def test_one_stall_does_not_poison_the_online_fit() -> None:
+    """A single step 200x its prediction (a page-fault storm, a recompile)
+    once moved the model tenfold; the scheduler then judged every request
+    infeasible and no step ran again to correct it."""
+    truth = CostModel(TRUTH)
+    model = CostModel(START)
+    _steady_steps(model, truth, 3000)
+    lone = StepShape(0, 1, 100)
+    before = model.step_seconds(lone)
+    model.observe(lone, 3.0)
+    _steady_steps(model, truth, 50, seed=1)
+    assert model.step_seconds(lone) < 1.2 * before
+    assert model.step_seconds(lone) == pytest.approx(truth.step_seconds(lone), rel=0.15)
+
+
+def test_a_lasting_slowdown_is_still_followed() -> None:
+    truth = CostModel(TRUTH)
+    slower = CostModel(CostCoefficients(0.045, 0.0021, 0.0021, 7.2e-6, 0.0))  # 3x throughout
+    model = CostModel(START)
+    _steady_steps(model, truth, 1000)
+    _steady_steps(model, slower, 1600, seed=1)  # eight memories of the forgetting factor
+    for shape in (StepShape(0, 32, 3000), StepShape(512, 0, 512), StepShape(0, 1, 100)):
+        assert model.step_seconds(shape) == pytest.approx(slower.step_seconds(shape), rel=0.05)
+
+
+def test_covariance_never_winds_up_past_its_prior() -> None:
+    model = CostModel(START, prior_weight=10.0)
+    shape = StepShape(0, 32, 3000)  # one shape for a long time: three directions unexcited
+    for _ in range(2000):
+        model.observe(shape, 0.05)
+    assert max(model._p[i][i] for i in range(4)) <= 0.1 + 1e-12
 
 
 def test_service_time_counts_chunks_and_decode_steps() -> None:
