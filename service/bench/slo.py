@@ -496,14 +496,16 @@ def run_engine_capacity(opts: SloOptions) -> dict[str, object]:
 
 
 def plot_attainment(report: dict[str, object], path: str) -> None:
-    """Attainment (overall solid, class 0 dashed) vs load, one panel per CV."""
+    """Attainment (overall solid, class 0 dashed) vs load, one panel per CV;
+    the replays of ``--repeats`` as hollow markers of the same colour."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = report["runs"]
-    assert isinstance(runs, list)
+    replays = report.get("repeat_runs") or []
+    assert isinstance(runs, list) and isinstance(replays, list)
     cvs = sorted({r["cv"] for r in runs})
     fig, axes = plt.subplots(1, len(cvs), figsize=(5 * len(cvs), 4), squeeze=False)
     for ax, cv in zip(axes[0], cvs, strict=True):
@@ -526,11 +528,33 @@ def plot_attainment(report: dict[str, object], path: str) -> None:
                 linestyle=style,
                 label=f"{name} all",
             )
+            color = line[0].get_color()
+            again = [
+                r
+                for r in replays
+                if r["cv"] == cv and r["policy"] == policy and r["deadlines"] == deadlines
+            ]
+            if again:
+                ax.scatter(
+                    [r["load"] for r in again],
+                    [r["attainment"] for r in again],
+                    facecolors="none",
+                    edgecolors=color,
+                    label=f"{name} all, replays",
+                )
             if deadlines != "enforced":
                 continue
-            color = line[0].get_color()
             class0 = [r["classes"]["0"]["attainment"] for r in rows]
             ax.plot(loads, class0, linestyle="--", marker="x", color=color, label=f"{name} class 0")
+            if again:
+                ax.scatter(
+                    [r["load"] for r in again],
+                    [r["classes"]["0"]["attainment"] for r in again],
+                    marker="s",
+                    facecolors="none",
+                    edgecolors=color,
+                    label=f"{name} class 0, replays",
+                )
         style_attainment_axes(ax, f"{rows[0]['mode'] if rows else ''} CV {cv:g}")
     save_figure(fig, path)
 

@@ -164,7 +164,7 @@ def test_cli_single_run_writes_json_and_plot(tmp_path) -> None:
     assert png.stat().st_size > 1000
 
 
-def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) -> None:
+def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, tmp_path) -> None:
     opts = replace(
         slo.options_from_args(
             _parse(["slo", "--requests", "24", "--model", "tiny", "--repeats", "2"])
@@ -219,6 +219,9 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir) 
     summary = slo.format_summary(report)
     assert "engine vs its simulated twin" in summary and "capacity: engine" in summary
     assert "the engine replaying the same requests" in summary
+    png = tmp_path / "slo.png"
+    slo.plot_attainment(report, str(png))  # the replays drawn next to the first runs
+    assert png.stat().st_size > 1000
 
 
 def test_reproducibility_states_the_engines_spread_and_each_twins_gap() -> None:
