@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
@@ -534,29 +535,29 @@ def plot_attainment(report: dict[str, object], path: str) -> None:
                 for r in replays
                 if r["cv"] == cv and r["policy"] == policy and r["deadlines"] == deadlines
             ]
-            if again:
-                ax.scatter(
-                    [r["load"] for r in again],
-                    [r["attainment"] for r in again],
-                    facecolors="none",
-                    edgecolors=color,
-                    label=f"{name} all, replays",
-                )
+            _scatter_replays(ax, again, None, "o", color, f"{name} all, replays")
             if deadlines != "enforced":
                 continue
             class0 = [r["classes"]["0"]["attainment"] for r in rows]
             ax.plot(loads, class0, linestyle="--", marker="x", color=color, label=f"{name} class 0")
-            if again:
-                ax.scatter(
-                    [r["load"] for r in again],
-                    [r["classes"]["0"]["attainment"] for r in again],
-                    marker="s",
-                    facecolors="none",
-                    edgecolors=color,
-                    label=f"{name} class 0, replays",
-                )
+            _scatter_replays(ax, again, "0", "s", color, f"{name} class 0, replays")
         style_attainment_axes(ax, f"{rows[0]['mode'] if rows else ''} CV {cv:g}")
     save_figure(fig, path)
+
+
+def _scatter_replays(
+    ax: Any, replays: list[dict[str, Any]], cls: str | None, marker: str, color: str, label: str
+) -> None:
+    """``replays``' attainment (overall, or of class ``cls``) as hollow markers."""
+    if replays:
+        ax.scatter(
+            [r["load"] for r in replays],
+            [side_attainment(r, cls) for r in replays],
+            marker=marker,
+            facecolors="none",
+            edgecolors=color,
+            label=label,
+        )
 
 
 def format_summary(report: dict[str, object]) -> str:

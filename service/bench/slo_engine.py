@@ -251,6 +251,7 @@ def reproducibility(runs: Sequence[dict[str, object]]) -> list[dict[str, object]
         classes: dict[str, dict[str, object]] = {}
         for cls in ("all", "0", "1", "2"):
             entry: dict[str, object] = {}
+            medians: dict[str, float | None] = {}
             for name, field_name in SIDES:
                 side_class = None if cls == "all" else cls
                 values = [
@@ -258,14 +259,16 @@ def reproducibility(runs: Sequence[dict[str, object]]) -> list[dict[str, object]
                     for run in group
                 ]
                 known = [float(v) for v in values if v is not None]  # type: ignore[arg-type]
+                medians[name] = statistics.median(known) if known else None
                 entry[name] = values
-                entry[f"{name}_median"] = statistics.median(known) if known else None
-            engine = [v for v in entry["engine"] if v is not None]  # type: ignore[attr-defined]
-            entry["engine_spread"] = max(engine) - min(engine) if engine else None
+                entry[f"{name}_median"] = medians[name]
+                if field_name is None:
+                    entry["engine_spread"] = max(known) - min(known) if known else None
+            ours = medians["engine"]
             for name, _ in SIDES[1:]:
-                theirs, ours = entry[f"{name}_median"], entry["engine_median"]
+                theirs = medians[name]
                 entry[f"{name}_gap"] = (
-                    None if theirs is None or ours is None else abs(float(theirs) - float(ours))  # type: ignore[arg-type]
+                    None if theirs is None or ours is None else abs(theirs - ours)
                 )
             classes[cls] = entry
         rows.append(
