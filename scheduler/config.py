@@ -23,7 +23,10 @@ class SchedulerConfig:
     ``abandon_hopeless`` ends work the policy judges unable to make its
     deadline at the current load (DEADLINE_EXCEEDED) before it expires;
     ``min_residency_s`` protects a request just admitted or resumed from
-    being pushed out for waiting work (the thrash guard).
+    being pushed out for waiting work (the thrash guard);
+    ``shed_under_overload`` refuses, while more work arrives than the engine
+    serves, the heaviest arrivals of classes above 0 (Overloaded;
+    ``overload.py``).
 
     ``enable_prefix_cache``: full KV blocks are kept and shared by hash of
     their prefix (``block_manager.py``); an admitted request skips the
@@ -45,6 +48,7 @@ class SchedulerConfig:
     aging_s: float = 60.0
     min_residency_s: float = 0.05
     enable_prefix_cache: bool = False
+    shed_under_overload: bool = True
 
     def __post_init__(self) -> None:
         positive = {

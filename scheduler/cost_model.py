@@ -260,6 +260,34 @@ class CostModel:
         growth = c.per_context_token_s * num_tokens * (num_tokens - 1) / 2
         return max(_MIN_STEP_S * num_tokens, per_step * num_tokens + growth)
 
+    def batched_seconds(self, prompt: int, output: int, batch: int) -> float:
+        """A request's share of a full batch's time: its prompt tokens, its
+        ``output - 1`` decodes (each with a ``1 / batch`` share of the step's
+        fixed cost) and the context each of its steps reads. Under overload
+        the batch stays full, so the machine time of a run is the sum of
+        these: the work a request costs, where ``service_seconds`` is the
+        time it takes."""
+        c = self.coefficients
+        decodes = max(0, output - 1)
+        # Prefill reads the prompt once; decode k (1-based) reads prompt + k tokens.
+        context = prompt + decodes * prompt + decodes * (decodes + 1) / 2
+        return (
+            c.per_prefill_token_s * prompt
+            + (c.per_decode_seq_s + c.base_s / max(1, batch)) * decodes
+            + c.per_context_token_s * context
+        )
+
+    def batched_step_seconds(self, shape: StepShape, batch: int) -> float:
+        """The weight a step gets through: the ``batched_seconds`` shares
+        of its tokens (equal to the step's predicted time for a full batch
+        of ``batch`` decodes)."""
+        c = self.coefficients
+        return (
+            c.per_prefill_token_s * shape.num_prefill_tokens
+            + (c.per_decode_seq_s + c.base_s / max(1, batch)) * shape.num_decode_seqs
+            + c.per_context_token_s * shape.num_context_tokens
+        )
+
     def service_seconds(
         self, num_computed: int, num_tokens: int, num_outputs_left: int, token_budget: int
     ) -> float:

@@ -29,6 +29,10 @@ Urgency (smaller sorts first)::
   deadline, when abandoned). Promotion changes order only, never the right
   to preempt.
 
+Overload (``overload_refusal``): past capacity, the heaviest arrivals of
+classes above 0 are refused at the door (``overload.py``), so the work that
+must go is given up by weight, before it runs, not by urgency after.
+
 Preemption for admission (``admission_victim``): a waiting request pushes
 out a running one only when (1) the victim is in a strictly less urgent
 *base* class, or hopeless; (2) the victim has run ``min_residency_s`` since
@@ -50,7 +54,8 @@ from typing import ClassVar
 
 from .batch_shaping import CEILING_MARGIN_STEPS, ArrivalReserve, BatchShaper
 from .config import SchedulerConfig
-from .cost_model import CostModel
+from .cost_model import CostModel, StepShape
+from .overload import OverloadShedder
 from .plan import StepPlan
 from .policy import Infeasible, PreemptionMode, SchedulingPolicy, least_urgent_class_victim
 from .request import ExpiredLimit, Request, RequestStatus
@@ -124,6 +129,8 @@ class DeadlinePolicy(SchedulingPolicy):
         self._min_residency_s = config.min_residency_s
         self._entries: dict[str, _Entry] = {}
         self._reserve = ArrivalReserve()  # keeps steps short for class-0 arrivals
+        self._batch = config.max_num_seqs
+        self._shedder = OverloadShedder() if config.shed_under_overload else None
         # Every queue is ranked several times per step at one (now, loaded
         # step time), an epoch: urgencies are computed once per epoch.
         self._epoch = 0
@@ -134,10 +141,14 @@ class DeadlinePolicy(SchedulingPolicy):
 
     # -- estimates -------------------------------------------------------
 
-    def observe_plan(self, plan: StepPlan) -> None:
+    def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
         if plan.seqs:
             seconds = self.cost_model.plan_seconds(plan)
             self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
+            if self._shedder is not None and saturated:
+                cost = self.cost_model
+                work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
+                self._shedder.observe_step(work, seconds, cost.overrun)
 
     def remaining_seconds(self, req: Request) -> float:
         """Isolated remaining service time (swap-in included when swapped)."""
@@ -373,6 +384,24 @@ class DeadlinePolicy(SchedulingPolicy):
             ExpiredLimit.DEADLINE,
             f"deadline in {req.deadline - now:.3f}s, but running alone it needs "
             f"an estimated {remaining:.3f}s",
+        )
+
+    def overload_refusal(self, req: Request, now: float) -> str:
+        """Every arrival counts toward the offered load; one of a class
+        above 0 with a deadline, heavier than the overload threshold
+        (``overload.py``), is refused. "" when it may come in."""
+        shedder = self._shedder
+        if shedder is None:
+            return ""
+        target = min(req.expected_output_tokens or req.max_new_tokens, req.max_new_tokens)
+        weight = self.cost_model.batched_seconds(len(req.prompt_token_ids), target, self._batch)
+        sheddable = req.priority > 0 and req.deadline is not None
+        if shedder.admits(now, weight, sheddable):
+            return ""
+        return (
+            f"overloaded ({shedder.utilization():.2f}x what the engine serves): class "
+            f"{req.priority} requests heavier than {shedder.threshold:.3f}s of batched compute "
+            f"are turned away (this one: {weight:.3f}s)"
         )
 
     def expired_limit(self, req: Request, now: float) -> ExpiredLimit:

@@ -23,6 +23,12 @@ class QueueFull(SchedulerError):
         self.retry_after_s = retry_after_s
 
 
+class Overloaded(QueueFull):
+    """More work arrives than the engine serves in time: a less urgent
+    request heavier than the overload threshold is turned away at arrival
+    (``overload.py``). Answered like QueueFull, retry hint included."""
+
+
 class DeadlineInfeasible(SchedulerError):
     """A time limit cannot be met even if the request ran alone from now.
     ``expired_limit`` says which (``ExpiredLimit.DEADLINE`` when unset)."""

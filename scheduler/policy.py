@@ -36,8 +36,9 @@ Policies by name (``SchedulerConfig.policy``):
 - ``deadline`` (``deadline_policy.py``): class, then slack ``deadline - now -
   estimated remaining time`` from a step-cost model; overrides
   ``admission_victim`` to let urgent work in, ``preemption_mode`` to pick swap
-  vs recompute by cost, and ``check_admission`` to reject infeasible
-  deadlines early.
+  vs recompute by cost, ``check_admission`` to reject infeasible
+  deadlines early, and ``overload_refusal`` to turn the heaviest less urgent
+  arrivals away past capacity.
 
 The registry of policies by name lives in ``policies.py``.
 """
@@ -164,8 +165,15 @@ class SchedulingPolicy(abc.ABC):
             if has_time_limit(req) and (reason := self.abandon_reason(req, now))
         ]
 
-    def observe_plan(self, plan: StepPlan) -> None:
-        """The plan ``schedule()`` just made (e.g. to track the loaded step time)."""
+    def overload_refusal(self, req: Request, now: float) -> str:
+        """Why ``req`` is turned away at arrival because the engine is
+        overloaded (the scheduler raises Overloaded), or "" to let it in.
+        Default: never."""
+        return ""
+
+    def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
+        """The plan ``schedule()`` just made (e.g. to track the loaded step
+        time); ``saturated`` when waiting work was left out for want of room."""
         return None
 
     def forget(self, req_id: str) -> None:

@@ -48,7 +48,7 @@ from .block_manager import (
 )
 from .config import SchedulerConfig
 from .cost_model import CostModel
-from .errors import DeadlineInfeasible, DuplicateRequest, QueueFull
+from .errors import DeadlineInfeasible, DuplicateRequest, Overloaded, QueueFull
 from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
 from .policies import make_policy
 from .policy import PreemptionMode, SchedulingPolicy
@@ -78,6 +78,9 @@ class _StepState:
     # A running request had to preempt for blocks: admitting new work now would
     # only take the blocks the running ones need next step.
     is_kv_exhausted: bool = False
+    # Waiting work was left out for want of room (sequences, budget or
+    # blocks), not held back: the step is as full as the engine makes them.
+    is_saturated: bool = False
     # (urgency key, tokens) of waiting work that budget is held back for,
     # ascending: running work less urgent than a key leaves those tokens.
     reservations: list[tuple[tuple[float, ...], int]] = field(default_factory=list)
@@ -143,6 +146,7 @@ class Scheduler:
         # in the next plan's ``finished``.
         self._ended: list[FinishedRequest] = []
         self._num_shed: dict[int, int] = {}
+        self._num_overload_refused: dict[int, int] = {}
         self._num_held_back = 0
         self._last_finish_time: float | None = None
         self._finish_gap_s: float | None = None  # average time between finishes
@@ -169,6 +173,14 @@ class Scheduler:
             if infeasible is not None:
                 self.policy.forget(req.req_id)
                 raise DeadlineInfeasible(infeasible.message, infeasible.limit)
+        refusal = self.policy.overload_refusal(req, at)
+        if refusal:
+            self.policy.forget(req.req_id)
+            retry = self.retry_after_seconds(req.priority)
+            self._num_overload_refused[req.priority] = (
+                self._num_overload_refused.get(req.priority, 0) + 1
+            )
+            raise Overloaded(f"{refusal}; retry after {retry:.3f}s", retry)
         if len(self._waiting) >= self.config.max_queue_len:
             victim = self.policy.shed_victim(req, self._waiting, at)
             if victim is None:
@@ -264,7 +276,7 @@ class Scheduler:
         self._in_flight_step = state.step
         self._in_flight = state.scheduled
         plan = state.to_plan()
-        self.policy.observe_plan(plan)
+        self.policy.observe_plan(plan, state.is_saturated)
         return plan
 
     def _expire_deadlines(self, state: _StepState, now: float) -> None:
@@ -442,9 +454,11 @@ class Scheduler:
 
     def _schedule_waiting(self, state: _StepState, now: float) -> None:
         if state.is_kv_exhausted:
+            state.is_saturated = bool(self._waiting)
             return
         for req in self._ordered_waiting(state, now):
             if not self._has_room_for_another(state):
+                state.is_saturated = True
                 return
             if req.req_id in state.preempted_ids or req.req_id in self._paused:
                 continue  # pushed out this very step (admitting it back would thrash), or paused
@@ -457,6 +471,7 @@ class Scheduler:
             if not self.device_pool.can_allocate(
                 self._blocks_to_admit(hits, self.device_pool.blocks_for(target))
             ):
+                state.is_saturated = True
                 return  # the head waits for blocks; nobody overtakes it
             self._take_prefix(req, hits)
             self._admit(req, now)
@@ -760,6 +775,11 @@ class Scheduler:
     def num_cached_device_blocks(self) -> int:
         """Device blocks in the prefix cache (held or evictable)."""
         return self.device_pool.num_cached
+
+    @property
+    def num_overload_refused(self) -> dict[int, int]:
+        """Arrivals turned away as Overloaded, by priority class."""
+        return dict(self._num_overload_refused)
 
     @property
     def num_held_back(self) -> int:

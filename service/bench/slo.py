@@ -99,6 +99,7 @@ class SloOptions:
     max_queue_len: int = 4096
     aging_s: float = 60.0
     reject_infeasible: bool = True
+    shed_under_overload: bool = True
     coefficients: CostCoefficients = field(default_factory=CostCoefficients)
     kv_bytes_per_block: int = SIM_KV_BYTES_PER_BLOCK
     capacity_requests: int = 1000
@@ -150,6 +151,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--max-queue-len", type=int, default=4096)
     parser.add_argument("--aging-s", type=float, default=None, help="0 disables aging")
     parser.add_argument("--no-reject-infeasible", action="store_true")
+    parser.add_argument(
+        "--no-overload-shedding",
+        action="store_true",
+        help="deadline: give work up by urgency only, never refuse the heaviest at arrival",
+    )
     parser.add_argument("--coefficients", type=Path, help="cost-model JSON (sim mode)")
     parser.add_argument(
         "--calibration",
@@ -191,6 +197,7 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
         max_num_seqs=args.max_num_seqs,
         max_queue_len=args.max_queue_len,
         reject_infeasible=not args.no_reject_infeasible,
+        shed_under_overload=not args.no_overload_shedding,
         model=args.model,
         dtype=resolved_dtype(args.dtype) if mode == "engine" else args.dtype,
         json_path=args.json_path,
@@ -280,6 +287,7 @@ def scheduler_config(opts: SloOptions, policy: str) -> SchedulerConfig:
         max_queue_len=opts.max_queue_len,
         policy=policy,
         reject_infeasible=opts.reject_infeasible,
+        shed_under_overload=opts.shed_under_overload,
         aging_s=opts.aging_s,
     )
 
@@ -566,7 +574,7 @@ def format_summary(report: dict[str, object]) -> str:
     header = (
         f"{'mode':<6} {'cv':>3} {'load':>4} {'policy':<8} {'dl':<4} {'attain':>6} {'c0':>5} "
         f"{'c1':>5} {'c2':>5} {'goodput':>8} {'of cap':>6} {'c2 p99 wait':>11} "
-        f"{'c2 max wait':>11} {'swap':>5} {'recomp':>6} {'reject':>6} {'missed s':>8}"
+        f"{'c2 max wait':>11} {'swap':>5} {'recomp':>6} {'reject':>6} {'shed':>5} {'missed s':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in runs:
@@ -579,7 +587,8 @@ def format_summary(report: dict[str, object]) -> str:
             f"{_pct(r.get('goodput_fraction_of_capacity')):>6} "
             f"{_num(c['2']['wait_p99_s']):>11} {_num(c['2']['max_wait_s']):>11} "
             f"{r['preemptions_swap']:>5} {r['preemptions_recompute']:>6} "
-            f"{r['early_rejections']:>6} {r['missed_compute_s']:>8.1f}"
+            f"{r['early_rejections']:>6} {r.get('overload_refusals', 0):>5} "
+            f"{r['missed_compute_s']:>8.1f}"
         )
     twins = [r for r in runs if "sim_twin" in r]
     if twins:

@@ -200,6 +200,7 @@ def class_metrics(outcomes: Sequence[SimOutcome], window_s: float) -> dict[str, 
         "preemptions": sum(o.num_preemptions for o in outcomes),
         "early_rejections": sum(o.rejection == "DeadlineInfeasible" for o in outcomes),
         "queue_full_rejections": sum(o.rejection == "QueueFull" for o in outcomes),
+        "overload_refusals": sum(o.rejection == "Overloaded" for o in outcomes),
         "deadline_exceeded": sum(
             o.finish_reason is FinishReason.DEADLINE_EXCEEDED for o in outcomes
         ),
@@ -228,22 +229,6 @@ def run_metrics(outcomes: Sequence[SimOutcome], window_s: float) -> dict[str, ob
 # -- what any policy can attain -------------------------------------------------
 
 
-def batched_seconds(cost: CostModel, prompt: int, output: int, batch: int) -> float:
-    """A request's share of a full batch's time: its prompt tokens, its
-    ``output - 1`` decodes (each with a ``1 / batch`` share of the step's
-    fixed cost) and the context each of its steps reads. Under overload the
-    batch stays full, so a run's machine time is the sum of these."""
-    c = cost.coefficients
-    decodes = max(0, output - 1)
-    # Prefill reads the prompt once; decode k (1-based) reads prompt + k tokens.
-    context = prompt + decodes * prompt + decodes * (decodes + 1) / 2
-    return (
-        c.per_prefill_token_s * prompt
-        + (c.per_decode_seq_s + c.base_s / batch) * decodes
-        + c.per_context_token_s * context
-    )
-
-
 def attainable_load(
     requests: Sequence[SimRequest],
     cost: CostModel,
@@ -261,7 +246,7 @@ def attainable_load(
     mix, so its unit of work cancels out; what this leaves out (a run's drain
     after the last arrival, batches below full) only lowers what is reachable."""
     weights = sorted(
-        ((batched_seconds(cost, r.prompt_len, r.output_len, batch), r.priority) for r in requests),
+        ((cost.batched_seconds(r.prompt_len, r.output_len, batch), r.priority) for r in requests),
         reverse=True,
     )
     total = sum(w for w, _ in weights)

@@ -64,6 +64,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(by default it ends DEADLINE_EXCEEDED early and frees its KV)",
     )
     group.add_argument(
+        "--no-overload-shedding",
+        dest="shed_under_overload",
+        action="store_false",
+        help="past capacity, keep admitting the heaviest requests of classes above 0 "
+        "(by default they are refused at arrival, RESOURCE_EXHAUSTED, with a retry hint)",
+    )
+    group.add_argument(
         "--no-calibrate",
         dest="calibrate",
         action="store_false",
@@ -119,6 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         policy=args.policy,
         reject_infeasible=args.reject_infeasible,
         abandon_hopeless=args.abandon_hopeless,
+        shed_under_overload=args.shed_under_overload,
         calibrate_cost_model=args.calibrate,
         aging_s=args.aging_s,
         min_residency_s=args.min_residency_s,

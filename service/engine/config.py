@@ -31,6 +31,7 @@ class EngineConfig:
     policy: str = "deadline"
     reject_infeasible: bool = True
     abandon_hopeless: bool = True
+    shed_under_overload: bool = True
     aging_s: float = 60.0
     min_residency_s: float = 0.05
     # Time synthetic steps at start-up to seed the deadline policy's cost

@@ -228,6 +228,7 @@ class Engine:
                 policy=config.policy,
                 reject_infeasible=config.reject_infeasible,
                 abandon_hopeless=config.abandon_hopeless,
+                shed_under_overload=config.shed_under_overload,
                 aging_s=config.aging_s,
                 min_residency_s=config.min_residency_s,
                 enable_prefix_cache=config.prefix_cache,
@@ -369,6 +370,7 @@ class Engine:
                     hit_tokens=s.num_prefix_hit_tokens,
                     cached_blocks=s.num_cached_device_blocks,
                 ),
+                overload_refused=s.num_overload_refused,
             )
 
     def drain(self) -> None:

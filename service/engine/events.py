@@ -134,3 +134,5 @@ class EngineStats:
     step: int
     is_draining: bool
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # Arrivals refused as overloaded since start, by priority class.
+    overload_refused: dict[int, int] = field(default_factory=dict)

@@ -25,6 +25,7 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_rejections_total{reason}                     counter
     slipstream_requests_finished_total{priority, reason}    counter
     slipstream_shed_total{priority}                         counter (shed from a full queue)
+    slipstream_overload_refused_total{priority}             counter (refused as overloaded)
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
     slipstream_deadline_misses_total{priority}              counter (expired or late)
     gen_ai_server_time_to_first_token_seconds{priority}     histogram
@@ -161,6 +162,15 @@ class _EngineCollector(Collector):
         preemptions.add_metric(["swap"], scheduler.num_swap_preemptions)
         preemptions.add_metric(["recompute"], scheduler.num_recompute_preemptions)
         yield preemptions
+        overload = CounterMetricFamily(
+            "slipstream_overload_refused",
+            "Arrivals turned away at the door as overloaded (the heaviest of classes above 0), "
+            "by priority class",
+            labels=["priority"],
+        )
+        for priority, count in sorted(stats.overload_refused.items()):
+            overload.add_metric([str(priority)], count)
+        yield overload
         yield from _prefix_cache_metrics(stats.prefix_cache)
 
 

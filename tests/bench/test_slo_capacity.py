@@ -19,7 +19,6 @@ from slipstream.service.bench.slo_capacity import capacity_ratios, find_capacity
 from slipstream.service.bench.slo_engine import scored_differently
 from slipstream.service.bench.slo_workload import (
     attainable_load,
-    batched_seconds,
     saturating_requests,
 )
 
@@ -181,9 +180,7 @@ def test_batched_shares_add_up_to_a_saturated_runs_time() -> None:
     batch = saturating_requests(spec, 400)
     cost = CostModel(opts.coefficients)
     result = simulate(batch, slo.scheduler_config(opts, "fcfs"), cost)
-    shares = sum(
-        batched_seconds(cost, r.prompt_len, r.output_len, opts.max_num_seqs) for r in batch
-    )
+    shares = sum(cost.batched_seconds(r.prompt_len, r.output_len, opts.max_num_seqs) for r in batch)
     assert shares == pytest.approx(result.makespan_s, rel=0.05)
 
 

@@ -8,7 +8,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 
 from slipstream.clients.wire import GenerateOptions, build_submit
-from slipstream.scheduler.errors import DeadlineInfeasible, QueueFull
+from slipstream.scheduler.errors import DeadlineInfeasible, Overloaded, QueueFull
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause
 from slipstream.service.api import wire
 from slipstream.service.api.status import rejection_for
@@ -107,6 +107,11 @@ def test_submit_rejections_carry_the_limit_and_the_retry_hint() -> None:
     assert infeasible.reject_reason == pb.REJECT_REASON_DEADLINE_INFEASIBLE
     assert infeasible.expired_limit == pb.EXPIRED_LIMIT_FIRST_TOKEN
     assert infeasible.retry_after_ms == 0
+    overloaded = reject(Overloaded("overloaded (1.30x): ...; retry after 0.250s", 0.25))
+    assert overloaded.reject_reason == pb.REJECT_REASON_QUEUE_FULL
+    assert overloaded.status_code == "RESOURCE_EXHAUSTED"
+    assert overloaded.retry_after_ms == 250
+    assert overloaded.message.startswith("overloaded")
 
 
 def test_client_sends_the_first_token_timeout() -> None:

@@ -228,3 +228,21 @@ def test_sheds_are_counted_by_class() -> None:
     assert sample("slipstream_shed_total", {"priority": "2"}) == 2
     assert sample("slipstream_shed_total", {"priority": "1"}) == 1
     assert sample("slipstream_rejections_total", {"reason": "shed"}) == 3
+
+
+def test_overload_refusals_are_counted_by_class() -> None:
+    from slipstream.service.engine.events import EngineStats, PoolStats
+
+    class Engine:
+        scheduler = type("Sched", (), {"num_swap_preemptions": 0, "num_recompute_preemptions": 0})
+
+        def stats(self) -> EngineStats:
+            pool = PoolStats(0, 8)
+            return EngineStats(0, 0, 0, pool, pool, {}, 7, False, overload_refused={2: 3, 1: 1})
+
+    metrics = ServerMetrics()
+    metrics.bind_engine(Engine())  # type: ignore[arg-type]
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_overload_refused_total", {"priority": "2"}) == 3
+    assert sample("slipstream_overload_refused_total", {"priority": "1"}) == 1
+    assert sample("slipstream_overload_refused_total", {"priority": "0"}) is None

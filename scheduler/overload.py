@@ -1,0 +1,137 @@
+"""Overload shedding: when more work arrives than the engine can serve,
+turn away the heaviest less-urgent requests at the door.
+
+Under a sustained load ``L`` above capacity, ``1 - 1/L`` of the arriving
+work cannot be served whatever the order. A deadline scheduler alone gives
+it up by *urgency*: whoever runs out of slack first is abandoned. Deadlines
+scale with a request's size, so that is mostly short requests — many misses
+for little work freed — and the compute already spent on them is lost.
+Serving the most requests on time wants the opposite: give up the
+*heaviest* requests (the most work per request), before they run (no compute
+lost, and the caller learns at once and can go elsewhere).
+
+A request's *weight* is its share of a full batch's machine time
+(``CostModel.batched_seconds``): the work it costs, in seconds of a
+saturated engine. ``OverloadShedder`` measures two rates over the recent
+arrivals and steps:
+
+- the offered load: the weight arriving per second (every class), over the
+  last ``WINDOW`` arrivals;
+- the service rate: the weight a saturated step gets through per second of
+  predicted step time, slowed by the cost model's measured overrun (1.0 for
+  a full batch of decodes that runs as predicted; less when prefill steps
+  or a fixed cost not shared by a full batch dilute it).
+
+When offered load exceeds ``TARGET_UTILIZATION`` of the service rate, the
+excess fraction ``f = 1 - target * service / offered`` of the arriving work
+must go: the threshold is the weight above which the sheddable arrivals of
+the window (classes above 0 with a deadline) carry ``f`` of the window's
+work, and a sheddable arrival heavier than that is refused. Below capacity
+the threshold is +inf (nothing refused). Class 0 is never shed. O(1) per
+arrival and step; the threshold is recomputed (a sort of the window) every
+``REFRESH_ARRIVALS`` arrivals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+# Arrivals the offered load and the threshold are measured over.
+WINDOW = 512
+# Fewer arrivals than this say nothing about a rate: no shedding.
+MIN_ARRIVALS = 32
+# Recompute the threshold every this many arrivals.
+REFRESH_ARRIVALS = 16
+# The fraction of the service rate that may be offered before shedding:
+# a queue at full utilization still misses its tightest deadlines.
+TARGET_UTILIZATION = 0.97
+# Weight of the newest saturated step in the service-rate average.
+_SERVICE_EWMA = 0.01
+
+
+class OverloadShedder:
+    """Offered load, service rate, and the weight above which sheddable
+    arrivals are refused."""
+
+    __slots__ = (
+        "_arrivals",
+        "_service_rate",
+        "_since_refresh",
+        "_threshold",
+        "_window_weight",
+    )
+
+    def __init__(self) -> None:
+        # (arrival time, weight, sheddable) of the last WINDOW arrivals.
+        self._arrivals: deque[tuple[float, float, bool]] = deque()
+        self._window_weight = 0.0
+        self._service_rate = 1.0
+        self._threshold = math.inf
+        self._since_refresh = 0
+
+    @property
+    def threshold(self) -> float:
+        """Sheddable arrivals heavier than this are refused; +inf when not overloaded."""
+        return self._threshold
+
+    @property
+    def service_rate(self) -> float:
+        """Weight a saturated engine serves per second (1.0 = as the cost model predicts)."""
+        return self._service_rate
+
+    def offered_load(self) -> float:
+        """Weight arriving per second over the window (0 until it says anything)."""
+        arrivals = self._arrivals
+        if len(arrivals) < MIN_ARRIVALS:
+            return 0.0
+        span = arrivals[-1][0] - arrivals[0][0]
+        if span <= 0:
+            return math.inf
+        # The first arrival opens the span: its weight is not inside it.
+        return (self._window_weight - arrivals[0][1]) / span
+
+    def utilization(self) -> float:
+        """Offered load over the service rate: above 1, work must go."""
+        return self.offered_load() / self._service_rate
+
+    def admits(self, now: float, weight: float, sheddable: bool) -> bool:
+        """Records an arrival; False to refuse it (only a sheddable one,
+        heavier than the threshold)."""
+        arrivals = self._arrivals
+        arrivals.append((now, weight, sheddable))
+        self._window_weight += weight
+        if len(arrivals) > WINDOW:
+            self._window_weight -= arrivals.popleft()[1]
+        self._since_refresh += 1
+        if self._since_refresh >= REFRESH_ARRIVALS:
+            self._since_refresh = 0
+            self._refresh()
+        return not sheddable or weight <= self._threshold
+
+    def observe_step(self, work_s: float, predicted_s: float, overrun: float) -> None:
+        """A saturated step (a full batch) the cost model predicted at
+        ``predicted_s``, carrying ``work_s`` of weight; measured steps run
+        ``overrun`` past their predictions on average."""
+        if predicted_s <= 0 or work_s <= 0:
+            return
+        rate = work_s / (predicted_s * (1.0 + max(0.0, overrun)))
+        self._service_rate += _SERVICE_EWMA * (rate - self._service_rate)
+
+    def _refresh(self) -> None:
+        utilization = self.utilization()
+        if utilization <= TARGET_UTILIZATION:
+            self._threshold = math.inf
+            return
+        excess = (1.0 - TARGET_UTILIZATION / utilization) * self._window_weight
+        heaviest_first = sorted((w for _, w, s in self._arrivals if s), reverse=True)
+        shed = 0.0
+        threshold = 0.0  # all sheddable work is not enough: refuse every sheddable
+        for weight in heaviest_first:
+            shed += weight
+            if shed >= excess:
+                threshold = weight
+                break
+        # Refused: strictly heavier than the threshold. The lightest weight
+        # that completes the excess is itself refused, so step just below it.
+        self._threshold = math.nextafter(threshold, 0.0)
