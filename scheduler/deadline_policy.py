@@ -142,13 +142,17 @@ class DeadlinePolicy(SchedulingPolicy):
     # -- estimates -------------------------------------------------------
 
     def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
-        if plan.seqs:
-            seconds = self.cost_model.plan_seconds(plan)
-            self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
-            if self._shedder is not None and saturated:
-                cost = self.cost_model
-                work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
-                self._shedder.observe_step(work, seconds, cost.overrun)
+        shedder = self._shedder
+        if not plan.seqs:
+            if shedder is not None:
+                shedder.observe_step(0.0, 0.0, 0.0, saturated=False)
+            return
+        cost = self.cost_model
+        seconds = cost.plan_seconds(plan)
+        self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
+        if shedder is not None:
+            work = cost.batched_step_seconds(StepShape.of(plan), self._batch) if saturated else 0.0
+            shedder.observe_step(work, seconds, cost.overrun, saturated)
 
     def remaining_seconds(self, req: Request) -> float:
         """Isolated remaining service time (swap-in included when swapped)."""
@@ -388,20 +392,25 @@ class DeadlinePolicy(SchedulingPolicy):
 
     def overload_refusal(self, req: Request, now: float) -> str:
         """Every arrival counts toward the offered load; one of a class
-        above 0 with a deadline, heavier than the overload threshold
+        above 0 with a deadline, ranked past the overload threshold
         (``overload.py``), is refused. "" when it may come in."""
         shedder = self._shedder
         if shedder is None:
             return ""
         target = min(req.expected_output_tokens or req.max_new_tokens, req.max_new_tokens)
         weight = self.cost_model.batched_seconds(len(req.prompt_token_ids), target, self._batch)
-        sheddable = req.priority > 0 and req.deadline is not None
-        if shedder.admits(now, weight, sheddable):
+        shed_class = req.priority if req.priority > 0 and req.deadline is not None else None
+        if shedder.admits(now, weight, shed_class):
             return ""
+        threshold_class, threshold_weight = shedder.threshold
+        heavier = (
+            f"heavier than {threshold_weight:.3f}s of batched compute"
+            if req.priority == threshold_class
+            else "of every weight"
+        )
         return (
             f"overloaded ({shedder.utilization():.2f}x what the engine serves): class "
-            f"{req.priority} requests heavier than {shedder.threshold:.3f}s of batched compute "
-            f"are turned away (this one: {weight:.3f}s)"
+            f"{req.priority} requests {heavier} are turned away (this one: {weight:.3f}s)"
         )
 
     def expired_limit(self, req: Request, now: float) -> ExpiredLimit:

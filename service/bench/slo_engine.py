@@ -419,6 +419,7 @@ def _twin_summary(metrics: dict[str, object], result: SimResult) -> dict[str, ob
         "attainment": metrics["attainment"],
         "goodput_tokens_per_s": metrics["goodput_tokens_per_s"],
         "early_rejections": metrics["early_rejections"],
+        "overload_refusals": metrics["overload_refusals"],
         "preemptions_swap": result.num_swap_preemptions,
         "preemptions_recompute": result.num_recompute_preemptions,
         "classes": {

@@ -220,6 +220,7 @@ def run_metrics(outcomes: Sequence[SimOutcome], window_s: float) -> dict[str, ob
         "attainment": overall["attainment"],
         "goodput_tokens_per_s": overall["goodput_tokens_per_s"],
         "early_rejections": overall["early_rejections"],
+        "overload_refusals": overall["overload_refusals"],
         "missed_compute_s": overall["missed_compute_s"],
         "compute_s": overall["compute_s"],
         "classes": classes,

@@ -47,7 +47,7 @@ def test_json_has_the_documented_shape(report: dict[str, object]) -> None:
     json.dumps(report)  # serialisable
 
 
-def test_deadline_beats_fcfs_on_class_0_attainment_at_1_5x(report: dict[str, object]) -> None:
+def test_deadline_meets_the_most_deadlines_at_1_5x(report: dict[str, object]) -> None:
     by_policy = {
         r["policy"]: r
         for r in report["runs"]  # type: ignore[union-attr]
@@ -56,7 +56,12 @@ def test_deadline_beats_fcfs_on_class_0_attainment_at_1_5x(report: dict[str, obj
     class0 = {p: r["classes"]["0"]["attainment"] for p, r in by_policy.items()}
     assert class0["deadline"] >= 0.95
     assert class0["deadline"] > class0["fcfs"] + 0.2
-    assert by_policy["deadline"]["goodput_tokens_per_s"] > by_policy["fcfs"]["goodput_tokens_per_s"]
+    overall = {p: r["attainment"] for p, r in by_policy.items()}
+    assert overall["deadline"] > max(overall["fcfs"], overall["priority"]) + 0.1
+    # Past capacity it turns the heaviest class-2 requests away: more requests
+    # meet their deadlines, a few of the tokens go with them.
+    goodput = {p: r["goodput_tokens_per_s"] for p, r in by_policy.items()}
+    assert goodput["deadline"] > 0.9 * goodput["fcfs"]
 
 
 def test_unaware_baselines_never_expire_but_are_scored_against_deadlines(

@@ -20,6 +20,7 @@ from slipstream.scheduler import (
 )
 from slipstream.scheduler.overload import (
     MIN_ARRIVALS,
+    NO_THRESHOLD,
     TARGET_UTILIZATION,
     WINDOW,
     OverloadShedder,
@@ -30,8 +31,8 @@ from slipstream.scheduler.simulator import SimRequest, simulate
 def feed(
     shedder: OverloadShedder, rate: float, weights: list[float], start: float = 0.0
 ) -> list[bool]:
-    """Arrivals ``1 / rate`` apart, all sheddable; which were admitted."""
-    return [shedder.admits(start + i / rate, w, True) for i, w in enumerate(weights)]
+    """Arrivals ``1 / rate`` apart, all sheddable (class 2); which were admitted."""
+    return [shedder.admits(start + i / rate, w, 2) for i, w in enumerate(weights)]
 
 
 def log_uniform_weights(n: int, seed: int = 0) -> list[float]:
@@ -47,7 +48,7 @@ def test_below_capacity_nothing_is_refused() -> None:
     # the window's estimate wanders a few percent, never up to the target.
     admitted = feed(shedder, 0.8 / mean, weights)
     assert all(admitted)
-    assert shedder.threshold == math.inf
+    assert shedder.threshold == NO_THRESHOLD
     assert shedder.utilization() == pytest.approx(0.8, rel=0.1)
 
 
@@ -72,25 +73,40 @@ def test_never_sheds_the_unsheddable_and_says_nothing_before_enough_arrivals() -
     shedder = OverloadShedder()
     heavy = 100.0
     # A flood far past capacity: the first arrivals say nothing about a rate.
-    early = [shedder.admits(i * 0.01, heavy, True) for i in range(MIN_ARRIVALS - 1)]
+    early = [shedder.admits(i * 0.01, heavy, 2) for i in range(MIN_ARRIVALS - 1)]
     assert all(early) and shedder.offered_load() == 0.0
     for i in range(MIN_ARRIVALS, 4 * WINDOW):
-        shedder.admits(i * 0.01, heavy, False)  # class 0: counted, never refused
+        shedder.admits(i * 0.01, heavy, None)  # class 0: counted, never refused
     assert shedder.utilization() > 100
-    assert shedder.admits(4 * WINDOW * 0.01, heavy, False)
-    assert not shedder.admits(4 * WINDOW * 0.01, heavy, True)
+    assert shedder.admits(4 * WINDOW * 0.01, heavy, None)
+    assert not shedder.admits(4 * WINDOW * 0.01, heavy, 2)
 
 
-def test_a_slower_engine_than_predicted_sheds_earlier() -> None:
-    weights = log_uniform_weights(4 * WINDOW, seed=1)
+def test_the_least_urgent_class_goes_first_then_weight_within_it() -> None:
+    shedder = OverloadShedder()
+    rng = random.Random(5)
+    weights = log_uniform_weights(6 * WINDOW, seed=2)
+    classes = [rng.choice((1, 2, 2)) for _ in weights]
     mean = sum(weights) / len(weights)
-    on_time, overrunning = OverloadShedder(), OverloadShedder()
-    for _ in range(2000):  # saturated steps: overrunning ones take 1.25x their prediction
-        on_time.observe_step(0.05, 0.05, 0.0)
-        overrunning.observe_step(0.05, 0.05, 0.25)
-    assert overrunning.service_rate == pytest.approx(0.8, rel=0.01)
-    assert all(feed(on_time, 0.9 / mean, weights))
-    assert not all(feed(overrunning, 0.9 / mean, weights))
+    # 1.3x: class 2 carries ~2/3 of the work, so its heaviest cover the excess.
+    admitted = [
+        shedder.admits(i * mean / 1.3, w, c)
+        for i, (w, c) in enumerate(zip(weights, classes, strict=True))
+    ]
+    steady = list(zip(weights, classes, admitted, strict=True))[2 * WINDOW :]
+    assert all(ok for _, c, ok in steady if c == 1)
+    refused = [w for w, c, ok in steady if not ok]
+    assert refused and all(c == 2 for _, c, ok in steady if not ok)
+    # Past what class 2 can give (5x: 80 % of the work must go, class 2
+    # carries two thirds), class 1 is shed too, and class 2 entirely.
+    flood = OverloadShedder()
+    admitted = [
+        flood.admits(i * mean / 5.0, w, c)
+        for i, (w, c) in enumerate(zip(weights, classes, strict=True))
+    ]
+    late = list(zip(classes, admitted, strict=True))[2 * WINDOW :]
+    assert not any(ok for c, ok in late if c == 2)
+    assert not all(ok for c, ok in late if c == 1)
 
 
 # -- in the scheduler --------------------------------------------------------
@@ -131,6 +147,8 @@ def test_a_refused_arrival_is_overloaded_with_a_retry_hint_and_counted_by_class(
     assert refused
     assert all(isinstance(exc, QueueFull) and exc.retry_after_s for _, exc in refused)
     assert all(req.priority > 0 for req, _ in refused)  # class 0 is never shed
+    # ~10x capacity: all of class 2 cannot cover it, so class 1 goes too.
+    assert {req.priority for req, _ in refused} == {1, 2}
     assert all(sched.get_request(req.req_id) is None for req, _ in refused)
     by_class = sched.num_overload_refused
     assert sum(by_class.values()) == len(refused) and 0 not in by_class
@@ -197,7 +215,8 @@ def test_shedding_the_heaviest_meets_more_deadlines_past_capacity() -> None:
     refused = [
         r for o, r in zip(shedding.outcomes, requests, strict=True) if o.rejection == "Overloaded"
     ]
-    assert refused and all(r.priority > 0 for r in refused)
+    # 1.25x: the heaviest of class 2 cover the excess; nothing else is refused.
+    assert refused and all(r.priority == 2 for r in refused)
     weight = [cost.batched_seconds(r.prompt_len, r.output_len, 32) for r in requests]
     median = sorted(weight)[len(weight) // 2]
     heavy = sum(cost.batched_seconds(r.prompt_len, r.output_len, 32) > median for r in refused)
