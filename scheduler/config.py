@@ -25,8 +25,8 @@ class SchedulerConfig:
     ``min_residency_s`` protects a request just admitted or resumed from
     being pushed out for waiting work (the thrash guard);
     ``shed_under_overload`` refuses, while more work arrives than the engine
-    serves, the heaviest arrivals of classes above 0 (Overloaded;
-    ``overload.py``).
+    serves, arrivals of classes above 0, the least urgent class and the
+    heaviest first (Overloaded; ``overload.py``).
 
     ``enable_prefix_cache``: full KV blocks are kept and shared by hash of
     their prefix (``block_manager.py``); an admitted request skips the

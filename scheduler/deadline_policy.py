@@ -29,9 +29,10 @@ Urgency (smaller sorts first)::
   deadline, when abandoned). Promotion changes order only, never the right
   to preempt.
 
-Overload (``overload_refusal``): past capacity, the heaviest arrivals of
-classes above 0 are refused at the door (``overload.py``), so the work that
-must go is given up by weight, before it runs, not by urgency after.
+Overload (``overload_refusal``): past capacity, arrivals of classes above 0
+are refused at the door, the least urgent class first and the heaviest
+within it (``overload.py``), so the work that must go is given up by weight,
+before it runs, not by urgency after.
 
 Preemption for admission (``admission_victim``): a waiting request pushes
 out a running one only when (1) the victim is in a strictly less urgent

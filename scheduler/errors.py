@@ -24,9 +24,10 @@ class QueueFull(SchedulerError):
 
 
 class Overloaded(QueueFull):
-    """More work arrives than the engine serves in time: a less urgent
-    request heavier than the overload threshold is turned away at arrival
-    (``overload.py``). Answered like QueueFull, retry hint included."""
+    """More work arrives than the engine serves: a request of a class above
+    0 ranked past the overload threshold (least urgent class, heaviest
+    first) is turned away at arrival (``overload.py``). Answered like
+    QueueFull, retry hint included."""
 
 
 class DeadlineInfeasible(SchedulerError):
