@@ -28,10 +28,10 @@ must go. The sheddable arrivals of the window (classes above 0 with a
 deadline) are ranked least urgent class first and, within a class, heaviest
 first; the threshold is the rank at which they carry ``f`` of the window's
 work, and an arrival ranked before it is refused. So a class is shed only
-once the heaviest part of every less urgent class would not cover the
-excess — priority decides first, weight within it. Below capacity nothing is
-refused. Class 0 is never shed. O(1) per arrival and step; the threshold is recomputed (a
-sort of the window) every ``REFRESH_ARRIVALS`` arrivals.
+once refusing every arrival of the less urgent classes would not cover the
+excess: priority decides first, weight within it. Below capacity nothing is
+refused. Class 0 is never shed. O(1) per arrival and step; the threshold is
+recomputed (a sort of the window) every ``REFRESH_ARRIVALS`` arrivals.
 """
 
 from __future__ import annotations
