@@ -267,20 +267,16 @@ class CostModel:
         the batch stays full, so the machine time of a run is the sum of
         these: the work a request costs, where ``service_seconds`` is the
         time it takes."""
-        c = self.coefficients
         decodes = max(0, output - 1)
         # Prefill reads the prompt once; decode k (1-based) reads prompt + k tokens.
-        context = prompt + decodes * prompt + decodes * (decodes + 1) / 2
-        return (
-            c.per_prefill_token_s * prompt
-            + (c.per_decode_seq_s + c.base_s / max(1, batch)) * decodes
-            + c.per_context_token_s * context
-        )
+        context = prompt + decodes * prompt + decodes * (decodes + 1) // 2
+        return self.batched_step_seconds(StepShape(prompt, decodes, context), batch)
 
     def batched_step_seconds(self, shape: StepShape, batch: int) -> float:
-        """The weight a step gets through: the ``batched_seconds`` shares
-        of its tokens (equal to the step's predicted time for a full batch
-        of ``batch`` decodes)."""
+        """The weight a step gets through: its tokens' shares of a full
+        batch's time, each decode with a ``1 / batch`` share of the fixed
+        cost (equal to the step's predicted time for a full batch of
+        ``batch`` decodes). ``batched_seconds`` is a request's steps summed."""
         c = self.coefficients
         return (
             c.per_prefill_token_s * shape.num_prefill_tokens

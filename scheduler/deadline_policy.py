@@ -78,6 +78,14 @@ _Signature = tuple[int, int, RequestStatus, float | None, float | None, int, flo
 _Progress = tuple[int, int, RequestStatus]
 
 
+def _output_target(req: Request, outputs: int) -> int:
+    """The outputs ``req`` is expected to end with, having ``outputs``:
+    its expected count (else ``max_new_tokens``), at least one more than it
+    has, at most ``max_new_tokens``."""
+    target = req.expected_output_tokens or req.max_new_tokens
+    return min(max(target, outputs + 1), req.max_new_tokens)
+
+
 class _Entry:
     """What the policy knows about one live request: a record updated in
     place, not rebuilt, every time the request is ranked in a new step.
@@ -143,17 +151,14 @@ class DeadlinePolicy(SchedulingPolicy):
     # -- estimates -------------------------------------------------------
 
     def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
-        shedder = self._shedder
         if not plan.seqs:
-            if shedder is not None:
-                shedder.observe_step(0.0, 0.0, 0.0, saturated=False)
             return
         cost = self.cost_model
         seconds = cost.plan_seconds(plan)
         self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
-        if shedder is not None:
-            work = cost.batched_step_seconds(StepShape.of(plan), self._batch) if saturated else 0.0
-            shedder.observe_step(work, seconds, cost.overrun, saturated)
+        if self._shedder is not None and saturated:
+            work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
+            self._shedder.observe_step(work, seconds, cost.overrun)
 
     def remaining_seconds(self, req: Request) -> float:
         """Isolated remaining service time (swap-in included when swapped)."""
@@ -180,9 +185,7 @@ class DeadlinePolicy(SchedulingPolicy):
 
     def _new_estimate(self, entry: _Entry, req: Request, progress: _Progress) -> None:
         computed, outputs, status = progress
-        target = req.expected_output_tokens or req.max_new_tokens
-        target = min(max(target, outputs + 1), req.max_new_tokens)
-        outputs_left = max(1, target - outputs)
+        outputs_left = max(1, _output_target(req, outputs) - outputs)
         num_tokens = len(req.prompt_token_ids) + outputs
         cost = self.cost_model
         prefill = cost.prefill_seconds(num_tokens - computed, self._budget, computed)
@@ -398,8 +401,9 @@ class DeadlinePolicy(SchedulingPolicy):
         shedder = self._shedder
         if shedder is None:
             return ""
-        target = min(req.expected_output_tokens or req.max_new_tokens, req.max_new_tokens)
-        weight = self.cost_model.batched_seconds(len(req.prompt_token_ids), target, self._batch)
+        weight = self.cost_model.batched_seconds(
+            len(req.prompt_token_ids), _output_target(req, 0), self._batch
+        )
         shed_class = req.priority if req.priority > 0 and req.deadline is not None else None
         if shedder.admits(now, weight, shed_class):
             return ""

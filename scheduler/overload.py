@@ -128,14 +128,12 @@ class OverloadShedder:
             shed_class == threshold_class and weight <= threshold_weight
         )
 
-    def observe_step(
-        self, work_s: float, predicted_s: float, overrun: float, saturated: bool = True
-    ) -> None:
-        """A step the cost model predicted at ``predicted_s``, carrying
-        ``work_s`` of weight; measured steps run ``overrun`` past their
-        predictions on average. Only a ``saturated`` step (waiting work left
-        out for want of room) measures the service rate."""
-        if not saturated or predicted_s <= 0 or work_s <= 0:
+    def observe_step(self, work_s: float, predicted_s: float, overrun: float) -> None:
+        """A saturated step (it left waiting work out for want of room; only
+        such a step measures the service rate) that the cost model predicted
+        at ``predicted_s``, carrying ``work_s`` of weight; measured steps run
+        ``overrun`` past their predictions on average."""
+        if predicted_s <= 0 or work_s <= 0:
             return
         rate = work_s / (predicted_s * (1.0 + max(0.0, overrun)))
         self._service_rate += _SERVICE_EWMA * (rate - self._service_rate)

@@ -587,7 +587,7 @@ def format_summary(report: dict[str, object]) -> str:
             f"{_pct(r.get('goodput_fraction_of_capacity')):>6} "
             f"{_num(c['2']['wait_p99_s']):>11} {_num(c['2']['max_wait_s']):>11} "
             f"{r['preemptions_swap']:>5} {r['preemptions_recompute']:>6} "
-            f"{r['early_rejections']:>6} {r.get('overload_refusals', 0):>5} "
+            f"{r['early_rejections']:>6} {r['overload_refusals']:>5} "
             f"{r['missed_compute_s']:>8.1f}"
         )
     twins = [r for r in runs if "sim_twin" in r]

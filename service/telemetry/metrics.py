@@ -164,8 +164,8 @@ class _EngineCollector(Collector):
         yield preemptions
         overload = CounterMetricFamily(
             "slipstream_overload_refused",
-            "Arrivals turned away at the door as overloaded (the heaviest of classes above 0), "
-            "by priority class",
+            "Arrivals turned away at the door as overloaded (classes above 0, the least urgent "
+            "and heaviest first), by priority class",
             labels=["priority"],
         )
         for priority, count in sorted(stats.overload_refused.items()):
