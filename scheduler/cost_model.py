@@ -28,10 +28,20 @@ is kept within its prior, so no direction is ever trusted less than at the
 start. Without the guards one stall could make the model predict every step
 ten times too slow, the scheduler turn every request away as infeasible, and
 no step ever run again to correct it.
+
+Two more guards keep that state from lasting, since a model that refuses all
+work gets no samples to correct it. No forward is ever predicted longer than
+``MAX_DRIFT`` times what the start-up coefficients predict for it (a request
+with a deadline that many times its calibrated time is always admitted, and
+its steps refit the model). And while the engine has nothing to run, the fit
+relaxes toward the start-up coefficients (``relax``, half-life
+``RELAX_HALF_LIFE_S`` of idle time), so a model that talked itself out of
+every request comes back to the calibration and lets work in again.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .plan import StepPlan
@@ -48,6 +58,11 @@ MAX_OVERRUN = 0.5
 # A measured step is fit as at most this many times its prediction (and at
 # least its prediction divided by it): see the module docstring.
 OUTLIER_FACTOR = 2.0
+# No forward is predicted longer than this many times the start-up
+# coefficients' prediction; idle time relaxes the fit toward them with this
+# half-life (see the module docstring).
+MAX_DRIFT = 10.0
+RELAX_HALF_LIFE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +123,16 @@ class CostModel:
         forgetting: float = 0.995,
         prior_weight: float = 10.0,
         overrun: float = 0.0,
+        max_drift: float | None = MAX_DRIFT,
     ) -> None:
         """``overrun`` starts the model with a margin measured elsewhere (a
         simulated twin planning with the margin its engine held); it is
-        clamped to ``[0, MAX_OVERRUN]`` and moves only with ``observe``."""
+        clamped to ``[0, MAX_OVERRUN]`` and moves only with ``observe``.
+        ``max_drift``: how many times its start-up prediction a forward may
+        be predicted at; None for a fit that starts from a guess, not a
+        calibration (the calibration itself)."""
+        if max_drift is not None and max_drift < 1.0:
+            raise ValueError(f"max_drift must be >= 1, got {max_drift}")
         if not 0.0 < forgetting <= 1.0:
             raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
         if prior_weight <= 0:
@@ -119,6 +140,9 @@ class CostModel:
         coeffs = coefficients if coefficients is not None else CostCoefficients()
         self._swap_s_per_block = coeffs.swap_s_per_block
         self._theta = coeffs.as_vector()
+        self._start_coefficients = coeffs
+        self._start_theta = [max(0.0, t) for t in self._theta]
+        self._max_drift = math.inf if max_drift is None else max_drift
         # Covariance of the estimate; a small prior weight lets the first
         # measured samples dominate the start-up guess.
         self._prior_variance = 1.0 / prior_weight
@@ -132,6 +156,11 @@ class CostModel:
         """Recomputes what predictions read, after any coefficient change:
         predictions are far more frequent than refits."""
         self._clamped = [max(0.0, t) for t in self._theta]
+        # Only a fit with some coefficient past MAX_DRIFT times its start can
+        # predict past the cap: below that, the cap's dot product is skipped.
+        self._may_drift_past = any(
+            t > self._max_drift * s for t, s in zip(self._clamped, self._start_theta, strict=True)
+        )
         c = [t / s for t, s in zip(self._clamped, _SCALES, strict=True)]
         self._coefficients = CostCoefficients(c[0], c[1], c[2], c[3], self._swap_s_per_block)
 
@@ -185,6 +214,17 @@ class CostModel:
         self._num_samples += 1
         self._refresh()
 
+    def relax(self, idle_s: float) -> None:
+        """The engine had nothing to run for ``idle_s``: the fit moves toward
+        the start-up coefficients, half the way per ``RELAX_HALF_LIFE_S``."""
+        if idle_s <= 0 or self._theta == self._start_theta:
+            return
+        keep = idle_keep(idle_s)
+        self._theta = [
+            s + (t - s) * keep for t, s in zip(self._theta, self._start_theta, strict=True)
+        ]
+        self._refresh()
+
     def _bound_covariance(self) -> None:
         """Scales the covariance down when a variance has grown past the
         prior's (windup; see the module docstring). Scaling keeps it
@@ -221,10 +261,16 @@ class CostModel:
 
     def _forward_seconds(self, prefill: int, decodes: int, context: int) -> float:
         """The clamped dot product of ``_features``, unrolled in the same
-        order (so bit-identical): the hot path of every estimate."""
+        order (so bit-identical), within ``MAX_DRIFT`` of the start-up
+        prediction: the hot path of every estimate."""
         t0, t1, t2, t3 = self._clamped
         s0, s1, s2, s3 = _SCALES
-        return t0 * (1.0 / s0) + t1 * (prefill / s1) + t2 * (decodes / s2) + t3 * (context / s3)
+        fit = t0 * (1.0 / s0) + t1 * (prefill / s1) + t2 * (decodes / s2) + t3 * (context / s3)
+        if not self._may_drift_past:
+            return fit
+        u0, u1, u2, u3 = self._start_theta
+        start = u0 * (1.0 / s0) + u1 * (prefill / s1) + u2 * (decodes / s2) + u3 * (context / s3)
+        return min(fit, self._max_drift * start)
 
     def plan_seconds(self, plan: StepPlan) -> float:
         """Predicted wall time of executing ``plan`` (swaps plus forward)."""
@@ -255,10 +301,11 @@ class CostModel:
         Closed form: the context feature grows by one per step."""
         if num_tokens <= 0:
             return 0.0
-        c = self.coefficients
-        per_step = c.base_s + c.per_decode_seq_s + c.per_context_token_s * (context + 1)
-        growth = c.per_context_token_s * num_tokens * (num_tokens - 1) / 2
-        return max(_MIN_STEP_S * num_tokens, per_step * num_tokens + growth)
+        total = _decode_total(self.coefficients, context, num_tokens)
+        if self._may_drift_past:
+            start = _decode_total(self._start_coefficients, context, num_tokens)
+            total = min(total, self._max_drift * start)
+        return max(_MIN_STEP_S * num_tokens, total)
 
     def batched_seconds(self, prompt: int, output: int, batch: int) -> float:
         """A request's share of a full batch's time: its prompt tokens, its
@@ -292,6 +339,17 @@ class CostModel:
         output), then ``num_outputs_left - 1`` more decode steps."""
         prefill = self.prefill_seconds(num_tokens - num_computed, token_budget, num_computed)
         return prefill + self.decode_seconds(num_tokens, max(0, num_outputs_left - 1))
+
+
+def idle_keep(idle_s: float) -> float:
+    """The share of a learned departure that ``idle_s`` of idle time keeps."""
+    return math.pow(0.5, max(0.0, idle_s) / RELAX_HALF_LIFE_S)
+
+
+def _decode_total(c: CostCoefficients, context: int, num_tokens: int) -> float:
+    per_step = c.base_s + c.per_decode_seq_s + c.per_context_token_s * (context + 1)
+    growth = c.per_context_token_s * num_tokens * (num_tokens - 1) / 2
+    return per_step * num_tokens + growth
 
 
 def _features(shape: StepShape) -> list[float]:

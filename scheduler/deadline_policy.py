@@ -55,7 +55,7 @@ from typing import ClassVar
 
 from .batch_shaping import CEILING_MARGIN_STEPS, ArrivalReserve, BatchShaper
 from .config import SchedulerConfig
-from .cost_model import CostModel, StepShape
+from .cost_model import CostModel, StepShape, idle_keep
 from .overload import OverloadShedder
 from .plan import StepPlan
 from .policy import Infeasible, PreemptionMode, SchedulingPolicy, least_urgent_class_victim
@@ -159,6 +159,16 @@ class DeadlinePolicy(SchedulingPolicy):
         if self._shedder is not None and saturated:
             work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
             self._shedder.observe_step(work, seconds, cost.overrun)
+
+    def observe_idle(self, idle_s: float) -> None:
+        """Idle time relaxes the cost model toward its start-up coefficients
+        and the loaded step toward a lone decode: a model that predicted every
+        arrival infeasible would otherwise never run a step to learn better."""
+        cost = self.cost_model
+        cost.relax(idle_s)
+        c = cost.coefficients
+        lone = c.base_s + c.per_decode_seq_s
+        self.loaded_step_s = lone + (self.loaded_step_s - lone) * idle_keep(idle_s)
 
     def remaining_seconds(self, req: Request) -> float:
         """Isolated remaining service time (swap-in included when swapped)."""

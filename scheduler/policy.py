@@ -176,6 +176,10 @@ class SchedulingPolicy(abc.ABC):
         time); ``saturated`` when waiting work was left out for want of room."""
         return None
 
+    def observe_idle(self, idle_s: float) -> None:
+        """The engine had no live request for ``idle_s`` seconds."""
+        return None
+
     def forget(self, req_id: str) -> None:
         """``req_id`` finished: drop anything cached about it."""
         return None  # nothing cached by default

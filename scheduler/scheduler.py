@@ -793,6 +793,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def observe_idle(self, idle_s: float) -> None:
+        """No request was live for ``idle_s`` seconds (the policy's estimates
+        relax toward what a lone request costs)."""
+        self.policy.observe_idle(idle_s)
+
     def live_req_ids(self) -> list[str]:
         """Ids of every unfinished request, in arrival order."""
         return list(self._requests)

@@ -182,7 +182,10 @@ class Simulator:
             # Nothing runnable right now: idle until the next arrival (or a
             # tick, so deadlines of the queued work still come due).
             tick = self.cost_model.idle_seconds()
-            self.now = self.now + tick if next_arrival is None else max(self.now, next_arrival)
+            then = self.now + tick if next_arrival is None else max(self.now, next_arrival)
+            if not self.scheduler.has_unfinished():
+                self.scheduler.observe_idle(then - self.now)  # as the engine does
+            self.now = then
             return
         seconds = self.cost_model.plan_seconds(plan)
         self._charge(plan, seconds)

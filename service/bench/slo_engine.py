@@ -304,7 +304,7 @@ def _engine_run(
     swaps0, recomputes0 = sched.num_swap_preemptions, sched.num_recompute_preemptions
     # The run's own steps, fit afresh (no forgetting): the step-time model of
     # exactly the machine time this run had, whatever the machine did before.
-    own_steps = CostModel(held.coefficients, forgetting=1.0)
+    own_steps = CostModel(held.coefficients, forgetting=1.0, max_drift=None)
     overruns: list[float] = []
 
     def listen(plan: StepPlan, seconds: float) -> None:

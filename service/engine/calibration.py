@@ -73,7 +73,7 @@ def calibrate(
             runner.block_size, num_blocks, max_num_batched_tokens, max_num_seqs, quick
         )
     )
-    fit = CostModel(CostCoefficients(), forgetting=1.0, prior_weight=1e-3)
+    fit = CostModel(CostCoefficients(), forgetting=1.0, prior_weight=1e-3, max_drift=None)
     if quick:
         repeats = 2
     for plan in plans:

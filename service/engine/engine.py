@@ -214,7 +214,7 @@ class Engine:
                     _step_cost_identity(model_dir, choice, backend, fused, panels, cpu),
                 )
                 if config.calibrate_cost_model
-                else CostModel(CostCoefficients())
+                else CostModel(CostCoefficients(), max_drift=None)  # a guess, not a calibration
             )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -413,15 +413,25 @@ class Engine:
                 )
             if not has_work or is_all_paused:
                 # Paused work still gets a step now and then: its deadlines expire.
+                idle_since = time.monotonic()
                 self._wakeup.wait(timeout=0.05 if is_all_paused else 0.5)
                 self._wakeup.clear()
                 if not is_all_paused:
+                    self._observe_idle(time.monotonic() - idle_since)
                     continue
             try:
                 self._step()
             except Exception:  # a broken step must not take the server down
                 log.exception("engine_step_failed")
                 self._fail_all("internal error during a model step")
+
+    def _observe_idle(self, idle_s: float) -> None:
+        # A model that predicts every request infeasible idles the engine and
+        # so gets no steps to correct it: idle time moves the policy's
+        # estimates back toward the start-up calibration.
+        with self._lock:
+            if not self.scheduler.has_unfinished():
+                self.scheduler.observe_idle(idle_s)
 
     def _step(self) -> None:
         with self._lock:
