@@ -72,6 +72,12 @@ class ArrivalReserve:
         if math.isfinite(ceiling_s) and ceiling_s > 0:
             self._arrivals.append((now, ceiling_s))
 
+    def shifted(self, shift_s: float) -> ArrivalReserve:
+        """A copy on a clock ``shift_s`` ahead of this one's."""
+        twin = ArrivalReserve()
+        twin._arrivals.extend((t + shift_s, c) for t, c in self._arrivals)
+        return twin
+
     def ceiling_s(self, now: float) -> float:
         """The reserve at ``now``; +inf when class-0 arrivals have stopped."""
         arrivals = self._arrivals

@@ -51,6 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 from .batch_shaping import CEILING_MARGIN_STEPS, ArrivalReserve, BatchShaper
@@ -84,6 +85,16 @@ def _output_target(req: Request, outputs: int) -> int:
     has, at most ``max_new_tokens``."""
     target = req.expected_output_tokens or req.max_new_tokens
     return min(max(target, outputs + 1), req.max_new_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _Carried:
+    """A deadline policy's learned state (``carried_state``); resumed as
+    copies, so one snapshot can start several twins."""
+
+    shedder: OverloadShedder | None
+    reserve: ArrivalReserve
+    loaded_step_s: float
 
 
 class _Entry:
@@ -163,12 +174,27 @@ class DeadlinePolicy(SchedulingPolicy):
     def observe_idle(self, idle_s: float) -> None:
         """Idle time relaxes the cost model toward its start-up coefficients
         and the loaded step toward a lone decode: a model that predicted every
-        arrival infeasible would otherwise never run a step to learn better."""
+        arrival infeasible would otherwise never run a step to learn better.
+        The overload threshold is recomputed at the next arrival."""
         cost = self.cost_model
         cost.relax(idle_s)
+        if self._shedder is not None:
+            self._shedder.observe_idle()
         c = cost.coefficients
         lone = c.base_s + c.per_decode_seq_s
         self.loaded_step_s = lone + (self.loaded_step_s - lone) * idle_keep(idle_s)
+
+    def carried_state(self, shift_s: float) -> object | None:
+        shedder = None if self._shedder is None else self._shedder.shifted(shift_s)
+        return _Carried(shedder, self._reserve.shifted(shift_s), self.loaded_step_s)
+
+    def resume(self, state: object | None) -> None:
+        if not isinstance(state, _Carried):
+            raise TypeError(f"cannot resume a deadline policy from {type(state).__name__}")
+        if self._shedder is not None and state.shedder is not None:
+            self._shedder = state.shedder.shifted(0.0)
+        self._reserve = state.reserve.shifted(0.0)
+        self.loaded_step_s = state.loaded_step_s
 
     def remaining_seconds(self, req: Request) -> float:
         """Isolated remaining service time (swap-in included when swapped)."""

@@ -31,7 +31,9 @@ work, and an arrival ranked before it is refused. So a class is shed only
 once refusing every arrival of the less urgent classes would not cover the
 excess: priority decides first, weight within it. Below capacity nothing is
 refused. Class 0 is never shed. O(1) per arrival and step; the threshold is
-recomputed (a sort of the window) every ``REFRESH_ARRIVALS`` arrivals.
+recomputed (a sort of the window) every ``REFRESH_ARRIVALS`` arrivals, and at
+the first arrival after the engine had nothing to do: a threshold set during
+an overload that has since drained must not turn away the next arrivals.
 """
 
 from __future__ import annotations
@@ -137,6 +139,22 @@ class OverloadShedder:
             return
         rate = work_s / (predicted_s * (1.0 + max(0.0, overrun)))
         self._service_rate += _SERVICE_EWMA * (rate - self._service_rate)
+
+    def shifted(self, shift_s: float) -> OverloadShedder:
+        """A copy on a clock ``shift_s`` ahead of this one's: the state a
+        twin replaying from another time origin starts with."""
+        twin = OverloadShedder()
+        twin._arrivals = deque((t + shift_s, w, c) for t, w, c in self._arrivals)
+        twin._window_weight = self._window_weight
+        twin._service_rate = self._service_rate
+        twin._threshold = self._threshold
+        twin._since_refresh = self._since_refresh
+        return twin
+
+    def observe_idle(self) -> None:
+        """Nothing was live: the next arrival recomputes the threshold (its
+        window's span now holds the idle time, which lowers the offered load)."""
+        self._since_refresh = REFRESH_ARRIVALS - 1
 
     def _refresh(self) -> None:
         utilization = self.utilization()

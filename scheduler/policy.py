@@ -180,6 +180,17 @@ class SchedulingPolicy(abc.ABC):
         """The engine had no live request for ``idle_s`` seconds."""
         return None
 
+    def carried_state(self, shift_s: float) -> object | None:
+        """What this policy has learned from past requests (rates, recent
+        arrivals), on a clock ``shift_s`` ahead, for ``resume`` in another
+        policy of the same kind: a simulated twin of a live engine starts
+        where the engine stood. None when it learns nothing."""
+        return None
+
+    def resume(self, state: object | None) -> None:
+        """Starts from ``carried_state`` of a policy of the same kind."""
+        return None
+
     def forget(self, req_id: str) -> None:
         """``req_id`` finished: drop anything cached about it."""
         return None  # nothing cached by default

@@ -133,7 +133,10 @@ class Simulator:
                 next_index += 1
             if not sched.has_unfinished():
                 if next_index < len(pending):
-                    self.now = max(self.now, pending[next_index].arrival)
+                    # Idle until the next arrival, as the engine would be.
+                    then = max(self.now, pending[next_index].arrival)
+                    sched.observe_idle(then - self.now)
+                    self.now = then
                 continue
             steps += 1
             if steps > self._max_steps:
@@ -182,10 +185,7 @@ class Simulator:
             # Nothing runnable right now: idle until the next arrival (or a
             # tick, so deadlines of the queued work still come due).
             tick = self.cost_model.idle_seconds()
-            then = self.now + tick if next_arrival is None else max(self.now, next_arrival)
-            if not self.scheduler.has_unfinished():
-                self.scheduler.observe_idle(then - self.now)  # as the engine does
-            self.now = then
+            self.now = self.now + tick if next_arrival is None else max(self.now, next_arrival)
             return
         seconds = self.cost_model.plan_seconds(plan)
         self._charge(plan, seconds)

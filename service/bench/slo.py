@@ -46,7 +46,7 @@ from typing import Any
 
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
-from slipstream.scheduler.policies import POLICY_NAMES
+from slipstream.scheduler.policies import POLICY_NAMES, make_policy
 from slipstream.scheduler.simulator import SimRequest, SimResult, simulate
 from slipstream.service.bench.report import hardware, resolved_dtype
 from slipstream.service.bench.slo_capacity import (
@@ -407,9 +407,16 @@ def simulate_workload(
     requests: Sequence[SimRequest],
     cost: CostModel,
     deadlines: str = "enforced",
+    carried: object | None = None,
 ) -> tuple[SimResult, dict[str, object]]:
-    """One simulated replay and its metrics, scored against the real deadlines."""
-    result = simulate(as_scheduled(requests, deadlines), scheduler_config(opts, policy), cost)
+    """One simulated replay and its metrics, scored against the real deadlines.
+    ``carried``: the policy starts from this ``carried_state`` (a twin of a
+    live engine), else fresh."""
+    config = scheduler_config(opts, policy)
+    scheduling = make_policy(policy, config, cost)
+    if carried is not None:
+        scheduling.resume(carried)
+    result = simulate(as_scheduled(requests, deadlines), config, cost, scheduling)
     return result, scored_metrics(result.outcomes, requests)
 
 

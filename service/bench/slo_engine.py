@@ -313,16 +313,23 @@ def _engine_run(
 
     engine.step_listeners.append(listen)
     seen = as_scheduled(requests, deadlines)
+    started = time.monotonic()
+    # The twins start where the engine's policy stood (its overload window,
+    # class-0 reserve and loaded step, learned from the runs before this
+    # one), on the replay's clock, whose zero is ``started``.
+    carried = sched.policy.carried_state(-started)
     try:
-        outcomes = _replay(engine, seen, time.monotonic(), engine.info.vocab_size)
+        outcomes = _replay(engine, seen, started, engine.info.vocab_size)
     finally:
         engine.step_listeners.remove(listen)
     swaps = sched.num_swap_preemptions - swaps0
-    twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines)
+    twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines, carried)
     disagreements = scored_differently(outcomes, twin.outcomes, requests)
     mean_overrun = statistics.fmean(overruns) if overruns else model.overrun
     refit = CostModel(own_steps.coefficients, overrun=mean_overrun)
-    twin_refit, twin_refit_metrics = simulate_workload(opts, policy, requests, refit, deadlines)
+    twin_refit, twin_refit_metrics = simulate_workload(
+        opts, policy, requests, refit, deadlines, carried
+    )
     return {
         "policy": policy,
         "deadlines": deadlines,

@@ -109,6 +109,39 @@ def test_the_least_urgent_class_goes_first_then_weight_within_it() -> None:
     assert not all(ok for c, ok in late if c == 1)
 
 
+def test_a_threshold_does_not_outlive_the_overload_once_the_engine_idled() -> None:
+    shedder = OverloadShedder()
+    weights = log_uniform_weights(3 * WINDOW)
+    mean = sum(weights) / len(weights)
+    feed(shedder, 2.0 / mean, weights)
+    heaviest = max(weights)
+    assert shedder.threshold != NO_THRESHOLD
+    # The overload drained and the engine idled for ten times as long as the
+    # window's arrivals took: the first arrival after it is judged on the
+    # window as it is now, not turned away by the threshold of the last
+    # overloaded moment.
+    last = (len(weights) - 1) * mean / 2.0
+    later = last + 10 * WINDOW * mean / 2.0
+    stale = OverloadShedder()
+    feed(stale, 2.0 / mean, weights)
+    assert not stale.admits(later, heaviest, 2)  # without the idle, it would be
+    shedder.observe_idle()
+    assert shedder.admits(later, heaviest, 2)
+    assert shedder.threshold == NO_THRESHOLD
+
+
+def test_a_shifted_copy_decides_as_the_original_on_its_own_clock() -> None:
+    original = OverloadShedder()
+    weights = log_uniform_weights(4 * WINDOW, seed=7)
+    mean = sum(weights) / len(weights)
+    feed(original, 1.6 / mean, weights[: 2 * WINDOW])
+    twin = original.shifted(-1000.0)
+    start = 2 * WINDOW * mean / 1.6
+    rest = weights[2 * WINDOW :]
+    assert feed(twin, 1.6 / mean, rest, start - 1000.0) == feed(original, 1.6 / mean, rest, start)
+    assert twin.threshold == original.threshold
+
+
 # -- in the scheduler --------------------------------------------------------
 
 COEFFS = CostCoefficients(0.01, 0.0004, 0.0015, 0.000002, 0.00005)
@@ -226,3 +259,42 @@ def test_shedding_the_heaviest_meets_more_deadlines_past_capacity() -> None:
         met(o, r) for o, r in zip(shedding.outcomes, requests, strict=True) if r.priority == 0
     ]
     assert sum(class0) / len(class0) >= 0.99
+
+
+def _overload_arrivals(sched: Scheduler, first: int, count: int, shift: float) -> list[bool]:
+    """``count`` arrivals at ~3x capacity (times shifted by ``shift``); which came in."""
+    rng = random.Random(first)
+    admitted = []
+    for i in range(first, first + count):
+        now = i * 0.03 + shift
+        req = Request(
+            req_id=f"r{i}",
+            prompt_token_ids=[1] * rng.randint(32, 512),
+            max_new_tokens=rng.randint(16, 256),
+            priority=i % 3,
+            arrival_time=now,
+            deadline=now + 1000.0,
+        )
+        try:
+            sched.add_request(req, now)
+            admitted.append(True)
+        except Overloaded:
+            admitted.append(False)
+    return admitted
+
+
+def test_a_twin_resumed_from_the_carried_state_refuses_what_the_original_does() -> None:
+    """A simulated twin of a live engine starts where the engine's policy
+    stood; a fresh one would admit everything until its window filled."""
+    original = Scheduler(config(), cost_model=CostModel(COEFFS))
+    assert not all(_overload_arrivals(original, 0, 2 * WINDOW, 0.0))
+    carried = original.policy.carried_state(-500.0)  # the twin's clock starts 500 s later
+    twin = Scheduler(config(), cost_model=CostModel(COEFFS))
+    twin.policy.resume(carried)
+    fresh = Scheduler(config(), cost_model=CostModel(COEFFS))
+    expected = _overload_arrivals(original, 2 * WINDOW, MIN_ARRIVALS - 1, 0.0)
+    assert not all(expected)
+    assert _overload_arrivals(twin, 2 * WINDOW, MIN_ARRIVALS - 1, -500.0) == expected
+    assert all(_overload_arrivals(fresh, 2 * WINDOW, MIN_ARRIVALS - 1, -500.0))
+    with pytest.raises(TypeError):
+        twin.policy.resume(None)
