@@ -158,6 +158,18 @@ def config(**kwargs: object) -> SchedulerConfig:
     return SchedulerConfig(**fields)  # type: ignore[arg-type]
 
 
+def mixed_request(i: int, now: float, rng: random.Random) -> Request:
+    """Class ``i % 3``, ~0.1 weight-seconds on average, a distant deadline."""
+    return Request(
+        req_id=f"r{i}",
+        prompt_token_ids=[1] * rng.randint(32, 512),
+        max_new_tokens=rng.randint(16, 256),
+        priority=i % 3,
+        arrival_time=now,
+        deadline=now + 1000.0,
+    )
+
+
 def test_a_refused_arrival_is_overloaded_with_a_retry_hint_and_counted_by_class() -> None:
     sched = Scheduler(config(), cost_model=CostModel(COEFFS))
     rng = random.Random(3)
@@ -165,14 +177,7 @@ def test_a_refused_arrival_is_overloaded_with_a_retry_hint_and_counted_by_class(
     now = 0.0
     for i in range(3 * WINDOW):
         now += 0.01  # ~100 arrivals/s of ~0.1 weight-seconds each: ~10x capacity
-        req = Request(
-            req_id=f"r{i}",
-            prompt_token_ids=[1] * rng.randint(32, 512),
-            max_new_tokens=rng.randint(16, 256),
-            priority=i % 3,
-            arrival_time=now,
-            deadline=now + 1000.0,
-        )
+        req = mixed_request(i, now, rng)
         try:
             sched.add_request(req, now)
         except Overloaded as exc:
@@ -267,16 +272,8 @@ def _overload_arrivals(sched: Scheduler, first: int, count: int, shift: float) -
     admitted = []
     for i in range(first, first + count):
         now = i * 0.03 + shift
-        req = Request(
-            req_id=f"r{i}",
-            prompt_token_ids=[1] * rng.randint(32, 512),
-            max_new_tokens=rng.randint(16, 256),
-            priority=i % 3,
-            arrival_time=now,
-            deadline=now + 1000.0,
-        )
         try:
-            sched.add_request(req, now)
+            sched.add_request(mixed_request(i, now, rng), now)
             admitted.append(True)
         except Overloaded:
             admitted.append(False)
