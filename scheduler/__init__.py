@@ -7,6 +7,7 @@ from .config import SchedulerConfig
 from .cost_model import CostCoefficients, CostModel, StepShape
 from .deadline_policy import DeadlinePolicy
 from .errors import (
+    AtCapacity,
     DeadlineInfeasible,
     Draining,
     DuplicateRequest,
@@ -31,6 +32,7 @@ from .scheduler import Scheduler
 __all__ = [
     "DEFAULT_POLICY",
     "POLICY_NAMES",
+    "AtCapacity",
     "BatchShaper",
     "BlockAccountingError",
     "BlockPool",

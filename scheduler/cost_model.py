@@ -55,6 +55,9 @@ _MIN_STEP_S = 1e-6
 # a few steps and must not starve everything meanwhile).
 _OVERRUN_EWMA = 0.05
 MAX_OVERRUN = 0.5
+# A step's measured / predicted time, as the pace averages it, is kept in
+# [1 / PACE_BOUND, PACE_BOUND]: a stall or a clock glitch is one sample.
+PACE_BOUND = 10.0
 # A measured step is fit as at most this many times its prediction (and at
 # least its prediction divided by it): see the module docstring.
 OUTLIER_FACTOR = 2.0
@@ -150,6 +153,7 @@ class CostModel:
         self._forgetting = forgetting
         self._num_samples = 0
         self._overrun = min(MAX_OVERRUN, max(0.0, overrun))
+        self._pace = 1.0 + self._overrun
         self._refresh()
 
     def _refresh(self) -> None:
@@ -182,6 +186,15 @@ class CostModel:
         deadline must keep in hand for the model's own error."""
         return self._overrun
 
+    @property
+    def pace(self) -> float:
+        """Measured over predicted step time, an exponential average (same
+        weight as ``overrun``) not clamped at 1: below 1 when steps run
+        faster than predicted. What turns predicted seconds into measured
+        ones, where ``overrun`` is the margin a deadline keeps (never
+        negative)."""
+        return self._pace
+
     def set_swap_cost(self, seconds_per_block: float) -> None:
         if seconds_per_block < 0:
             raise ValueError(f"swap cost must be >= 0, got {seconds_per_block}")
@@ -201,6 +214,8 @@ class CostModel:
         )
         over = min(MAX_OVERRUN, max(0.0, seconds / predicted - 1.0))
         self._overrun += _OVERRUN_EWMA * (over - self._overrun)
+        ratio = min(PACE_BOUND, max(1.0 / PACE_BOUND, seconds / predicted))
+        self._pace += _OVERRUN_EWMA * (ratio - self._pace)
         seconds = min(predicted * OUTLIER_FACTOR, max(predicted / OUTLIER_FACTOR, seconds))
         x = _features(shape)
         px = [sum(self._p[i][j] * x[j] for j in range(4)) for i in range(4)]

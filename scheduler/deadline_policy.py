@@ -60,7 +60,7 @@ from .cost_model import CostModel, StepShape, idle_keep
 from .overload import OverloadShedder
 from .plan import StepPlan
 from .policy import Infeasible, PreemptionMode, SchedulingPolicy, least_urgent_class_victim
-from .request import ExpiredLimit, Request, RequestStatus
+from .request import ExpiredLimit, FinishReason, Request, RequestStatus
 
 # Steps of headroom an urgent waiting request keeps before it preempts.
 _MARGIN_STEPS = 3.0
@@ -151,6 +151,9 @@ class DeadlinePolicy(SchedulingPolicy):
         self._reserve = ArrivalReserve()  # keeps steps short for class-0 arrivals
         self._batch = config.max_num_seqs
         self._shedder = OverloadShedder() if config.shed_under_overload else None
+        # (req_id, weight, shed class) of the arrival ``overload_refusal`` let
+        # in, recorded by ``observe_arrival`` once the scheduler queued it.
+        self._pending_arrival: tuple[str, float, int | None] | None = None
         # Every queue is ranked several times per step at one (now, loaded
         # step time), an epoch: urgencies are computed once per epoch.
         self._epoch = 0
@@ -162,20 +165,31 @@ class DeadlinePolicy(SchedulingPolicy):
     # -- estimates -------------------------------------------------------
 
     def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
+        shedder = self._shedder
+        if shedder is not None and not saturated:
+            shedder.observe_room()
         if not plan.seqs:
+            if shedder is not None and saturated:
+                shedder.observe_saturated()
             return
         cost = self.cost_model
         seconds = cost.plan_seconds(plan)
         self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
-        if self._shedder is not None and saturated:
-            work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
-            self._shedder.observe_step(work, seconds, cost.overrun)
+        if shedder is None or not saturated:
+            return
+        if len(plan.seqs) < self._batch and plan.num_tokens < self._budget:
+            # Full of sequences, but the batch shaper held some back to keep
+            # the step short for urgent work: a choice, not the capacity.
+            shedder.observe_saturated()
+            return
+        work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
+        shedder.observe_step(work, seconds * cost.pace)
 
     def observe_idle(self, idle_s: float) -> None:
         """Idle time relaxes the cost model toward its start-up coefficients
         and the loaded step toward a lone decode: a model that predicted every
         arrival infeasible would otherwise never run a step to learn better.
-        The overload threshold is recomputed at the next arrival."""
+        An idle engine has room: nothing is refused as overloaded."""
         cost = self.cost_model
         cost.relax(idle_s)
         if self._shedder is not None:
@@ -431,9 +445,10 @@ class DeadlinePolicy(SchedulingPolicy):
         )
 
     def overload_refusal(self, req: Request, now: float) -> str:
-        """Every arrival counts toward the offered load; one of a class
-        above 0 with a deadline, ranked past the overload threshold
-        (``overload.py``), is refused. "" when it may come in."""
+        """While the engine is full, an arrival of a class above 0 with a
+        deadline, ranked past the overload threshold (``overload.py``), is
+        refused. "" when it may come in; it counts toward the offered load
+        once queued (``observe_arrival``)."""
         shedder = self._shedder
         if shedder is None:
             return ""
@@ -441,8 +456,10 @@ class DeadlinePolicy(SchedulingPolicy):
             len(req.prompt_token_ids), _output_target(req, 0), self._batch
         )
         shed_class = req.priority if req.priority > 0 and req.deadline is not None else None
-        if shedder.admits(now, weight, shed_class):
+        if not shedder.refuses(weight, shed_class):
+            self._pending_arrival = (req.req_id, weight, shed_class)
             return ""
+        shedder.record(now, weight, shed_class, is_refused=True)
         threshold_class, threshold_weight = shedder.threshold
         heavier = (
             f"heavier than {threshold_weight:.3f}s of batched compute"
@@ -450,9 +467,36 @@ class DeadlinePolicy(SchedulingPolicy):
             else "of every weight"
         )
         return (
-            f"overloaded ({shedder.utilization():.2f}x what the engine serves): class "
-            f"{req.priority} requests {heavier} are turned away (this one: {weight:.3f}s)"
+            f"overloaded ({shedder.load():.2f}x what the engine serves, with its batch full "
+            f"and work waiting): class {req.priority} requests {heavier} are turned away "
+            f"(this one: {weight:.3f}s)"
         )
+
+    @property
+    def overload_shedder(self) -> OverloadShedder | None:
+        """The overload estimate and threshold (None with shedding off)."""
+        return self._shedder
+
+    def overload_estimate(self) -> float | None:
+        shedder = self._shedder
+        return None if shedder is None else shedder.load()
+
+    def observe_finish(self, req: Request, reason: FinishReason) -> None:
+        """Work ``req`` did not use no longer counts as offered (see
+        ``OverloadShedder.observe_departure``)."""
+        shedder = self._shedder
+        if shedder is None:
+            return
+        weight = self.cost_model.batched_seconds(
+            len(req.prompt_token_ids), _output_target(req, 0), self._batch
+        )
+        served = 0.0
+        prompt_done = min(req.num_computed_tokens, len(req.prompt_token_ids))
+        if prompt_done > 0:
+            outputs = max(1, len(req.output_token_ids))
+            served = self.cost_model.batched_seconds(prompt_done, outputs, self._batch)
+        is_load_driven = reason in (FinishReason.DEADLINE_EXCEEDED, FinishReason.REJECTED)
+        shedder.observe_departure(req.req_id, weight - served, is_load_driven)
 
     def expired_limit(self, req: Request, now: float) -> ExpiredLimit:
         return self._urgency_of(req, now).hopeless_limit
@@ -498,6 +542,10 @@ class DeadlinePolicy(SchedulingPolicy):
         return BatchShaper(self.cost_model, now, self.step_ceiling, self._reserve.ceiling_s(now))
 
     def observe_arrival(self, req: Request, now: float) -> None:
+        pending = self._pending_arrival
+        if pending is not None and self._shedder is not None and pending[0] == req.req_id:
+            self._shedder.record(now, pending[1], pending[2], req.req_id)
+        self._pending_arrival = None
         if req.priority == 0:
             self._reserve.observe(now, self.step_ceiling(req, now))
 

@@ -14,20 +14,31 @@ class PromptTooLong(SchedulerError):
     """The prompt (plus max_new_tokens) cannot fit the model's context or KV pool."""
 
 
-class QueueFull(SchedulerError):
-    """The waiting queue is at its configured bound and nothing queued is in
-    a less urgent class. ``retry_after_s`` hints when a retry may succeed."""
+class AtCapacity(SchedulerError):
+    """Refused for want of capacity; ``retry_after_s`` hints when a retry
+    may succeed. Never raised itself: QueueFull or Overloaded say which."""
 
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
 
-class Overloaded(QueueFull):
-    """More work arrives than the engine serves: a request of a class above
+class QueueFull(AtCapacity):
+    """The waiting queue is at its configured bound and nothing queued is in
+    a less urgent class (or a front door's own bounded pool is full)."""
+
+
+class Overloaded(AtCapacity):
+    """The engine is full (its last step left waiting work out for want of
+    room) and more work arrives than it serves: a request of a class above
     0 ranked past the overload threshold (least urgent class, heaviest
-    first) is turned away at arrival (``overload.py``). Answered like
-    QueueFull, retry hint included."""
+    first) is turned away at arrival (``overload.py``). ``load`` is the
+    estimate that decided it (offered over served work, > 1). Its own
+    reject reason (OVERLOADED), never QUEUE_FULL: the queue is not full."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None, load: float = 0.0) -> None:
+        super().__init__(message, retry_after_s)
+        self.load = load
 
 
 class DeadlineInfeasible(SchedulerError):

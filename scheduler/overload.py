@@ -12,28 +12,42 @@ lost, and the caller learns at once and can go elsewhere).
 
 A request's *weight* is its share of a full batch's machine time
 (``CostModel.batched_seconds``): the work it costs, in seconds of a
-saturated engine. ``OverloadShedder`` measures two rates over the recent
-arrivals and steps:
+saturated engine. ``OverloadShedder`` keeps an estimate of the load
+(``load()``, offered work over the work the engine serves) tied to what the
+engine is doing:
 
-- the offered load: the weight arriving per second (every class), over the
-  last ``WINDOW`` arrivals;
-- the service rate: the weight a saturated step gets through per second of
-  predicted step time, slowed by the cost model's measured overrun (1.0 for
-  a full batch of decodes that runs as predicted; less when prefill steps
-  or a fixed cost not shared by a full batch dilute it).
+- the engine's state: whether its last step left waiting work out for want
+  of room (sequences, token budget or blocks). While it did not — the queue
+  is empty or the batch has room — the load reads at most 1 and *nothing is
+  refused*, whatever the estimate says: a refusal then protects nobody;
+- the offered load: the weight per second of the last ``WINDOW`` arrivals
+  the engine took in, each counted for the work it really asks of the
+  engine. A request that leaves before its work is done gives back the
+  weight it did not use: at once when it was cancelled, disconnected or
+  finished short of its expected output; when it expired or was abandoned
+  or shed, only if the engine had room then (a deadline missed by an engine
+  with room says nothing about load; one missed in a full engine is the
+  overload itself). Arrivals refused as infeasible or for a full queue never
+  count. Arrivals refused here count, since they are offered work, but only
+  while the engine stays full: the first step with room forgets them, so
+  refusals cannot keep an engine that has drained believing it is overloaded;
+- the service rate: the weight a saturated step gets through per *measured*
+  second (its predicted time times the cost model's ``pace``, measured over
+  predicted): a cost model that over-predicts does not make the engine read
+  as slow.
 
-When offered load exceeds ``TARGET_UTILIZATION`` of the service rate, the
-excess fraction ``f = 1 - target * service / offered`` of the arriving work
-must go. The sheddable arrivals of the window (classes above 0 with a
-deadline) are ranked least urgent class first and, within a class, heaviest
-first; the threshold is the rank at which they carry ``f`` of the window's
-work, and an arrival ranked before it is refused. So a class is shed only
-once refusing every arrival of the less urgent classes would not cover the
-excess: priority decides first, weight within it. Below capacity nothing is
-refused. Class 0 is never shed. O(1) per arrival and step; the threshold is
-recomputed (a sort of the window) every ``REFRESH_ARRIVALS`` arrivals, and at
-the first arrival after the engine had nothing to do: a threshold set during
-an overload that has since drained must not turn away the next arrivals.
+When the engine is full and the offered load exceeds ``TARGET_UTILIZATION``
+of the service rate, the excess fraction ``f = 1 - target * service /
+offered`` of the arriving work must go. The sheddable arrivals of the
+window (classes above 0 with a deadline) are ranked least urgent class
+first and, within a class, heaviest first; the threshold is the rank at
+which they carry ``f`` of the window's work, and an arrival ranked before
+it is refused. So a class is shed only once refusing every arrival of the
+less urgent classes would not cover the excess: priority decides first,
+weight within it. Class 0 is never shed. O(1) per arrival, departure and
+step; the threshold is recomputed (a sort of the window) every
+``REFRESH_ARRIVALS`` arrivals and at the first arrival after the engine
+filled up.
 """
 
 from __future__ import annotations
@@ -59,12 +73,30 @@ _SERVICE_EWMA = 0.01
 NO_THRESHOLD = (math.inf, math.inf)
 
 
+class _Arrival:
+    """One arrival of the window; ``weight`` shrinks when the request gives
+    back work it did not use."""
+
+    __slots__ = ("is_refused", "req_id", "shed_class", "time", "weight")
+
+    def __init__(
+        self, time: float, weight: float, shed_class: int | None, is_refused: bool, req_id: str
+    ) -> None:
+        self.time = time
+        self.weight = weight
+        self.shed_class = shed_class
+        self.is_refused = is_refused
+        self.req_id = req_id
+
+
 class OverloadShedder:
-    """Offered load, service rate, and the rank past which sheddable
-    arrivals are refused."""
+    """Offered load, service rate, the engine's room, and the rank past
+    which sheddable arrivals are refused while the engine is full."""
 
     __slots__ = (
         "_arrivals",
+        "_by_req",
+        "_has_room",
         "_service_rate",
         "_since_refresh",
         "_threshold",
@@ -72,23 +104,31 @@ class OverloadShedder:
     )
 
     def __init__(self) -> None:
-        # (arrival time, weight, class if sheddable else None) of the window.
-        self._arrivals: deque[tuple[float, float, int | None]] = deque()
+        self._arrivals: deque[_Arrival] = deque()
+        self._by_req: dict[str, _Arrival] = {}  # admitted arrivals still in the window
         self._window_weight = 0.0
         self._service_rate = 1.0
         self._threshold = NO_THRESHOLD
         self._since_refresh = 0
+        # The engine's last step left no waiting work out for want of room.
+        self._has_room = True
 
     @property
     def threshold(self) -> tuple[float, float]:
         """``(class, weight)``: a sheddable arrival of a less urgent class,
         or of this class and heavier, is refused; ``NO_THRESHOLD`` when not
-        overloaded."""
-        return self._threshold
+        overloaded (always while the engine has room)."""
+        return NO_THRESHOLD if self._has_room else self._threshold
+
+    @property
+    def has_room(self) -> bool:
+        """The queue is empty or the batch has room (as of the last step)."""
+        return self._has_room
 
     @property
     def service_rate(self) -> float:
-        """Weight a saturated engine serves per second (1.0 = as the cost model predicts)."""
+        """Weight a saturated engine serves per measured second (1.0 = a full
+        batch of decodes at the cost model's prediction)."""
         return self._service_rate
 
     def offered_load(self) -> float:
@@ -96,73 +136,141 @@ class OverloadShedder:
         arrivals = self._arrivals
         if len(arrivals) < MIN_ARRIVALS:
             return 0.0
-        span = arrivals[-1][0] - arrivals[0][0]
+        span = arrivals[-1].time - arrivals[0].time
         if span <= 0:
             return math.inf
         # The first arrival opens the span: its weight is not inside it.
-        return (self._window_weight - arrivals[0][1]) / span
+        return max(0.0, self._window_weight - arrivals[0].weight) / span
 
     def utilization(self) -> float:
-        """Offered load over the service rate: above 1, work must go."""
+        """Offered load over the service rate, as measured: above 1, work must go."""
         return self.offered_load() / self._service_rate
 
-    def admits(
+    def load(self) -> float:
+        """The overload estimate: ``utilization()``, but at most 1 while the
+        engine has room (an engine with room serves what it is offered)."""
+        utilization = self.utilization()
+        return min(1.0, utilization) if self._has_room else utilization
+
+    def refuses(self, weight: float, shed_class: int | None) -> bool:
+        """Whether an arrival of ``weight`` would be refused now; records
+        nothing. ``shed_class``: its class if it may be shed, else None."""
+        if shed_class is None or self._has_room:
+            return False
+        if self._since_refresh >= REFRESH_ARRIVALS:
+            self._refresh()
+        threshold_class, threshold_weight = self._threshold
+        return not (
+            shed_class < threshold_class
+            or (shed_class == threshold_class and weight <= threshold_weight)
+        )
+
+    def record(
         self,
         now: float,
         weight: float,
         shed_class: int | None,
-    ) -> bool:
-        """Records an arrival of ``weight``; False to refuse it. ``shed_class``:
-        its priority class if it may be shed, else None."""
+        req_id: str = "",
+        is_refused: bool = False,
+    ) -> None:
+        """An arrival the engine took in (``req_id`` names it for
+        ``observe_departure``) or, ``is_refused``, one refused here."""
+        arrival = _Arrival(now, weight, shed_class, is_refused, "" if is_refused else req_id)
         arrivals = self._arrivals
-        arrivals.append((now, weight, shed_class))
+        arrivals.append(arrival)
         self._window_weight += weight
+        if arrival.req_id:
+            self._by_req[arrival.req_id] = arrival
         if len(arrivals) > WINDOW:
-            self._window_weight -= arrivals.popleft()[1]
+            old = arrivals.popleft()
+            self._window_weight -= old.weight
+            if old.req_id and self._by_req.get(old.req_id) is old:
+                del self._by_req[old.req_id]
         self._since_refresh += 1
-        if self._since_refresh >= REFRESH_ARRIVALS:
-            self._since_refresh = 0
-            self._refresh()
-        if shed_class is None:
-            return True
-        threshold_class, threshold_weight = self._threshold
-        return shed_class < threshold_class or (
-            shed_class == threshold_class and weight <= threshold_weight
-        )
 
-    def observe_step(self, work_s: float, predicted_s: float, overrun: float) -> None:
-        """A saturated step (it left waiting work out for want of room; only
-        such a step measures the service rate) that the cost model predicted
-        at ``predicted_s``, carrying ``work_s`` of weight; measured steps run
-        ``overrun`` past their predictions on average."""
-        if predicted_s <= 0 or work_s <= 0:
+    def admits(self, now: float, weight: float, shed_class: int | None, req_id: str = "") -> bool:
+        """``refuses`` and ``record`` in one: False to refuse the arrival."""
+        refused = self.refuses(weight, shed_class)
+        self.record(now, weight, shed_class, req_id, refused)
+        return not refused
+
+    def observe_departure(self, req_id: str, unserved: float, is_load_driven: bool) -> None:
+        """``req_id`` left with ``unserved`` of its weight not done; a
+        departure ``is_load_driven`` (expired, abandoned, shed) gives it back
+        only while the engine has room."""
+        arrival = self._by_req.pop(req_id, None)
+        if arrival is None or (is_load_driven and not self._has_room):
             return
-        rate = work_s / (predicted_s * (1.0 + max(0.0, overrun)))
+        given_back = min(arrival.weight, max(0.0, unserved))
+        arrival.weight -= given_back
+        self._window_weight -= given_back
+
+    def observe_step(self, work_s: float, measured_s: float) -> None:
+        """A saturated step (it left waiting work out for want of room; only
+        such a step measures the service rate) carrying ``work_s`` of weight
+        in ``measured_s`` (its prediction times the cost model's pace)."""
+        self._set_room(False)
+        if measured_s <= 0 or work_s <= 0:
+            return
+        rate = work_s / measured_s
         self._service_rate += _SERVICE_EWMA * (rate - self._service_rate)
+
+    def observe_saturated(self) -> None:
+        """A step left waiting work out for want of room (an empty one: no
+        measure of the service rate)."""
+        self._set_room(False)
+
+    def observe_room(self) -> None:
+        """A step left no waiting work out, or the engine idled: the load
+        reads at most 1, nothing is refused, and the refusals of the full
+        engine are forgotten (they must not make it read as overloaded
+        once it has drained)."""
+        self._set_room(True)
+
+    def observe_idle(self) -> None:
+        self.observe_room()
+
+    def _set_room(self, has_room: bool) -> None:
+        if has_room == self._has_room:
+            return
+        self._has_room = has_room
+        if has_room:
+            self._threshold = NO_THRESHOLD
+            for arrival in self._arrivals:
+                if arrival.is_refused and arrival.weight:
+                    self._window_weight -= arrival.weight
+                    arrival.weight = 0.0
+        else:
+            # Just filled up: the next arrival is judged on a fresh threshold.
+            self._since_refresh = REFRESH_ARRIVALS
 
     def shifted(self, shift_s: float) -> OverloadShedder:
         """A copy on a clock ``shift_s`` ahead of this one's: the state a
-        twin replaying from another time origin starts with."""
+        twin replaying from another time origin starts with (departures of
+        the original's requests are not the twin's: it keeps no ids)."""
         twin = OverloadShedder()
-        twin._arrivals = deque((t + shift_s, w, c) for t, w, c in self._arrivals)
+        twin._arrivals = deque(
+            _Arrival(a.time + shift_s, a.weight, a.shed_class, a.is_refused, "")
+            for a in self._arrivals
+        )
         twin._window_weight = self._window_weight
         twin._service_rate = self._service_rate
         twin._threshold = self._threshold
         twin._since_refresh = self._since_refresh
+        twin._has_room = self._has_room
         return twin
 
-    def observe_idle(self) -> None:
-        """Nothing was live: the next arrival recomputes the threshold (its
-        window's span now holds the idle time, which lowers the offered load)."""
-        self._since_refresh = REFRESH_ARRIVALS - 1
-
     def _refresh(self) -> None:
+        self._since_refresh = 0
         utilization = self.utilization()
         if utilization <= TARGET_UTILIZATION:
             self._threshold = NO_THRESHOLD
             return
         excess = (1.0 - TARGET_UTILIZATION / utilization) * self._window_weight
-        ranked = sorted(((c, w) for _, w, c in self._arrivals if c is not None), reverse=True)
+        ranked = sorted(
+            ((a.shed_class, a.weight) for a in self._arrivals if a.shed_class is not None),
+            reverse=True,
+        )
         shed = 0.0
         # All sheddable work is not enough: refuse every sheddable arrival.
         threshold: tuple[float, float] = (0.0, -math.inf)

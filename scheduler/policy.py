@@ -53,7 +53,7 @@ from typing import ClassVar
 
 from .batch_shaping import BatchShaper
 from .plan import StepPlan
-from .request import ExpiredLimit, Request
+from .request import ExpiredLimit, FinishReason, Request
 
 
 class PreemptionMode(enum.Enum):
@@ -170,6 +170,17 @@ class SchedulingPolicy(abc.ABC):
         overloaded (the scheduler raises Overloaded), or "" to let it in.
         Default: never."""
         return ""
+
+    def overload_estimate(self) -> float | None:
+        """The load ``overload_refusal`` decides on (offered work over what
+        the engine serves; at most 1 while the engine has room), or None
+        when the policy sheds nothing."""
+        return None
+
+    def observe_finish(self, req: Request, reason: FinishReason) -> None:
+        """``req`` ended with ``reason`` (just before ``forget``): any way a
+        request leaves, served or not."""
+        return None
 
     def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
         """The plan ``schedule()`` just made (e.g. to track the loaded step

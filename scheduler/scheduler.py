@@ -146,7 +146,8 @@ class Scheduler:
         # in the next plan's ``finished``.
         self._ended: list[FinishedRequest] = []
         self._num_shed: dict[int, int] = {}
-        self._num_overload_refused: dict[int, int] = {}
+        # Arrivals refused for capacity, by (class, reason): "overloaded", "queue_full".
+        self._num_refused: dict[tuple[int, str], int] = {}
         self._num_held_back = 0
         self._last_finish_time: float | None = None
         self._finish_gap_s: float | None = None  # average time between finishes
@@ -177,15 +178,15 @@ class Scheduler:
         if refusal:
             self.policy.forget(req.req_id)
             retry = self.retry_after_seconds(req.priority)
-            self._num_overload_refused[req.priority] = (
-                self._num_overload_refused.get(req.priority, 0) + 1
-            )
-            raise Overloaded(f"{refusal}; retry after {retry:.3f}s", retry)
+            self._count_refusal(req.priority, "overloaded")
+            load = self.policy.overload_estimate()
+            raise Overloaded(f"{refusal}; retry after {retry:.3f}s", retry, load or 0.0)
         if len(self._waiting) >= self.config.max_queue_len:
             victim = self.policy.shed_victim(req, self._waiting, at)
             if victim is None:
                 self.policy.forget(req.req_id)
                 retry = self.retry_after_seconds(req.priority)
+                self._count_refusal(req.priority, "queue_full")
                 raise QueueFull(
                     f"waiting queue is full ({self.config.max_queue_len} requests); "
                     f"retry after {retry:.3f}s",
@@ -201,6 +202,10 @@ class Scheduler:
         for when in (req.deadline, req.first_token_deadline):
             if when is not None:
                 heapq.heappush(self._deadlines, (when, req.arrival_index, req))
+
+    def _count_refusal(self, priority: int, reason: str) -> None:
+        key = (priority, reason)
+        self._num_refused[key] = self._num_refused.get(key, 0) + 1
 
     def _shed(self, victim: Request) -> None:
         if (
@@ -641,6 +646,7 @@ class Scheduler:
         req.finish_message = message
         del self._requests[req.req_id]
         self._paused.discard(req.req_id)
+        self.policy.observe_finish(req, reason)
         self.policy.forget(req.req_id)
 
     # == results of a step ================================================
@@ -779,7 +785,19 @@ class Scheduler:
     @property
     def num_overload_refused(self) -> dict[int, int]:
         """Arrivals turned away as Overloaded, by priority class."""
-        return dict(self._num_overload_refused)
+        return {c: n for (c, reason), n in self._num_refused.items() if reason == "overloaded"}
+
+    @property
+    def num_refused_for_capacity(self) -> dict[tuple[int, str], int]:
+        """Arrivals turned away at the door for capacity, by (priority
+        class, reason): ``overloaded`` (Overloaded) or ``queue_full``
+        (QueueFull: the waiting queue at its bound, nothing to shed)."""
+        return dict(self._num_refused)
+
+    @property
+    def overload_estimate(self) -> float | None:
+        """The policy's load estimate (``SchedulingPolicy.overload_estimate``)."""
+        return self.policy.overload_estimate()
 
     @property
     def num_held_back(self) -> int:

@@ -19,6 +19,7 @@ from slipstream.scheduler.errors import (
     DeadlineInfeasible,
     Draining,
     DuplicateRequest,
+    Overloaded,
     PromptTooLong,
     QueueFull,
 )
@@ -59,6 +60,8 @@ _REJECTIONS: dict[type[Exception], Rejection] = {
         pb.REJECT_REASON_DUPLICATE_REQUEST_ID, grpc.StatusCode.ALREADY_EXISTS
     ),
     QueueFull: Rejection(pb.REJECT_REASON_QUEUE_FULL, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    # The engine is full and offered more than it serves (never while it has room).
+    Overloaded: Rejection(pb.REJECT_REASON_OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
     DeadlineInfeasible: Rejection(
         pb.REJECT_REASON_DEADLINE_INFEASIBLE, grpc.StatusCode.DEADLINE_EXCEEDED
     ),

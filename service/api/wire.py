@@ -15,7 +15,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from slipstream.scheduler.errors import DeadlineInfeasible, PromptTooLong, QueueFull
+from slipstream.scheduler.errors import AtCapacity, DeadlineInfeasible, PromptTooLong
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, SamplingParams
 from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.limits import Limits
@@ -279,7 +279,7 @@ def rejected(
     )
     if isinstance(error, DeadlineInfeasible):
         finished.expired_limit = _EXPIRED_LIMITS[error.expired_limit]
-    if isinstance(error, QueueFull | QuotaExceeded):
+    if isinstance(error, AtCapacity | QuotaExceeded):
         finished.retry_after_ms = _retry_after_ms(error.retry_after_s)
     return pb.GenerateResponse(request_id=request_id, finished=finished)
 

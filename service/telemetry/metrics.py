@@ -26,6 +26,8 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_requests_finished_total{priority, reason}    counter
     slipstream_shed_total{priority}                         counter (shed from a full queue)
     slipstream_overload_refused_total{priority}             counter (refused as overloaded)
+    slipstream_capacity_refusals_total{priority, reason}    counter (reason=overloaded|queue_full)
+    slipstream_overload_estimate                            gauge (offered / served; <= 1 with room)
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
     slipstream_deadline_misses_total{priority}              counter (expired or late)
     gen_ai_server_time_to_first_token_seconds{priority}     histogram
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from slipstream.scheduler.plan import RequestOutput, StepPlan
+    from slipstream.scheduler.scheduler import Scheduler
     from slipstream.service.engine.engine import Engine
     from slipstream.service.engine.events import (
         FinishEvent,
@@ -171,7 +174,31 @@ class _EngineCollector(Collector):
         for priority, count in sorted(stats.overload_refused.items()):
             overload.add_metric([str(priority)], count)
         yield overload
+        yield from _capacity_metrics(scheduler)
         yield from _prefix_cache_metrics(stats.prefix_cache)
+
+
+def _capacity_metrics(scheduler: Scheduler) -> Iterator[Metric]:
+    """Refusals at the door for capacity by class and reason, and the load
+    estimate that decides the ``overloaded`` ones (read without the engine's
+    lock: counters and one float, a scrape may see them a step apart)."""
+    refusals = CounterMetricFamily(
+        "slipstream_capacity_refusals",
+        "Arrivals refused at the door for capacity, by priority class and reason "
+        "(overloaded: the engine full and offered more than it serves; queue_full: the "
+        "waiting queue at its bound)",
+        labels=["priority", "reason"],
+    )
+    for (priority, reason), count in sorted(scheduler.num_refused_for_capacity.items()):
+        refusals.add_metric([str(priority), reason], count)
+    yield refusals
+    estimate = scheduler.overload_estimate
+    if estimate is not None:
+        yield GaugeMetricFamily(
+            "slipstream_overload_estimate",
+            "Offered work over the work the engine serves (at most 1 while its batch has room)",
+            value=estimate,
+        )
 
 
 def _prefix_cache_metrics(stats: PrefixCacheStats) -> Iterator[Metric]:

@@ -3,6 +3,7 @@ turned away at the door (``overload.py``). Fake clocks only."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import replace
@@ -12,11 +13,14 @@ import pytest
 from slipstream.scheduler import (
     CostCoefficients,
     CostModel,
+    DeadlinePolicy,
     Overloaded,
     QueueFull,
     Request,
     Scheduler,
     SchedulerConfig,
+    SchedulerError,
+    StepShape,
 )
 from slipstream.scheduler.overload import (
     MIN_ARRIVALS,
@@ -26,6 +30,14 @@ from slipstream.scheduler.overload import (
     OverloadShedder,
 )
 from slipstream.scheduler.simulator import SimRequest, simulate
+
+
+def full_shedder() -> OverloadShedder:
+    """A shedder whose engine's last step left waiting work out for want of
+    room: the only state in which it refuses anything."""
+    shedder = OverloadShedder()
+    shedder.observe_saturated()
+    return shedder
 
 
 def feed(
@@ -41,7 +53,7 @@ def log_uniform_weights(n: int, seed: int = 0) -> list[float]:
 
 
 def test_below_capacity_nothing_is_refused() -> None:
-    shedder = OverloadShedder()
+    shedder = full_shedder()
     weights = log_uniform_weights(4 * WINDOW)
     mean = sum(weights) / len(weights)
     # Offered load 0.8 of the service rate (1.0 weight-second per second):
@@ -53,7 +65,7 @@ def test_below_capacity_nothing_is_refused() -> None:
 
 
 def test_past_capacity_the_heaviest_go_and_carry_the_excess() -> None:
-    shedder = OverloadShedder()
+    shedder = full_shedder()
     weights = log_uniform_weights(6 * WINDOW)
     mean = sum(weights) / len(weights)
     admitted = feed(shedder, 1.5 / mean, weights)
@@ -70,7 +82,7 @@ def test_past_capacity_the_heaviest_go_and_carry_the_excess() -> None:
 
 
 def test_never_sheds_the_unsheddable_and_says_nothing_before_enough_arrivals() -> None:
-    shedder = OverloadShedder()
+    shedder = full_shedder()
     heavy = 100.0
     # A flood far past capacity: the first arrivals say nothing about a rate.
     early = [shedder.admits(i * 0.01, heavy, 2) for i in range(MIN_ARRIVALS - 1)]
@@ -83,7 +95,7 @@ def test_never_sheds_the_unsheddable_and_says_nothing_before_enough_arrivals() -
 
 
 def test_the_least_urgent_class_goes_first_then_weight_within_it() -> None:
-    shedder = OverloadShedder()
+    shedder = full_shedder()
     rng = random.Random(5)
     weights = log_uniform_weights(6 * WINDOW, seed=2)
     classes = [rng.choice((1, 2, 2)) for _ in weights]
@@ -99,7 +111,7 @@ def test_the_least_urgent_class_goes_first_then_weight_within_it() -> None:
     assert refused and all(c == 2 for _, c, ok in steady if not ok)
     # Past what class 2 can give (5x: 80 % of the work must go, class 2
     # carries two thirds), class 1 is shed too, and class 2 entirely.
-    flood = OverloadShedder()
+    flood = full_shedder()
     admitted = [
         flood.admits(i * mean / 5.0, w, c)
         for i, (w, c) in enumerate(zip(weights, classes, strict=True))
@@ -110,7 +122,7 @@ def test_the_least_urgent_class_goes_first_then_weight_within_it() -> None:
 
 
 def test_a_threshold_does_not_outlive_the_overload_once_the_engine_idled() -> None:
-    shedder = OverloadShedder()
+    shedder = full_shedder()
     weights = log_uniform_weights(3 * WINDOW)
     mean = sum(weights) / len(weights)
     feed(shedder, 2.0 / mean, weights)
@@ -122,7 +134,7 @@ def test_a_threshold_does_not_outlive_the_overload_once_the_engine_idled() -> No
     # overloaded moment.
     last = (len(weights) - 1) * mean / 2.0
     later = last + 10 * WINDOW * mean / 2.0
-    stale = OverloadShedder()
+    stale = full_shedder()
     feed(stale, 2.0 / mean, weights)
     assert not stale.admits(later, heaviest, 2)  # without the idle, it would be
     shedder.observe_idle()
@@ -131,7 +143,7 @@ def test_a_threshold_does_not_outlive_the_overload_once_the_engine_idled() -> No
 
 
 def test_a_shifted_copy_decides_as_the_original_on_its_own_clock() -> None:
-    original = OverloadShedder()
+    original = full_shedder()
     weights = log_uniform_weights(4 * WINDOW, seed=7)
     mean = sum(weights) / len(weights)
     feed(original, 1.6 / mean, weights[: 2 * WINDOW])
@@ -170,27 +182,171 @@ def mixed_request(i: int, now: float, rng: random.Random) -> Request:
     )
 
 
+class Engine:
+    """A fake-clock engine: steps take the cost model's time, every
+    sampled token is 7 (no EOS), cancels land between steps."""
+
+    def __init__(self, sched: Scheduler, cost: CostModel) -> None:
+        self.sched, self.cost = sched, cost
+        self.now = 0.0
+        # Weight served: seconds of a full batch's time (capacity: 1 per second).
+        self.work_s = 0.0
+        self.cancels: list[tuple[float, str]] = []  # (when, req_id), a heap
+
+    def run_until(self, until: float) -> None:
+        sched = self.sched
+        while self.now < until:
+            while self.cancels and self.cancels[0][0] <= self.now:
+                sched.abort_request(heapq.heappop(self.cancels)[1])
+            if not sched.has_unfinished():
+                sched.observe_idle(until - self.now)
+                self.now = until
+                return
+            plan = sched.schedule(self.now)
+            if not plan.seqs:
+                self.now += self.cost.idle_seconds()
+                continue
+            seconds = self.cost.plan_seconds(plan)
+            self.now += seconds
+            batch = sched.config.max_num_seqs
+            self.work_s += self.cost.batched_step_seconds(StepShape.of(plan), batch)
+            sched.update(plan, {q.req_id: 7 for q in plan.seqs if q.sample}, self.now)
+
+    def submit(self, req: Request, cancel_after: float | None = None) -> Exception | None:
+        """Queues ``req`` at its arrival time (stepping until then); the
+        error that refused it, if any."""
+        self.run_until(req.arrival_time)
+        try:
+            self.sched.add_request(req, self.now)
+        except SchedulerError as exc:
+            return exc
+        if cancel_after is not None:
+            heapq.heappush(self.cancels, (self.now + cancel_after, req.req_id))
+        return None
+
+
 def test_a_refused_arrival_is_overloaded_with_a_retry_hint_and_counted_by_class() -> None:
-    sched = Scheduler(config(), cost_model=CostModel(COEFFS))
+    cost = CostModel(COEFFS)
+    engine = Engine(Scheduler(config(), cost_model=cost), cost)
     rng = random.Random(3)
     refused: list[tuple[Request, Overloaded]] = []
     now = 0.0
     for i in range(3 * WINDOW):
         now += 0.01  # ~100 arrivals/s of ~0.1 weight-seconds each: ~10x capacity
         req = mixed_request(i, now, rng)
-        try:
-            sched.add_request(req, now)
-        except Overloaded as exc:
-            refused.append((req, exc))
+        error = engine.submit(req)
+        if isinstance(error, Overloaded):
+            refused.append((req, error))
     assert refused
-    assert all(isinstance(exc, QueueFull) and exc.retry_after_s for _, exc in refused)
+    assert all(exc.retry_after_s and exc.load > 1.0 for _, exc in refused)
+    assert not any(isinstance(exc, QueueFull) for _, exc in refused)  # its own reason
     assert all(req.priority > 0 for req, _ in refused)  # class 0 is never shed
     # ~10x capacity: all of class 2 cannot cover it, so class 1 goes too.
     assert {req.priority for req, _ in refused} == {1, 2}
+    sched = engine.sched
     assert all(sched.get_request(req.req_id) is None for req, _ in refused)
     by_class = sched.num_overload_refused
     assert sum(by_class.values()) == len(refused) and 0 not in by_class
-    assert "overloaded" in str(refused[0][1])
+    by_reason = sched.num_refused_for_capacity
+    assert sum(n for (_, reason), n in by_reason.items() if reason == "overloaded") == len(refused)
+    message = str(refused[0][1])
+    assert message.startswith("overloaded (") and f"{refused[0][1].load:.2f}x" in message
+
+
+def test_an_engine_with_room_refuses_nothing_however_much_was_offered() -> None:
+    """The window says 10x, but the engine's last step left nothing out:
+    the estimate reads at most 1 and nothing is refused; the first step
+    that leaves work out for want of room turns the refusals back on."""
+    shedder = full_shedder()
+    weights = log_uniform_weights(2 * WINDOW)
+    mean = sum(weights) / len(weights)
+    feed(shedder, 10.0 / mean, weights)
+    assert shedder.load() > 5 and not shedder.admits(2 * WINDOW * mean / 10, max(weights), 2)
+    shedder.observe_room()
+    assert shedder.load() <= 1.0 and shedder.threshold == NO_THRESHOLD
+    assert shedder.admits(2 * WINDOW * mean / 10, max(weights), 2)
+    # The refusals of the full engine are forgotten: only admitted work counts.
+    admitted_rate = shedder.offered_load()
+    shedder.observe_saturated()
+    assert shedder.utilization() == pytest.approx(admitted_rate / shedder.service_rate)
+    assert not shedder.admits(2 * WINDOW * mean / 10, max(weights), 2)
+
+
+def test_work_given_back_leaves_the_offered_load() -> None:
+    """A cancelled request gives back the work it did not use; an expired
+    one only while the engine has room (in a full engine its miss is the
+    overload itself)."""
+    shedder = full_shedder()
+    for i in range(MIN_ARRIVALS):
+        assert shedder.admits(i * 0.1, 1.0, 2, req_id=f"r{i}")
+    before = shedder.offered_load()
+    assert before == pytest.approx(10.0)
+    shedder.observe_departure("r5", 0.75, is_load_driven=True)  # full engine: kept
+    assert shedder.offered_load() == pytest.approx(before)
+    for i in range(MIN_ARRIVALS // 2):
+        shedder.observe_departure(f"r{i + 8}", 0.75, is_load_driven=False)
+    assert shedder.offered_load() == pytest.approx(before * (1 - 0.75 / 2), rel=0.03)
+    shedder.observe_room()
+    shedder.observe_departure("r60", 5.0, is_load_driven=True)  # never more than it brought
+    shedder.observe_departure("r60", 1.0, is_load_driven=False)  # once only
+    assert shedder.offered_load() == pytest.approx(before * (1 - 0.75 / 2) - 1.0 / 6.3, rel=0.01)
+
+
+def issue_mix(engine: Engine, seconds: float, rate: float, seed: int) -> dict[str, int]:
+    """The mix of issue 31 at ``rate`` streams per second: streams of 1-6
+    requests at once (max 1-128 tokens, classes 0-3, 30 % with a timeout of
+    0.05 / 0.3 / 1 / 3 s, 20 % cancelled within 0.5 s), and long requests
+    (200-600 tokens) dropped mid-generation. Refusals by error name."""
+    rng = random.Random(seed)
+    refusals: dict[str, int] = {}
+    now, i = 0.0, 0
+    while now < seconds:
+        now += rng.expovariate(rate)
+        burst = [("short", n) for n in range(rng.randint(1, 6))]
+        if rng.random() < 0.3:
+            burst.append(("long", 0))
+        for kind, _ in burst:
+            i += 1
+            long = kind == "long"
+            timeout = rng.choice((0.05, 0.3, 1.0, 3.0)) if rng.random() < 0.3 else None
+            req = Request(
+                req_id=f"q{i}",
+                prompt_token_ids=[5] * rng.randint(8, 48),
+                max_new_tokens=rng.randint(200, 600) if long else rng.randint(1, 128),
+                priority=rng.randint(0, 3),
+                arrival_time=now,
+                deadline=None if timeout is None else now + timeout,
+            )
+            cancel = rng.uniform(0.05, 0.5) if long or rng.random() < 0.2 else None
+            error = engine.submit(req, cancel)
+            if error is not None:
+                name = type(error).__name__
+                refusals[name] = refusals.get(name, 0) + 1
+    engine.run_until(now + 5.0)
+    return refusals
+
+
+def test_the_mix_of_issue_31_at_moderate_load_refuses_nothing_for_capacity() -> None:
+    """Deadlines that cannot be met, cancellations and dropped streams at
+    under half the engine's capacity: nothing is refused for capacity, and
+    the estimate does not drift up (before: the cancelled and expired work
+    counted in full, nothing asked whether the engine had room, and this
+    run refused 36 arrivals of classes 1-3 as overloaded)."""
+    cost = CostModel(COEFFS)
+    sched = Scheduler(config(max_num_seqs=16), cost_model=cost)
+    engine = Engine(sched, cost)
+    seconds = 240.0
+    refusals = issue_mix(engine, seconds, rate=1.0, seed=1)
+    # The engine serves under half the work a full batch would (its capacity).
+    assert engine.work_s / engine.now < 0.5
+    assert refusals.get("DeadlineInfeasible", 0) > 0  # the mix holds infeasible deadlines
+    assert "Overloaded" not in refusals and "QueueFull" not in refusals
+    assert sched.num_refused_for_capacity == {}
+    policy = sched.policy
+    assert isinstance(policy, DeadlinePolicy)
+    assert policy.overload_shedder is not None
+    assert policy.overload_shedder.utilization() < 0.7
+    assert sched.num_used_device_blocks == 0 and not sched.has_unfinished()
 
 
 def test_requests_without_a_deadline_are_never_refused() -> None:
@@ -266,14 +422,20 @@ def test_shedding_the_heaviest_meets_more_deadlines_past_capacity() -> None:
     assert sum(class0) / len(class0) >= 0.99
 
 
-def _overload_arrivals(sched: Scheduler, first: int, count: int, shift: float) -> list[bool]:
-    """``count`` arrivals at ~3x capacity (times shifted by ``shift``); which came in."""
+def _overload_arrivals(
+    engine: Engine, first: int, count: int, shift: float, stepping: bool = True
+) -> list[bool]:
+    """``count`` arrivals at ~3x capacity (times shifted by ``shift``); which
+    came in. Without ``stepping`` no step runs between them."""
     rng = random.Random(first)
     admitted = []
     for i in range(first, first + count):
-        now = i * 0.03 + shift
+        req = mixed_request(i, i * 0.03 + shift, rng)
+        if stepping:
+            admitted.append(not isinstance(engine.submit(req), Overloaded))
+            continue
         try:
-            sched.add_request(mixed_request(i, now, rng), now)
+            engine.sched.add_request(req, req.arrival_time)
             admitted.append(True)
         except Overloaded:
             admitted.append(False)
@@ -282,16 +444,22 @@ def _overload_arrivals(sched: Scheduler, first: int, count: int, shift: float) -
 
 def test_a_twin_resumed_from_the_carried_state_refuses_what_the_original_does() -> None:
     """A simulated twin of a live engine starts where the engine's policy
-    stood; a fresh one would admit everything until its window filled."""
-    original = Scheduler(config(), cost_model=CostModel(COEFFS))
+    stood (its window, and its full batch); a fresh one, whose engine has
+    room, admits everything."""
+
+    def engine() -> Engine:
+        cost = CostModel(COEFFS)
+        return Engine(Scheduler(config(), cost_model=cost), cost)
+
+    original = engine()
     assert not all(_overload_arrivals(original, 0, 2 * WINDOW, 0.0))
-    carried = original.policy.carried_state(-500.0)  # the twin's clock starts 500 s later
-    twin = Scheduler(config(), cost_model=CostModel(COEFFS))
-    twin.policy.resume(carried)
-    fresh = Scheduler(config(), cost_model=CostModel(COEFFS))
-    expected = _overload_arrivals(original, 2 * WINDOW, MIN_ARRIVALS - 1, 0.0)
+    carried = original.sched.policy.carried_state(-500.0)  # the twin's clock starts 500 s later
+    twin, fresh = engine(), engine()
+    twin.sched.policy.resume(carried)
+    first = 2 * WINDOW + 100  # past the original's clock
+    expected = _overload_arrivals(original, first, MIN_ARRIVALS - 1, 0.0, stepping=False)
     assert not all(expected)
-    assert _overload_arrivals(twin, 2 * WINDOW, MIN_ARRIVALS - 1, -500.0) == expected
-    assert all(_overload_arrivals(fresh, 2 * WINDOW, MIN_ARRIVALS - 1, -500.0))
+    assert _overload_arrivals(twin, first, MIN_ARRIVALS - 1, -500.0, stepping=False) == expected
+    assert all(_overload_arrivals(fresh, first, MIN_ARRIVALS - 1, -500.0, stepping=False))
     with pytest.raises(TypeError):
-        twin.policy.resume(None)
+        twin.sched.policy.resume(None)

@@ -16,6 +16,7 @@ from slipstream.scheduler.errors import (
     DeadlineInfeasible,
     Draining,
     DuplicateRequest,
+    Overloaded,
     PromptTooLong,
     QueueFull,
 )
@@ -80,6 +81,7 @@ _STATUSES: dict[type[Exception], tuple[int, str, str | None]] = {
     ChatError: (400, "invalid_request_error", "invalid_messages"),
     DuplicateRequest: (409, "invalid_request_error", "duplicate_request_id"),
     QueueFull: (429, "rate_limit_exceeded", "queue_full"),
+    Overloaded: (429, "rate_limit_exceeded", "overloaded"),
     # The google.rpc mapping of DEADLINE_EXCEEDED; answered before any token.
     DeadlineInfeasible: (504, "deadline_exceeded", "deadline_infeasible"),
     Draining: (503, "service_unavailable", "draining"),

@@ -107,11 +107,28 @@ def test_submit_rejections_carry_the_limit_and_the_retry_hint() -> None:
     assert infeasible.reject_reason == pb.REJECT_REASON_DEADLINE_INFEASIBLE
     assert infeasible.expired_limit == pb.EXPIRED_LIMIT_FIRST_TOKEN
     assert infeasible.retry_after_ms == 0
-    overloaded = reject(Overloaded("overloaded (1.30x): ...; retry after 0.250s", 0.25))
-    assert overloaded.reject_reason == pb.REJECT_REASON_QUEUE_FULL
+    overloaded = reject(Overloaded("overloaded (1.30x): ...; retry after 0.250s", 0.25, 1.3))
+    assert overloaded.reject_reason == pb.REJECT_REASON_OVERLOADED  # not QUEUE_FULL
     assert overloaded.status_code == "RESOURCE_EXHAUSTED"
     assert overloaded.retry_after_ms == 250
-    assert overloaded.message.startswith("overloaded")
+    assert overloaded.message.startswith("overloaded (1.30x")
+
+
+def test_every_front_door_names_an_overload_refusal_alike() -> None:
+    """One status table: gRPC reason, HTTP code, metric label and the
+    clients' spelling agree, and differ from a full queue's."""
+    from slipstream.clients.wire import reject_reason_name
+    from slipstream.service.api.http.errors import from_domain
+
+    for error, name in (
+        (Overloaded("overloaded (2.00x ...)", 0.5, 2.0), "overloaded"),
+        (QueueFull("waiting queue is full", 0.5), "queue_full"),
+    ):
+        rejection = rejection_for(error)
+        assert rejection is not None and rejection.reason_name == name
+        assert reject_reason_name(rejection.reject_reason) == name
+        answer = from_domain(error)
+        assert answer is not None and answer.status == 429 and answer.code == name
 
 
 def test_client_sends_the_first_token_timeout() -> None:

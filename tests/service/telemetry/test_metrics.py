@@ -234,7 +234,16 @@ def test_overload_refusals_are_counted_by_class() -> None:
     from slipstream.service.engine.events import EngineStats, PoolStats
 
     class Engine:
-        scheduler = type("Sched", (), {"num_swap_preemptions": 0, "num_recompute_preemptions": 0})
+        scheduler = type(
+            "Sched",
+            (),
+            {
+                "num_swap_preemptions": 0,
+                "num_recompute_preemptions": 0,
+                "num_refused_for_capacity": {(2, "overloaded"): 3, (3, "queue_full"): 2},
+                "overload_estimate": 1.25,
+            },
+        )
 
         def stats(self) -> EngineStats:
             pool = PoolStats(0, 8)
@@ -246,3 +255,8 @@ def test_overload_refusals_are_counted_by_class() -> None:
     assert sample("slipstream_overload_refused_total", {"priority": "2"}) == 3
     assert sample("slipstream_overload_refused_total", {"priority": "1"}) == 1
     assert sample("slipstream_overload_refused_total", {"priority": "0"}) is None
+    refusals = "slipstream_capacity_refusals_total"
+    assert sample(refusals, {"priority": "2", "reason": "overloaded"}) == 3
+    assert sample(refusals, {"priority": "3", "reason": "queue_full"}) == 2
+    assert sample(refusals, {"priority": "2", "reason": "queue_full"}) is None
+    assert sample("slipstream_overload_estimate") == 1.25
