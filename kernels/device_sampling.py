@@ -1,0 +1,210 @@
+"""Sampling with the per-row parameters as tensors: the GPU step's sampler.
+
+The same exponential race as ``sampling.sample`` (``argmax(p_i / E_i)``,
+``E_i ~ Exp(1)``), split in two so the device never waits for the host and
+the host never reads the device:
+
+- ``plan_sampling`` (host, plain lists): which rows sample rather than take
+  the argmax, their temperatures / top-k / top-p, which draw seeded noise,
+  and the few facts that fix tensor shapes (``max_top_k``, ``any_top_p``);
+- ``sample_tensors`` (device): the math over tensors, with shapes known from
+  the plan, so nothing in it synchronises (no ``.item()``, no ``.tolist()``).
+
+Parity with ``sampling.sample`` (the CPU sampler), row by row:
+
+- greedy rows (``temperature <= 0`` or ``top_k == 1``): the same argmax;
+- seeded rows: the same noise, drawn on the host by the same per-row
+  generator (``seeded_noise``) and sent to the device; on the CPU the tokens
+  are identical. On a GPU the softmax and top-p cumsum round differently
+  from the CPU's, so a seeded row can differ where two candidates' ``p / E``
+  tie to within float32 rounding: same tokens for a seed "where the math
+  allows". Drawing a seeded row costs the host one pass over the vocabulary;
+- unseeded rows: one batched draw from ``generator``; on the CPU, with the
+  same generator state, the same tokens as ``sample``; on a GPU the CUDA
+  generator's stream (no reproducibility is promised for unseeded rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slipstream.kernels.sampling import _row_seed
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingPlan:
+    """Host-side facts of one step's sampling over ``num_rows`` logits rows.
+
+    ``rows`` are the rows that sample (not greedy), ascending; the per-row
+    lists below are aligned with ``rows``. ``top_ks`` are 0 where top-k is off
+    (k <= 0 or k >= vocab). ``unseeded`` / ``seeded`` index into ``rows``.
+    """
+
+    num_rows: int
+    rows: list[int]
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    unseeded: list[int]
+    seeded: list[int]
+    seeds: list[int]  # aligned with ``seeded``
+    output_indices: list[int]  # aligned with ``seeded``
+    max_top_k: int
+    any_top_p: bool
+
+    @property
+    def all_greedy(self) -> bool:
+        return not self.rows
+
+
+def plan_sampling(
+    temperatures: list[float],
+    top_ks: list[int],
+    top_ps: list[float],
+    seeds: list[int | None],
+    output_indices: list[int],
+    vocab_size: int,
+) -> SamplingPlan:
+    """The plan ``sample_tensors`` runs; the arguments are ``sampling.sample``'s."""
+    n = len(temperatures)
+    if not all(len(x) == n for x in (top_ks, top_ps, seeds, output_indices)):
+        raise ValueError(f"every per-row list must have {n} entries")
+    rows = [i for i in range(n) if not (temperatures[i] <= 0.0 or top_ks[i] == 1)]
+    ks = [top_ks[i] if 0 < top_ks[i] < vocab_size else 0 for i in rows]
+    seeded = [j for j, i in enumerate(rows) if seeds[i] is not None]
+    return SamplingPlan(
+        num_rows=n,
+        rows=rows,
+        temperatures=[temperatures[i] for i in rows],
+        top_ks=ks,
+        top_ps=[top_ps[i] for i in rows],
+        unseeded=[j for j, i in enumerate(rows) if seeds[i] is None],
+        seeded=seeded,
+        seeds=[int(seeds[rows[j]]) for j in seeded],  # type: ignore[arg-type]
+        output_indices=[output_indices[rows[j]] for j in seeded],
+        max_top_k=max(ks, default=0),
+        any_top_p=any(top_ps[i] < 1.0 for i in rows),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatch:
+    """A ``SamplingPlan``'s lists as tensors on the logits' device (the runner
+    stages them with the rest of the step's metadata). ``seeded_noise`` is
+    float32 ``[len(plan.seeded), vocab]`` (``seeded_noise``), None if none."""
+
+    plan: SamplingPlan
+    rows: torch.Tensor  # int64 [R]
+    temperatures: torch.Tensor  # float32 [R]
+    top_ks: torch.Tensor  # int64 [R]
+    top_ps: torch.Tensor  # float32 [R]
+    unseeded: torch.Tensor  # int64 [U]
+    seeded: torch.Tensor  # int64 [S]
+    seeded_noise: torch.Tensor | None
+
+
+def sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.device) -> SamplingBatch:
+    """The batch built with plain ``torch.tensor`` calls (tests, the CPU); the
+    GPU runner builds its tensors from pinned staging instead."""
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    def floats(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    noise = None
+    if plan.seeded:
+        noise = seeded_noise(plan.seeds, plan.output_indices, vocab_size).to(device)
+    return SamplingBatch(
+        plan=plan,
+        rows=ints(plan.rows),
+        temperatures=floats(plan.temperatures),
+        top_ks=ints(plan.top_ks),
+        top_ps=floats(plan.top_ps),
+        unseeded=ints(plan.unseeded),
+        seeded=ints(plan.seeded),
+        seeded_noise=noise,
+    )
+
+
+def seeded_noise(
+    seeds: list[int], output_indices: list[int], vocab_size: int, pin_memory: bool = False
+) -> torch.Tensor:
+    """float32 ``[len(seeds), vocab]`` on the CPU: row i is the Exp(1) noise
+    ``sampling.sample`` draws for a row with ``(seeds[i], output_indices[i])``
+    (its own generator, vocabulary order), floored like it. ``pin_memory``
+    for a non-blocking copy to a GPU."""
+    noise = torch.empty((len(seeds), vocab_size), dtype=torch.float32, pin_memory=pin_memory)
+    for i, (seed, output_index) in enumerate(zip(seeds, output_indices, strict=True)):
+        generator = torch.Generator().manual_seed(_row_seed(seed, output_index))
+        noise[i].exponential_(generator=generator)
+    return noise.clamp_min_(_TINY)
+
+
+def sample_tensors(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """int64 ``[N]`` on the logits' device: one token per row of float32
+    ``logits [N, vocab]``, as ``sampling.sample`` picks it (see the module
+    docstring for where the two may differ). ``generator`` (on the logits'
+    device; default: its global RNG) draws the unseeded rows."""
+    plan = batch.plan
+    if logits.dim() != 2 or logits.shape[0] != plan.num_rows:
+        raise ValueError(f"logits must be [{plan.num_rows}, vocab], got {tuple(logits.shape)}")
+    tokens = logits.argmax(dim=-1)
+    if plan.all_greedy:
+        return tokens
+    scaled = logits.index_select(0, batch.rows) / batch.temperatures.unsqueeze(1)
+    if plan.max_top_k:
+        scaled = _filter_top_k(scaled, batch.top_ks, plan.max_top_k)
+    if plan.any_top_p:
+        scaled = _filter_top_p(scaled, batch.top_ps)
+    probs = torch.softmax(scaled, dim=-1)
+    noise = _noise(probs, batch, generator)
+    tokens.index_copy_(0, batch.rows, (probs / noise).argmax(dim=-1))
+    return tokens
+
+
+def _filter_top_k(scaled: torch.Tensor, top_ks: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keeps every logit >= the k-th largest of its row; rows with k == 0 keep all."""
+    largest = scaled.topk(max_top_k, dim=-1).values
+    kth = largest.gather(1, (top_ks.clamp_min(1) - 1).unsqueeze(1))
+    kth = kth.masked_fill((top_ks == 0).unsqueeze(1), float("-inf"))
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _filter_top_p(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """The smallest prefix (by descending probability) whose mass reaches p.
+    Applied to every sampling row when any has p < 1, as ``sampling`` does:
+    a row with p == 1 may lose a tail whose cumulative mass rounds to 1."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    remove_sorted = mass_before >= top_ps.to(scaled.dtype).unsqueeze(1)
+    remove_sorted[:, 0] = False  # the most likely token always survives
+    remove = torch.empty_like(remove_sorted).scatter_(1, order, remove_sorted)
+    return scaled.masked_fill(remove, float("-inf"))
+
+
+def _noise(
+    probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
+) -> torch.Tensor:
+    plan = batch.plan
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)
+    if len(plan.unseeded) == len(plan.rows):
+        noise.exponential_(generator=generator)
+        return noise.clamp_min_(_TINY)
+    if plan.unseeded:
+        draws = torch.empty(
+            (len(plan.unseeded), probs.shape[1]), dtype=torch.float32, device=probs.device
+        ).exponential_(generator=generator)
+        noise.index_copy_(0, batch.unseeded, draws.clamp_min_(_TINY))
+    if batch.seeded_noise is None:
+        raise ValueError("the plan has seeded rows but the batch carries no seeded noise")
+    noise.index_copy_(0, batch.seeded, batch.seeded_noise)
+    return noise

@@ -1,0 +1,281 @@
+"""The device runner: ``ModelRunner``'s contract (``execute(plan) -> StepResult``,
+``device_pool``, ``host_pool``) for a model whose weights and device KV pool
+live on a CUDA GPU, with the host off the critical path.
+
+One step, in stream order (the compute stream unless said)::
+
+    swaps            copy stream, events (swap.py)
+    staging upload   one non-blocking copy of the step's metadata (staging.py)
+    forward          decode-only: replay of the padded batch's CUDA graph;
+                     else eager, through the Triton kernels
+    sampling         on the device (kernels/device_sampling.py)
+    sampled ids      one device-to-host copy, then the step's only wait
+
+The same code runs on the CPU (``device=cpu``, no pinning, no graphs, the
+Triton kernels under their interpreter), which is how its logic is tested
+against ``ModelRunner``. The CUDA-only parts (streams, events, pinned memory,
+graph capture) are written to the CUDA programming model but have no test
+that runs here; ``tests/gpu`` holds the ones a GPU runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from slipstream.kernels.device_sampling import SamplingBatch, sample_tensors, seeded_noise
+from slipstream.kernels.kv_layout import allocate_kv_cache
+from slipstream.kernels.linear import Linear
+from slipstream.scheduler.plan import StepPlan
+from slipstream.service.engine.cuda_graphs import (
+    DecodeGraphs,
+    GraphStats,
+    bucket_for,
+    graph_batch_sizes,
+    is_out_of_memory,
+)
+from slipstream.service.engine.device import describe_device
+from slipstream.service.engine.runner import KVPool, StepResult
+from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
+from slipstream.service.engine.staging import (
+    StagedStep,
+    StagingBuffers,
+    StagingLayout,
+    is_decode_only,
+    stage_padding,
+    stage_step,
+)
+from slipstream.service.engine.swap import BlockSwapper, allocate_host_pool
+from slipstream.service.models.llama import LlamaModel
+
+
+class StepOutOfMemory(RuntimeError):
+    """The device ran out of memory during a step. ``req_ids`` are the requests
+    whose state the step may have left incomplete (its sequences; also the
+    preempted ones when the swaps failed): the engine ends them with
+    RESOURCE_EXHAUSTED and frees their blocks; the runner stays usable."""
+
+    def __init__(self, req_ids: list[str], detail: str) -> None:
+        super().__init__(f"device out of memory during a step of {len(req_ids)} requests: {detail}")
+        self.req_ids = req_ids
+
+
+def move_model_to(model: LlamaModel, device: torch.device) -> None:
+    """Moves ``model``'s weights and RoPE tables to ``device`` in place (a tied
+    LM head stays tied). The model must hold plain weights: no oneDNN packing,
+    no panel layout, no fused CPU ops."""
+    if model.fused or model.pack_weights or model.panel_linears:
+        raise ValueError("a device model needs plain weights: build it with pack_weights=False, "
+                         "panel_linears=False, fused=False")  # fmt: skip
+
+    def linear(layer: Linear) -> Linear:
+        bias = None if layer.bias is None else layer.bias.to(device)
+        return Linear(layer.weight.to(device), bias)
+
+    old_embed = model.embed
+    model.embed = old_embed.to(device)
+    model.layers = [
+        dataclasses.replace(
+            layer,
+            input_norm=layer.input_norm.to(device),
+            qkv=linear(layer.qkv),
+            o_proj=linear(layer.o_proj),
+            post_norm=layer.post_norm.to(device),
+            gate_up=linear(layer.gate_up),
+            down=linear(layer.down),
+        )
+        for layer in model.layers
+    ]
+    model.norm = model.norm.to(device)
+    tied = model.lm_head.weight is old_embed
+    model.lm_head = Linear(model.embed) if tied else linear(model.lm_head)
+    model.rope_cos = model.rope_cos.to(device)
+    model.rope_signed_sin = model.rope_signed_sin.to(device)
+
+
+class DeviceRunner:
+    """Executes ``StepPlan``s on ``device`` for a model already there (``move_model_to``)
+    and built with ``attention_backend="triton"``.
+
+    ``max_num_seqs`` / ``max_num_batched_tokens`` / ``max_model_len`` bound a
+    step as the scheduler does; they size the staging buffers. ``pin_memory``
+    (default: on CUDA) pins the host pool and staging. ``use_cuda_graphs``
+    captures decode graphs at construction (CUDA only; ``graph_stats`` says
+    what was captured, or why not). ``seed`` seeds the device generator of
+    unseeded sampling rows.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        *,
+        device: torch.device,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        use_cuda_graphs: bool = True,
+        pin_memory: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        if model.embed.device != device:
+            raise ValueError(f"the model is on {model.embed.device}, not {device}: move_model_to")
+        if model.attention_backend != "triton":
+            raise ValueError("a device runner needs a model built with attention_backend='triton'")
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self._is_cuda = device.type == "cuda"
+        pin = self._is_cuda if pin_memory is None else pin_memory
+        cfg = model.config
+        self.device_pool: KVPool = [
+            tuple(  # type: ignore[misc]
+                allocate_kv_cache(num_device_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                  model.dtype, device)
+                for _ in range(2)
+            )
+            for _ in range(cfg.num_layers)
+        ]  # fmt: skip
+        self.host_pool: KVPool = allocate_host_pool(
+            cfg.num_layers, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            model.dtype, pin,
+        )  # fmt: skip
+        self._swapper = BlockSwapper(self.device_pool, self.host_pool, device)
+        max_blocks = -(-max_model_len // block_size)
+        layout = StagingLayout.build(max_num_batched_tokens, max_num_seqs, max_blocks)
+        self._staging = StagingBuffers(layout, device, pin)
+        self._max_context = max_blocks * block_size
+        self._sampled_host = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin)
+        self._pin = pin
+        self._generator = torch.Generator(device).manual_seed(seed)
+        # LlamaModel takes its attention callable from the backend name; the
+        # staged one reads the staging views instead of building tensors per step.
+        model._paged_attention = staged_paged_attention
+        self._graph_rows = torch.arange(max_num_seqs, dtype=torch.int64, device=device)
+        self._capture_steps: dict[int, StagedStep] = {}
+        self._graphs: DecodeGraphs | None = None
+        self.graph_stats = GraphStats(enabled=False, disabled_reason="turned off")
+        if use_cuda_graphs and not self._is_cuda:
+            self.graph_stats = GraphStats(enabled=False, disabled_reason="not a CUDA device")
+        elif use_cuda_graphs:
+            self._capture(min(max_num_seqs, max_num_batched_tokens))
+
+    def info(self) -> dict[str, Any]:
+        """For the start-up log and ``GetModelInfo``."""
+        return {
+            "device": describe_device(self.device),
+            "cuda_graphs": self.graph_stats.as_dict(),
+            "pinned_host_memory": self._pin,
+        }
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Runs ``plan``; raises ``StepOutOfMemory`` when the device runs out."""
+        try:
+            self._swapper.swap_out(plan.swap_out)
+            self._swapper.swap_in(plan.swap_in)
+            self._swapper.copy(plan.copies)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            req_ids = [s.req_id for s in plan.seqs] + list(plan.preempted_req_ids)
+            raise self._out_of_memory(exc, req_ids) from exc
+        if not plan.seqs:
+            return StepResult({}, 0)
+        try:
+            return self._forward(plan)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise self._out_of_memory(exc, [s.req_id for s in plan.seqs]) from exc
+
+    def land_swaps(self) -> None:
+        """Completes pending swap-outs into the host pool (before reading it directly)."""
+        self._swapper.land()
+
+    def _out_of_memory(self, exc: BaseException, req_ids: list[str]) -> StepOutOfMemory:
+        if self._is_cuda:
+            torch.cuda.empty_cache()
+        return StepOutOfMemory(req_ids, str(exc).splitlines()[0] if str(exc) else "")
+
+    def _forward(self, plan: StepPlan) -> StepResult:
+        bucket = None
+        if self._graphs is not None and is_decode_only(plan):
+            bucket = bucket_for(len(plan.seqs), self._graphs.sizes)
+        vocab = self.model.config.vocab_size
+        staged = stage_step(plan, self._staging, self.block_size, vocab, pad_to=bucket)
+        self._staging.upload(staged.num_rows)
+        views = self._staging.device_views
+        num_sampled = len(staged.sampled_req_ids)
+        if bucket is not None and self._graphs is not None:
+            logits = self._graphs.replay(bucket)
+            logits = logits.index_select(0, views["sample_indices"][:num_sampled])
+        else:
+            meta = staged_metadata(staged, views, self.block_size)
+            tokens = staged.num_tokens
+            logits = self.model.forward(
+                views["token_ids"][:tokens], views["positions"][:tokens], self.device_pool,
+                meta, views["sample_indices"][:num_sampled],
+            )  # fmt: skip
+        if not num_sampled:
+            self._synchronize()  # the staging buffer is rewritten by the next step
+            return StepResult({}, plan.num_tokens)
+        batch = self._sampling_batch(staged, views)  # draws seeded noise while the GPU runs
+        sampled = self._sampled_host[:num_sampled]
+        sampled.copy_(sample_tensors(logits, batch, self._generator), non_blocking=True)
+        self._synchronize()
+        ids = sampled.tolist()
+        return StepResult(dict(zip(staged.sampled_req_ids, ids, strict=True)), plan.num_tokens)
+
+    def _sampling_batch(self, staged: StagedStep, views: dict[str, torch.Tensor]) -> SamplingBatch:
+        plan = staged.sampling
+        noise = None
+        if plan.seeded:
+            vocab = self.model.config.vocab_size
+            host = seeded_noise(plan.seeds, plan.output_indices, vocab, pin_memory=self._pin)
+            noise = host.to(self.device, non_blocking=True)
+        rows, unseeded, seeded = len(plan.rows), len(plan.unseeded), len(plan.seeded)
+        return SamplingBatch(
+            plan=plan,
+            rows=views["sample_rows"][:rows],
+            temperatures=views["temperatures"][:rows],
+            top_ks=views["top_ks"][:rows],
+            top_ps=views["top_ps"][:rows],
+            unseeded=views["unseeded"][:unseeded],
+            seeded=views["seeded"][:seeded],
+            seeded_noise=noise,
+        )
+
+    def _synchronize(self) -> None:
+        """The step's one wait: for the device work queued so far (the sampled ids' copy)."""
+        if self._is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+
+    def _capture(self, max_batch: int) -> None:
+        self._graphs = DecodeGraphs(graph_batch_sizes(max_batch))
+        with torch.inference_mode():
+            stats = self._graphs.capture(self.device, self._prepare_graph, self._graph_body)
+        self.graph_stats = stats
+        if not stats.enabled:
+            self._graphs = None
+
+    def _prepare_graph(self, size: int) -> None:
+        self._capture_steps[size] = stage_padding(self._staging, size)
+        self._staging.upload(size)
+
+    def _graph_body(self, size: int) -> torch.Tensor:
+        """A decode step of ``size`` rows over the staged inputs: logits ``[size, vocab]``.
+        Captured with the longest context, which fixes the decode kernel's splits."""
+        step = self._capture_steps[size]
+        views = self._staging.device_views
+        meta = staged_metadata(step, views, self.block_size, max_decode_len=self._max_context)
+        return self.model.forward(
+            views["token_ids"][:size], views["positions"][:size], self.device_pool, meta,
+            self._graph_rows[:size],
+        )  # fmt: skip

@@ -1,0 +1,282 @@
+"""Step metadata staged on the host and sent to the device in one copy.
+
+Everything a step's kernels index (token ids, positions, slot mapping, block
+tables, sequence lengths, query starts, which rows decode, which rows sample
+and how) is written by the host into one flat int64 buffer (pinned on a
+CUDA machine) and copied to its device twin with one ``copy_(non_blocking=
+True)``. Each field is a fixed region; int32 and float32 fields are views
+over int64 words. The device twin's regions never move, so a CUDA graph
+captured over them reads each step's values after that one copy::
+
+    word 0                                                        end(B)     total
+    | per-seq fields | token_ids | positions | slot_mapping | block_tables rows 0..B-1 | ...
+      (max_num_seqs)   (max_num_tokens each)                  (max_blocks_per_seq wide)
+
+A step with B rows copies words ``0 .. end(B)``: block tables come last, so
+the copy grows with the rows used, not with the capacity.
+
+Nothing here knows the device: the layout and the builder are tested on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slipstream.kernels.device_sampling import SamplingPlan, plan_sampling
+from slipstream.scheduler.plan import StepPlan
+
+# (name, dtype, entries per sequence or per token); block_tables is sized apart.
+_PER_SEQ: tuple[tuple[str, torch.dtype], ...] = (
+    ("seq_lens", torch.int64),
+    ("seq_lens_i32", torch.int32),
+    ("decode_seq_ids", torch.int32),
+    ("decode_token_ids", torch.int32),
+    ("prefill_seq_ids", torch.int32),
+    ("sample_indices", torch.int64),
+    ("sample_rows", torch.int64),
+    ("temperatures", torch.float32),
+    ("top_ks", torch.int64),
+    ("top_ps", torch.float32),
+    ("unseeded", torch.int64),
+    ("seeded", torch.int64),
+)
+_PER_TOKEN = ("token_ids", "positions", "slot_mapping")
+_ALIGN_WORDS = 8  # 64-byte regions: every view is aligned as a fresh allocation would be
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    offset: int  # in int64 words
+    numel: int  # in elements of dtype
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class StagingLayout:
+    """Where each field lives in the flat int64 buffer."""
+
+    max_num_tokens: int
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    regions: dict[str, Region]
+    total_words: int
+
+    @classmethod
+    def build(
+        cls, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int
+    ) -> StagingLayout:
+        if min(max_num_tokens, max_num_seqs, max_blocks_per_seq) < 1:
+            raise ValueError("staging capacities must be positive")
+        regions: dict[str, Region] = {}
+        offset = 0
+
+        def add(name: str, numel: int, dtype: torch.dtype) -> None:
+            nonlocal offset
+            regions[name] = Region(offset, numel, dtype)
+            words = -(-numel * dtype.itemsize // 8)
+            offset += -(-words // _ALIGN_WORDS) * _ALIGN_WORDS
+
+        add("query_start_loc", max_num_seqs + 1, torch.int64)
+        for name, dtype in _PER_SEQ:
+            add(name, max_num_seqs, dtype)
+        for name in _PER_TOKEN:
+            add(name, max_num_tokens, torch.int64)
+        add("block_tables", max_num_seqs * max_blocks_per_seq, torch.int64)
+        return cls(max_num_tokens, max_num_seqs, max_blocks_per_seq, regions, offset)
+
+    def end(self, num_rows: int) -> int:
+        """Words to copy for a step of ``num_rows`` rows (block tables are last)."""
+        table = self.regions["block_tables"]
+        return table.offset + num_rows * self.max_blocks_per_seq
+
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of ``buffer`` (flat int64, ``total_words`` long);
+        ``block_tables`` is ``[max_num_seqs, max_blocks_per_seq]``."""
+        if buffer.dtype != torch.int64 or buffer.shape != (self.total_words,):
+            raise ValueError(f"expected a flat int64 buffer of {self.total_words} words")
+        out = {}
+        for name, region in self.regions.items():
+            words = -(-region.numel * region.dtype.itemsize // 8)
+            view = buffer[region.offset : region.offset + words].view(region.dtype)[: region.numel]
+            out[name] = view
+        out["block_tables"] = out["block_tables"].view(self.max_num_seqs, self.max_blocks_per_seq)
+        return out
+
+
+class StagingBuffers:
+    """The host buffer (pinned when ``pin_memory``), its device twin, and
+    typed views of both. ``upload`` is the step's one host-to-device copy."""
+
+    def __init__(self, layout: StagingLayout, device: torch.device, pin_memory: bool) -> None:
+        self.layout = layout
+        self.host = torch.zeros(layout.total_words, dtype=torch.int64, pin_memory=pin_memory)
+        self.device = torch.zeros(layout.total_words, dtype=torch.int64, device=device)
+        self.host_views = layout.views(self.host)
+        self.device_views = layout.views(self.device)
+        # numpy over the same memory: filling from Python lists without a tensor per field
+        self.host_arrays: dict[str, np.ndarray] = {
+            name: view.numpy() for name, view in self.host_views.items()
+        }
+
+    def upload(self, num_rows: int) -> None:
+        """Copies the fields of a ``num_rows``-row step; non-blocking from pinned
+        memory, so the host goes on while the copy engine works. The host buffer
+        must not be rewritten before the copy has run (the runner's per-step
+        synchronisation on its sampled ids guarantees it)."""
+        end = self.layout.end(num_rows)
+        self.device[:end].copy_(self.host[:end], non_blocking=True)
+
+
+@dataclass(frozen=True, slots=True)
+class StagedStep:
+    """What the host knows of a staged step (no device reads needed).
+
+    Rows ``0 .. num_seqs`` are the plan's sequences in order; a decode-only
+    step padded for a CUDA graph has ``num_rows > num_seqs`` padding rows after
+    them (one token each, no KV write, length 1). ``sampled_req_ids[i]`` owns
+    logits row ``sample_indices[i]`` (a token index; in a decode-only step
+    also its row index).
+    """
+
+    num_seqs: int
+    num_rows: int
+    num_tokens: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_decodes: int
+    num_prefills: int
+    max_decode_len: int
+    max_prefill_query_len: int
+    sampled_req_ids: list[str]
+    sampling: SamplingPlan
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_prefills == 0
+
+
+def is_decode_only(plan: StepPlan) -> bool:
+    return all(len(seq.token_ids) == 1 for seq in plan.seqs)
+
+
+def stage_step(
+    plan: StepPlan,
+    buffers: StagingBuffers,
+    block_size: int,
+    vocab_size: int,
+    pad_to: int | None = None,
+) -> StagedStep:
+    """Writes ``plan``'s batch into the host buffer. ``pad_to`` (decode-only
+    steps) adds padding rows up to that many rows: token 0 at position 0,
+    slot -1 (the KV write skips it), length 1 over block 0 (read, never written)."""
+    layout = buffers.layout
+    arrays = buffers.host_arrays
+    num_seqs = len(plan.seqs)
+    num_rows = num_seqs if pad_to is None else pad_to
+    _check_capacity(plan, layout, block_size, num_rows)
+    if pad_to is not None and not is_decode_only(plan):
+        raise ValueError("only decode-only steps are padded")
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    starts = [0]
+    sample_indices: list[int] = []
+    sampled = []
+    table = arrays["block_tables"]
+    for b, seq in enumerate(plan.seqs):
+        num_new = len(seq.token_ids)
+        end_pos = seq.start_pos + num_new
+        token_ids.extend(seq.token_ids)
+        positions.extend(range(seq.start_pos, end_pos))
+        blocks = seq.block_ids
+        slots.extend(
+            blocks[pos // block_size] * block_size + pos % block_size
+            for pos in range(seq.start_pos, end_pos)
+        )
+        query_lens.append(num_new)
+        seq_lens.append(end_pos)
+        starts.append(starts[-1] + num_new)
+        table[b, : len(blocks)] = blocks
+        if seq.sample:
+            sample_indices.append(starts[-1] - 1)
+            sampled.append(seq)
+    num_pad = num_rows - num_seqs
+    table[num_seqs:num_rows, 0] = 0
+    token_ids.extend([0] * num_pad)
+    positions.extend([0] * num_pad)
+    slots.extend([-1] * num_pad)
+    starts.extend(range(starts[-1] + 1, starts[-1] + 1 + num_pad))
+    all_lens = seq_lens + [1] * num_pad
+    num_tokens = starts[-1]
+    decode = [b for b in range(num_rows) if b >= num_seqs or query_lens[b] == 1]
+    prefill = [b for b in range(num_seqs) if query_lens[b] > 1]
+    _put(arrays, "token_ids", token_ids)
+    _put(arrays, "positions", positions)
+    _put(arrays, "slot_mapping", slots)
+    _put(arrays, "query_start_loc", starts)
+    _put(arrays, "seq_lens", all_lens)
+    _put(arrays, "seq_lens_i32", all_lens)
+    _put(arrays, "decode_seq_ids", decode)
+    _put(arrays, "decode_token_ids", [starts[b] for b in decode])
+    _put(arrays, "prefill_seq_ids", prefill)
+    _put(arrays, "sample_indices", sample_indices)
+    sampling = plan_sampling(
+        [s.sampling.temperature for s in sampled],
+        [s.sampling.top_k for s in sampled],
+        [s.sampling.top_p for s in sampled],
+        [s.sampling.seed for s in sampled],
+        [s.output_index for s in sampled],
+        vocab_size,
+    )
+    _put(arrays, "sample_rows", sampling.rows)
+    _put(arrays, "temperatures", sampling.temperatures)
+    _put(arrays, "top_ks", sampling.top_ks)
+    _put(arrays, "top_ps", sampling.top_ps)
+    _put(arrays, "unseeded", sampling.unseeded)
+    _put(arrays, "seeded", sampling.seeded)
+    return StagedStep(
+        num_seqs=num_seqs,
+        num_rows=num_rows,
+        num_tokens=num_tokens,
+        query_lens=query_lens + [1] * num_pad,
+        seq_lens=all_lens,
+        num_decodes=len(decode),
+        num_prefills=len(prefill),
+        max_decode_len=max((all_lens[b] for b in decode), default=0),
+        max_prefill_query_len=max((query_lens[b] for b in prefill), default=0),
+        sampled_req_ids=[s.req_id for s in sampled],
+        sampling=sampling,
+    )
+
+
+def stage_padding(buffers: StagingBuffers, num_rows: int) -> StagedStep:
+    """A decode-only step of padding rows alone: what a CUDA graph is captured on."""
+    return stage_step(StepPlan(step=-1), buffers, 1, 1, pad_to=num_rows)
+
+
+def _put(arrays: dict[str, np.ndarray], name: str, values: list[int] | list[float]) -> None:
+    arrays[name][: len(values)] = values
+
+
+def _check_capacity(plan: StepPlan, layout: StagingLayout, block_size: int, num_rows: int) -> None:
+    if num_rows < len(plan.seqs) or num_rows > layout.max_num_seqs:
+        raise ValueError(
+            f"a step of {len(plan.seqs)} sequences padded to {num_rows} rows does not fit "
+            f"{layout.max_num_seqs} staged rows"
+        )
+    num_tokens = plan.num_tokens + num_rows - len(plan.seqs)
+    if num_tokens > layout.max_num_tokens:
+        raise ValueError(f"{num_tokens} tokens exceed the {layout.max_num_tokens} staged")
+    for seq in plan.seqs:
+        if len(seq.block_ids) > layout.max_blocks_per_seq:
+            raise ValueError(
+                f"request {seq.req_id} holds {len(seq.block_ids)} blocks; "
+                f"at most {layout.max_blocks_per_seq} per sequence are staged"
+            )
+        if len(seq.block_ids) * block_size < seq.start_pos + len(seq.token_ids):
+            raise ValueError(f"request {seq.req_id}: its blocks cannot hold its tokens")

@@ -1,0 +1,125 @@
+"""Device resolution, description and KV sizing, both branches on any machine
+(torch.cuda is patched to show or hide GPUs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from slipstream.service.engine import device as device_mod
+from slipstream.service.engine.device import (
+    DeviceUnavailable,
+    default_dtype_for,
+    describe_device,
+    device_log_line,
+    kv_blocks_for_gpu_memory,
+    resolve_device,
+    step_reserve_bytes,
+)
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """Pretends torch sees ``n`` CUDA devices of compute capability ``cap``."""
+
+    def install(n: int, cap: tuple[int, int] = (9, 0)) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: cap)
+        props = SimpleNamespace(name="Fake H100", major=cap[0], minor=cap[1])
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index=None: (60 << 30, 80 << 30))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    return install
+
+
+def test_auto_is_cpu_without_cuda(gpus):
+    gpus(0)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_auto_is_the_first_gpu(gpus):
+    gpus(2)
+    assert resolve_device("auto") == torch.device("cuda", 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("CUDA:1") == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_cuda_without_a_gpu_is_one_clear_line(gpus, name):
+    gpus(0)
+    with pytest.raises(DeviceUnavailable, match="sees no CUDA device") as info:
+        resolve_device(name)
+    assert "\n" not in str(info.value)
+
+
+def test_index_past_the_last_gpu(gpus):
+    gpus(2)
+    with pytest.raises(DeviceUnavailable, match=r"has 2 CUDA devices \(cuda:0 .. cuda:1\)"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("name", ["tpu", "cuda:x", "cuda:-1", ""])
+def test_unknown_names(gpus, name):
+    gpus(1)
+    with pytest.raises(DeviceUnavailable):
+        resolve_device(name)
+
+
+def test_describe_cuda(gpus):
+    gpus(1)
+    info = describe_device(torch.device("cuda", 0))
+    assert info == {
+        "type": "cuda",
+        "index": 0,
+        "name": "Fake H100",
+        "total_memory_bytes": 80 << 30,
+        "free_memory_bytes": 60 << 30,
+        "capability": "9.0",
+    }
+    assert device_log_line(info) == "device: cuda:0 Fake H100 (compute 9.0, 60.0 of 80.0 GiB free)"
+
+
+def test_describe_cpu():
+    info = describe_device(torch.device("cpu"))
+    assert info["type"] == "cpu"
+    assert device_log_line(info).startswith("device: cpu")
+
+
+@pytest.mark.parametrize(("cap", "dtype"), [((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16),
+                                            ((7, 5), torch.float16)])  # fmt: skip
+def test_default_dtype(gpus, cap, dtype):
+    gpus(1, cap)
+    assert default_dtype_for(torch.device("cuda", 0)) == dtype
+
+
+def test_default_dtype_is_for_cuda_only():
+    with pytest.raises(ValueError, match="CUDA"):
+        default_dtype_for(torch.device("cpu"))
+
+
+def test_kv_blocks_from_free_memory():
+    gib = 1 << 30
+    assert kv_blocks_for_gpu_memory(10 * gib, 0.9, 1 << 20, gib) == (9 * gib - gib) // (1 << 20)
+    assert kv_blocks_for_gpu_memory(gib, 0.5, 1 << 20, gib) == 0  # reserve exceeds the budget
+    with pytest.raises(ValueError):
+        kv_blocks_for_gpu_memory(gib, 0.0, 1 << 20, 0)
+    with pytest.raises(ValueError):
+        kv_blocks_for_gpu_memory(gib, 0.9, 0, 0)
+
+
+def test_step_reserve_grows_with_the_step():
+    small = step_reserve_bytes(576, 1536, 49152, 512, 256, 2)
+    large = step_reserve_bytes(576, 1536, 49152, 8192, 256, 2)
+    assert 0 < small < large
+
+
+def test_module_reads_cuda_at_call_time(gpus):
+    gpus(1)
+    assert device_mod._cuda_count() == 1
+    gpus(0)
+    assert device_mod._cuda_count() == 0

@@ -1,0 +1,117 @@
+"""The device runner's logic on the CPU: staged metadata, the staged Triton
+attention (under the interpreter), the tensor sampler and the swapper give
+``ModelRunner``'s tokens and block contents on the ``tiny`` model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels.block_copy import reference_copy_blocks
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.request import SamplingParams
+from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
+from slipstream.service.engine.runner import ModelRunner
+from slipstream.service.engine.swap import BlockSwapper, allocate_host_pool
+from slipstream.service.models.llama import LlamaModel
+
+BLOCK = 16
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir):
+    reference = LlamaModel(tiny_model_dir, torch.float32, attention_backend="triton")
+    staged = LlamaModel(tiny_model_dir, torch.float32, attention_backend="triton")
+    move_model_to(staged, CPU)
+    return reference, staged
+
+
+def _runner(model: LlamaModel) -> DeviceRunner:
+    return DeviceRunner(
+        model, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
+        max_model_len=128, use_cuda_graphs=True, pin_memory=False,
+    )  # fmt: skip
+
+
+SAMPLING = [
+    SamplingParams(),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5),
+    SamplingParams(temperature=1.2, seed=9),
+]
+
+
+def _generate(runner, prompts: list[list[int]], num_steps: int) -> list[list[int]]:
+    """Prefills every prompt in one step, then decodes them together."""
+    tokens = [list(p) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    blocks = [[i * 4 + j for j in range(4)] for i in range(len(prompts))]
+    computed = [0] * len(prompts)
+    for step in range(num_steps):
+        seqs = [
+            ScheduledSeq(f"r{i}", tokens[i][computed[i] :], computed[i], blocks[i], True,
+                         len(outputs[i]), SAMPLING[i % len(SAMPLING)])
+            for i in range(len(prompts))
+        ]  # fmt: skip
+        result = runner.execute(StepPlan(step=step, seqs=seqs))
+        for i in range(len(prompts)):
+            computed[i] = len(tokens[i])
+            token = result.sampled[f"r{i}"]
+            tokens[i].append(token)
+            outputs[i].append(token)
+    return outputs
+
+
+def test_same_tokens_as_model_runner(models):
+    reference_model, staged_model = models
+    prompts = [[3, 17, 29, 4, 8], [7] * 20, [11, 12]]
+    expected = _generate(ModelRunner(reference_model, 32, 8, BLOCK), prompts, 4)
+    runner = _runner(staged_model)
+    assert not runner.graph_stats.enabled
+    assert runner.graph_stats.disabled_reason == "not a CUDA device"
+    assert runner.info()["device"]["type"] == "cpu"
+    assert _generate(runner, prompts, 4) == expected
+
+
+def test_step_without_sampling_and_empty_plan(models):
+    runner = _runner(models[1])
+    seq = ScheduledSeq("a", [1, 2, 3], 0, [0], False, 0, SamplingParams())
+    assert runner.execute(StepPlan(step=0, seqs=[seq])).sampled == {}
+    assert runner.execute(StepPlan(step=1)).num_tokens == 0
+
+
+def test_model_must_be_on_the_device(tiny_model_dir):
+    model = LlamaModel(tiny_model_dir, torch.float32, attention_backend="torch")
+    with pytest.raises(ValueError, match="triton"):
+        _runner(model)
+
+
+def _filled_pools(num_device: int, num_host: int):
+    device_pool = allocate_host_pool(2, num_device, 4, 2, 8, torch.float32, False)
+    host_pool = allocate_host_pool(2, num_host, 4, 2, 8, torch.float32, False)
+    generator = torch.Generator().manual_seed(0)
+    for layer in device_pool + host_pool:
+        for cache in layer:
+            cache.copy_(torch.randn(cache.shape, generator=generator))
+    return device_pool, host_pool
+
+
+def _clone(pool):
+    return [tuple(c.clone() for c in layer) for layer in pool]
+
+
+def test_swapper_matches_reference_copies():
+    device_pool, host_pool = _filled_pools(6, 5)
+    want_device, want_host = _clone(device_pool), _clone(host_pool)
+    swapper = BlockSwapper(device_pool, host_pool, CPU)
+    swapper.swap_out([(1, 3), (4, 0)])
+    reference_copy_blocks(want_device, want_host, [(1, 3), (4, 0)])
+    swapper.swap_in([(2, 1), (3, 5)])
+    reference_copy_blocks(want_host, want_device, [(2, 1), (3, 5)])
+    swapper.copy([(0, 2), (2, 0)])
+    reference_copy_blocks(want_device, want_device, [(0, 2), (2, 0)])
+    swapper.land()
+    for got, want in ((device_pool, want_device), (host_pool, want_host)):
+        for got_layer, want_layer in zip(got, want, strict=True):
+            for g, w in zip(got_layer, want_layer, strict=True):
+                assert torch.equal(g, w)

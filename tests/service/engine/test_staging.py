@@ -1,0 +1,165 @@
+"""The staging layout, the step builder and the CUDA-graph buckets: device-independent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels.attention import build_attention_metadata
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.request import SamplingParams
+from slipstream.service.engine.cuda_graphs import bucket_for, graph_batch_sizes, is_out_of_memory
+from slipstream.service.engine.staged_attention import staged_metadata
+from slipstream.service.engine.staging import (
+    StagingBuffers,
+    StagingLayout,
+    stage_padding,
+    stage_step,
+)
+
+BLOCK = 4
+
+
+def _seq(req_id, tokens, start, blocks, sample=True, sampling=None):
+    return ScheduledSeq(req_id, tokens, start, blocks, sample, 0, sampling or SamplingParams())
+
+
+def _buffers(tokens=64, seqs=8, blocks=6) -> StagingBuffers:
+    return StagingBuffers(StagingLayout.build(tokens, seqs, blocks), torch.device("cpu"), False)
+
+
+def test_layout_regions_are_aligned_disjoint_and_table_last():
+    layout = StagingLayout.build(100, 7, 5)
+    spans = sorted(
+        (r.offset, r.offset + -(-r.numel * r.dtype.itemsize // 8)) for r in layout.regions.values()
+    )
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        assert end <= start
+    assert all(r.offset % 8 == 0 for r in layout.regions.values())
+    table = layout.regions["block_tables"]
+    assert table.offset == spans[-1][0]
+    assert layout.end(3) == table.offset + 3 * 5 <= layout.total_words
+
+
+def test_views_share_the_buffer_with_their_dtypes():
+    buffers = _buffers()
+    views = buffers.host_views
+    assert views["seq_lens_i32"].dtype == torch.int32
+    assert views["temperatures"].dtype == torch.float32
+    assert views["block_tables"].shape == (8, 6)
+    views["temperatures"][0] = 0.5
+    assert buffers.host_arrays["temperatures"][0] == 0.5
+
+
+def test_upload_copies_the_prefix_the_rows_use():
+    buffers = _buffers()
+    buffers.host_arrays["block_tables"][:] = 7
+    buffers.upload(2)
+    table = buffers.device_views["block_tables"]
+    assert (table[:2] == 7).all() and (table[2:] == 0).all()
+
+
+def _mixed_plan() -> StepPlan:
+    return StepPlan(
+        step=1,
+        seqs=[
+            _seq("a", [5], 6, [3, 1]),  # decode at position 6
+            _seq("b", [9, 8, 7], 2, [0, 4], sample=False),  # prefill chunk 2..4
+            _seq("c", [11, 12], 0, [2], sampling=SamplingParams(0.7, 5, 0.9, 3)),
+        ],
+    )
+
+
+def test_stage_step_matches_the_reference_metadata():
+    buffers = _buffers()
+    plan = _mixed_plan()
+    step = stage_step(plan, buffers, BLOCK, vocab_size=100)
+    buffers.upload(step.num_rows)
+    views = buffers.device_views
+    ref = build_attention_metadata([1, 3, 2], [7, 5, 2], [[3, 1], [0, 4], [2]], BLOCK,
+                                   torch.device("cpu"), torch.float32)  # fmt: skip
+    meta = staged_metadata(step, views, BLOCK)
+    assert meta.query_lens == ref.query_lens and meta.seq_lens == ref.seq_lens
+    assert torch.equal(meta.slot_mapping, ref.slot_mapping)
+    assert torch.equal(meta.query_start_loc, ref.query_start_loc)
+    assert torch.equal(meta.seq_lens_t, ref.seq_lens_t)
+    assert torch.equal(meta.block_tables[:, :2], ref.block_tables)
+    assert views["token_ids"][:6].tolist() == [5, 9, 8, 7, 11, 12]
+    assert views["positions"][:6].tolist() == [6, 2, 3, 4, 0, 1]
+    triton = meta.triton
+    assert triton.seq_lens.dtype == torch.int32 and triton.seq_lens.tolist() == [7, 5, 2]
+    assert triton.decode_seq_ids.tolist() == [0] and triton.decode_token_ids.tolist() == [0]
+    assert triton.prefill_seq_ids.tolist() == [1, 2]
+    assert (triton.max_decode_len, triton.max_prefill_query_len) == (7, 3)
+    assert step.sampled_req_ids == ["a", "c"]
+    assert views["sample_indices"][:2].tolist() == [0, 5]
+    assert step.sampling.rows == [1]
+    assert views["sample_rows"][:1].tolist() == [1]
+    assert views["temperatures"][:1].tolist() == pytest.approx([0.7])
+    assert views["top_ks"][:1].tolist() == [5]
+    assert views["top_ps"][:1].tolist() == pytest.approx([0.9])
+    assert views["seeded"][:1].tolist() == [0]
+
+
+def test_padded_decode_step():
+    buffers = _buffers()
+    plan = StepPlan(step=2, seqs=[_seq("a", [5], 6, [3, 1]), _seq("b", [6], 0, [2])])
+    step = stage_step(plan, buffers, BLOCK, vocab_size=100, pad_to=4)
+    buffers.upload(step.num_rows)
+    views = buffers.device_views
+    assert (step.num_seqs, step.num_rows, step.num_tokens) == (2, 4, 4)
+    assert views["slot_mapping"][:4].tolist() == [1 * BLOCK + 2, 2 * BLOCK, -1, -1]
+    assert views["seq_lens_i32"][:4].tolist() == [7, 1, 1, 1]
+    assert views["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
+    assert views["decode_seq_ids"][:4].tolist() == [0, 1, 2, 3]
+    assert views["block_tables"][2:4, 0].tolist() == [0, 0]
+    assert step.sampled_req_ids == ["a", "b"] and step.num_prefills == 0
+
+
+def test_padding_a_prefill_is_refused():
+    with pytest.raises(ValueError, match="decode-only"):
+        stage_step(_mixed_plan(), _buffers(), BLOCK, 100, pad_to=4)
+
+
+def test_capacity_checks():
+    with pytest.raises(ValueError, match="staged rows"):
+        stage_step(_mixed_plan(), _buffers(seqs=2), BLOCK, 100)
+    with pytest.raises(ValueError, match="tokens exceed"):
+        stage_step(_mixed_plan(), _buffers(tokens=4), BLOCK, 100)
+    with pytest.raises(ValueError, match="per sequence are staged"):
+        stage_step(_mixed_plan(), _buffers(blocks=1), BLOCK, 100)
+
+
+def test_stage_padding_only():
+    buffers = _buffers()
+    step = stage_padding(buffers, 8)
+    assert (step.num_seqs, step.num_rows, step.sampled_req_ids) == (0, 8, [])
+    assert buffers.host_views["slot_mapping"][:8].tolist() == [-1] * 8
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(10) == [1, 2, 4, 8, 10]
+    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(37) == [1, 2, 4, 8, 16, 24, 32, 37]
+    sizes = graph_batch_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 35
+    with pytest.raises(ValueError):
+        graph_batch_sizes(0)
+
+
+@pytest.mark.parametrize(("n", "bucket"), [(0, None), (1, 1), (3, 4), (8, 8), (9, 16), (17, 24),
+                                           (32, 32), (33, None)])  # fmt: skip
+def test_bucket_for(n, bucket):
+    assert bucket_for(n, graph_batch_sizes(32)) == bucket
+
+
+def test_out_of_memory_is_recognised_through_a_failed_capture():
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("operation not permitted when stream is capturing") from None
+    except RuntimeError as exc:
+        assert is_out_of_memory(exc)
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
