@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def test_layout_regions_are_aligned_disjoint_and_table_last():
     spans = sorted(
         (r.offset, r.offset + -(-r.numel * r.dtype.itemsize // 8)) for r in layout.regions.values()
     )
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+    for (_, end), (start, _) in itertools.pairwise(spans):
         assert end <= start
     assert all(r.offset % 8 == 0 for r in layout.regions.values())
     table = layout.regions["block_tables"]
