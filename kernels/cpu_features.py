@@ -19,17 +19,21 @@ Two choices depend on the CPU and are made here, never assumed:
   from a probe that packs a tiny weight, so it is exactly torch's own.
 
 ``detect()`` reads ``/proc/cpuinfo`` (flags, model name) and torch's reported
-capability; tests build ``CpuFeatures`` by hand to force either answer.
+capability; tests build ``CpuFeatures`` by hand to force either answer, and
+``force()`` makes the whole process answer as a CPU of another kind that this
+one can execute (see ``cpu_answer.py``).
 """
 
 from __future__ import annotations
 
 import functools
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+
+from slipstream.kernels.cpu_answer import CPU_ANSWERS
 
 # Flags every benchmark prints; the first two decide native bf16.
 REPORTED_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
@@ -65,9 +69,32 @@ class CpuFeatures:
         }
 
 
+_forced = "native"
+
+
+def force(answer: str) -> None:
+    """Makes ``detect()`` answer as ``answer`` (one of ``CPU_ANSWERS``) from now on."""
+    global _forced
+    if answer not in CPU_ANSWERS:
+        raise ValueError(f"CPU answer must be one of {CPU_ANSWERS}, got {answer!r}")
+    _forced = answer
+    detect.cache_clear()
+
+
+def forced() -> str:
+    """The answer ``detect()`` gives: ``native`` unless ``force`` said otherwise."""
+    return _forced
+
+
 @functools.cache
 def detect() -> CpuFeatures:
-    """This machine's features (computed once per process)."""
+    """This machine's features, or the forced answer (computed once per answer)."""
+    return answer_as(_forced, native())
+
+
+@functools.cache
+def native() -> CpuFeatures:
+    """What this machine is, whatever answer is forced."""
     model_name, flags = _read_cpuinfo(Path("/proc/cpuinfo"))
     return CpuFeatures(
         model_name=model_name or platform.processor() or platform.machine(),
@@ -76,6 +103,29 @@ def detect() -> CpuFeatures:
         can_pack_bf16=probe_packing(torch.bfloat16),
         can_pack_fp32=probe_packing(torch.float32),
     )
+
+
+def answer_as(answer: str, cpu: CpuFeatures) -> CpuFeatures:
+    """``cpu`` seen as a CPU of kind ``answer``: ``avx2`` drops AVX-512 and native
+    bf16 (and bf16 packing, which needs them); ``bare`` also drops oneDNN packing.
+    ValueError where ``cpu`` cannot execute that kind (no AVX2)."""
+    if answer == "native":
+        return cpu
+    if "avx2" not in cpu.flags:
+        raise ValueError(f"this CPU cannot answer as {answer!r}: it has no avx2")
+    return replace(
+        cpu,
+        model_name=f"{cpu.model_name} (as {answer})",
+        flags=("avx2",),
+        can_pack_bf16=False,
+        can_pack_fp32=cpu.can_pack_fp32 and answer != "bare",
+    )
+
+
+def other_answer(cpu: CpuFeatures) -> str:
+    """The forced answer that covers the other kind of machine from this one:
+    ``avx2`` on a CPU with AVX-512 or native bf16, ``bare`` on an AVX2-only one."""
+    return "avx2" if "avx512f" in cpu.flags or cpu.has_native_bf16 else "bare"
 
 
 def _read_cpuinfo(path: Path) -> tuple[str, frozenset[str]]:

@@ -13,6 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from slipstream.kernels.cpu_answer import prepare_environment
+
+# The CPU the suite answers for ($SLIPSTREAM_CPU: native, avx2 or bare), set
+# before torch loads; servers the tests spawn inherit it. `make test` runs the
+# CPU-dependent tests once more under the other answer this machine can execute.
+CPU_ANSWER = prepare_environment(os.environ)
+
 # Set before anything imports the model store.
 os.environ.setdefault(
     "SLIPSTREAM_HOME", str(Path(__file__).resolve().parent.parent / ".slipstream-home")
@@ -22,6 +29,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton reads this when it is first imported (transformers may import it):
 # Triton kernels are tested on CPU tensors through its interpreter.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from slipstream.kernels import cpu_features
+
+    cpu_features.force(CPU_ANSWER)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from slipstream.kernels.cpu_features import detect
+
+    cpu = detect()
+    return f"CPU answer: {CPU_ANSWER} ({cpu.model_name}, flags {list(cpu.flags)})"
 
 
 @pytest.fixture(scope="session")

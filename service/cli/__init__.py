@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Iterable
 
+from slipstream.kernels.cpu_answer import prepare_environment
 from slipstream.service.cli.extras import ServerExtraMissing, missing_server_modules
 
 # Subcommand modules, each exposing add_parser(subparsers) that sets a `func`
@@ -55,7 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        answer = prepare_environment(os.environ)  # before anything loads torch
+    except ValueError as exc:
+        print(f"slipstream: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
+    if answer != "native" and importlib.util.find_spec("torch") is not None:
+        # A client-only install has no torch and makes no CPU-dependent choice.
+        from slipstream.kernels import cpu_features
+
+        cpu_features.force(answer)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

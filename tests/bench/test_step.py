@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from slipstream.kernels.cpu_features import choose_dtype, detect
 from slipstream.service.bench import step, step_timing
 from slipstream.service.cli import main
 
@@ -83,11 +84,15 @@ def test_byte_counts_match_the_checkpoint(
         for name, shape in numel.items()
         if not (has_lm_head and name == "model.embed_tokens.weight")
     )
+    # --dtype auto: float32 on AVX2-only CPUs, bf16 where bf16 is native.
+    dtype = choose_dtype("auto", detect()).dtype
+    assert run[0]["parameters"]["dtype"] == dtype
+    element_size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     for r in run[0]["rows"]:
         if r["status"] != "ok":
             continue
-        assert r["weight_read_bytes"] == 4 * params  # float32 here (AVX2) or bf16 elsewhere
-        per_token = config["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
+        assert r["weight_read_bytes"] == element_size * params
+        per_token = config["num_hidden_layers"] * 2 * kv_heads * head_dim * element_size
         assert r["kv_read_bytes"] == r["batch"] * (CONTEXT + 1) * per_token
 
 

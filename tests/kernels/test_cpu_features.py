@@ -9,11 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slipstream.kernels.cpu_answer import CPU_ANSWERS, answer_from, prepare_environment
 from slipstream.kernels.cpu_features import (
     CpuFeatures,
     _read_cpuinfo,
+    answer_as,
     choose_dtype,
     detect,
+    force,
+    forced,
+    native,
+    other_answer,
 )
 from slipstream.kernels.linear import Linear, WeightPackingFailed
 
@@ -66,8 +72,8 @@ def test_cpuinfo_parsing(tmp_path: Path) -> None:
     assert _read_cpuinfo(tmp_path / "missing") == ("", frozenset())
 
 
-def test_detect_agrees_with_the_packing_probe() -> None:
-    cpu = detect()
+def test_the_machine_agrees_with_the_packing_probe() -> None:
+    cpu = native()  # the probe's answers, whatever answer the run is forced to
     assert cpu.torch_capability
     assert set(cpu.describe()) >= {"model", "flags", "native_bf16", "can_pack_bf16"}
     x = torch.randn(3, 16, dtype=torch.bfloat16)
@@ -93,7 +99,7 @@ def test_unpacked_linear_is_f_linear(dtype: torch.dtype) -> None:
 
 
 def test_packed_fp32_linear_matches_f_linear() -> None:
-    if not detect().can_pack_fp32:
+    if not native().can_pack_fp32:  # the real op, whatever answer is forced
         pytest.skip("oneDNN cannot pack fp32 weights here")
     x, w, b = torch.randn(5, 16), torch.randn(8, 16), torch.randn(8)
     layer = Linear(w, b, pack=True)
@@ -103,3 +109,50 @@ def test_packed_fp32_linear_matches_f_linear() -> None:
 
 def test_int_weights_are_never_packed() -> None:
     assert not Linear(torch.ones(8, 16, dtype=torch.int32), pack=True).is_packed
+
+
+# ---------------------------------------------------------------- forced answers
+
+
+def test_forced_answers_drop_what_the_other_kind_lacks() -> None:
+    as_avx2 = answer_as("avx2", AMX)
+    assert as_avx2.flags == ("avx2",) and not as_avx2.has_native_bf16
+    assert (as_avx2.can_pack_bf16, as_avx2.can_pack_fp32) == (False, True)
+    assert choose_dtype("auto", as_avx2).dtype == "float32"
+    as_bare = answer_as("bare", AVX2)
+    assert (as_bare.can_pack_bf16, as_bare.can_pack_fp32) == (False, False)
+    assert not choose_dtype("auto", as_bare).pack_weights
+    assert answer_as("native", AMX) is AMX
+
+
+def test_an_answer_the_cpu_cannot_execute_is_refused() -> None:
+    no_avx2 = CpuFeatures("old (forced)", (), "DEFAULT", False, True)
+    with pytest.raises(ValueError, match="no avx2"):
+        answer_as("avx2", no_avx2)
+
+
+@pytest.mark.parametrize(("cpu", "other"), [(AMX, "avx2"), (AVX512, "avx2"), (AVX2, "bare")])
+def test_the_other_answer_covers_the_other_kind_of_machine(cpu: CpuFeatures, other: str) -> None:
+    assert other_answer(cpu) == other
+
+
+def test_force_changes_what_detect_says_and_back() -> None:
+    previous, before = forced(), detect()
+    try:
+        force("bare")
+        assert forced() == "bare" and detect() == answer_as("bare", native())
+        with pytest.raises(ValueError, match="CPU answer must be one of"):
+            force("avx9000")
+    finally:
+        force(previous)
+    assert detect() == before
+
+
+def test_the_environment_asks_torch_and_onednn_for_the_forced_isa() -> None:
+    env = {"SLIPSTREAM_CPU": "avx2"}
+    assert prepare_environment(env) == "avx2"
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert prepare_environment({}) == "native"
+    assert set(CPU_ANSWERS) == {"native", "avx2", "bare"}
+    with pytest.raises(ValueError, match="SLIPSTREAM_CPU"):
+        answer_from({"SLIPSTREAM_CPU": "fast"})
