@@ -151,7 +151,7 @@ class DeviceRunner:
         self._max_context = max_blocks * block_size
         self._sampled_host = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin)
         self._pin = pin
-        self._generator = torch.Generator(device).manual_seed(seed)
+        self._generator = torch.Generator(device=device).manual_seed(seed)
         # LlamaModel takes its attention callable from the backend name; the
         # staged one reads the staging views instead of building tensors per step.
         model._paged_attention = staged_paged_attention

@@ -1,0 +1,124 @@
+"""The device runner on a CUDA GPU: graphs on = off, swaps bit-exact, the
+staged Triton attention against the reference.
+
+These run the Triton kernels compiled, never under the interpreter that
+tests/conftest.py turns on for the CPU (``TRITON_INTERPRET=1``, read when
+triton is first imported): run them as ``TRITON_INTERPRET=0 pytest -m gpu
+tests/gpu``. Where torch sees no CUDA device, or the interpreter is on, they
+are skipped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.kernels.attention import reference_paged_attention
+from slipstream.kernels.backend import is_interpreting
+from slipstream.kernels.kv_layout import allocate_kv_cache
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.request import SamplingParams
+from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
+from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
+from slipstream.service.engine.staging import StagingBuffers, StagingLayout, stage_step
+from slipstream.service.models.llama import LlamaModel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and is_interpreting(),
+        reason="Triton interpreter on: run with TRITON_INTERPRET=0",
+    ),
+]
+
+BLOCK = 16
+CUDA = torch.device("cuda", 0)
+
+
+def _runner(model_dir, use_cuda_graphs: bool, dtype=torch.float32) -> DeviceRunner:
+    model = LlamaModel(model_dir, dtype, attention_backend="triton")
+    move_model_to(model, CUDA)
+    return DeviceRunner(
+        model, 256, 64, BLOCK, device=CUDA, max_num_seqs=16, max_num_batched_tokens=512,
+        max_model_len=512, use_cuda_graphs=use_cuda_graphs,
+    )  # fmt: skip
+
+
+def _greedy(runner: DeviceRunner, prompts: list[list[int]], num_steps: int) -> list[list[int]]:
+    tokens = [list(p) for p in prompts]
+    blocks = [[i * 16 + j for j in range(16)] for i in range(len(prompts))]
+    computed = [0] * len(prompts)
+    for step in range(num_steps):
+        live = range(len(prompts)) if step == 0 else range(len(prompts) - step % 3)
+        seqs = [
+            ScheduledSeq(f"r{i}", tokens[i][computed[i] :], computed[i], blocks[i], True,
+                         len(tokens[i]) - len(prompts[i]), SamplingParams())
+            for i in live
+        ]  # fmt: skip
+        result = runner.execute(StepPlan(step=step, seqs=seqs))
+        for i in live:
+            computed[i] = len(tokens[i])
+            tokens[i].append(result.sampled[f"r{i}"])
+    return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
+
+
+def test_greedy_tokens_with_and_without_graphs(tiny_model_dir):
+    prompts = [[3 + i, 17, 29 + i, 4] * (1 + i) for i in range(11)]
+    graphed = _runner(tiny_model_dir, use_cuda_graphs=True)
+    stats = graphed.graph_stats
+    assert stats.enabled, stats.disabled_reason
+    assert stats.batch_sizes == [1, 2, 4, 8, 16] and stats.capture_seconds > 0
+    with_graphs = _greedy(graphed, prompts, 12)
+    eager = _greedy(_runner(tiny_model_dir, use_cuda_graphs=False), prompts, 12)
+    assert with_graphs == eager
+
+
+def test_swap_out_and_in_is_bit_exact(tiny_model_dir):
+    runner = _runner(tiny_model_dir, use_cuda_graphs=False, dtype=torch.bfloat16)
+    seq = ScheduledSeq("a", list(range(5, 45)), 0, [3, 7, 9], True, 0, SamplingParams())
+    runner.execute(StepPlan(step=0, seqs=[seq]))
+    before = [tuple(c[[3, 7, 9]].clone() for c in layer) for layer in runner.device_pool]
+    runner.execute(StepPlan(step=1, swap_out=[(3, 10), (7, 0), (9, 5)]))
+    runner.execute(StepPlan(step=2, swap_in=[(10, 20), (0, 21), (5, 22)]))
+    torch.cuda.synchronize()
+    runner.land_swaps()
+    for layer, host_layer, want in zip(runner.device_pool, runner.host_pool, before, strict=True):
+        for cache, host, blocks in zip(layer, host_layer, want, strict=True):
+            assert torch.equal(cache[[20, 21, 22]], blocks)
+            assert torch.equal(host[[10, 0, 5]], blocks.cpu())
+    assert runner.host_pool[0][0].is_pinned()
+
+
+def test_staged_triton_attention_matches_reference():
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, kv_heads, heads, head_dim = 40, 2, 6, 64
+    k_cache = allocate_kv_cache(num_blocks, BLOCK, kv_heads, head_dim, torch.float32, CUDA)
+    v_cache = allocate_kv_cache(num_blocks, BLOCK, kv_heads, head_dim, torch.float32, CUDA)
+    k_cache.copy_(torch.randn(k_cache.shape, generator=generator))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=generator))
+    plan = StepPlan(
+        step=0,
+        seqs=[
+            ScheduledSeq("d", [1], 70, [5, 6, 7, 8, 9], True, 0, SamplingParams()),
+            ScheduledSeq("p", [1] * 20, 30, [1, 2, 3, 4], True, 0, SamplingParams()),
+            ScheduledSeq("f", [1] * 33, 0, [10, 11, 12], True, 0, SamplingParams()),
+        ],
+    )
+    buffers = StagingBuffers(StagingLayout.build(128, 8, 8), CUDA, pin_memory=True)
+    step = stage_step(plan, buffers, BLOCK, vocab_size=10)
+    buffers.upload(step.num_rows)
+    meta = staged_metadata(step, buffers.device_views, BLOCK)
+    q = torch.randn(step.num_tokens, heads, head_dim, generator=generator).to(CUDA)
+    got = staged_paged_attention(q, k_cache, v_cache, meta, head_dim**-0.5)
+    want = reference_paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(),
+                                     _cpu_meta(meta), head_dim**-0.5)  # fmt: skip
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+
+
+def _cpu_meta(meta):
+    from slipstream.kernels.attention import build_attention_metadata
+
+    tables = meta.block_tables.cpu().tolist()
+    return build_attention_metadata(meta.query_lens, meta.seq_lens, tables, meta.block_size,
+                                    torch.device("cpu"), torch.float32)  # fmt: skip
