@@ -4,9 +4,12 @@
 The mix, at ~80% of the capacity measured first (``--load``):
 
     plain       submits on a few long-lived streams, read at once
+    mixed       a stream of its own with 1-6 requests (max 1-128 tokens, half
+                with ignore_eos, classes 0-3, 30 % with a timeout of 0.05,
+                0.3, 1 or 3 s, 20 % cancelled within 0.5 s): issue 31's mix
     cancel      cancelled after a random delay
     deadline    a timeout too short to finish (expires, DEADLINE_EXCEEDED)
-    disconnect  a stream of its own, dropped mid-generation
+    disconnect  a stream of its own (200-600 tokens), dropped mid-generation
     slow        a stream of its own, read slowly (a pause of several seconds)
     stalled     every ``--stall-every`` s, a client process that submits and is
                 then stopped (SIGSTOP: it reads nothing, not even at the TCP
@@ -20,6 +23,14 @@ what the kind provokes). At the end it waits for the server to go idle and
 reports the blocks still used (leaked), RSS growth after the warm-up (the
 first fifth of the run) and the error count; JSON with ``--json``, a PNG
 with ``--plot``.
+
+Every submit refused (REJECTED) is counted by reject reason and by minute
+of the run (``refusals_by_reason``, ``refusals_per_minute``); refusals for
+capacity are ``queue_full`` and ``overloaded``. The capacity measurement
+also gives generated tokens per second; the load offered is bounded above
+by the ``max_new_tokens`` of every submit per second. A run offered under
+half the capacity (by that bound) that refuses anything for capacity fails
+(exit code 1), as do leaked blocks and errors nobody asked for.
 """
 
 from __future__ import annotations
@@ -43,8 +54,10 @@ from pathlib import Path
 from slipstream.service.bench.report import hardware
 from slipstream.service.engine.config import DTYPE_CHOICES
 
-KINDS = ("plain", "cancel", "deadline", "disconnect", "slow")
-WEIGHTS = (0.6, 0.1, 0.1, 0.1, 0.1)
+KINDS = ("plain", "mixed", "cancel", "deadline", "disconnect", "slow")
+WEIGHTS = (0.5, 0.2, 0.075, 0.075, 0.075, 0.075)
+# Refused for capacity (the reject reasons' lower-case names).
+CAPACITY_REASONS = ("queue_full", "overloaded")
 
 
 @dataclass(slots=True)
@@ -64,6 +77,25 @@ class Load:
     grace_s: float = 10.0  # the server's --slow-reader-grace
     interval: Interval = field(default_factory=Interval)
     outcomes: dict[str, int] = field(default_factory=dict)  # "kind: outcome" -> count
+    started: float = field(default_factory=time.monotonic)
+    # Refusals by reject reason, and by minute of the run then reason.
+    refusals: dict[str, int] = field(default_factory=dict)
+    refusal_minutes: dict[int, dict[str, int]] = field(default_factory=dict)
+    refusal_samples: list[str] = field(default_factory=list)
+    offered_tokens: int = 0  # max_new_tokens of every submit
+    output_tokens: int = 0  # generated tokens seen by the readers that read them
+
+    def refused(self, finished: object) -> None:
+        """Counts a REJECTED finish by its reject reason."""
+        from slipstream.v1 import inference_pb2 as pb
+
+        code = finished.reject_reason  # type: ignore[attr-defined]
+        reason = pb.RejectReason.Name(code).removeprefix("REJECT_REASON_").lower()
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        minute = self.refusal_minutes.setdefault(int((time.monotonic() - self.started) // 60), {})
+        minute[reason] = minute.get(reason, 0) + 1
+        if reason in CAPACITY_REASONS and len(self.refusal_samples) < 10:
+            self.refusal_samples.append(finished.message)  # type: ignore[attr-defined]
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(5, self.vocab) for _ in range(self.rng.randint(8, 48))]
@@ -117,16 +149,72 @@ def spawned(args: argparse.Namespace) -> Iterator[tuple[int, str]]:
 
 
 def _submit(
-    pb: object, request_id: str, ids: list[int], max_tokens: int, **extra: object
+    pb: object,
+    request_id: str,
+    ids: list[int],
+    max_tokens: int,
+    ignore_eos: bool = True,
+    load: Load | None = None,
+    **extra: object,
 ) -> object:
+    if load is not None:
+        load.offered_tokens += max_tokens
     return pb.GenerateRequest(  # type: ignore[attr-defined]
         submit=pb.Submit(  # type: ignore[attr-defined]
             request_id=request_id,
             token_ids=pb.TokenIds(ids=ids),  # type: ignore[attr-defined]
-            stopping=pb.StoppingCriteria(max_new_tokens=max_tokens, ignore_eos=True),  # type: ignore[attr-defined]
+            stopping=pb.StoppingCriteria(max_new_tokens=max_tokens, ignore_eos=ignore_eos),  # type: ignore[attr-defined]
             **extra,
         )
     )
+
+
+async def _mixed_stream(load: Load, stub: object, index: int) -> None:
+    """mixed: issue 31's stream of 1-6 requests on a stream of its own."""
+    import grpc
+    from google.protobuf.duration_pb2 import Duration
+
+    from slipstream.v1 import inference_pb2 as pb
+
+    rng = load.rng
+    num_requests = rng.randint(1, 6)
+    cancels: list[tuple[float, str]] = []
+    call = stub.Generate()  # type: ignore[attr-defined]
+    error = None
+    reasons: list[str] = []
+    try:
+        for i in range(num_requests):
+            request_id = f"mixed-{index}-{i}"
+            extra: dict[str, object] = {"priority": rng.randint(0, 3)}
+            if rng.random() < 0.3:
+                timeout = rng.choice((0.05, 0.3, 1.0, 3.0))
+                extra["timeout"] = Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9))
+            max_tokens = rng.randint(1, 128)
+            ignore_eos = rng.random() < 0.5
+            await call.write(
+                _submit(pb, request_id, load.prompt(), max_tokens, ignore_eos, load, **extra)
+            )
+            if rng.random() < 0.2:
+                cancels.append((rng.uniform(0.0, 0.5), request_id))
+        for delay, request_id in sorted(cancels):
+            await asyncio.sleep(delay)
+            await call.write(pb.GenerateRequest(cancel=pb.Cancel(request_id=request_id)))
+        await call.done_writing()
+        while (response := await call.read()) is not grpc.aio.EOF:
+            event = response.WhichOneof("event")
+            if event == "chunk":
+                load.output_tokens += len(response.chunk.token_ids)
+            elif event == "finished":
+                finished = response.finished
+                reasons.append(pb.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_"))
+                if finished.reason == pb.FINISH_REASON_REJECTED:
+                    load.refused(finished)
+        if len(reasons) != num_requests or "ERROR" in reasons:
+            error = f"finished {'+'.join(sorted(set(reasons)))}"
+    except Exception as exc:  # an RpcError nobody asked for
+        error = f"{type(exc).__name__} {getattr(exc, 'code', lambda: None)()}"
+    finally:
+        load.record("mixed", error, outcome="+".join(sorted(set(reasons))))
 
 
 async def _own_stream(load: Load, stub: object, kind: str, index: int) -> None:
@@ -136,13 +224,15 @@ async def _own_stream(load: Load, stub: object, kind: str, index: int) -> None:
     from slipstream.v1 import inference_pb2 as pb
 
     rng = load.rng
-    num_requests, max_tokens = 1, 64
+    num_requests = 1
+    max_tokens = rng.randint(200, 600) if kind == "disconnect" else 64
     call = stub.Generate()  # type: ignore[attr-defined]
     error = None
     outcome = ""
     try:
         for i in range(num_requests):
-            await call.write(_submit(pb, f"{kind}-{index}-{i}", load.prompt(), max_tokens))
+            prompt = load.prompt()
+            await call.write(_submit(pb, f"{kind}-{index}-{i}", prompt, max_tokens, load=load))
         await call.done_writing()
         if kind == "disconnect":
             await asyncio.sleep(rng.uniform(0.05, 0.5))
@@ -175,6 +265,7 @@ class SharedStream:
     def __init__(self, stub: object) -> None:
         self.call = stub.Generate()  # type: ignore[attr-defined]
         self.waiters: dict[str, asyncio.Future[object]] = {}
+        self.output_tokens = 0
         self.reader = asyncio.ensure_future(self._read())
         self._write_lock = asyncio.Lock()  # one write at a time on a call
 
@@ -184,6 +275,8 @@ class SharedStream:
 
     async def _read(self) -> None:
         async for response in self.call:
+            if response.WhichOneof("event") == "chunk":
+                self.output_tokens += len(response.chunk.token_ids)
             if response.WhichOneof("event") == "finished":
                 future = self.waiters.pop(response.request_id, None)
                 if future is not None and not future.done():
@@ -203,7 +296,7 @@ class SharedStream:
         self.waiters[request_id] = future
         started = time.monotonic()
         max_tokens = rng.randint(16, 48) if kind == "plain" else 400
-        await self.write(_submit(pb, request_id, load.prompt(), max_tokens, **extra))
+        await self.write(_submit(pb, request_id, load.prompt(), max_tokens, load=load, **extra))
         if kind == "cancel":
             await asyncio.sleep(rng.uniform(0.05, 0.5))
             await self.write(pb.GenerateRequest(cancel=pb.Cancel(request_id=request_id)))
@@ -218,6 +311,8 @@ class SharedStream:
             "deadline": pb.FINISH_REASON_DEADLINE_EXCEEDED,
         }[kind]
         reason = finished.reason  # type: ignore[attr-defined]
+        if reason == pb.FINISH_REASON_REJECTED:
+            load.refused(finished)
         outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
         error = None if reason == expected else f"finished {pb.FinishReason.Name(reason)}"
         if kind == "deadline" and finished.reject_reason == pb.REJECT_REASON_DEADLINE_INFEASIBLE:  # type: ignore[attr-defined]
@@ -319,8 +414,9 @@ async def _sample(stub: object, pid: int) -> dict[str, float]:
     }
 
 
-async def _capacity(target: str, vocab: int, seconds: float) -> float:
-    """Plain requests per second with 32 always in flight (closed loop)."""
+async def _capacity(target: str, vocab: int, seconds: float) -> tuple[float, float]:
+    """Plain requests and generated tokens per second with 32 always in
+    flight (closed loop)."""
     import grpc
 
     from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -340,7 +436,7 @@ async def _capacity(target: str, vocab: int, seconds: float) -> float:
 
         await asyncio.gather(*(worker(w) for w in range(32)))
         shared.call.cancel()
-    return count / seconds
+    return count / seconds, shared.output_tokens / seconds
 
 
 async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, object]:
@@ -355,9 +451,13 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
     ):
         stub = pb_grpc.InferenceStub(channel)
         vocab = (await stub.GetModelInfo(pb.GetModelInfoRequest())).vocab_size
-        capacity = await _capacity(target, vocab, args.calibrate_s)
+        capacity, capacity_tokens = await _capacity(target, vocab, args.calibrate_s)
         rate = args.load * capacity
-        print(f"soak: capacity {capacity:.1f} req/s; offering {rate:.1f} req/s", flush=True)
+        print(
+            f"soak: capacity {capacity:.1f} req/s, {capacity_tokens:.0f} tok/s; "
+            f"offering {rate:.1f} req/s",
+            flush=True,
+        )
         load = Load(random.Random(args.seed), vocab, args.slow_reader_grace)
         streams = [SharedStream(stub) for _ in range(4)]
         samples: list[dict[str, object]] = []
@@ -389,7 +489,9 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
                 samples.append(sample)
                 next_sample += args.interval
             kind = load.rng.choices(KINDS, WEIGHTS)[0]
-            if kind in ("disconnect", "slow"):
+            if kind == "mixed":
+                coro = _mixed_stream(load, pb_grpc.InferenceStub(channel), index)
+            elif kind in ("disconnect", "slow"):
                 own = slow_channel if kind == "slow" else channel
                 coro = _own_stream(load, pb_grpc.InferenceStub(own), kind, index)
             else:
@@ -405,13 +507,18 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
         for stream in streams:
             stream.call.cancel()
         tail = load.interval
+        mix_s = time.monotonic() - started
+        output_tokens = load.output_tokens + sum(s.output_tokens for s in streams)
         idle = await _wait_idle(stub)
         final = await _sample(stub, pid)
     errors = sum(int(s["errors"]) for s in samples) + len(tail.errors)  # type: ignore[call-overload]
     warm = [s for s in samples if float(s["t_s"]) >= args.minutes * 60 / 5]  # type: ignore[arg-type]
     warm_rss = float(warm[0]["rss_mb"]) if warm else float(samples[0]["rss_mb"])  # type: ignore[arg-type]
+    capacity_refusals = sum(load.refusals.get(r, 0) for r in CAPACITY_REASONS)
+    offered_tokens_per_s = load.offered_tokens / mix_s
     return {
         "capacity_req_per_s": capacity,
+        "capacity_tokens_per_s": capacity_tokens,
         "offered_req_per_s": rate,
         "requests": index,
         "samples": samples,
@@ -423,6 +530,17 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
             "rss_final_mb": final["rss_mb"],
             "rss_growth_after_warmup": final["rss_mb"] / warm_rss - 1.0,
             "errors_not_asked_for": errors,
+            # At most what was offered (every submit's max_new_tokens), and
+            # what the readers that read their tokens saw generated.
+            "offered_tokens_per_s_at_most": offered_tokens_per_s,
+            "read_tokens_per_s": output_tokens / mix_s,
+            "offered_share_of_capacity_at_most": offered_tokens_per_s / capacity_tokens,
+            "refusals_by_reason": dict(sorted(load.refusals.items())),
+            "refusals_per_minute": {
+                str(m): dict(sorted(r.items())) for m, r in sorted(load.refusal_minutes.items())
+            },
+            "capacity_refusals": capacity_refusals,
+            "capacity_refusal_samples": load.refusal_samples,
             "outcomes": dict(sorted(load.outcomes.items())),
             "error_samples": [e for s in samples for e in s["error_samples"]][:10]  # type: ignore[attr-defined]
             + tail.errors[:10],
@@ -512,7 +630,16 @@ def run(args: argparse.Namespace) -> int:
     summary = report["summary"]
     assert isinstance(summary, dict)
     leaked = summary["leaked_device_blocks"] or summary["leaked_host_blocks"]
-    return 1 if leaked or summary["errors_not_asked_for"] else 0
+    return 1 if leaked or summary["errors_not_asked_for"] or refused_with_room(summary) else 0
+
+
+def refused_with_room(summary: dict[str, object]) -> bool:
+    """Something was refused for capacity while the load offered was under
+    half the measured capacity (by its upper bound): a refusal that
+    protected nobody."""
+    share = summary["offered_share_of_capacity_at_most"]
+    assert isinstance(share, float)
+    return share < 0.5 and bool(summary["capacity_refusals"])
 
 
 if __name__ == "__main__":
