@@ -1,6 +1,7 @@
 """Micro-benchmark: the fused CPU kernel against the torch path, one layer call.
 
     python -m slipstream.kernels.bench_cpu_attention [--threads 2] [--reps 30] [--home DIR]
+        [--max-isa avx512|avx2|portable]
 
 8 query heads, 4 KV heads, head_dim 64, block_size 32, float32 and bfloat16:
 decode batches of 1, 8, 64 and 256 sequences with contexts drawn from
@@ -8,7 +9,8 @@ decode batches of 1, 8, 64 and 256 sequences with contexts drawn from
 over threads), and a 512-token prefill chunk over a 512-token cached prefix.
 Prints the median ms per call of each path and the K/V bandwidth of the fused
 kernel: the bytes of K and V the step must read (each cached token once) over
-its median time.
+its median time. ``--max-isa`` caps the kernel's variant (as a forced
+``cpu_features.detect()`` answer would), to compare variants on one CPU.
 """
 
 from __future__ import annotations
@@ -100,11 +102,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--home", type=Path, default=None, help="extension cache root")
+    parser.add_argument("--max-isa", choices=("avx512", "avx2", "portable"), default=None,
+                        help="cap the kernel's variant (default: the CPU's)")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.is_available(args.home):
         raise SystemExit(f"fused kernel unavailable: {cpu_attention.failure()}")
     isa = torch.ops.slipstream.paged_attention_cpu_isa()
+    if args.max_isa is not None:
+        isa = torch.ops.slipstream.paged_attention_set_max_isa(args.max_isa)
     print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}")
     print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip

@@ -35,6 +35,7 @@ EXTENSION = extensions.Extension(
     probe="paged_attention_cpu_isa",
     what="fused CPU attention kernel",
     fallback="the torch attention path",
+    set_max_isa="paged_attention_set_max_isa",
 )
 DTYPES = (torch.float32, torch.bfloat16)
 

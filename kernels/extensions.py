@@ -6,11 +6,14 @@ cached, one library per source file::
         .<name>-<key>.lock held while one process builds
 
 ``<key>`` hashes the source, the compiler flags, the torch version and the
-machine architecture. No CPU feature flags: each library holds an AVX2+FMA
-and a baseline variant and picks one at run time, so one build serves every
-x86-64 CPU. ``home`` is the caller's (the service's ``slipstream_home()``,
-which honours ``$SLIPSTREAM_HOME``); this module reads no environment
-variables. A library left broken in its directory (say, a link killed
+machine architecture. No CPU feature flags: each library holds several
+instruction-set variants (AVX-512, AVX2+FMA, baseline) and picks one at run
+time, so one build serves every x86-64 CPU. The library checks CPUID; before
+it is probed, Python caps its choice at ``max_isa(cpu_features.detect())``,
+so a forced ``detect()`` answer (an AVX2-only CPU, say) is never exceeded.
+``home`` is the caller's (the service's ``slipstream_home()``, which
+honours ``$SLIPSTREAM_HOME``); this module reads no environment variables.
+A library left broken in its directory (say, a link killed
 half-way) makes the attempt fail with that directory in the log line;
 deleting it rebuilds.
 
@@ -31,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from slipstream.kernels import cpu_features
+
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +50,9 @@ class Extension:
     probe: str
     what: str  # for log lines, e.g. "fused CPU attention kernel"
     fallback: str  # e.g. "the torch attention path"
+    # An op ``(str isa) -> str`` capping the variant the library picks, called
+    # with ``max_isa(...)`` before the probe; None: the library picks alone.
+    set_max_isa: str | None = None
 
     @property
     def library_name(self) -> str:
@@ -98,12 +106,32 @@ def _build(ext: Extension, build_dir: Path, source: Path) -> None:
     )
 
 
+def max_isa(features: cpu_features.CpuFeatures) -> str:
+    """The widest variant a library may pick on a CPU that reports ``features``:
+    "avx512" only with avx512f among its flags, "avx2" with avx2, else
+    "portable". The library may pick less (it also checks CPUID: FMA,
+    AVX512-BW/VL/DQ, AVX512-BF16 where a variant needs them)."""
+    if "avx512f" in features.flags:
+        return "avx512"
+    return "avx2" if "avx2" in features.flags else "portable"
+
+
+def cap_isa(ext: Extension, features: cpu_features.CpuFeatures | None = None) -> str | None:
+    """Caps a loaded library at ``max_isa(features)`` (default ``detect()``);
+    returns the variant it now picks, None for a library without a cap."""
+    if ext.set_max_isa is None:
+        return None
+    cap = max_isa(features if features is not None else cpu_features.detect())
+    return str(getattr(torch.ops.slipstream, ext.set_max_isa)(cap))
+
+
 def attempt(ext: Extension, home: Path, source: Path) -> bool | str:
-    """Build or load, then probe: True, or why not (logged once)."""
+    """Build or load, cap the variant, then probe: True, or why not (logged once)."""
     build_dir = extension_dir(ext, home, source)
     started = time.perf_counter()
     try:
         load(ext, build_dir, source)
+        cap_isa(ext)
         isa = getattr(torch.ops.slipstream, ext.probe)()
     except Exception as error:  # a failed build must never take the service down
         reason = _first_error_line(error)

@@ -27,6 +27,7 @@ EXTENSION = extensions.Extension(
     probe="fused_ops_cpu_isa",
     what="fused CPU elementwise kernels",
     fallback="eager torch ops",
+    set_max_isa="fused_ops_set_max_isa",
 )
 
 _fakes_registered = False

@@ -29,11 +29,16 @@
 // tasks ("split-K"); each split leaves (O, m, l) per row in a scratch buffer
 // and a second pass merges them. Tasks run on OpenMP threads, largest first.
 //
-// Instruction sets: the part below "per-variant code" is compiled twice, by
-// including this file into itself (the pattern of Google's Highway): once
-// for the baseline and once under `#pragma GCC target("avx2,fma")`. The
-// variant is picked at run time, so the binary does not depend on the build
-// machine's CPU.
+// Instruction sets: the part below "per-variant code" is compiled three
+// times, by including this file into itself (the pattern of Google's
+// Highway): for the baseline, under `#pragma GCC target("avx2,fma")`, and
+// under AVX-512 (F/BW/VL/DQ + BF16). The logic is one source; two macros set
+// what differs: SLIPSTREAM_LANES, the float lanes of the head_dim vectors
+// (8: ymm or pairs of xmm; 16: zmm), and SLIPSTREAM_BF16_DOT, which lets a
+// bf16 task take its dot products on vdpbf16ps (Bf16DotRows below). The
+// variant is picked at run time (CPUID, capped by set_max_isa, which the
+// Python side calls with what cpu_features.detect() allows), so the binary
+// does not depend on the build machine's CPU.
 
 #ifndef SLIPSTREAM_VARIANT  // ============================== shared code, first pass
 
@@ -43,7 +48,12 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -153,6 +163,8 @@ inline void store_row(bf16_bits* dst, const float* src, float mul, int64_t n) {
 }  // namespace
 }  // namespace slipstream
 
+#define SLIPSTREAM_LANES 8
+#define SLIPSTREAM_BF16_DOT 0
 #define SLIPSTREAM_VARIANT portable
 #include __FILE__
 #undef SLIPSTREAM_VARIANT
@@ -164,30 +176,72 @@ inline void store_row(bf16_bits* dst, const float* src, float mul, int64_t n) {
 #include __FILE__
 #undef SLIPSTREAM_VARIANT
 #pragma GCC pop_options
+
+#undef SLIPSTREAM_LANES
+#undef SLIPSTREAM_BF16_DOT
+#define SLIPSTREAM_LANES 16
+#define SLIPSTREAM_BF16_DOT 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+#define SLIPSTREAM_VARIANT avx512
+#include __FILE__
+#undef SLIPSTREAM_VARIANT
+#pragma GCC pop_options
 #endif
+#undef SLIPSTREAM_LANES
+#undef SLIPSTREAM_BF16_DOT
 
 namespace slipstream {
 namespace {
 
-enum class Isa { kPortable, kAvx2 };
+// Ordered: a variant needs every instruction of those before it.
+enum class Isa { kPortable, kAvx2, kAvx512 };
+constexpr const char* kIsaNames[] = {"portable", "avx2", "avx512"};
 
-Isa best_isa() {
+// What this CPU executes (CPUID).
+Isa cpu_best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-#endif
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return Isa::kPortable;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bf16"))
+    return Isa::kAvx512;
+  return Isa::kAvx2;
+#else
   return Isa::kPortable;
+#endif
 }
 
+// The most "auto" may pick; set_max_isa lowers it (the Python side passes
+// what cpu_features.detect() reports, which tests may force).
+std::atomic<int> g_max_isa{int(Isa::kAvx512)};
+
+Isa best_isa() { return Isa(std::min(int(cpu_best_isa()), g_max_isa.load())); }
+
+Isa isa_named(c10::string_view name) {
+  for (int i = 0; i < 3; ++i)
+    if (name == kIsaNames[i]) return Isa(i);
+  TORCH_CHECK(false, "paged_attention: isa must be auto, avx512, avx2 or portable, got ", name);
+  return Isa::kPortable;  // not reached
+}
+
+// "auto": the capped best; a named variant (tests, benchmarks) must run on this CPU.
 Isa parse_isa(c10::string_view name) {
   if (name == "auto") return best_isa();
-  if (name == "portable") return Isa::kPortable;
-  TORCH_CHECK(name == "avx2", "paged_attention: isa must be auto, avx2 or portable, got ", name);
-  TORCH_CHECK(best_isa() == Isa::kAvx2, "paged_attention: this CPU has no AVX2+FMA");
-  return Isa::kAvx2;
+  const Isa isa = isa_named(name);
+  TORCH_CHECK(int(isa) <= int(cpu_best_isa()), "paged_attention: this CPU cannot run the ",
+              kIsaNames[int(isa)], " variant (it runs ", kIsaNames[int(cpu_best_isa())], ")");
+  return isa;
 }
 
-std::string cpu_isa() { return best_isa() == Isa::kAvx2 ? "avx2" : "portable"; }
+std::string cpu_isa() { return kIsaNames[int(best_isa())]; }
+
+// Caps "auto" at `name`; returns the variant "auto" now picks.
+std::string set_max_isa(c10::string_view name) {
+  g_max_isa.store(int(isa_named(name)));
+  return cpu_isa();
+}
 
 // ------------------------------------------------------------------ work split
 
@@ -304,7 +358,14 @@ void run_plan(const Problem<T>& p, const Plan& plan, Isa isa, int64_t num_thread
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i) {
 #if defined(__x86_64__)
-      if (isa == Isa::kAvx2) {
+      // fp32 K/V stay on the AVX2 code under AVX-512: its 16-lane build
+      // measured 5-15 % slower (AMD EPYC Zen 5, 1 thread: fp32 decode reads
+      // K/V at the core's L3/DRAM bandwidth either way).
+      if (isa == Isa::kAvx512 && std::is_same_v<T, bf16_bits>) {
+        avx512::run_task(p, plan.tasks[i], scratch);
+        continue;
+      }
+      if (isa != Isa::kPortable) {
         avx2::run_task(p, plan.tasks[i], scratch);
         continue;
       }
@@ -436,6 +497,7 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
       "paged_attention(Tensor q, Tensor k_storage, Tensor v_storage, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, str isa=\"auto\") -> Tensor");
   m.def("paged_attention_cpu_isa() -> str", &cpu_isa);
+  m.def("paged_attention_set_max_isa(str isa) -> str", &set_max_isa);
   m.def(
       "paged_attention_plan(Tensor seq_lens, Tensor query_start_loc, int num_kv_heads, "
       "int group, int head_dim, int block_size, int num_threads) -> int[]",
@@ -453,8 +515,18 @@ namespace {
 namespace SLIPSTREAM_VARIANT {
 
 #define SLIP_INLINE inline __attribute__((always_inline))
+#define SLIP_INLINE_LAMBDA __attribute__((always_inline))
+
+// Scores are handled 8 keys at a time (v8f) in every variant; head_dim is
+// walked kLanes floats at a time (vf): 8 in the baseline and AVX2 variants,
+// 16 (one zmm) in the AVX-512 one.
+constexpr int kLanes = SLIPSTREAM_LANES;
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
+typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
 
 SLIP_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+SLIP_INLINE vf splatv(float x) { return vf{} + x; }
 
 SLIP_INLINE v8f load8(const float* p) {
   v8f v;
@@ -470,6 +542,26 @@ SLIP_INLINE v8f load8(const bf16_bits* p) {
 }
 
 SLIP_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+
+SLIP_INLINE vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+SLIP_INLINE void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The kLanes lanes of v summed down to 8 (lane i + lane i + 8 + ...).
+SLIP_INLINE v8f fold8(vf v) {
+  v8f r;
+  std::memcpy(&r, &v, sizeof(r));
+  for (int h = 1; h < kLanes / 8; ++h) {
+    v8f x;
+    std::memcpy(&x, reinterpret_cast<const char*>(&v) + 32 * h, sizeof(x));
+    r += x;
+  }
+  return r;
+}
 
 SLIP_INLINE v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
 
@@ -497,6 +589,11 @@ SLIP_INLINE v8f reduce8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, 
          __builtin_shuffle(lo, hi, v8i{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
+SLIP_INLINE v8f reduce8(const vf* a) {
+  return reduce8(fold8(a[0]), fold8(a[1]), fold8(a[2]), fold8(a[3]), fold8(a[4]), fold8(a[5]),
+                 fold8(a[6]), fold8(a[7]));
+}
+
 // 2^x for x <= 0; 0 below -125 (weights that small cannot move an fp32 sum).
 // Round-to-nearest splits x = n + f, |f| <= 1/2; 2^f by its degree-6 Taylor
 // polynomial (relative error < 2e-7); 2^n is added to the exponent bits.
@@ -517,72 +614,109 @@ SLIP_INLINE v8f exp2_neg(v8f x) {
   return x < splat(-125.0f) ? splat(0.0f) : r;
 }
 
-// How the inner loops read K/V rows: kStep elements at a time, as kStep / 8
-// float vectors. Float rows (fp32 storage, or a bf16 tile converted into
-// scratch) are read in order. Bf16 rows are read straight from the storage,
-// 16 elements per 32-byte load, as two vectors: the even elements (shifted
-// up) and the odd ones (masked). Their q and O rows are kept "paired" in that
-// same order, [even 8 | odd 8] per 16 elements, so the pairing costs nothing
-// in the loops; rows are unpaired once, when a task writes its result.
+// How the inner loops read K/V rows: kStep elements at a time, as kStep /
+// kLanes float vectors. Float rows (fp32 storage, or a bf16 tile converted
+// into scratch) are read in order. Bf16 rows are read straight from the
+// storage, 2 kLanes elements per load, as two vectors: the even elements
+// (shifted up) and the odd ones (masked). Their q and O rows are kept
+// "paired" in that same order, [even kLanes | odd kLanes] per 2 kLanes
+// elements, so the pairing costs nothing in the loops; rows are unpaired
+// once, when a task writes its result. Bf16DotRows (AVX-512 BF16 only) keep
+// q in bf16 and take both products on vdpbf16ps; see below.
 struct FloatRows {
   using E = float;
+  using Q = float;
   static constexpr int kVecs = 1;
-  static SLIP_INLINE void load(const float* p, v8f* x) { x[0] = load8(p); }
+  static constexpr int kPairWidth = 1;  // head_dim multiple for the layout
+  static SLIP_INLINE void load(const float* p, vf* x) { x[0] = loadv(p); }
 };
 
 struct Bf16Rows {
   using E = bf16_bits;
+  using Q = float;
   static constexpr int kVecs = 2;
-  static SLIP_INLINE void load(const bf16_bits* p, v8f* x) {
-    v8u w;
+  static constexpr int kPairWidth = 2 * kLanes;
+  static SLIP_INLINE void load(const bf16_bits* p, vf* x) {
+    vu w;
     std::memcpy(&w, p, sizeof(w));
-    x[0] = (v8f)(w << 16);           // elements 0, 2, .., 14
-    x[1] = (v8f)(w & 0xFFFF0000u);   // elements 1, 3, .., 15
+    x[0] = (vf)(w << 16);           // elements 0, 2, .., 2 kLanes - 2
+    x[1] = (vf)(w & 0xFFFF0000u);   // elements 1, 3, .., 2 kLanes - 1
   }
+};
+
+struct Bf16DotRows {
+  using E = bf16_bits;
+  using Q = bf16_bits;
+  static constexpr int kPairWidth = 32;  // one zmm of bf16
 };
 
 template <typename R>
 constexpr bool kPaired = std::is_same_v<R, Bf16Rows>;
+template <typename R>
+constexpr bool kDot = std::is_same_v<R, Bf16DotRows>;
 
 // Scores of one row against 8 consecutive keys (rows of k, stride d).
 template <typename R>
 SLIP_INLINE v8f dot8(const float* q, const typename R::E* k, int64_t d) {
-  constexpr int kStep = 8 * R::kVecs;
-  v8f a[8] = {};
+  constexpr int kStep = kLanes * R::kVecs;
+  vf a[8] = {};
   int64_t c = 0;
   for (; c + kStep <= d; c += kStep) {
-    v8f x[R::kVecs];
-    for (int v = 0; v < R::kVecs; ++v) x[v] = load8(q + c + 8 * v);
+    vf x[R::kVecs];
+    for (int v = 0; v < R::kVecs; ++v) x[v] = loadv(q + c + kLanes * v);
     for (int i = 0; i < 8; ++i) {
-      v8f y[R::kVecs];
+      vf y[R::kVecs];
       R::load(k + i * d + c, y);
       for (int v = 0; v < R::kVecs; ++v) a[i] += x[v] * y[v];
     }
   }
-  v8f s = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
-  if constexpr (std::is_same_v<R, FloatRows>) {  // paired rows have no tail (d % 16 == 0)
+  v8f s = reduce8(a);
+  if constexpr (std::is_same_v<R, FloatRows>) {  // paired rows have no tail
     for (; c < d; ++c)
       for (int i = 0; i < 8; ++i) s[i] += q[c] * k[i * d + c];
   }
   return s;
 }
 
-// o[0, 8 * NV) = o * alpha + sum_t p[t] * v[t, 0 .. 8 * NV)
+// Vector registers: 16 ymm (AVX2; the baseline's xmm pairs alike), 32 zmm.
+constexpr int kNumRegs = kLanes == 16 ? 32 : 16;
+
+// o[0, kLanes * NV) = o * alpha + sum_t p[t] * v[t, 0 .. kLanes * NV).
+// Each accumulator is a chain of dependent multiply-adds, one per key; when
+// there are fewer than about 8 (the FMA latency times the FMAs per cycle)
+// and the registers allow, even and odd keys go to two sets, added at the end.
 template <typename R, int NV>
 SLIP_INLINE void accumulate_pv(float* o, const typename R::E* v, int64_t d, const float* p,
                                int n, float alpha) {
   static_assert(NV % R::kVecs == 0, "a load fills kVecs accumulators");
-  v8f acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = load8(o + 8 * i) * alpha;
-  for (int t = 0; t < n; ++t) {
-    const v8f w = splat(p[t]);
-    for (int i = 0; i < NV; i += R::kVecs) {
-      v8f y[R::kVecs];
-      R::load(v + t * d + 8 * i, y);
-      for (int j = 0; j < R::kVecs; ++j) acc[i + j] += w * y[j];
+  constexpr int kSets = NV < 8 && 2 * NV + 2 * R::kVecs + 1 <= kNumRegs ? 2 : 1;
+  vf acc[kSets][NV];
+  for (int i = 0; i < NV; ++i) acc[0][i] = loadv(o + kLanes * i) * alpha;
+  if constexpr (kSets == 2)
+    for (int i = 0; i < NV; ++i) acc[1][i] = vf{};
+  int t = 0;
+  for (; t + kSets <= n; t += kSets) {
+    for (int u = 0; u < kSets; ++u) {
+      const vf w = splatv(p[t + u]);
+      for (int i = 0; i < NV; i += R::kVecs) {
+        vf y[R::kVecs];
+        R::load(v + (t + u) * d + kLanes * i, y);
+        for (int j = 0; j < R::kVecs; ++j) acc[u][i + j] += w * y[j];
+      }
     }
   }
-  for (int i = 0; i < NV; ++i) store8(o + 8 * i, acc[i]);
+  if constexpr (kSets == 2) {
+    if (t < n) {
+      const vf w = splatv(p[t]);
+      for (int i = 0; i < NV; i += R::kVecs) {
+        vf y[R::kVecs];
+        R::load(v + t * d + kLanes * i, y);
+        for (int j = 0; j < R::kVecs; ++j) acc[0][i + j] += w * y[j];
+      }
+    }
+    for (int i = 0; i < NV; ++i) acc[0][i] += acc[1][i];
+  }
+  for (int i = 0; i < NV; ++i) storev(o + kLanes * i, acc[0][i]);
 }
 
 template <typename R, int NV>
@@ -592,13 +726,14 @@ SLIP_INLINE void accumulate_pv_if(float* o, const typename R::E* v, int64_t d, c
 }
 
 // Up to 8 vectors of accumulators stay in registers; head_dim is walked in
-// such chunks, then (float rows) the d % 8 tail one lane at a time.
+// such chunks, then (float rows) the d % kLanes tail one lane at a time.
 template <typename R>
 SLIP_INLINE void accumulate_row(float* o, const typename R::E* v, int64_t d, const float* p,
                                 int n, float alpha) {
+  constexpr int64_t kChunk = 8 * kLanes;
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) accumulate_pv<R, 8>(o + c, v + c, d, p, n, alpha);
-  switch ((d - c) / 8) {
+  for (; c + kChunk <= d; c += kChunk) accumulate_pv<R, 8>(o + c, v + c, d, p, n, alpha);
+  switch ((d - c) / kLanes) {
     case 7: accumulate_pv_if<R, 7>(o + c, v + c, d, p, n, alpha); break;
     case 6: accumulate_pv_if<R, 6>(o + c, v + c, d, p, n, alpha); break;
     case 5: accumulate_pv_if<R, 5>(o + c, v + c, d, p, n, alpha); break;
@@ -609,7 +744,7 @@ SLIP_INLINE void accumulate_row(float* o, const typename R::E* v, int64_t d, con
     default: break;
   }
   if constexpr (std::is_same_v<R, FloatRows>) {
-    for (c += (d - c) / 8 * 8; c < d; ++c) {
+    for (c += (d - c) / kLanes * kLanes; c < d; ++c) {
       float acc = o[c] * alpha;
       for (int t = 0; t < n; ++t) acc += p[t] * v[t * d + c];
       o[c] = acc;
@@ -617,14 +752,125 @@ SLIP_INLINE void accumulate_row(float* o, const typename R::E* v, int64_t d, con
   }
 }
 
+#if SLIPSTREAM_BF16_DOT
+// Bf16DotRows: q . k and p . V on vdpbf16ps, which multiplies 32 bf16 pairs
+// and adds each pair's two products into one fp32 lane (products exact,
+// sums in fp32). q stays in bf16 as given (the scale multiplies the scores,
+// not q). For p . V the pairs must run along the keys: rows t and t + 1 of
+// V are interleaved (vpunpck{l,h}wd) and multiplied by the pair (p_t,
+// p_t+1) rounded to bf16, as FlashAttention rounds P on tensor cores. The
+// interleave leaves each 32 columns of O in the order of DotOrder below,
+// undone once per row when the task writes it.
+
+// NC = head_dim / 32 at compile time, so every loop unrolls and the eight
+// accumulators stay in registers (a run-time head_dim loop kept them on the
+// stack: a store-to-load chain per product, measured 1.3x slower).
+template <int NC>
+SLIP_INLINE v8f dot8_bf16(const bf16_bits* q, const bf16_bits* k, int64_t d) {
+  __m512bh x[NC];
+#pragma GCC unroll 8
+  for (int c = 0; c < NC; ++c) x[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  vf a[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c)
+      acc = _mm512_dpbf16_ps(acc, x[c], (__m512bh)_mm512_loadu_si512(k + i * d + 32 * c));
+    a[i] = (vf)acc;
+  }
+  return reduce8(a);
+}
+
+template <int NC>
+SLIP_INLINE void scores_bf16(v8f* s, const bf16_bits* q, const bf16_bits* k, int64_t d,
+                             int groups, float scale) {
+  for (int g = 0; g < groups; ++g) s[g] = dot8_bf16<NC>(q, k + g * 8 * d, d) * splat(scale);
+}
+
+// o[0, 32 NC) = o * alpha + sum_t p[t] * v[t, 0 .. 32 NC), pp: p as bf16 pairs.
+// Key pairs alternate between two sets of accumulators (latency, as in
+// accumulate_pv); an odd last key pairs with zeros (its partner's weight is 0).
+template <int NC>
+SLIP_INLINE void accumulate_pv_bf16(float* o, const bf16_bits* v, int64_t d,
+                                    const uint32_t* pp, int n, float alpha) {
+  __m512 lo[2][NC], hi[2][NC];
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (int j = 0; j < NC; ++j) {
+    lo[0][j] = _mm512_mul_ps(_mm512_loadu_ps(o + 32 * j), a);
+    hi[0][j] = _mm512_mul_ps(_mm512_loadu_ps(o + 32 * j + 16), a);
+    lo[1][j] = _mm512_setzero_ps();
+    hi[1][j] = _mm512_setzero_ps();
+  }
+  auto pair = [&](int set, int t, bool has_second) SLIP_INLINE_LAMBDA {
+    const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[t / 2]));
+    const bf16_bits* row0 = v + t * d;
+    for (int j = 0; j < NC; ++j) {
+      const __m512i x0 = _mm512_loadu_si512(row0 + 32 * j);
+      const __m512i x1 = has_second ? _mm512_loadu_si512(row0 + d + 32 * j) : _mm512_setzero_si512();
+      lo[set][j] = _mm512_dpbf16_ps(lo[set][j], (__m512bh)_mm512_unpacklo_epi16(x0, x1), w);
+      hi[set][j] = _mm512_dpbf16_ps(hi[set][j], (__m512bh)_mm512_unpackhi_epi16(x0, x1), w);
+    }
+  };
+  int t = 0;
+  for (; t + 4 <= n; t += 4) {
+    pair(0, t, true);
+    pair(1, t + 2, true);
+  }
+  if (t + 2 <= n) {
+    pair(0, t, true);
+    t += 2;
+  }
+  if (t < n) pair(1, t, false);
+  for (int j = 0; j < NC; ++j) {
+    _mm512_storeu_ps(o + 32 * j, _mm512_add_ps(lo[0][j], lo[1][j]));
+    _mm512_storeu_ps(o + 32 * j + 16, _mm512_add_ps(hi[0][j], hi[1][j]));
+  }
+}
+
+SLIP_INLINE void accumulate_row_bf16(float* o, const bf16_bits* v, int64_t d, const float* p,
+                                     int n, float alpha) {
+  alignas(64) uint32_t pp[kKeyTile / 2];
+  for (int i = 0; i < n; i += 16)  // round to nearest even; lanes past n are 0
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + i / 2),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i)));
+  int64_t c = 0;
+  for (; c + 128 <= d; c += 128) accumulate_pv_bf16<4>(o + c, v + c, d, pp, n, alpha);
+  switch ((d - c) / 32) {
+    case 3: accumulate_pv_bf16<3>(o + c, v + c, d, pp, n, alpha); break;
+    case 2: accumulate_pv_bf16<2>(o + c, v + c, d, pp, n, alpha); break;
+    case 1: accumulate_pv_bf16<1>(o + c, v + c, d, pp, n, alpha); break;
+    default: break;
+  }
+}
+#endif
+
 // One row against the first n keys of a tile whose k rows are readable up to
-// a multiple of 8: the online-softmax update of (m, l, o).
+// a multiple of 8: the online-softmax update of (m, l, o). `scale` multiplies
+// the scores of rows whose q is not pre-scaled (Bf16DotRows).
 template <typename R>
-SLIP_INLINE void attend_row(const float* q, const typename R::E* k, const typename R::E* v,
-                            int64_t d, int n, float& m, float& l, float* o) {
+SLIP_INLINE void attend_row(const typename R::Q* q, const typename R::E* k,
+                            const typename R::E* v, int64_t d, int n, float scale, float& m,
+                            float& l, float* o) {
   const int groups = (n + 7) / 8;
   v8f s[kKeyTile / 8];
-  for (int g = 0; g < groups; ++g) s[g] = dot8<R>(q, k + g * 8 * d, d);
+#if SLIPSTREAM_BF16_DOT
+  if constexpr (kDot<R>) {
+    switch (d / 32) {  // run_task admits head_dim 32, 64, .., 256 here
+      case 1: scores_bf16<1>(s, q, k, d, groups, scale); break;
+      case 2: scores_bf16<2>(s, q, k, d, groups, scale); break;
+      case 3: scores_bf16<3>(s, q, k, d, groups, scale); break;
+      case 4: scores_bf16<4>(s, q, k, d, groups, scale); break;
+      case 5: scores_bf16<5>(s, q, k, d, groups, scale); break;
+      case 6: scores_bf16<6>(s, q, k, d, groups, scale); break;
+      case 7: scores_bf16<7>(s, q, k, d, groups, scale); break;
+      default: scores_bf16<8>(s, q, k, d, groups, scale); break;
+    }
+  } else
+#endif
+  {
+    for (int g = 0; g < groups; ++g) s[g] = dot8<R>(q, k + g * 8 * d, d);
+  }
   const int tail = n - (groups - 1) * 8;
   if (tail < 8) {  // keys past n: beyond the row's position or the task's range
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -634,16 +880,23 @@ SLIP_INLINE void attend_row(const float* q, const typename R::E* k, const typena
   for (int g = 1; g < groups; ++g) top = vmax(top, s[g]);
   const float m_new = std::max(m, hmax(top));
   const float alpha = std::exp2(m - m_new);  // 0 on the row's first tile (m = -inf)
-  float p[kKeyTile];
+  alignas(64) float p[kKeyTile];
   v8f sum = {};
   for (int g = 0; g < groups; ++g) {
     const v8f e = exp2_neg(s[g] - splat(m_new));
     sum += e;
     store8(p + 8 * g, e);
   }
+  for (int g = groups; g < (groups + 1) / 2 * 2; ++g) store8(p + 8 * g, splat(0.0f));
   l = l * alpha + hsum(sum);
   m = m_new;
-  accumulate_row<R>(o, v, d, p, n, alpha);
+#if SLIPSTREAM_BF16_DOT
+  if constexpr (kDot<R>) {
+    accumulate_row_bf16(o, v, d, p, n, alpha);
+    return;
+  }
+#endif
+  if constexpr (!kDot<R>) accumulate_row<R>(o, v, d, p, n, alpha);
 }
 
 // `rows` rows of a tile as fp32, of which `readable` exist in the block: in
@@ -671,29 +924,41 @@ SLIP_INLINE void prefetch_head(const void* p) {
   for (int i = 0; i < 256; i += 64) __builtin_prefetch(bytes + i);
 }
 
-// Row of q (scaled) into the order R's loops expect.
+// Row of q into the order and type R's loops expect (scaled unless R keeps bf16).
 template <typename R, typename T>
-SLIP_INLINE void load_q_row(float* dst, const T* src, float scale, int64_t d) {
-  if constexpr (kPaired<R>) {
-    for (int64_t c = 0; c < d; c += 16)
-      for (int j = 0; j < 8; ++j) {
+SLIP_INLINE void load_q_row(typename R::Q* dst, const T* src, float scale, int64_t d) {
+  if constexpr (kDot<R>) {
+    std::memcpy(dst, src, d * sizeof(T));
+  } else if constexpr (kPaired<R>) {
+    for (int64_t c = 0; c < d; c += 2 * kLanes)
+      for (int j = 0; j < kLanes; ++j) {
         dst[c + j] = to_float(src[c + 2 * j]) * scale;
-        dst[c + 8 + j] = to_float(src[c + 2 * j + 1]) * scale;
+        dst[c + kLanes + j] = to_float(src[c + 2 * j + 1]) * scale;
       }
   } else {
     for (int64_t c = 0; c < d; ++c) dst[c] = to_float(src[c]) * scale;
   }
 }
 
-// A row of O back in element order (in place for unpaired rows).
+// A row of O back in element order (in place for rows kept in order).
 template <typename R>
 SLIP_INLINE const float* natural_row(const float* o, int64_t d, float* tmp) {
   if constexpr (kPaired<R>) {
-    for (int64_t c = 0; c < d; c += 16)
-      for (int j = 0; j < 8; ++j) {
+    for (int64_t c = 0; c < d; c += 2 * kLanes)
+      for (int j = 0; j < kLanes; ++j) {
         tmp[c + 2 * j] = o[c + j];
-        tmp[c + 2 * j + 1] = o[c + 8 + j];
+        tmp[c + 2 * j + 1] = o[c + kLanes + j];
       }
+    return tmp;
+  } else if constexpr (kDot<R>) {
+    // DotOrder: per 32 columns, lane 4 L + j of the first 16 holds column
+    // 8 L + j, of the second 16 column 8 L + 4 + j (L: 128-bit lane, j < 4).
+    for (int64_t c = 0; c < d; c += 32)
+      for (int lane = 0; lane < 4; ++lane)
+        for (int j = 0; j < 4; ++j) {
+          tmp[c + 8 * lane + j] = o[c + 4 * lane + j];
+          tmp[c + 8 * lane + 4 + j] = o[c + 16 + 4 * lane + j];
+        }
     return tmp;
   } else {
     return o;
@@ -702,16 +967,19 @@ SLIP_INLINE const float* natural_row(const float* o, int64_t d, float* tmp) {
 
 template <typename T, typename R>
 SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& scratch) {
+  using Q = typename R::Q;
   const int64_t d = p.head_dim, g = p.group;
   const int64_t rows = task.num_tokens * g;
-  float* q = scratch.q.data();
+  Q* q = reinterpret_cast<Q*>(scratch.q.data());
   float* o = scratch.o.data();
   float* m = scratch.m.data();
   float* l = scratch.l.data();
+  const float q_scale = kDot<R> ? 1.0f : p.qk_scale;  // folded into q, or into the scores
+  const float s_scale = kDot<R> ? p.qk_scale : 1.0f;
   // Rows are (token, head of the group), token-major.
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = p.q + (task.token0 + r / g) * p.q_stride + (task.kv_head * g + r % g) * d;
-    load_q_row<R>(q + r * d, src, p.qk_scale, d);
+    load_q_row<R>(q + r * d, src, q_scale, d);
   }
   std::fill(o, o + rows * d, 0.0f);
   std::fill(m, m + rows, kNegInf);
@@ -734,7 +1002,7 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& s
     }
     const typename R::E* kt;
     const typename R::E* vt;
-    if constexpr (kPaired<R>) {  // in place: run_task checked block_size % 8 == 0
+    if constexpr (kPaired<R> || kDot<R>) {  // in place: run_task checked block_size % 8 == 0
       kt = p.k + offset;
       vt = p.v + offset;
     } else {
@@ -744,7 +1012,8 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& s
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(n, task.pos0 + r / g + 1 - key);  // causal
-      if (visible > 0) attend_row<R>(q + r * d, kt, vt, d, int(visible), m[r], l[r], o + r * d);
+      if (visible > 0)
+        attend_row<R>(q + r * d, kt, vt, d, int(visible), s_scale, m[r], l[r], o + r * d);
     }
     key = next;
   }
@@ -765,19 +1034,25 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& s
   }
 }
 
-// Bf16 rows are read in place as lane pairs when every tile is readable to a
-// multiple of 8 rows and head_dim is a multiple of 16, for tasks of few rows
-// (decodes): the pairing costs an ALU op per vector per row, cheaper than a
-// conversion pass shared by a few rows. Tasks of many rows (prefill tiles)
-// convert each tile into fp32 scratch once and share it (measured, one core,
-// a 256-token chunk: 5.2 -> 4.5 ms). fp32 storage is read in place whenever
-// the tile is readable (tile_f32).
+// Bf16 rows are read in place when every tile is readable to a multiple of 8
+// rows and head_dim is a multiple of the layout's width. With AVX512-BF16
+// (Bf16DotRows) that is every task: no widening at all. Otherwise, as lane
+// pairs for tasks of few rows (decodes): the pairing costs an ALU op per
+// vector per row, cheaper than a conversion pass shared by a few rows. Tasks
+// of many rows (prefill tiles) convert each tile into fp32 scratch once and
+// share it (measured, AVX2, one core, a 256-token chunk: 5.2 -> 4.5 ms).
+// fp32 storage is read in place whenever the tile is readable (tile_f32).
 constexpr int64_t kMaxPairedRows = 16;
 
 template <typename T>
 __attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, Scratch& scratch) {
   if constexpr (std::is_same_v<T, bf16_bits>) {
-    if (p.block_size % 8 == 0 && p.head_dim % 16 == 0 &&
+    const bool readable = p.block_size % 8 == 0;
+#if SLIPSTREAM_BF16_DOT
+    if (readable && p.head_dim % Bf16DotRows::kPairWidth == 0 && p.head_dim <= 256)
+      return run_task_rows<T, Bf16DotRows>(p, task, scratch);
+#endif
+    if (readable && p.head_dim % Bf16Rows::kPairWidth == 0 &&
         task.num_tokens * p.group < kMaxPairedRows)
       return run_task_rows<T, Bf16Rows>(p, task, scratch);
   }
@@ -785,6 +1060,7 @@ __attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, S
 }
 
 #undef SLIP_INLINE
+#undef SLIP_INLINE_LAMBDA
 
 }  // namespace SLIPSTREAM_VARIANT
 }  // namespace
