@@ -177,11 +177,8 @@ class DeadlinePolicy(SchedulingPolicy):
         self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
         if shedder is None or not saturated:
             return
-        if len(plan.seqs) < self._batch and plan.num_tokens < self._budget:
-            # Full of sequences, but the batch shaper held some back to keep
-            # the step short for urgent work: a choice, not the capacity.
-            shedder.observe_saturated()
-            return
+        # Steps the batch shaper kept short for urgent work count too: what
+        # the engine gets through under this workload is its service rate.
         work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
         shedder.observe_step(work, seconds * cost.pace)
 

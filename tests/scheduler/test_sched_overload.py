@@ -192,6 +192,8 @@ class Engine:
         # Weight served: seconds of a full batch's time (capacity: 1 per second).
         self.work_s = 0.0
         self.cancels: list[tuple[float, str]] = []  # (when, req_id), a heap
+        # (waiting, running) when each Overloaded refusal was raised.
+        self.overloaded_at: list[tuple[int, int]] = []
 
     def run_until(self, until: float) -> None:
         sched = self.sched
@@ -219,6 +221,8 @@ class Engine:
         try:
             self.sched.add_request(req, self.now)
         except SchedulerError as exc:
+            if isinstance(exc, Overloaded):
+                self.overloaded_at.append((self.sched.num_waiting, self.sched.num_running))
             return exc
         if cancel_after is not None:
             heapq.heappush(self.cancels, (self.now + cancel_after, req.req_id))
@@ -326,27 +330,42 @@ def issue_mix(engine: Engine, seconds: float, rate: float, seed: int) -> dict[st
     return refusals
 
 
-def test_the_mix_of_issue_31_at_moderate_load_refuses_nothing_for_capacity() -> None:
+def test_the_mix_of_issue_31_does_not_inflate_the_overload_estimate() -> None:
     """Deadlines that cannot be met, cancellations and dropped streams at
-    under half the engine's capacity: nothing is refused for capacity, and
-    the estimate does not drift up (before: the cancelled and expired work
-    counted in full, nothing asked whether the engine had room, and this
-    run refused 36 arrivals of classes 1-3 as overloaded)."""
+    under half the engine's capacity. Before: the offered load counted the
+    cancelled and dropped work in full (2.0x the work served per second in
+    this run) and nothing asked whether the engine had room: 36 arrivals of
+    classes 1-3 were refused as overloaded, 30 of them with seats free in
+    the batch and 10 with nobody waiting. Now the estimate follows the work
+    served, and nothing is refused while the queue is empty or the batch has
+    room."""
     cost = CostModel(COEFFS)
     sched = Scheduler(config(max_num_seqs=16), cost_model=cost)
     engine = Engine(sched, cost)
-    seconds = 240.0
-    refusals = issue_mix(engine, seconds, rate=1.0, seed=1)
+    refusals = issue_mix(engine, 240.0, rate=1.0, seed=1)
+    served_rate = engine.work_s / engine.now
     # The engine serves under half the work a full batch would (its capacity).
-    assert engine.work_s / engine.now < 0.5
+    assert served_rate < 0.5
     assert refusals.get("DeadlineInfeasible", 0) > 0  # the mix holds infeasible deadlines
+    assert "QueueFull" not in refusals
+    # Refused only with the batch full and work waiting: never with room.
+    assert all(waiting > 0 and running == 16 for waiting, running in engine.overloaded_at)
+    assert len(engine.overloaded_at) == refusals.get("Overloaded", 0)
+    policy = sched.policy
+    assert isinstance(policy, DeadlinePolicy) and policy.overload_shedder is not None
+    assert policy.overload_shedder.offered_load() < 1.25 * served_rate
+    assert sched.num_used_device_blocks == 0 and not sched.has_unfinished()
+
+
+def test_the_mix_of_issue_31_with_a_roomy_batch_refuses_nothing() -> None:
+    """The same mix with the batch never full (32 seats): no refusal for capacity."""
+    cost = CostModel(COEFFS)
+    sched = Scheduler(config(), cost_model=cost)
+    engine = Engine(sched, cost)
+    refusals = issue_mix(engine, 240.0, rate=1.0, seed=1)
+    assert engine.work_s / engine.now < 0.5
     assert "Overloaded" not in refusals and "QueueFull" not in refusals
     assert sched.num_refused_for_capacity == {}
-    policy = sched.policy
-    assert isinstance(policy, DeadlinePolicy)
-    assert policy.overload_shedder is not None
-    assert policy.overload_shedder.utilization() < 0.7
-    assert sched.num_used_device_blocks == 0 and not sched.has_unfinished()
 
 
 def test_requests_without_a_deadline_are_never_refused() -> None:
