@@ -166,11 +166,7 @@ class DeadlinePolicy(SchedulingPolicy):
 
     def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
         shedder = self._shedder
-        if shedder is not None and not saturated:
-            shedder.observe_room()
         if not plan.seqs:
-            if shedder is not None and saturated:
-                shedder.observe_saturated()
             return
         cost = self.cost_model
         seconds = cost.plan_seconds(plan)
@@ -181,6 +177,15 @@ class DeadlinePolicy(SchedulingPolicy):
         # the engine gets through under this workload is its service rate.
         work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
         shedder.observe_step(work, seconds * cost.pace)
+
+    def observe_room(self, has_room: bool) -> None:
+        shedder = self._shedder
+        if shedder is None:
+            return
+        if has_room:
+            shedder.observe_room()
+        else:
+            shedder.observe_saturated()
 
     def observe_idle(self, idle_s: float) -> None:
         """Idle time relaxes the cost model toward its start-up coefficients

@@ -16,10 +16,11 @@ saturated engine. ``OverloadShedder`` keeps an estimate of the load
 (``load()``, offered work over the work the engine serves) tied to what the
 engine is doing:
 
-- the engine's state: whether its last step left waiting work out for want
-  of room (sequences, token budget or blocks). While it did not — the queue
-  is empty or the batch has room — the load reads at most 1 and *nothing is
-  refused*, whatever the estimate says: a refusal then protects nobody;
+- the engine's state: whether its last step left waiting work out, for want
+  of room (sequences, token budget or blocks) or held back by the batch
+  shaper. While it did not — the queue is empty or the batch has room — the
+  load reads at most 1 and *nothing is refused*, whatever the estimate says:
+  a refusal then protects nobody;
 - the offered load: the weight per second of the last ``WINDOW`` arrivals
   the engine took in, each counted for the work it really asks of the
   engine. A request that leaves before its work is done gives back the

@@ -187,6 +187,11 @@ class SchedulingPolicy(abc.ABC):
         time); ``saturated`` when waiting work was left out for want of room."""
         return None
 
+    def observe_room(self, has_room: bool) -> None:
+        """After ``observe_plan``: whether the step left no waiting work
+        out, neither for want of room nor held back by the batch shaper."""
+        return None
+
     def observe_idle(self, idle_s: float) -> None:
         """The engine had no live request for ``idle_s`` seconds."""
         return None

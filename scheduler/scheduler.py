@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .admission import check_request_fits, check_request_shape
@@ -81,6 +81,8 @@ class _StepState:
     # Waiting work was left out for want of room (sequences, budget or
     # blocks), not held back: the step is as full as the engine makes them.
     is_saturated: bool = False
+    # Waiting work was held back by the batch shaper: it waits too.
+    is_held_back: bool = False
     # (urgency key, tokens) of waiting work that budget is held back for,
     # ascending: running work less urgent than a key leaves those tokens.
     reservations: list[tuple[tuple[float, ...], int]] = field(default_factory=list)
@@ -103,6 +105,10 @@ class _StepState:
         )
 
 
+# Asked per appended token: did the output just complete a stop sequence?
+StopCheck = Callable[[str, int], bool]
+
+
 class Scheduler:
     """Request queues, the device and host block pools, and the step plan.
 
@@ -119,6 +125,7 @@ class Scheduler:
         self.policy = (
             policy if policy is not None else make_policy(config.policy, config, cost_model)
         )
+        self._cost_model = cost_model
         self.device_pool = BlockPool(config.num_device_blocks, config.block_size)
         self.host_pool = BlockPool(config.num_host_blocks, config.block_size)
         self._requests: dict[str, Request] = {}  # every live request
@@ -282,6 +289,7 @@ class Scheduler:
         self._in_flight = state.scheduled
         plan = state.to_plan()
         self.policy.observe_plan(plan, state.is_saturated)
+        self.policy.observe_room(not (state.is_saturated or state.is_held_back))
         return plan
 
     def _expire_deadlines(self, state: _StepState, now: float) -> None:
@@ -471,6 +479,7 @@ class Scheduler:
             cached = len(hits) * self.config.block_size
             num_new = self._shaped(state, req, min(req.num_tokens - cached, state.token_budget))
             if num_new <= 0:
+                state.is_held_back = True
                 return  # the step is as slow as urgent work can afford
             target = cached + num_new
             if not self.device_pool.can_allocate(
@@ -651,12 +660,25 @@ class Scheduler:
 
     # == results of a step ================================================
 
-    def update(self, plan: StepPlan, sampled: Mapping[str, int], now: float) -> list[RequestOutput]:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[str, int],
+        now: float,
+        step_s: float | None = None,
+        is_stopped: StopCheck | None = None,
+    ) -> list[RequestOutput]:
         """Applies the runner's results for ``plan`` (the latest plan): advances
-        computed tokens, appends sampled tokens, finishes on EOS / max tokens.
-        One output per request that got a token or finished. Sequences whose
-        request ended after planning (abort) are skipped. Raises ValueError —
-        before changing anything — for a stale plan or a missing sample."""
+        computed tokens, appends sampled tokens, finishes on EOS, max tokens or
+        a stop sequence. One output per request that got a token or finished.
+        Sequences whose request ended after planning (abort) are skipped.
+        Raises ValueError — before changing anything — for a stale plan or a
+        missing sample.
+
+        ``step_s``: the step's measured seconds; the cost model refits from it.
+        ``is_stopped(req_id, token_id)`` is asked once per token appended, in
+        order (the engine's text-level stop sequences): True ends the request
+        with STOP_SEQUENCE unless EOS or a limit ended it first."""
         if plan.step != self._in_flight_step:
             raise ValueError(f"plan {plan.step} is not the plan in flight")
         in_flight = self._in_flight
@@ -676,14 +698,21 @@ class Scheduler:
             if self._prefix_cache:
                 commit_computed_blocks(self.device_pool, req)
             if seq.sample:
-                outputs.append(self._append_token(req, sampled[seq.req_id], now))
+                outputs.append(self._append_token(req, sampled[seq.req_id], now, is_stopped))
+        if step_s is not None and self._cost_model is not None:
+            self._cost_model.observe_plan(plan, step_s)
         return outputs
 
-    def _append_token(self, req: Request, token_id: int, now: float) -> RequestOutput:
+    def _append_token(
+        self, req: Request, token_id: int, now: float, is_stopped: StopCheck | None
+    ) -> RequestOutput:
         req.output_token_ids.append(token_id)
         if req.first_token_time is None:
             req.first_token_time = now
+        hit_stop = is_stopped is not None and is_stopped(req.req_id, token_id)
         reason = self._stop_reason(req, token_id)
+        if reason is None and hit_stop:
+            reason = FinishReason.STOP_SEQUENCE
         if reason is not None:
             self._finish(req, reason, "")
             self._note_finish(now)
