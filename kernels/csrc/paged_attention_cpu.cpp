@@ -589,10 +589,9 @@ SLIP_INLINE v8f reduce8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, 
          __builtin_shuffle(lo, hi, v8i{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
-SLIP_INLINE v8f reduce8(const vf* a) {
-  return reduce8(fold8(a[0]), fold8(a[1]), fold8(a[2]), fold8(a[3]), fold8(a[4]), fold8(a[5]),
-                 fold8(a[6]), fold8(a[7]));
-}
+#define SLIP_REDUCE8(a)                                                                 \
+  reduce8(fold8(a[0]), fold8(a[1]), fold8(a[2]), fold8(a[3]), fold8(a[4]), fold8(a[5]), \
+          fold8(a[6]), fold8(a[7]))
 
 // 2^x for x <= 0; 0 below -125 (weights that small cannot move an fp32 sum).
 // Round-to-nearest splits x = n + f, |f| <= 1/2; 2^f by its degree-6 Taylor
@@ -670,7 +669,7 @@ SLIP_INLINE v8f dot8(const float* q, const typename R::E* k, int64_t d) {
       for (int v = 0; v < R::kVecs; ++v) a[i] += x[v] * y[v];
     }
   }
-  v8f s = reduce8(a);
+  v8f s = SLIP_REDUCE8(a);
   if constexpr (std::is_same_v<R, FloatRows>) {  // paired rows have no tail
     for (; c < d; ++c)
       for (int i = 0; i < 8; ++i) s[i] += q[c] * k[i * d + c];
@@ -779,7 +778,7 @@ SLIP_INLINE v8f dot8_bf16(const bf16_bits* q, const bf16_bits* k, int64_t d) {
       acc = _mm512_dpbf16_ps(acc, x[c], (__m512bh)_mm512_loadu_si512(k + i * d + 32 * c));
     a[i] = (vf)acc;
   }
-  return reduce8(a);
+  return SLIP_REDUCE8(a);
 }
 
 template <int NC>
@@ -887,7 +886,8 @@ SLIP_INLINE void attend_row(const typename R::Q* q, const typename R::E* k,
     sum += e;
     store8(p + 8 * g, e);
   }
-  for (int g = groups; g < (groups + 1) / 2 * 2; ++g) store8(p + 8 * g, splat(0.0f));
+  if constexpr (kDot<R>)  // pairs of 16 are read: zeros past the last group
+    for (int g = groups; g < (groups + 1) / 2 * 2; ++g) store8(p + 8 * g, splat(0.0f));
   l = l * alpha + hsum(sum);
   m = m_new;
 #if SLIPSTREAM_BF16_DOT
@@ -1061,6 +1061,7 @@ __attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, S
 
 #undef SLIP_INLINE
 #undef SLIP_INLINE_LAMBDA
+#undef SLIP_REDUCE8
 
 }  // namespace SLIPSTREAM_VARIANT
 }  // namespace
