@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError, Message
@@ -355,6 +356,23 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
             torch_capability=str(info.cpu.get("torch_capability", "")),
             native_bf16=bool(info.cpu.get("native_bf16", False)),
         ),
+        device=_device_info(info.device),
+    )
+
+
+def _device_info(device: dict[str, Any]) -> pb.DeviceInfo:
+    graphs = device.get("cuda_graphs") or {}
+    return pb.DeviceInfo(
+        type=str(device.get("type", "")),
+        name=str(device.get("name", "")),
+        index=int(device.get("index", 0)),
+        total_memory_bytes=int(device.get("total_memory_bytes", 0)),
+        free_memory_bytes=int(device.get("free_memory_bytes", 0)),
+        capability=str(device.get("capability", "")),
+        cuda_graphs=bool(graphs.get("enabled", False)),
+        graph_batch_sizes=list(graphs.get("batch_sizes", [])),
+        graph_capture_seconds=float(graphs.get("capture_seconds", 0.0)),
+        graph_memory_bytes=int(graphs.get("memory_bytes", 0)),
     )
 
 

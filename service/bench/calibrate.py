@@ -89,15 +89,14 @@ def measure(model: str, dtype: str, max_num_seqs: int, num_requests: int) -> dic
         capacity_requests=num_requests,
     )
     engines, startup = _start_engines(opts)
-    engine = engines["deadline"]
+    rig = engines["deadline"]
     try:
         started = time.monotonic()
-        capacity = _measure_capacity(opts, engine)
+        capacity = _measure_capacity(opts, rig.engine)
         seconds = time.monotonic() - started
     finally:
-        engine.shutdown()
-    refit = engine.cost_model
-    assert refit is not None
+        rig.engine.shutdown()
+    refit = rig.cost_model
     return {
         "format": FORMAT,
         "model": model,

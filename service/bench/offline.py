@@ -347,7 +347,7 @@ def run_slipstream(
     """Slipstream's in-process engine: every request submitted at ``t0``;
     latency is the engine thread's finish callback, TTFT its first token."""
     try:
-        from slipstream.service.engine.engine import Engine
+        from slipstream.service.engine.loader import load_engine
     except ModuleNotFoundError as exc:
         if exc.name != "slipstream.service.engine.engine":
             raise
@@ -355,7 +355,7 @@ def run_slipstream(
             "the Slipstream engine (slipstream.service.engine.engine) is missing"
         ) from exc
     config = _engine_config(model_dir, options)
-    engine = Engine(config)
+    engine = load_engine(config)
     engine.start()
     try:
         _submit_and_wait(engine, WARMUP_WORKLOAD, "warmup", time.monotonic())

@@ -145,7 +145,7 @@ def run_mode(
     import numpy as np
 
     from slipstream.service.engine.config import EngineConfig
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
     knobs = {
         "block_size": options.block_size,
@@ -158,7 +158,7 @@ def run_mode(
         prefix_cache=prefix_cache,
         **{k: v for k, v in knobs.items() if v is not None},  # type: ignore[arg-type]
     )
-    engine = Engine(config)
+    engine = load_engine(config)
     engine.start()
     load_before = os.getloadavg()[0]
     try:

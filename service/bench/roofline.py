@@ -118,13 +118,15 @@ class Rates:
 
 
 def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates:
-    """The best of torch's matmul and (for float32, where it runs) the panel
-    kernel over one layer's projections at ``RATE_ROWS`` rows; the read rate
+    """The best of torch's matmul, oneDNN's packed weights (where this CPU
+    packs the dtype, as the engine then does) and (for float32, where it runs)
+    the panel kernel over one layer's projections at ``RATE_ROWS`` rows; the read rate
     of summing one ``READ_BYTES`` buffer. Medians of ``repeats``."""
     import torch
     import torch.nn.functional as F
 
     from slipstream.kernels import linear
+    from slipstream.kernels.cpu_features import detect
     from slipstream.service.bench.step_timing import read_floor_ms
 
     dtype = getattr(torch, dtype_name)
@@ -132,6 +134,9 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
     inputs = {k: torch.randn(RATE_ROWS, k).to(dtype) for _, k in shape.projection_shapes()}
     flop = 2.0 * RATE_ROWS * sum(w.numel() for w in weights)
     candidates = {"torch": [lambda x, w=w: F.linear(x, w) for w in weights]}
+    cpu = detect()
+    if cpu.can_pack_bf16 if dtype == torch.bfloat16 else cpu.can_pack_fp32:
+        candidates["packed"] = [linear.Linear(w, pack=True) for w in weights]
     if dtype == torch.float32 and linear.panels_available():
         candidates["panel"] = [linear.Linear(w, panels=True) for w in weights]
     best_rate, best_name = 0.0, ""

@@ -275,7 +275,7 @@ def run_local(
 
 def local_engine(args: argparse.Namespace) -> object:
     from slipstream.service.engine.config import EngineConfig
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
     config = EngineConfig(
         model=args.model,
@@ -283,7 +283,7 @@ def local_engine(args: argparse.Namespace) -> object:
         num_threads=args.threads,
         prefix_cache=args.prefix_cache,
     )
-    engine = Engine(config)
+    engine = load_engine(config)
     engine.start()
     return engine
 

@@ -31,8 +31,8 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
@@ -52,21 +52,36 @@ from slipstream.service.engine.calibration import calibrate
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest, TokenEvent
+from slipstream.service.engine.loader import load_parts
 from slipstream.service.engine.runner import kv_bytes_per_block
+from slipstream.service.models.llama import LlamaModel
 
 if TYPE_CHECKING:
     from slipstream.service.bench.slo import Capacity, SloOptions
 
 
-def _start_engines(opts: SloOptions) -> tuple[dict[str, Engine], CostModel]:
+@dataclass
+class Rig:
+    """An engine composed for the benchmark from the loader's parts, with the
+    scheduler and cost model it was given (read between runs) and the step
+    listeners it calls."""
+
+    engine: Engine
+    scheduler: Scheduler
+    cost_model: CostModel
+    model: LlamaModel
+    listeners: list[Callable[[StepPlan, float], None]] = field(default_factory=list)
+
+
+def _start_engines(opts: SloOptions) -> tuple[dict[str, Rig], CostModel]:
     """One started engine per policy, each with its own copy of one
     calibration (refit online from its own steps)."""
     from slipstream.service.bench.slo import scheduler_config
 
-    engines: dict[str, Engine] = {}
+    rigs: dict[str, Rig] = {}
     cost: CostModel | None = None
     for policy in opts.policies:
-        engine = Engine(
+        parts = load_parts(
             EngineConfig(
                 model=opts.model,
                 dtype=opts.dtype,
@@ -79,19 +94,19 @@ def _start_engines(opts: SloOptions) -> tuple[dict[str, Engine], CostModel]:
             )
         )
         if cost is None:
-            cost = calibrate(engine.runner, opts.max_num_batched_tokens, opts.max_num_seqs)
+            cost = calibrate(parts.runner, opts.max_num_batched_tokens, opts.max_num_seqs)
         config = replace(
-            scheduler_config(opts, policy), max_model_len=engine.scheduler.config.max_model_len
+            scheduler_config(opts, policy), max_model_len=parts.scheduler_config.max_model_len
         )
-        # Each engine gets its own copy, refit online from its measured steps
-        # (the engine feeds ``engine.cost_model``; the scheduler reads the same one).
+        # Each engine gets its own copy, refit online from its measured steps.
         own = CostModel(cost.coefficients)
-        engine.scheduler = Scheduler(config, cost_model=own)
-        engine.cost_model = own
+        scheduler = Scheduler(config, cost_model=own)
+        listeners: list[Callable[[StepPlan, float], None]] = []
+        engine = Engine(scheduler, parts.runner, parts.tokenizer, parts.info, listeners)
         engine.start()
-        engines[policy] = engine
+        rigs[policy] = Rig(engine, scheduler, own, parts.model, listeners)
     assert cost is not None
-    return engines, cost
+    return rigs, cost
 
 
 # Isolated probe requests (prompt, output) that measure the engine's real
@@ -153,8 +168,8 @@ def run_engine_capacity(opts: SloOptions) -> dict[str, object]:
     engines, cost = _start_engines(opts)
     cv = opts.cvs[0]
     try:
-        yardstick, scale = deadline_yardstick(opts, engines[opts.policies[0]], cost)
-        capacity = _measure_capacity(opts, engines[opts.policies[0]])
+        yardstick, scale = deadline_yardstick(opts, engines[opts.policies[0]].engine, cost)
+        capacity = _measure_capacity(opts, engines[opts.policies[0]].engine)
 
         def evaluate(policy: str, load: float) -> dict[str, object]:
             spec = workload_spec(opts, load * capacity.rps, cv)
@@ -173,8 +188,8 @@ def run_engine_capacity(opts: SloOptions) -> dict[str, object]:
             for policy in opts.policies
         ]
     finally:
-        for engine in engines.values():
-            engine.shutdown()
+        for rig in engines.values():
+            rig.engine.shutdown()
     report = capacity_report(results, capacity, opts, cv, yardstick)
     report["coefficients"] = _coeffs(cost)
     report["deadline_scale"] = scale
@@ -193,10 +208,9 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
     engines, cost = _start_engines(opts)
     try:
         first = engines[opts.policies[0]]
-        yardstick, scale = deadline_yardstick(opts, first, cost)
-        capacity = _measure_capacity(opts, first)
+        yardstick, scale = deadline_yardstick(opts, first.engine, cost)
+        capacity = _measure_capacity(opts, first.engine)
         predicted = sim_capacity(opts, CostModel(cost.coefficients))
-        assert first.cost_model is not None
         refit = sim_capacity(opts, CostModel(first.cost_model.coefficients))
         workloads: dict[tuple[float, float], list[SimRequest]] = {}
         runs: list[dict[str, object]] = []
@@ -212,8 +226,8 @@ def run_engine_bench(opts: SloOptions) -> dict[str, object]:
                 run["repeat"] = repeat
                 (repeat_runs if repeat else runs).append(run)
     finally:
-        for engine in engines.values():
-            engine.shutdown()
+        for rig in engines.values():
+            rig.engine.shutdown()
     return {
         "runs": runs,
         "capacity_rps": capacity.rps,
@@ -285,7 +299,7 @@ def reproducibility(runs: Sequence[dict[str, object]]) -> list[dict[str, object]
 
 
 def _engine_run(
-    engine: Engine,
+    rig: Rig,
     policy: str,
     deadlines: str,
     load: float,
@@ -295,9 +309,7 @@ def _engine_run(
 ) -> dict[str, object]:
     from slipstream.service.bench.slo import simulate_workload
 
-    sched = engine.scheduler
-    model = engine.cost_model
-    assert model is not None
+    engine, sched, model = rig.engine, rig.scheduler, rig.cost_model
     # What the engine knew at the start, margin for its own error included
     # (a twin without it would plan closer to deadlines than the engine does).
     held = CostModel(model.coefficients, overrun=model.overrun)
@@ -311,7 +323,7 @@ def _engine_run(
         own_steps.observe_plan(plan, seconds)
         overruns.append(model.overrun)  # the margin the engine planned the next step with
 
-    engine.step_listeners.append(listen)
+    rig.listeners.append(listen)
     seen = as_scheduled(requests, deadlines)
     started = time.monotonic()
     # The twins start where the engine's policy stood (its overload window,
@@ -321,7 +333,7 @@ def _engine_run(
     try:
         outcomes = _replay(engine, seen, started, engine.info.vocab_size)
     finally:
-        engine.step_listeners.remove(listen)
+        rig.listeners.remove(listen)
     swaps = sched.num_swap_preemptions - swaps0
     twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines, carried)
     disagreements = scored_differently(outcomes, twin.outcomes, requests)
@@ -340,7 +352,7 @@ def _engine_run(
         "num_requests": len(requests),
         "preemptions_swap": swaps,
         "preemptions_recompute": sched.num_recompute_preemptions - recomputes0,
-        "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(engine.model, opts.block_size),
+        "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(rig.model, opts.block_size),
         "swapped_bytes": None,
         "sim_twin": {**_twin_summary(twin_metrics, twin), "overrun": held.overrun},
         "sim_twin_run_fit": {

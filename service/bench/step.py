@@ -34,7 +34,7 @@ from slipstream.service.bench.report import hardware
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 
 if TYPE_CHECKING:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import EngineParts
 
 # Mode -> the EngineConfig options it sets. A mode runs only if EngineConfig
 # has every one of them: a mode is one line here once the engine supports it.
@@ -194,11 +194,11 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
     }
 
 
-def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object]) -> Engine:
-    """An engine whose device pool holds the largest batch at ``context + 1``
-    tokens per sequence; no host pool, no calibration."""
+def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object]) -> EngineParts:
+    """An engine's parts whose device pool holds the largest batch at
+    ``context + 1`` tokens per sequence; no host pool, no calibration."""
     from slipstream.service.bench.step_timing import blocks_per_seq, fill_kv
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_parts
 
     max_batch = max(options.batches)
     config = EngineConfig(
@@ -214,7 +214,7 @@ def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object])
         num_threads=options.num_threads,
         **engine_options,  # type: ignore[arg-type]
     )
-    engine = Engine(config)
+    engine = load_parts(config)
     if engine.info.max_model_len < options.context + 1:
         raise ValueError(
             f"--context {options.context} leaves no room for a new token: "
@@ -225,7 +225,7 @@ def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object])
     return engine
 
 
-def _measure(engine: Engine, options: StepOptions, batch: int, mode: str) -> dict[str, object]:
+def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -> dict[str, object]:
     from slipstream.service.bench import step_timing as t
 
     runner, model = engine.runner, engine.model

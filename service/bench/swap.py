@@ -70,11 +70,11 @@ def run_sweep(
     from slipstream.kernels.block_copy import copy_blocks
     from slipstream.service.engine.calibration import calibrate, synthetic_plan
     from slipstream.service.engine.config import EngineConfig
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_parts
     from slipstream.service.engine.runner import kv_bytes_per_block
 
     max_blocks = -(-max(CONTEXTS) // block_size) + 1
-    engine = Engine(
+    engine = load_parts(
         EngineConfig(
             model=model,
             dtype=dtype,

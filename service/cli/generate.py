@@ -169,10 +169,10 @@ def _spec(
 
 def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
     from slipstream.scheduler.request import FinishReason, SamplingParams
-    from slipstream.service.engine.engine import Engine
     from slipstream.service.engine.events import FinishEvent, GenerationRequest
+    from slipstream.service.engine.loader import load_engine
 
-    engine = Engine(engine_config(args))
+    engine = load_engine(engine_config(args))
     engine.start()
     collectors = [_LocalCollector(engine, str(i), args.cancel_after) for i in range(len(specs))]
     now = time.monotonic()

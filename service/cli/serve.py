@@ -94,6 +94,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "off: eager torch ops, the reference",
     )
     group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    group.add_argument(
+        "--device",
+        default=defaults.device,
+        help="auto: the first CUDA GPU when torch sees one, else the CPU; cpu; cuda or cuda:N "
+        "(a GPU that is not there is one error line at start-up)",
+    )
+    group.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=defaults.gpu_memory_fraction,
+        help="on CUDA: the share of the GPU's free memory, after the weights, that the KV "
+        "pool, a step's activations and the CUDA-graph pool may take",
+    )
+    group.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA: run decode steps eagerly instead of replaying graphs captured at start-up",
+    )
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
     group.add_argument(
         "--kv-memory",
@@ -136,6 +155,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_gb,
         prefix_cache=args.prefix_cache,
         commit_kv_memory=args.kv_memory == "commit",
+        device=args.device,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        cuda_graphs=args.cuda_graphs,
     )
 
 
@@ -360,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
         exposure_warning,
     )
     from slipstream.service.api.server import run as run_server
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
     config = engine_config(args)
     try:
@@ -398,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(
             run_server(
-                lambda: Engine(config),
+                lambda: load_engine(config),
                 args.host,
                 args.port,
                 args.grace_s,

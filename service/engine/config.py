@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slipstream.scheduler.config import SchedulerConfig
+
 # "auto" resolves per CPU (kernels/cpu_features.py): bf16 with native bf16, else fp32.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
@@ -55,3 +57,30 @@ class EngineConfig:
     # with equal prefixes and kept, evictable, after use (scheduler/block_manager.py).
     prefix_cache: bool = True
     seed: int = 0
+    # auto: the first CUDA device when torch sees one, else the CPU (device.py).
+    device: str = "auto"
+    # On CUDA: the share of the GPU's free memory (after the weights) the KV
+    # pool, activations and graph pool may take; decode steps replay CUDA graphs.
+    gpu_memory_fraction: float = 0.9
+    cuda_graphs: bool = True
+
+    def scheduler_config(
+        self, num_device_blocks: int, num_host_blocks: int, max_model_len: int
+    ) -> SchedulerConfig:
+        """The scheduler's limits: this config's policy knobs, the pools as sized."""
+        return SchedulerConfig(
+            num_device_blocks=num_device_blocks,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_host_blocks=num_host_blocks,
+            max_queue_len=self.max_queue_len,
+            policy=self.policy,
+            reject_infeasible=self.reject_infeasible,
+            abandon_hopeless=self.abandon_hopeless,
+            shed_under_overload=self.shed_under_overload,
+            aging_s=self.aging_s,
+            min_residency_s=self.min_residency_s,
+            enable_prefix_cache=self.prefix_cache,
+        )

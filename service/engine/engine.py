@@ -12,32 +12,20 @@ step, so an abort takes effect within one step).
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any, Protocol
 
 import structlog
-import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from slipstream.kernels import fused_ops, linear
-from slipstream.kernels.backend import resolve_backend
-from slipstream.kernels.cpu_features import CpuFeatures, DtypeChoice, choose_dtype, detect
-from slipstream.scheduler.config import SchedulerConfig
-from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import Draining
 from slipstream.scheduler.plan import FinishedRequest, RequestOutput, StepPlan
-from slipstream.scheduler.policies import DEFAULT_POLICY
 from slipstream.scheduler.request import FinishReason, Request
 from slipstream.scheduler.scheduler import Scheduler
-from slipstream.service.engine.calibration import calibrate_cached
-from slipstream.service.engine.chat import has_chat_template
-from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.detokenizer import IncrementalDetokenizer
 from slipstream.service.engine.events import (
     EngineStats,
@@ -51,13 +39,15 @@ from slipstream.service.engine.events import (
     TokenEvent,
 )
 from slipstream.service.engine.observer import EngineObserver
-from slipstream.service.engine.runner import ModelRunner, kv_bytes_per_block
-from slipstream.service.models.llama import LlamaModel
-from slipstream.service.models.store import resolve_model, slipstream_home
 
 log = structlog.get_logger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+class Runner(Protocol):
+    """Executes one plan: swaps and copies, one forward, sampling (runner.py,
+    cuda_runner.py). ``execute(plan).sampled`` maps req_id to its token."""
+
+    def execute(self, plan: StepPlan) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -68,6 +58,7 @@ class _Live:
     state: Request  # the scheduler's record, read (never written) here
     on_event: EventCallback
     detokenizer: IncrementalDetokenizer
+    pending_text: list[str] = field(default_factory=list)  # decoded, not yet published
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,66 +70,6 @@ class FinishedResult:
     text: str
     finish: FinishEvent
     token_times: list[float] = field(default_factory=list)
-
-
-def _eos_token_ids(model_dir: Path, fallback: tuple[int, ...]) -> list[int]:
-    gen_config = model_dir / "generation_config.json"
-    if gen_config.exists():
-        eos = json.loads(gen_config.read_text()).get("eos_token_id")
-        if eos is not None:
-            return list(eos) if isinstance(eos, list) else [eos]
-    return list(fallback)
-
-
-def _model_and_kernels(config: EngineConfig) -> tuple[Path, str, bool, bool]:
-    """The checkpoint directory, the attention backend and whether the fused
-    step kernels and the panel projections load. On a first start all of them
-    can be slow and none needs another (a GGUF conversion in Python, C++
-    builds in compiler processes, each under its own lock), so they overlap.
-    A model that cannot be resolved is reported once the builds end; they are
-    cached either way."""
-    home = slipstream_home()
-    with ThreadPoolExecutor(2, thread_name_prefix="slipstream-build") as pool:
-        backend = pool.submit(
-            resolve_backend, config.attention_backend, torch.device("cpu"), home=home
-        )
-        fused = pool.submit(fused_ops.is_available, home) if config.compile else None
-        panels = pool.submit(linear.panels_available, home) if config.compile else None
-        model_dir = resolve_model(config.model)
-        return (
-            model_dir,
-            backend.result(),
-            fused is not None and fused.result(),
-            panels is not None and panels.result(),
-        )
-
-
-def _step_cost_identity(
-    model_dir: Path,
-    choice: DtypeChoice,
-    backend: str,
-    fused: bool,
-    panels: bool,
-    cpu: CpuFeatures,
-) -> dict[str, object]:
-    """What a step's time depends on besides the plan: the key of a cached
-    calibration. Weight files are named with their size and mtime, so a
-    checkpoint rewritten in place is measured again."""
-    weights = sorted(
-        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.glob("*.safetensors")
-    )
-    return {
-        "model": str(model_dir),
-        "weights": weights,
-        "dtype": choice.dtype,
-        "weights_packed": choice.pack_weights,
-        "attention_backend": backend,
-        "compiled": fused,
-        "panel_linears": panels,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cpu": cpu.describe(),
-    }
 
 
 def validate(request: GenerationRequest) -> None:
@@ -159,100 +90,27 @@ def validate(request: GenerationRequest) -> None:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, cpu: CpuFeatures | None = None) -> None:
-        """``cpu`` overrides the detected CPU features (tests force either answer)."""
-        cpu = cpu or detect()
-        choice = choose_dtype(config.dtype, cpu)
-        log.info(
-            "cpu_features",
-            cpu=cpu.model_name,
-            flags=",".join(cpu.flags),
-            torch_capability=cpu.torch_capability,
-            dtype=choice.dtype,
-            requested_dtype=choice.requested,
-            weights_packed=choice.pack_weights,
-        )
-        if choice.warning:
-            log.warning("slow_dtype", dtype=choice.dtype, reason=choice.warning)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.config = config
-        model_dir, backend, fused, panels = _model_and_kernels(config)
-        self.model = LlamaModel(
-            model_dir,
-            DTYPES[choice.dtype],
-            backend,
-            choice.pack_weights,
-            fused=fused,
-            panel_linears=panels,
-        )
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(model_dir)
-        self._fast_tokenizer = self.tokenizer.backend_tokenizer
-        model_cfg = self.model.config
-        max_model_len = min(
-            config.max_model_len or model_cfg.max_position_embeddings,
-            model_cfg.max_position_embeddings,
-        )
-        num_device_blocks, num_host_blocks = self._pool_sizes(max_model_len)
-        self.runner = ModelRunner(
-            self.model,
-            num_device_blocks,
-            num_host_blocks,
-            config.block_size,
-            config.commit_kv_memory,
-        )
-        # The deadline policy estimates service times from measured step costs;
-        # calibrate on the real runner while the pools are still empty.
-        self.cost_model: CostModel | None = None
-        if config.policy == DEFAULT_POLICY:
-            self.cost_model = (
-                calibrate_cached(
-                    self.runner,
-                    config.max_num_batched_tokens,
-                    config.max_num_seqs,
-                    slipstream_home() / "cache" / "calibration",
-                    _step_cost_identity(model_dir, choice, backend, fused, panels, cpu),
-                )
-                if config.calibrate_cost_model
-                else CostModel(CostCoefficients(), max_drift=None)  # a guess, not a calibration
-            )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_device_blocks=num_device_blocks,
-                block_size=config.block_size,
-                max_model_len=max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                num_host_blocks=num_host_blocks,
-                max_queue_len=config.max_queue_len,
-                policy=config.policy,
-                reject_infeasible=config.reject_infeasible,
-                abandon_hopeless=config.abandon_hopeless,
-                shed_under_overload=config.shed_under_overload,
-                aging_s=config.aging_s,
-                min_residency_s=config.min_residency_s,
-                enable_prefix_cache=config.prefix_cache,
-            ),
-            cost_model=self.cost_model,
-        )
-        self.eos_token_ids = _eos_token_ids(model_dir, model_cfg.eos_token_ids)
-        self.info = ModelInfo(
-            name=config.model,
-            path=str(model_dir),
-            architecture=model_cfg.model_type,
-            max_model_len=max_model_len,
-            vocab_size=model_cfg.vocab_size,
-            dtype=choice.dtype,
-            block_size=config.block_size,
-            attention_backend=backend,
-            eos_token_ids=self.eos_token_ids,
-            kv_bytes_per_block=kv_bytes_per_block(self.model, config.block_size),
-            requested_dtype=choice.requested,
-            weights_packed=choice.pack_weights,
-            has_chat_template=has_chat_template(self.tokenizer),
-            cpu=cpu.describe(),
-            compiled=fused,
-        )
+    """Runs the step loop over its parts; ``loader.load_engine`` builds them.
+
+    ``step_listeners`` are called on the engine thread with every step that ran
+    and its measured seconds; keep them cheap. The list is read every step, so
+    its owner may add and remove listeners while the engine runs.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        tokenizer: PreTrainedTokenizerBase,
+        info: ModelInfo,
+        step_listeners: Sequence[Callable[[StepPlan, float], None]] = (),
+    ) -> None:
+        self._scheduler = scheduler
+        self._runner = runner
+        self.tokenizer = tokenizer
+        self.info = info
+        self._fast_tokenizer = tokenizer.backend_tokenizer
+        self._step_listeners = step_listeners
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._aborts: queue.SimpleQueue[tuple[str, FinishReason, str]] = queue.SimpleQueue()
@@ -261,37 +119,9 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition(self._lock)
+        self._last_publish_s = 0.0
         # Telemetry hook; set before start(). None: no call, no cost.
         self.observer: EngineObserver | None = None
-        # Called on the engine thread with every step that ran and its measured
-        # seconds (what the cost model refits from); keep them cheap.
-        self.step_listeners: list[Callable[[StepPlan, float], None]] = []
-        log.info(
-            "engine_ready",
-            model=str(model_dir),
-            dtype=choice.dtype,
-            device_blocks=num_device_blocks,
-            host_blocks=num_host_blocks,
-            block_size=config.block_size,
-            max_model_len=max_model_len,
-            attention_backend=backend,
-            compiled=fused,
-            panel_linears=self.model.panel_linears and choice.dtype == "float32",
-            prefix_cache=config.prefix_cache,
-            kv_memory="commit" if config.commit_kv_memory else "lazy",
-        )
-
-    def _pool_sizes(self, max_model_len: int) -> tuple[int, int]:
-        cfg = self.config
-        blocks_per_seq = -(-max_model_len // cfg.block_size)
-        by_memory = int(cfg.kv_cache_memory_gb * 2**30) // kv_bytes_per_block(
-            self.model, cfg.block_size
-        )
-        device = cfg.num_device_blocks or max(
-            blocks_per_seq, min(by_memory, cfg.max_num_seqs * blocks_per_seq)
-        )
-        host = cfg.num_host_blocks if cfg.num_host_blocks is not None else device // 2
-        return device, host
 
     # -- caller side (any thread) -----------------------------------------
 
@@ -307,7 +137,7 @@ class Engine:
     def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
         validate(request)
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
-        eos = () if request.ignore_eos else tuple(self.eos_token_ids)
+        eos = () if request.ignore_eos else tuple(self.info.eos_token_ids)
         sched_request = Request(
             req_id=request.req_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -327,7 +157,7 @@ class Engine:
         with self._lock:
             if self._draining:
                 raise Draining("the server is draining and takes no new requests")
-            self.scheduler.add_request(sched_request)
+            self._scheduler.add_request(sched_request)
             self._live[request.req_id] = _Live(request, sched_request, on_event, detokenizer)
             if self.observer is not None:
                 self.observer.on_submit(request, sched_request)
@@ -345,17 +175,17 @@ class Engine:
         finished ids are ignored; a deadline still ends a paused request."""
         with self._lock:
             for req_id in req_ids:
-                self.scheduler.pause(req_id)
+                self._scheduler.pause(req_id)
 
     def resume(self, req_ids: Iterable[str]) -> None:
         with self._lock:
             for req_id in req_ids:
-                self.scheduler.resume(req_id)
+                self._scheduler.resume(req_id)
         self._wakeup.set()
 
     def stats(self) -> EngineStats:
         with self._lock:
-            s = self.scheduler
+            s = self._scheduler
             return EngineStats(
                 waiting=s.num_waiting,
                 running=s.num_running,
@@ -371,7 +201,17 @@ class Engine:
                     cached_blocks=s.num_cached_device_blocks,
                 ),
                 overload_refused=s.num_overload_refused,
+                paused=s.num_paused,
+                swap_preemptions=s.num_swap_preemptions,
+                recompute_preemptions=s.num_recompute_preemptions,
+                capacity_refusals=dict(s.num_refused_for_capacity),
+                overload_estimate=s.overload_estimate,
             )
+
+    def live_output_counts(self) -> dict[str, int]:
+        """Output tokens so far of every live request (for progress checks)."""
+        with self._lock:
+            return {req_id: live.state.num_output_tokens for req_id, live in self._live.items()}
 
     def drain(self) -> None:
         with self._lock:
@@ -406,8 +246,8 @@ class Engine:
         while not self._stopping:
             self._apply_aborts()
             with self._lock:
-                has_work = self.scheduler.has_unfinished()
-                s = self.scheduler
+                has_work = self._scheduler.has_unfinished()
+                s = self._scheduler
                 is_all_paused = has_work and s.num_paused >= (
                     s.num_waiting + s.num_running + s.num_swapped
                 )
@@ -430,33 +270,48 @@ class Engine:
         # so gets no steps to correct it: idle time moves the policy's
         # estimates back toward the start-up calibration.
         with self._lock:
-            if not self.scheduler.has_unfinished():
-                self.scheduler.observe_idle(idle_s)
+            if not self._scheduler.has_unfinished():
+                self._scheduler.observe_idle(idle_s)
 
     def _step(self) -> None:
+        """Plan, run, update, publish. The refit sees the whole step —
+        planning, forward, update and publishing — because step-to-step time
+        is what deadlines are spent in (timing the forward alone overstated
+        capacity by about half on `small`); this step's publishing is still to
+        come when the scheduler is told, so the last step's stands in for it."""
         with self._lock:
             started = time.monotonic()
-            plan = self.scheduler.schedule(started)
-        for finished in plan.finished:
-            self._finish(finished.req_id, finished.reason, finished.message, finished)
+            plan = self._scheduler.schedule(started)
+        self._finish_planned(plan)
         if not plan.seqs and not plan.swap_in and not plan.swap_out:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
             return
-        result = self.runner.execute(plan)
+        result = self._runner.execute(plan)
         with self._lock:
-            outputs = self.scheduler.update(plan, result.sampled, time.monotonic())
+            now = time.monotonic()
+            step_s = now - started + self._last_publish_s
+            outputs = self._scheduler.update(plan, result.sampled, now, step_s, self._is_stopped)
         self._observe(plan, outputs, started)
+        published = time.monotonic()
         self._publish(plan, outputs)
-        # The refit sees the whole step — planning, forward, update, publishing —
-        # because step-to-step time is what deadlines are spent in: timing the
-        # forward alone overstated capacity by about half on `small`.
-        seconds = time.monotonic() - started
-        if self.cost_model is not None:
-            with self._lock:
-                self.cost_model.observe_plan(plan, seconds)
-        for listener in self.step_listeners:
-            listener(plan, seconds)
+        self._last_publish_s = time.monotonic() - published
+        for listener in tuple(self._step_listeners):
+            listener(plan, step_s)
+
+    def _finish_planned(self, plan: StepPlan) -> None:
+        """Requests the scheduler ended while planning (limits, expiry, refusals)."""
+        for finished in plan.finished:
+            self._finish(finished.req_id, finished.reason, finished.message, finished)
+
+    def _is_stopped(self, req_id: str, token_id: int) -> bool:
+        """Decodes one appended token (kept for publishing) and says whether the
+        output now ends in a stop sequence; the scheduler asks, under the lock."""
+        live = self._live.get(req_id)
+        if live is None:
+            return False
+        live.pending_text.append(live.detokenizer.add(token_id))
+        return live.detokenizer.stopped
 
     def _observe(self, plan: StepPlan, outputs: list[RequestOutput], started: float) -> None:
         # Before _publish, so an observer sees a request's last tokens before its finish.
@@ -470,7 +325,7 @@ class Engine:
             live = self._live.get(out.req_id)
             if live is None:
                 continue
-            text = "".join(live.detokenizer.add(t) for t in out.new_token_ids)
+            text, live.pending_text = "".join(live.pending_text), []
             if out.new_token_ids:
                 live.on_event(
                     TokenEvent(
@@ -486,8 +341,6 @@ class Engine:
                 )
             if out.finish_reason is not None:
                 self._finish(out.req_id, out.finish_reason, out.message)
-            elif live.detokenizer.stopped:
-                self._end(out.req_id, FinishReason.STOP_SEQUENCE)
 
     def _apply_aborts(self) -> None:
         while True:
@@ -508,7 +361,7 @@ class Engine:
         """Ends a request the scheduler still holds: frees its blocks, tells its
         caller. Unknown or already finished ids are ignored."""
         with self._lock:
-            out = self.scheduler.abort_request(req_id, reason, message)
+            out = self._scheduler.abort_request(req_id, reason, message)
         if out is not None:
             self._finish(req_id, reason, message)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause, SamplingParams
 
@@ -97,6 +98,9 @@ class ModelInfo:
     has_chat_template: bool = False  # chat messages can be rendered (Submit.messages)
     cpu: dict[str, object] = field(default_factory=dict)  # CpuFeatures.describe()
     compiled: bool = False  # the step runs the fused native kernels (EngineConfig.compile)
+    # Where the step runs: {"type": "cpu"}, or on CUDA the GPU's name and memory,
+    # the capture time and memory of the decode graphs (DeviceRunner.info()).
+    device: dict[str, Any] = field(default_factory=lambda: {"type": "cpu"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,3 +140,9 @@ class EngineStats:
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # Arrivals refused as overloaded since start, by priority class.
     overload_refused: dict[int, int] = field(default_factory=dict)
+    paused: int = 0  # live requests held out of the batch (their caller reads slowly)
+    swap_preemptions: int = 0
+    recompute_preemptions: int = 0
+    # Arrivals refused at the door for capacity, by (priority class, reason).
+    capacity_refusals: dict[tuple[int, str], int] = field(default_factory=dict)
+    overload_estimate: float | None = None  # offered over served work; None before any

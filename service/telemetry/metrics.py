@@ -3,7 +3,7 @@
 Two sources, so the engine thread does almost nothing for metrics:
 
 - gauges and engine counters are read from the engine when scraped
-  (``EngineStats``, the scheduler's preemption counters);
+  (``EngineStats``);
 - per-request outcomes (latency histograms, deadline misses, rejections)
   are recorded once per request, when it finishes or is refused.
 
@@ -74,9 +74,9 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
     from slipstream.scheduler.plan import RequestOutput, StepPlan
-    from slipstream.scheduler.scheduler import Scheduler
     from slipstream.service.engine.engine import Engine
     from slipstream.service.engine.events import (
+        EngineStats,
         FinishEvent,
         GenerationRequest,
         PoolStats,
@@ -161,9 +161,8 @@ class _EngineCollector(Collector):
         preemptions = CounterMetricFamily(
             "slipstream_preemptions", "Preemptions by kind", labels=["kind"]
         )
-        scheduler = engine.scheduler
-        preemptions.add_metric(["swap"], scheduler.num_swap_preemptions)
-        preemptions.add_metric(["recompute"], scheduler.num_recompute_preemptions)
+        preemptions.add_metric(["swap"], stats.swap_preemptions)
+        preemptions.add_metric(["recompute"], stats.recompute_preemptions)
         yield preemptions
         overload = CounterMetricFamily(
             "slipstream_overload_refused",
@@ -174,14 +173,13 @@ class _EngineCollector(Collector):
         for priority, count in sorted(stats.overload_refused.items()):
             overload.add_metric([str(priority)], count)
         yield overload
-        yield from _capacity_metrics(scheduler)
+        yield from _capacity_metrics(stats)
         yield from _prefix_cache_metrics(stats.prefix_cache)
 
 
-def _capacity_metrics(scheduler: Scheduler) -> Iterator[Metric]:
+def _capacity_metrics(stats: EngineStats) -> Iterator[Metric]:
     """Refusals at the door for capacity by class and reason, and the load
-    estimate that decides the ``overloaded`` ones (read without the engine's
-    lock: counters and one float, a scrape may see them a step apart)."""
+    estimate that decides the ``overloaded`` ones."""
     refusals = CounterMetricFamily(
         "slipstream_capacity_refusals",
         "Arrivals refused at the door for capacity, by priority class and reason "
@@ -189,10 +187,10 @@ def _capacity_metrics(scheduler: Scheduler) -> Iterator[Metric]:
         "waiting queue at its bound)",
         labels=["priority", "reason"],
     )
-    for (priority, reason), count in sorted(scheduler.num_refused_for_capacity.items()):
+    for (priority, reason), count in sorted(stats.capacity_refusals.items()):
         refusals.add_metric([str(priority), reason], count)
     yield refusals
-    estimate = scheduler.overload_estimate
+    estimate = stats.overload_estimate
     if estimate is not None:
         yield GaugeMetricFamily(
             "slipstream_overload_estimate",

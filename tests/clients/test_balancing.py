@@ -27,9 +27,9 @@ class Replica:
     ``GenerateOne`` calls that reached its engine."""
 
     def __init__(self) -> None:
-        from slipstream.service.engine.engine import Engine
+        from slipstream.service.engine.loader import load_engine
 
-        self.engine = Engine(CONFIG)
+        self.engine = load_engine(CONFIG)
         self.num_submits = 0
         submit = self.engine.submit
 

@@ -46,9 +46,9 @@ INT64 = (-(2**63), 2**63 - 1)
 
 @pytest.fixture(scope="module")
 def channel() -> Iterator[grpc.Channel]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    engine = Engine(CONFIG)
+    engine = load_engine(CONFIG)
     engine.start()
     server = ServerThread(engine)
     with grpc.insecure_channel(server.target) as ch:

@@ -24,9 +24,9 @@ MAX_NEW_TOKENS = [6, 8, 5, 7]
 
 
 def _engine(backend: str):
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    return Engine(
+    return load_engine(
         EngineConfig(
             model="tiny", dtype="float32", attention_backend=backend, block_size=16,
             num_device_blocks=64, num_host_blocks=8, max_num_batched_tokens=16,

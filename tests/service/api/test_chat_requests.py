@@ -37,10 +37,10 @@ QUESTION = [("system", "Be brief."), ("user", "Hello there")]
 
 
 def _engine(model: str) -> object:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
     config = EngineConfig(model=model, dtype="float32", attention_backend="torch")
-    engine = Engine(config)
+    engine = load_engine(config)
     engine.start()
     return engine
 

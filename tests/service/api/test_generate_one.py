@@ -79,9 +79,9 @@ def spans() -> InMemorySpanExporter:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(CONFIG)
+    eng = load_engine(CONFIG)
     eng.start()
     yield eng
     eng.shutdown()

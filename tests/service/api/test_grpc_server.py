@@ -49,9 +49,9 @@ LONG = 960  # tokens: outlives anything a test does to it (tiny: ~5 s alone)
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(CONFIG)
+    eng = load_engine(CONFIG)
     eng.start()
     yield eng
     eng.shutdown()
@@ -264,9 +264,9 @@ def test_dropped_channel_aborts_requests(server: ServerThread, client: Client) -
 def test_infeasible_deadline_is_rejected_early() -> None:
     # With early rejection on (the default), a deadline that even a request
     # running alone cannot meet is answered at once, and only that request fails.
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(EngineConfig(model="tiny", dtype="float32"))
+    eng = load_engine(EngineConfig(model="tiny", dtype="float32"))
     eng.start()
     srv = ServerThread(eng)
     try:

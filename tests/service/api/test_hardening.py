@@ -51,9 +51,9 @@ NEVER_READS = Path(__file__).with_name("never_reads.py")
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(CONFIG)
+    eng = load_engine(CONFIG)
     eng.start()
     yield eng
     eng.shutdown()
@@ -259,13 +259,7 @@ def test_worker_pool_is_bounded_and_trims_after_large_inputs(
 
 
 def _live_outputs(engine: object) -> dict[str, int]:
-    scheduler = engine.scheduler  # type: ignore[attr-defined]
-    outputs = {}
-    for req_id in scheduler.live_req_ids():
-        req = scheduler.get_request(req_id)
-        if req is not None:
-            outputs[req_id] = req.num_output_tokens
-    return outputs
+    return engine.live_output_counts()  # type: ignore[attr-defined, no-any-return]
 
 
 def test_a_client_that_stops_reading_is_paused_then_cancelled(
@@ -280,8 +274,8 @@ def test_a_client_that_stops_reading_is_paused_then_cancelled(
     try:
         assert client.stdout is not None and client.stdout.readline().strip() == "sent"
         os.kill(client.pid, signal.SIGSTOP)
-        scheduler = engine.scheduler  # type: ignore[attr-defined]
-        assert wait_until(lambda: scheduler.num_paused == 8, timeout_s=30), _live_outputs(engine)
+        stats = engine.stats  # type: ignore[attr-defined]
+        assert wait_until(lambda: stats().paused == 8, timeout_s=30), _live_outputs(engine)
         # A step planned before the pause may still land its tokens: wait until
         # the held requests' outputs stop moving, then check they stay put.
         held = _live_outputs(engine)
@@ -302,7 +296,7 @@ def test_a_client_that_stops_reading_is_paused_then_cancelled(
         assert max(held.values()) < 1000  # stopped well before the end
         # After the grace (2 s) they are cancelled and every block is back.
         with capture_logs() as logs:
-            assert wait_until(lambda: not scheduler.has_unfinished(), timeout_s=10)
+            assert wait_until(lambda: not _live_outputs(engine), timeout_s=10)
         assert wait_until(lambda: no_blocks_used(channel))
         assert [e["event"] for e in logs].count("slow_reader_cancelled") == 1
     finally:

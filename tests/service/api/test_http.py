@@ -93,9 +93,9 @@ class Servers:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(CONFIG)
+    eng = load_engine(CONFIG)
     yield eng
     eng.shutdown()
 
@@ -638,12 +638,12 @@ def _give_up_after(servers: Servers, timeout_s: float, prompt: list[int]) -> Non
 
 
 def test_queue_full_is_429_and_draining_is_503() -> None:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
     config = EngineConfig(
         model="tiny", dtype="float32", max_num_seqs=1, max_queue_len=1, calibrate_cost_model=False
     )
-    eng = Engine(config)
+    eng = load_engine(config)
     srv = Servers(eng)
     try:
         with srv.client() as oai, Client(srv.target) as grpc_client:
@@ -698,9 +698,9 @@ def test_bench_http_load_counts_every_token(servers: Servers) -> None:
 
 @pytest.mark.slow
 def test_chat_on_smollm2_with_its_own_template() -> None:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(EngineConfig(model="smollm2", dtype="float32", calibrate_cost_model=False))
+    eng = load_engine(EngineConfig(model="smollm2", dtype="float32", calibrate_cost_model=False))
     srv = Servers(eng)
     try:
         ids = render_chat(eng.tokenizer, [("user", "Name a colour.")])

@@ -274,11 +274,11 @@ def served() -> Iterator[Served]:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
     from slipstream.service.telemetry.metrics import ServerMetrics
     from slipstream.service.telemetry.tracing import Telemetry
 
-    engine = Engine(CONFIG)
+    engine = load_engine(CONFIG)
     engine.start()
     spans = InMemorySpanExporter()
     provider = TracerProvider()

@@ -96,9 +96,9 @@ def write(path: Path, data: bytes) -> Path:
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(CONFIG)
+    eng = load_engine(CONFIG)
     eng.start()
     yield eng
     eng.shutdown()

@@ -20,11 +20,9 @@ IDENTITY = {"model": "tiny", "dtype": "float32", "threads": 2, "cpu": {"flags": 
 
 @pytest.fixture(scope="module")
 def runner() -> Iterator[object]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_parts
 
-    engine = Engine(EngineConfig(model="tiny", dtype="float32", attention_backend="torch"))
-    yield engine.runner
-    engine.shutdown()
+    yield load_parts(EngineConfig(model="tiny", dtype="float32", attention_backend="torch")).runner
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[bool]:

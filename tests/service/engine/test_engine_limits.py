@@ -17,9 +17,9 @@ from slipstream.service.engine.events import Event, FinishEvent, GenerationReque
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[object]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
-    eng = Engine(
+    eng = load_engine(
         EngineConfig(
             model="tiny",
             dtype="float32",

@@ -18,6 +18,7 @@ from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.loader import load_parts
 
 NUM_PROMPTS = 32
 
@@ -57,7 +58,7 @@ def _expected(model, i: int, prompt: list[int], max_new_tokens: int) -> list[int
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
 def test_greedy_matches_transformers(tiny_model_dir, hf_model, compile):
-    engine = Engine(
+    parts = load_parts(
         EngineConfig(
             model=str(tiny_model_dir),
             dtype="float32",
@@ -66,9 +67,10 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, compile):
             compile=compile,
         )
     )
+    engine = Engine(parts.scheduler(), parts.runner, parts.tokenizer, parts.info)
     assert engine.info.compiled is compile
     # Compiled float32 on an AVX2 CPU: the projections run in the panel kernel too.
-    uses_panels = engine.model.layers[0].qkv.uses_panels
+    uses_panels = parts.model.layers[0].qkv.uses_panels
     assert uses_panels is (compile and linear.panels_available())
     prompts = _prompts(engine.info.vocab_size)
     max_tokens = [8 + (i * 5) % 17 for i in range(NUM_PROMPTS)]
@@ -81,13 +83,13 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, compile):
         stats = engine.stats()
     finally:
         engine.shutdown()
-    assert engine.scheduler.step > max(max_tokens), "prompts were not chunked across steps"
+    assert stats.step > max(max_tokens), "prompts were not chunked across steps"
     for i, (prompt, n, result) in enumerate(zip(prompts, max_tokens, results, strict=True)):
         expected = _expected(hf_model, i, prompt, n)
         assert result.token_ids == expected, f"prompt of {len(prompt)} tokens diverged"
         want = (
             FinishReason.EOS
-            if len(expected) < n or expected[-1] in engine.eos_token_ids
+            if len(expected) < n or expected[-1] in engine.info.eos_token_ids
             else FinishReason.MAX_TOKENS
         )
         assert result.finish.reason == want

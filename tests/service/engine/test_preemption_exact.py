@@ -17,6 +17,7 @@ from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.loader import load_engine
 
 BLOCK = 16
 
@@ -69,7 +70,7 @@ COMMON = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=64)
 def workload(tiny_model_dir):
     """The requests and the greedy tokens of an unpreempted run of them."""
     deadline = time.monotonic() + 600.0
-    reference = Engine(
+    reference = load_engine(
         EngineConfig(
             model=str(tiny_model_dir),
             **COMMON,
@@ -82,11 +83,8 @@ def workload(tiny_model_dir):
     early, late = _requests(vocab, 0, 4, deadline), _requests(vocab, 4, 8, deadline)
     try:
         expected = _run(reference, early, late)
-        assert (
-            reference.scheduler.num_swap_preemptions
-            == reference.scheduler.num_recompute_preemptions
-            == 0
-        )
+        stats = reference.stats()
+        assert stats.swap_preemptions == stats.recompute_preemptions == 0
     finally:
         reference.shutdown()
     return early, late, expected
@@ -94,7 +92,7 @@ def workload(tiny_model_dir):
 
 def _run_tight(tiny_model_dir, workload, num_host_blocks: int):
     early, late, expected = workload
-    tight = Engine(
+    tight = load_engine(
         EngineConfig(
             model=str(tiny_model_dir),
             **COMMON,
@@ -106,24 +104,23 @@ def _run_tight(tiny_model_dir, workload, num_host_blocks: int):
     )
     try:
         got = _run(tight, early, late)
-        sched = tight.scheduler
         stats = tight.stats()
     finally:
         tight.shutdown()
     assert got == expected
     assert stats.device_blocks.used == 0 and stats.host_blocks.used == 0
-    return sched
+    return stats
 
 
 def test_swapped_requests_match_the_unpreempted_run(tiny_model_dir, workload):
     # A small host pool: most preemptions swap; when it is full, the rest
     # recompute (how many of each depends on the timing of the arrivals).
-    sched = _run_tight(tiny_model_dir, workload, num_host_blocks=10)
-    assert sched.num_swap_preemptions >= 3, "the tiny pools must force swaps"
+    stats = _run_tight(tiny_model_dir, workload, num_host_blocks=10)
+    assert stats.swap_preemptions >= 3, "the tiny pools must force swaps"
 
 
 def test_recomputed_requests_match_the_unpreempted_run(tiny_model_dir, workload):
     # No host pool: every preemption drops the cache and recomputes it.
-    sched = _run_tight(tiny_model_dir, workload, num_host_blocks=0)
-    assert sched.num_swap_preemptions == 0
-    assert sched.num_recompute_preemptions >= 3, "the tiny pool must force recomputes"
+    stats = _run_tight(tiny_model_dir, workload, num_host_blocks=0)
+    assert stats.swap_preemptions == 0
+    assert stats.recompute_preemptions >= 3, "the tiny pool must force recomputes"

@@ -14,6 +14,7 @@ from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine, FinishedResult
 from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.loader import load_engine, load_parts
 
 BLOCK = 16
 PREFIX_LEN = 200  # 12 full blocks and a partial one
@@ -48,7 +49,9 @@ def _run(
     config: EngineConfig, workload: list[GenerationRequest]
 ) -> tuple[list[FinishedResult], Scheduler]:
     """The first request alone (it fills the cache), then the rest at once."""
-    engine = Engine(config)
+    parts = load_parts(config)
+    scheduler = parts.scheduler()
+    engine = Engine(scheduler, parts.runner, parts.tokenizer, parts.info)
     try:
         results = engine.generate(workload[:1]) + engine.generate(workload[1:])
         stats = engine.stats()
@@ -57,7 +60,7 @@ def _run(
     assert stats.device_blocks.used == stats.host_blocks.used == 0
     for result in results:
         assert result.finish.reason is FinishReason.MAX_TOKENS, result.finish
-    return results, engine.scheduler
+    return results, scheduler
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def reference(tiny_model_dir: object) -> tuple[list[GenerationRequest], list[Fin
         num_host_blocks=0,
         prefix_cache=False,
     )
-    engine = Engine(config)
+    engine = load_engine(config)
     vocab = engine.info.vocab_size
     engine.shutdown()
     workload = _workload(vocab)

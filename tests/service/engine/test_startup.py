@@ -15,6 +15,7 @@ from slipstream.kernels.cpu_features import CpuFeatures, detect
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.loader import load_engine
 
 NATIVE = CpuFeatures("forced native bf16", ("amx_bf16", "avx2"), "AVX512", False, False)
 EMULATED = CpuFeatures("forced avx2", ("avx2",), "AVX2", can_pack_bf16=False, can_pack_fp32=False)
@@ -32,7 +33,9 @@ def _generate(engine: Engine) -> list[int]:
     ("cpu", "dtype"), [(NATIVE, "bfloat16"), (EMULATED, "float32")], ids=["native", "emulated"]
 )
 def test_auto_dtype_follows_the_cpu(cpu: CpuFeatures, dtype: str) -> None:
-    engine = Engine(EngineConfig(model="tiny", num_device_blocks=16, num_host_blocks=0), cpu=cpu)
+    engine = load_engine(
+        EngineConfig(model="tiny", num_device_blocks=16, num_host_blocks=0), cpu=cpu
+    )
     assert (engine.info.dtype, engine.info.requested_dtype) == (dtype, "auto")
     assert not engine.info.weights_packed
     assert engine.info.cpu["model"] == cpu.model_name
@@ -42,12 +45,12 @@ def test_auto_dtype_follows_the_cpu(cpu: CpuFeatures, dtype: str) -> None:
 def test_packed_start_where_the_cpu_allows_it_else_a_clear_error() -> None:
     config = EngineConfig(model="tiny", num_device_blocks=16, num_host_blocks=0)
     if detect().can_pack_bf16:
-        engine = Engine(config, cpu=CLAIMS_PACKING)
+        engine = load_engine(config, cpu=CLAIMS_PACKING)
         assert engine.info.weights_packed and engine.info.dtype == "bfloat16"
         assert len(_generate(engine)) == 4
     else:
         with pytest.raises(ValueError, match="cannot pack bfloat16 weights"):
-            Engine(config, cpu=CLAIMS_PACKING)
+            load_engine(config, cpu=CLAIMS_PACKING)
 
 
 def _serve(args: list[str]) -> subprocess.CompletedProcess[str]:

@@ -30,11 +30,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture(scope="module")
 def setup() -> Iterator[tuple[ServerThread, Callable[[], Samples]]]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
     metrics = ServerMetrics()
     http, port = serve_metrics(metrics.registry, "127.0.0.1", 0)
-    engine = Engine(CONFIG)
+    engine = load_engine(CONFIG)
     engine.start()
     srv = ServerThread(engine, telemetry=Telemetry(None, metrics))
 
@@ -234,20 +234,14 @@ def test_overload_refusals_are_counted_by_class() -> None:
     from slipstream.service.engine.events import EngineStats, PoolStats
 
     class Engine:
-        scheduler = type(
-            "Sched",
-            (),
-            {
-                "num_swap_preemptions": 0,
-                "num_recompute_preemptions": 0,
-                "num_refused_for_capacity": {(2, "overloaded"): 3, (3, "queue_full"): 2},
-                "overload_estimate": 1.25,
-            },
-        )
-
         def stats(self) -> EngineStats:
             pool = PoolStats(0, 8)
-            return EngineStats(0, 0, 0, pool, pool, {}, 7, False, overload_refused={2: 3, 1: 1})
+            return EngineStats(
+                0, 0, 0, pool, pool, {}, 7, False,
+                overload_refused={2: 3, 1: 1},
+                capacity_refusals={(2, "overloaded"): 3, (3, "queue_full"): 2},
+                overload_estimate=1.25,
+            )  # fmt: skip
 
     metrics = ServerMetrics()
     metrics.bind_engine(Engine())  # type: ignore[arg-type]

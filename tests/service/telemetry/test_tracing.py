@@ -48,7 +48,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="module")
 def server(receiver: OtlpReceiver) -> Iterator[ServerThread]:
-    from slipstream.service.engine.engine import Engine
+    from slipstream.service.engine.loader import load_engine
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
@@ -57,7 +57,7 @@ def server(receiver: OtlpReceiver) -> Iterator[ServerThread]:
         env.delenv("OTEL_SDK_DISABLED", raising=False)
         telemetry = Telemetry(tracer_provider(os.environ))
     assert telemetry.provider is not None
-    engine = Engine(CONFIG)
+    engine = load_engine(CONFIG)
     engine.start()
     srv = ServerThread(engine, telemetry=telemetry)
     yield srv

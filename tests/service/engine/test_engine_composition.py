@@ -1,0 +1,128 @@
+"""The engine as a composition: a real scheduler, a fake runner and a word-level
+tokenizer, no model. The step is plan -> execute -> update -> publish; every
+ending is decided by the scheduler (stop sequences included); the scheduler
+refits its own cost model from the steps the engine measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer, decoders
+from tokenizers.models import WordLevel
+
+from slipstream.scheduler.config import SchedulerConfig
+from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+from slipstream.scheduler.plan import StepPlan
+from slipstream.scheduler.request import FinishReason
+from slipstream.scheduler.scheduler import Scheduler
+from slipstream.service.engine.engine import Engine
+from slipstream.service.engine.events import GenerationRequest, ModelInfo
+
+WORDS = ["<eos>", "a", "b", "c", "x", "y", "z", "!"]
+EOS = 0
+
+
+class _Tokenizer:
+    """What the engine needs of a Hugging Face tokenizer: its fast backend."""
+
+    def __init__(self) -> None:
+        self.backend_tokenizer = Tokenizer(
+            WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<eos>")
+        )
+        self.backend_tokenizer.decoder = decoders.Fuse()
+        self.backend_tokenizer.add_special_tokens(["<eos>"])  # never shown in the text
+
+
+@dataclass
+class _Result:
+    sampled: dict[str, int]
+
+
+class _ScriptedRunner:
+    """Each request's next token from its script (by output position); records plans."""
+
+    def __init__(self, scripts: dict[str, list[int]]) -> None:
+        self.scripts = scripts
+        self.plans: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> _Result:
+        self.plans.append(plan)
+        return _Result(
+            {s.req_id: self.scripts[s.req_id][s.output_index] for s in plan.seqs if s.sample}
+        )
+
+
+class _CountingScheduler(Scheduler):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.num_aborts = 0
+
+    def abort_request(self, *args: object, **kwargs: object) -> object:
+        self.num_aborts += 1
+        return super().abort_request(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def _engine(
+    scripts: dict[str, list[int]],
+) -> tuple[Engine, _CountingScheduler, CostModel, _ScriptedRunner]:
+    cost = CostModel(CostCoefficients(), max_drift=None)
+    config = SchedulerConfig(
+        num_device_blocks=32, block_size=4, max_model_len=64, policy="deadline"
+    )
+    scheduler = _CountingScheduler(config, cost_model=cost)
+    runner = _ScriptedRunner(scripts)
+    info = ModelInfo(
+        name="fake", path="", architecture="none", max_model_len=64, vocab_size=len(WORDS),
+        dtype="float32", block_size=4, attention_backend="none", eos_token_ids=[EOS],
+    )  # fmt: skip
+    return Engine(scheduler, runner, _Tokenizer(), info), scheduler, cost, runner  # type: ignore[arg-type]
+
+
+def test_every_ending_is_the_schedulers() -> None:
+    scripts = {
+        "limit": [1, 2, 3, 1, 2, 3],
+        "eos": [4, 5, EOS, 6, 6, 6],
+        "stop": [1, 4, 5, 6, 1, 1],  # "axyz...": stops at "yz"
+    }
+    engine, scheduler, cost, runner = _engine(scripts)
+    requests = [
+        GenerationRequest(req_id="limit", prompt_token_ids=[1, 2], max_new_tokens=4),
+        GenerationRequest(req_id="eos", prompt_token_ids=[3], max_new_tokens=6),
+        GenerationRequest(
+            req_id="stop", prompt_token_ids=[2, 2, 2], max_new_tokens=6, stop_sequences=("yz",)
+        ),
+    ]
+    try:
+        results = {r.req_id: r for r in engine.generate(requests)}
+    finally:
+        engine.shutdown()
+    assert results["limit"].finish.reason is FinishReason.MAX_TOKENS
+    assert results["limit"].token_ids == [1, 2, 3, 1] and results["limit"].text == "abca"
+    assert results["eos"].finish.reason is FinishReason.EOS
+    assert results["eos"].token_ids == [4, 5, EOS] and results["eos"].text == "xy"
+    # The stop sequence ends the request in update(), like EOS: no abort, no
+    # later step for it, and the text ends right before the stop string.
+    assert results["stop"].finish.reason is FinishReason.STOP_SEQUENCE
+    assert results["stop"].token_ids == [1, 4, 5, 6] and results["stop"].text == "ax"
+    assert scheduler.num_aborts == 0
+    assert sum(s.req_id == "stop" for p in runner.plans for s in p.seqs) == 4
+    # The scheduler refit its cost model from every step that ran.
+    assert cost.num_samples == len([p for p in runner.plans if p.seqs])
+    stats = engine.stats()
+    assert stats.device_blocks.used == 0 and stats.step >= 4  # four tokens, one step each
+
+
+def test_a_step_listener_sees_each_step_with_its_seconds() -> None:
+    engine, _, _, runner = _engine({"r": [1, 2, 3]})
+    seen: list[tuple[int, float]] = []
+    listeners = [lambda plan, seconds: seen.append((plan.step, seconds))]
+    composed = Engine(engine._scheduler, runner, engine.tokenizer, engine.info, listeners)
+    try:
+        (result,) = composed.generate(
+            [GenerationRequest(req_id="r", prompt_token_ids=[1], max_new_tokens=3)]
+        )
+    finally:
+        composed.shutdown()
+    assert result.token_ids == [1, 2, 3]
+    assert [step for step, _ in seen] == [p.step for p in runner.plans if p.seqs]
+    assert all(seconds > 0 for _, seconds in seen)
