@@ -20,6 +20,16 @@ def check_request_shape(req: Request) -> None:
         raise ValueError(f"request {req.req_id!r} has an empty prompt")
     if req.max_new_tokens < 1:
         raise ValueError(f"request {req.req_id!r}: max_new_tokens must be >= 1")
+    sampling = req.sampling
+    bad = (
+        (sampling.temperature < 0, "temperature must be >= 0"),
+        (not 0.0 < sampling.top_p <= 1.0, "top_p must be in (0, 1]"),
+        (sampling.top_k < 0, "top_k must be >= 0"),
+        (req.priority < 0, "priority must be >= 0"),
+    )
+    for failed, message in bad:
+        if failed:
+            raise ValueError(f"request {req.req_id!r}: {message}")
     if req.has_scheduling_state:
         raise ValueError(f"request {req.req_id!r} was already scheduled once; submit a fresh one")
 

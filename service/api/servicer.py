@@ -1,6 +1,6 @@
 """``slipstream.v1.Inference``: thin handlers. Validation and conversion live
-in ``wire``, per-call request bookkeeping in ``stream_session``, the mapping
-of errors to statuses in ``errors_map``."""
+in ``wire``, per-call request bookkeeping in ``session``, the mapping of
+errors to statuses in ``status``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from slipstream.service.api.auth import TenantGate, Tenants, Unauthenticated, au
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.session import StreamSession
+from slipstream.service.api.status import reject_reason_name
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -184,8 +185,7 @@ def _is_rejection(response: pb.GenerateResponse) -> bool:
 
 
 async def _abort_rejected(context: grpc.aio.ServicerContext, finished: pb.Finished) -> None:
-    reason = pb.RejectReason.Name(finished.reject_reason).removeprefix("REJECT_REASON_").lower()
-    trailers = [(REJECT_REASON_KEY, reason)]
+    trailers = [(REJECT_REASON_KEY, reject_reason_name(finished.reject_reason))]
     if finished.retry_after_ms:
         trailers.append((RETRY_AFTER_KEY, str(finished.retry_after_ms)))
     code = grpc.StatusCode[finished.status_code]

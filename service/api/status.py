@@ -40,11 +40,17 @@ class Rejection:
     @property
     def reason_name(self) -> str:
         """``queue_full``, ``invalid``, ...: the reject reason as a label."""
-        return pb.RejectReason.Name(self.reject_reason).removeprefix("REJECT_REASON_").lower()
+        return reject_reason_name(self.reject_reason)
 
     @property
     def wire_status(self) -> WireStatus:
         return _wire_status(self.status)
+
+
+def reject_reason_name(reject_reason: int) -> str:
+    """A ``pb.RejectReason`` as its label (``queue_full``): for metrics, logs and
+    the ``slipstream-reject-reason`` trailer (the clients read it back)."""
+    return pb.RejectReason.Name(reject_reason).removeprefix("REJECT_REASON_").lower()
 
 
 def _wire_status(code: grpc.StatusCode) -> WireStatus:

@@ -116,6 +116,8 @@ def check_limits(request: pb.GenerateRequest, submit: pb.Submit, limits: Limits)
         raise ValueError(
             f"{len(stops)} stop sequences, over this server's limit of {limits.max_stop_sequences}"
         )
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must be non-empty")
     if any(_utf8_len(s) > limits.max_stop_sequence_bytes for s in stops):
         raise ValueError(f"a stop sequence is longer than {limits.max_stop_sequence_bytes} bytes")
     trace = submit.trace_context
@@ -256,7 +258,6 @@ _EXPIRED_LIMITS = {
     ExpiredLimit.DEADLINE: pb.EXPIRED_LIMIT_DEADLINE,
     ExpiredLimit.FIRST_TOKEN: pb.EXPIRED_LIMIT_FIRST_TOKEN,
 }
-RETRY_AFTER_METADATA_KEY = "retry-after-ms"
 
 
 def _retry_after_ms(seconds: float | None) -> int:
@@ -283,14 +284,6 @@ def rejected(
     if isinstance(error, AtCapacity | QuotaExceeded):
         finished.retry_after_ms = _retry_after_ms(error.retry_after_s)
     return pb.GenerateResponse(request_id=request_id, finished=finished)
-
-
-def retry_after_metadata(finished: pb.Finished) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata for a call whose status carries ``finished`` (one
-    request per call): ``retry-after-ms`` when a retry hint is set."""
-    if not finished.retry_after_ms:
-        return ()
-    return ((RETRY_AFTER_METADATA_KEY, str(finished.retry_after_ms)),)
 
 
 def token_chunk(request_id: str, event: TokenEvent) -> pb.GenerateResponse:

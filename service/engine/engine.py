@@ -72,23 +72,6 @@ class FinishedResult:
     token_times: list[float] = field(default_factory=list)
 
 
-def validate(request: GenerationRequest) -> None:
-    """Rejects parameters no policy could serve; raises ValueError."""
-    sampling = request.sampling
-    checks = (
-        (not request.prompt_token_ids, "prompt is empty"),
-        (request.max_new_tokens < 1, "max_new_tokens must be at least 1"),
-        (sampling.temperature < 0, "temperature must be >= 0"),
-        (not 0.0 < sampling.top_p <= 1.0, "top_p must be in (0, 1]"),
-        (sampling.top_k < 0, "top_k must be >= 0"),
-        (request.priority < 0, "priority must be >= 0"),
-        (any(not s for s in request.stop_sequences), "stop sequences must be non-empty"),
-    )
-    for failed, message in checks:
-        if failed:
-            raise ValueError(message)
-
-
 class Engine:
     """Runs the step loop over its parts; ``loader.load_engine`` builds them.
 
@@ -135,7 +118,6 @@ class Engine:
             self._thread.start()
 
     def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
-        validate(request)
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         eos = () if request.ignore_eos else tuple(self.info.eos_token_ids)
         sched_request = Request(

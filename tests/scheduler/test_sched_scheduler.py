@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from sched_fakes import (
     EOS,
@@ -22,6 +24,7 @@ from slipstream.scheduler import (
     QueueFull,
     Request,
     RequestStatus,
+    SamplingParams,
     Scheduler,
     SchedulerConfig,
     SchedulingPolicy,
@@ -423,6 +426,31 @@ def test_a_request_object_cannot_be_submitted_twice() -> None:
     assert req.is_finished
     with pytest.raises(ValueError, match="already scheduled"):
         sched.add_request(req)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"sampling": SamplingParams(temperature=-0.5)}, "temperature"),
+        ({"sampling": SamplingParams(top_p=0.0)}, "top_p"),
+        ({"sampling": SamplingParams(top_p=1.5)}, "top_p"),
+        ({"sampling": SamplingParams(top_k=-1)}, "top_k"),
+        ({"priority": -1}, "priority"),
+        ({"prompt_token_ids": []}, "empty prompt"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
+def test_admission_refuses_parameters_no_policy_could_serve(
+    change: dict[str, object], message: str
+) -> None:
+    sched = make_scheduler()
+    req = dataclasses.replace(make_request("bad", 3, 2), **change)
+    with pytest.raises(ValueError, match=message):
+        sched.add_request(req)
+    assert (
+        not sched.has_unfinished()
+        and sched.num_free_device_blocks == sched.config.num_device_blocks
+    )
 
 
 def test_priority_policy_admits_the_most_urgent_class_first() -> None:

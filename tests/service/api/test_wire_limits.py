@@ -11,6 +11,7 @@ from slipstream.clients.wire import GenerateOptions, build_submit
 from slipstream.scheduler.errors import DeadlineInfeasible, Overloaded, QueueFull
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause
 from slipstream.service.api import wire
+from slipstream.service.api.limits import Limits
 from slipstream.service.api.status import rejection_for
 from slipstream.service.engine.events import FinishEvent, ModelInfo
 from slipstream.v1 import inference_pb2 as pb
@@ -34,6 +35,12 @@ def submit(**fields: object) -> pb.Submit:
 
 def convert(message: pb.Submit, call_deadline: float | None = None) -> object:
     return wire.to_generation_request(message, "s/r", None, INFO, 100.0, call_deadline)
+
+
+def test_an_empty_stop_sequence_is_a_format_error() -> None:
+    message = submit(stopping=pb.StoppingCriteria(stop_sequences=["end", ""]))
+    with pytest.raises(ValueError, match="stop sequences must be non-empty"):
+        wire.check_limits(pb.GenerateRequest(submit=message), message, Limits())
 
 
 def test_first_token_timeout_becomes_an_absolute_first_token_deadline() -> None:
@@ -77,8 +84,7 @@ def test_shed_request_finishes_rejected_shed_with_a_retry_hint() -> None:
     assert done.reject_reason == pb.REJECT_REASON_SHED
     assert done.status_code == grpc.StatusCode.RESOURCE_EXHAUSTED.name
     assert done.retry_after_ms == 250
-    assert wire.retry_after_metadata(done) == (("retry-after-ms", "250"),)
-    assert wire.retry_after_metadata(finish(reason=FinishReason.EOS)) == ()
+    assert finish(reason=FinishReason.EOS).retry_after_ms == 0
 
 
 def test_queued_request_rejected_as_infeasible_keeps_its_limit() -> None:
