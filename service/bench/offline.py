@@ -18,12 +18,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from slipstream.scheduler.request import FinishReason
-from slipstream.service.bench import llamacpp_peer, roofline, vllm_peer
+from slipstream.service.bench import roofline
+from slipstream.service.bench.peer_process import PeerError
+from slipstream.service.bench.peers import PEERS, failure_entry
 from slipstream.service.bench.report import (
     EngineRun,
     RequestTiming,
@@ -46,9 +48,10 @@ from slipstream.service.bench.workload import (
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest
 
-ENGINES = ("slipstream", "hf_static", "hf_cb")
-# Engines that run only when asked for: vLLM needs an environment of its own.
-OPTIONAL_ENGINES = ("vllm", "llamacpp")
+# Slipstream and every peer; the peers that are not ``by_default`` run only
+# when asked for (vLLM needs an environment of its own, llama.cpp a binary).
+ENGINES = ("slipstream", *PEERS)
+DEFAULT_ENGINES = ("slipstream", *(name for name, peer in PEERS.items() if peer.by_default))
 
 
 class BenchError(Exception):
@@ -77,11 +80,8 @@ class OfflineOptions:
     max_num_seqs: int | None = None
     prefix_cache: bool = True
     floor: bool = True
-    hf_batch_size: int = 16
-    hf_cb_page_size: int = 64
-    hf_cb_max_batch_tokens: int = 512
-    vllm: vllm_peer.VllmSettings | None = None
-    llamacpp: llamacpp_peer.LlamaServerSettings | None = None
+    # Each peer's settings by peer name (``Peer.settings``), for the peers asked for.
+    peers: Mapping[str, object] = field(default_factory=dict)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -97,8 +97,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--plot", dest="plot_path", help="write a PNG here (needs matplotlib)")
     parser.add_argument(
         "--engines",
-        default=",".join(ENGINES),
-        help=f"comma-separated subset of {','.join(ENGINES + OPTIONAL_ENGINES)}",
+        default=",".join(DEFAULT_ENGINES),
+        help=f"comma-separated subset of {','.join(ENGINES)}",
     )
     parser.add_argument(
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 only with native bf16"
@@ -123,12 +123,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         action="store_false",
         help="skip measuring the workload's floor on this CPU (bench/roofline.py)",
     )
-    peers = parser.add_argument_group("peers")
-    peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
-    peers.add_argument("--hf-cb-page-size", type=int, default=64)
-    peers.add_argument("--hf-cb-max-batch-tokens", type=int, default=512)
-    vllm_peer.add_arguments(parser)
-    llamacpp_peer.add_arguments(parser)
+    for peer in PEERS.values():
+        peer.add_arguments(parser)
     parser.set_defaults(func=_main)
 
 
@@ -144,24 +140,18 @@ def _main(args: argparse.Namespace) -> int:
 
 def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> OfflineOptions:
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
-    known = ENGINES + OPTIONAL_ENGINES
-    unknown = sorted(set(engines) - set(known))
+    unknown = sorted(set(engines) - set(ENGINES))
     if unknown or not engines:
-        raise BenchError(f"--engines takes a subset of {','.join(known)}, got {args.engines!r}")
+        raise BenchError(f"--engines takes a subset of {','.join(ENGINES)}, got {args.engines!r}")
     if args.num_requests < 1 or args.num_threads < 1:
         raise BenchError("--requests and --threads must be >= 1")
-    vllm = None
-    if "vllm" in engines:
-        try:
-            vllm = vllm_peer.settings_from_args(args, environ)
-        except ValueError as exc:
-            raise BenchError(str(exc)) from exc
-    llamacpp = None
-    if "llamacpp" in engines:
-        try:
-            llamacpp = llamacpp_peer.settings_from_args(args, environ)
-        except ValueError as exc:
-            raise BenchError(str(exc)) from exc
+    peers = {}
+    for name in engines:
+        if name in PEERS:
+            try:
+                peers[name] = PEERS[name].settings(args, environ)
+            except ValueError as exc:
+                raise BenchError(str(exc)) from exc
     return OfflineOptions(
         model=args.model,
         num_requests=args.num_requests,
@@ -181,11 +171,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
         floor=args.floor,
-        hf_batch_size=args.hf_batch_size,
-        hf_cb_page_size=args.hf_cb_page_size,
-        hf_cb_max_batch_tokens=args.hf_cb_max_batch_tokens,
-        vllm=vllm,
-        llamacpp=llamacpp,
+        peers=peers,
     )
 
 
@@ -214,17 +200,10 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         print(f"running {name} ...", flush=True)
         load_before = os.getloadavg()[0]
         try:
-            run = _runner(name)(model_dir, workload, options)
-        except vllm_peer.VllmPeerError as exc:
+            run = _run_engine(name, model_dir, workload, options)
+        except PeerError as exc:
             # A peer in another process fails alone: the others' figures still count.
-            engines[name] = vllm_peer.failure_entry(exc, options.vllm)
-            continue
-        except llamacpp_peer.LlamaServerError as exc:
-            print(f"llamacpp failed: {exc}", file=sys.stderr)
-            for line in exc.log_tail:
-                print(f"  | {line}", file=sys.stderr)
-            record = llamacpp_peer.settings_record(options.llamacpp) if options.llamacpp else {}
-            engines[name] = exc.report_entry(record)
+            engines[name] = failure_entry(PEERS[name], exc, options)
             continue
         check_token_counts(run, [r.max_tokens for r in workload])
         engines[name] = engine_metrics(run)
@@ -240,8 +219,10 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         fraction = ours / floor.output_tokens_per_s
         report["floor"] = {**floor.as_dict(), "slipstream_fraction": fraction}
         print(f"slipstream ran at {fraction:.2f}x the floor's rate")
-    if "vllm" in engines:
-        print(vllm_peer.summary_line(engines["vllm"]))
+    for name, peer in PEERS.items():
+        line = peer.summary(engines[name]) if name in engines else None
+        if line:
+            print(line)
     for key, value in report["ratios"].items():  # type: ignore[attr-defined]
         print(f"{key}: {value:.2f}x")
     if options.json_path:
@@ -289,56 +270,12 @@ def _vocab_size(model_dir: str) -> int:
     return int(text_config["vocab_size"])
 
 
-def _runner(name: str) -> Callable[[str, Sequence[WorkloadRequest], OfflineOptions], EngineRun]:
-    return {
-        "slipstream": run_slipstream,
-        "hf_static": _run_hf_static,
-        "hf_cb": _run_hf_cb,
-        "vllm": _run_vllm,
-        "llamacpp": _run_llamacpp,
-    }[name]
-
-
-def _run_vllm(
-    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
+def _run_engine(
+    name: str, model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
 ) -> EngineRun:
-    assert options.vllm is not None, "set by _options_from_args when vllm is asked for"
-    return vllm_peer.run_vllm(model_dir, workload, options.vllm)
-
-
-def _run_llamacpp(
-    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
-) -> EngineRun:
-    """llama.cpp serves the model's original GGUF: built-in GGUF models only."""
-    from slipstream.service.models.store import GGUF_MODELS, find_packaged_gguf
-
-    assert options.llamacpp is not None, "set by _options_from_args when llamacpp is asked for"
-    if options.model not in GGUF_MODELS:
-        raise llamacpp_peer.LlamaServerError(
-            f"llama.cpp runs GGUF files; model {options.model!r} has none "
-            f"(built-in GGUF models: {', '.join(sorted(GGUF_MODELS))})"
-        )
-    gguf = find_packaged_gguf(options.model)
-    return llamacpp_peer.run_llamacpp(gguf, workload, options.llamacpp)
-
-
-def _run_hf_static(
-    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
-) -> EngineRun:
-    from slipstream.service.bench.hf_peers import run_hf_static
-
-    return run_hf_static(model_dir, workload, options.dtype, batch_size=options.hf_batch_size)
-
-
-def _run_hf_cb(
-    model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
-) -> EngineRun:
-    from slipstream.service.bench.hf_peers import CBSettings, run_hf_cb
-
-    settings = CBSettings(
-        page_size=options.hf_cb_page_size, max_batch_tokens=options.hf_cb_max_batch_tokens
-    )
-    return run_hf_cb(model_dir, workload, options.dtype, settings)
+    if name == "slipstream":
+        return run_slipstream(model_dir, workload, options)
+    return PEERS[name].run(model_dir, workload, options)
 
 
 def run_slipstream(

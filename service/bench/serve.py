@@ -407,15 +407,15 @@ def _vllm_run(
 
     from slipstream.service.bench.http_load import run_http
     from slipstream.service.bench.offline import resolve_model_dir
+    from slipstream.service.bench.peers import SERVED_PEERS
     from slipstream.service.bench.report import resolved_dtype
-    from slipstream.service.bench.vllm_server import vllm_server
 
     if args.model is None:
         raise SystemExit("bench serve --vllm-python: give --model NAME (vLLM loads its folder)")
     with tempfile.TemporaryDirectory(prefix="slipstream-vllm-serve-") as tmp:
         log_path = args.vllm_log or Path(tmp, "vllm-server.log")
         started = time.monotonic()
-        with vllm_server(
+        with SERVED_PEERS["vllm"].served(
             args.vllm_python, resolve_model_dir(args.model), model, resolved_dtype(args.dtype),
             args.threads or 2, free_port(), log_path,
         ) as base_url:  # fmt: skip

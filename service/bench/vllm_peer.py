@@ -21,7 +21,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -122,16 +121,6 @@ def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         timeout_s=args.vllm_timeout,
         log_path=args.vllm_log,
     )
-
-
-def failure_entry(exc: VllmPeerError, settings: VllmSettings | None) -> dict[str, object]:
-    """Tell the user why vLLM failed (with its last log lines) and return
-    the engine's report entry."""
-    print(f"{ENGINE} failed: {exc}", file=sys.stderr)
-    for line in exc.log_tail:
-        print(f"  | {line}", file=sys.stderr)
-    record = settings_record(settings) if settings is not None else {}
-    return exc.report_entry(record)
 
 
 def run_vllm(
