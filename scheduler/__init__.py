@@ -17,8 +17,8 @@ from .errors import (
     SchedulerError,
 )
 from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
-from .policies import DEFAULT_POLICY, POLICY_NAMES, make_policy
-from .policy import FcfsPolicy, Infeasible, PreemptionMode, PriorityPolicy, SchedulingPolicy
+from .policy_base import FcfsPolicy, Infeasible, PreemptionMode, PriorityPolicy, SchedulingPolicy
+from .policy_registry import DEFAULT_POLICY, POLICY_NAMES, make_policy
 from .request import (
     ExpiredLimit,
     FinishReason,

@@ -14,7 +14,7 @@ class SchedulerConfig:
     per-step token budget shared by decodes and prefill chunks;
     ``max_num_seqs`` bounds the running batch; ``max_queue_len`` bounds the
     waiting queue (admission answers QueueFull beyond it). ``policy`` names a
-    policy registered in ``slipstream.scheduler.policies``.
+    policy registered in ``slipstream.scheduler.policy_registry``.
 
     Knobs of the ``deadline`` policy: ``reject_infeasible`` turns on early
     rejection (DeadlineInfeasible) of a request that would miss its deadline

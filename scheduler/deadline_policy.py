@@ -51,7 +51,6 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 from .batch_shaping import CEILING_MARGIN_STEPS, ArrivalReserve, BatchShaper
@@ -59,7 +58,7 @@ from .config import SchedulerConfig
 from .cost_model import CostModel, StepShape, idle_keep
 from .overload import OverloadShedder
 from .plan import StepPlan
-from .policy import Infeasible, PreemptionMode, SchedulingPolicy, least_urgent_class_victim
+from .policy_base import Infeasible, PreemptionMode, SchedulingPolicy, least_urgent_class_victim
 from .request import ExpiredLimit, FinishReason, Request, RequestStatus
 
 # Steps of headroom an urgent waiting request keeps before it preempts.
@@ -85,16 +84,6 @@ def _output_target(req: Request, outputs: int) -> int:
     has, at most ``max_new_tokens``."""
     target = req.expected_output_tokens or req.max_new_tokens
     return min(max(target, outputs + 1), req.max_new_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class _Carried:
-    """A deadline policy's learned state (``carried_state``); resumed as
-    copies, so one snapshot can start several twins."""
-
-    shedder: OverloadShedder | None
-    reserve: ArrivalReserve
-    loaded_step_s: float
 
 
 class _Entry:
@@ -148,7 +137,7 @@ class DeadlinePolicy(SchedulingPolicy):
         self._aging_s = config.aging_s
         self._min_residency_s = config.min_residency_s
         self._entries: dict[str, _Entry] = {}
-        self._reserve = ArrivalReserve()  # keeps steps short for class-0 arrivals
+        self.arrival_reserve = ArrivalReserve()  # keeps steps short for class-0 arrivals
         self._batch = config.max_num_seqs
         self._shedder = OverloadShedder() if config.shed_under_overload else None
         # (req_id, weight, shed class) of the arrival ``overload_refusal`` let
@@ -199,18 +188,6 @@ class DeadlinePolicy(SchedulingPolicy):
         c = cost.coefficients
         lone = c.base_s + c.per_decode_seq_s
         self.loaded_step_s = lone + (self.loaded_step_s - lone) * idle_keep(idle_s)
-
-    def carried_state(self, shift_s: float) -> object | None:
-        shedder = None if self._shedder is None else self._shedder.shifted(shift_s)
-        return _Carried(shedder, self._reserve.shifted(shift_s), self.loaded_step_s)
-
-    def resume(self, state: object | None) -> None:
-        if not isinstance(state, _Carried):
-            raise TypeError(f"cannot resume a deadline policy from {type(state).__name__}")
-        if self._shedder is not None and state.shedder is not None:
-            self._shedder = state.shedder.shifted(0.0)
-        self._reserve = state.reserve.shifted(0.0)
-        self.loaded_step_s = state.loaded_step_s
 
     def remaining_seconds(self, req: Request) -> float:
         """Isolated remaining service time (swap-in included when swapped)."""
@@ -479,6 +456,10 @@ class DeadlinePolicy(SchedulingPolicy):
         """The overload estimate and threshold (None with shedding off)."""
         return self._shedder
 
+    @overload_shedder.setter
+    def overload_shedder(self, shedder: OverloadShedder | None) -> None:
+        self._shedder = shedder
+
     def overload_estimate(self) -> float | None:
         shedder = self._shedder
         return None if shedder is None else shedder.load()
@@ -541,7 +522,9 @@ class DeadlinePolicy(SchedulingPolicy):
     # -- batch shaping ---------------------------------------------------
 
     def batch_shaper(self, now: float) -> BatchShaper:
-        return BatchShaper(self.cost_model, now, self.step_ceiling, self._reserve.ceiling_s(now))
+        return BatchShaper(
+            self.cost_model, now, self.step_ceiling, self.arrival_reserve.ceiling_s(now)
+        )
 
     def observe_arrival(self, req: Request, now: float) -> None:
         pending = self._pending_arrival
@@ -549,7 +532,7 @@ class DeadlinePolicy(SchedulingPolicy):
             self._shedder.record(now, pending[1], pending[2], req.req_id)
         self._pending_arrival = None
         if req.priority == 0:
-            self._reserve.observe(now, self.step_ceiling(req, now))
+            self.arrival_reserve.observe(now, self.step_ceiling(req, now))
 
     def step_ceiling(self, req: Request, now: float) -> float:
         """The longest step ``req`` can afford, as the cost model predicts

@@ -50,8 +50,8 @@ from .config import SchedulerConfig
 from .cost_model import CostModel
 from .errors import DeadlineInfeasible, DuplicateRequest, Overloaded, QueueFull
 from .plan import FinishedRequest, RequestOutput, ScheduledSeq, StepPlan
-from .policies import make_policy
-from .policy import PreemptionMode, SchedulingPolicy
+from .policy_base import PreemptionMode, SchedulingPolicy
+from .policy_registry import make_policy
 from .request import ExpiredLimit, FinishReason, RejectCause, Request, RequestStatus
 
 # Bounds of a retry-after hint, and the weight of the newest gap between

@@ -12,6 +12,10 @@ Requests ignore EOS and make exactly ``output_len`` tokens (unless they
 expire). A step's seconds are charged to its sequences in proportion to
 their scheduled tokens, so the compute a request consumed is known even when
 it later misses its deadline. Deterministic: same inputs, same result.
+
+A simulated *twin* of a live engine starts where the engine's policy stood:
+``carried_state`` takes what the policy has learned from past requests,
+``resume_policy`` starts the twin's policy from it.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .batch_shaping import ArrivalReserve
 from .config import SchedulerConfig
 from .cost_model import CostModel
+from .deadline_policy import DeadlinePolicy
 from .errors import SchedulerError
+from .overload import OverloadShedder
 from .plan import RequestOutput, StepPlan
-from .policy import SchedulingPolicy
+from .policy_base import SchedulingPolicy
 from .request import FinishReason, RejectCause, Request
 from .scheduler import Scheduler
 
@@ -242,3 +249,41 @@ def simulate(
 ) -> SimResult:
     """One run of ``requests`` (ids unique) under ``config.policy`` (or ``policy``)."""
     return Simulator(config, cost_model, policy).run(requests)
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedState:
+    """What a deadline policy has learned from past requests (overload
+    window, class-0 arrival reserve, loaded step time); resumed as copies,
+    so one snapshot can start several twins."""
+
+    shedder: OverloadShedder | None
+    reserve: ArrivalReserve
+    loaded_step_s: float
+
+
+def carried_state(policy: SchedulingPolicy, shift_s: float) -> CarriedState | None:
+    """What ``policy`` has learned, on a clock ``shift_s`` ahead, for
+    ``resume_policy`` of another policy of the same kind; None when it
+    learns nothing."""
+    if not isinstance(policy, DeadlinePolicy):
+        return None
+    shedder = policy.overload_shedder
+    return CarriedState(
+        None if shedder is None else shedder.shifted(shift_s),
+        policy.arrival_reserve.shifted(shift_s),
+        policy.loaded_step_s,
+    )
+
+
+def resume_policy(policy: SchedulingPolicy, state: object | None) -> None:
+    """Starts ``policy`` from ``carried_state`` of a policy of the same kind
+    (TypeError for anything else); nothing for a policy that learns nothing."""
+    if not isinstance(policy, DeadlinePolicy):
+        return
+    if not isinstance(state, CarriedState):
+        raise TypeError(f"cannot resume a deadline policy from {type(state).__name__}")
+    if policy.overload_shedder is not None and state.shedder is not None:
+        policy.overload_shedder = state.shedder.shifted(0.0)
+    policy.arrival_reserve = state.reserve.shifted(0.0)
+    policy.loaded_step_s = state.loaded_step_s

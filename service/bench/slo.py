@@ -46,8 +46,8 @@ from typing import Any
 
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
-from slipstream.scheduler.policies import POLICY_NAMES, make_policy
-from slipstream.scheduler.simulator import SimRequest, SimResult, simulate
+from slipstream.scheduler.policy_registry import POLICY_NAMES, make_policy
+from slipstream.scheduler.simulator import SimRequest, SimResult, resume_policy, simulate
 from slipstream.service.bench.report import hardware, resolved_dtype
 from slipstream.service.bench.slo_capacity import (
     CLASS0_TARGET,
@@ -415,7 +415,7 @@ def simulate_workload(
     config = scheduler_config(opts, policy)
     scheduling = make_policy(policy, config, cost)
     if carried is not None:
-        scheduling.resume(carried)
+        resume_policy(scheduling, carried)
     result = simulate(as_scheduled(requests, deadlines), config, cost, scheduling)
     return result, scored_metrics(result.outcomes, requests)
 

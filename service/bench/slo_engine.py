@@ -40,7 +40,13 @@ from slipstream.scheduler.errors import SchedulerError
 from slipstream.scheduler.plan import StepPlan
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
-from slipstream.scheduler.simulator import REJECT_CAUSE_NAMES, SimOutcome, SimRequest, SimResult
+from slipstream.scheduler.simulator import (
+    REJECT_CAUSE_NAMES,
+    SimOutcome,
+    SimRequest,
+    SimResult,
+    carried_state,
+)
 from slipstream.service.bench.slo_workload import (
     as_scheduled,
     make_requests,
@@ -329,7 +335,7 @@ def _engine_run(
     # The twins start where the engine's policy stood (its overload window,
     # class-0 reserve and loaded step, learned from the runs before this
     # one), on the replay's clock, whose zero is ``started``.
-    carried = sched.policy.carried_state(-started)
+    carried = carried_state(sched.policy, -started)
     try:
         outcomes = _replay(engine, seen, started, engine.info.vocab_size)
     finally:

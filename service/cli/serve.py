@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from slipstream.scheduler.policies import POLICY_NAMES
+from slipstream.scheduler.policy_registry import POLICY_NAMES
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 

@@ -27,7 +27,7 @@ from slipstream.kernels.backend import resolve_backend
 from slipstream.kernels.cpu_features import CpuFeatures, DtypeChoice, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
-from slipstream.scheduler.policies import DEFAULT_POLICY
+from slipstream.scheduler.policy_registry import DEFAULT_POLICY
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.calibration import calibrate_cached
 from slipstream.service.engine.chat import has_chat_template

@@ -25,7 +25,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     StepPlan,
 )
-from slipstream.scheduler.policy import FcfsPolicy
+from slipstream.scheduler.policy_base import FcfsPolicy
 
 VOCAB = 97
 EOS = 0

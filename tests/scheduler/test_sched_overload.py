@@ -29,7 +29,7 @@ from slipstream.scheduler.overload import (
     WINDOW,
     OverloadShedder,
 )
-from slipstream.scheduler.simulator import SimRequest, simulate
+from slipstream.scheduler.simulator import SimRequest, carried_state, resume_policy, simulate
 
 
 def full_shedder() -> OverloadShedder:
@@ -472,13 +472,13 @@ def test_a_twin_resumed_from_the_carried_state_refuses_what_the_original_does() 
 
     original = engine()
     assert not all(_overload_arrivals(original, 0, 2 * WINDOW, 0.0))
-    carried = original.sched.policy.carried_state(-500.0)  # the twin's clock starts 500 s later
+    carried = carried_state(original.sched.policy, -500.0)  # the twin's clock starts 500 s later
     twin, fresh = engine(), engine()
-    twin.sched.policy.resume(carried)
+    resume_policy(twin.sched.policy, carried)
     first = 2 * WINDOW + 100  # past the original's clock
     expected = _overload_arrivals(original, first, MIN_ARRIVALS - 1, 0.0, stepping=False)
     assert not all(expected)
     assert _overload_arrivals(twin, first, MIN_ARRIVALS - 1, -500.0, stepping=False) == expected
     assert all(_overload_arrivals(fresh, first, MIN_ARRIVALS - 1, -500.0, stepping=False))
     with pytest.raises(TypeError):
-        twin.sched.policy.resume(None)
+        resume_policy(twin.sched.policy, None)

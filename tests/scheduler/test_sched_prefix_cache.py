@@ -19,7 +19,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
 )
 from slipstream.scheduler.block_manager import extend_block_hashes, hash_block
-from slipstream.scheduler.policy import FcfsPolicy
+from slipstream.scheduler.policy_base import FcfsPolicy
 
 BLOCK = 4
 SYSTEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three full blocks

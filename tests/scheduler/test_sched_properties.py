@@ -31,7 +31,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     SchedulingPolicy,
 )
-from slipstream.scheduler.policy import FcfsPolicy
+from slipstream.scheduler.policy_base import FcfsPolicy
 
 # Step costs on the fake clock's scale (1 s per step): deadlines of a few
 # steps are feasible, infeasible or hopeless depending on the draw.

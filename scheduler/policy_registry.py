@@ -5,7 +5,7 @@ from __future__ import annotations
 from .config import SchedulerConfig
 from .cost_model import CostModel
 from .deadline_policy import DeadlinePolicy
-from .policy import FcfsPolicy, PriorityPolicy, SchedulingPolicy
+from .policy_base import FcfsPolicy, PriorityPolicy, SchedulingPolicy
 
 POLICY_NAMES = (FcfsPolicy.name, PriorityPolicy.name, DeadlinePolicy.name)
 DEFAULT_POLICY = DeadlinePolicy.name

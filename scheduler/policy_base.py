@@ -40,7 +40,7 @@ Policies by name (``SchedulerConfig.policy``):
   deadlines early, and ``overload_refusal`` to turn the heaviest less urgent
   arrivals away past capacity.
 
-The registry of policies by name lives in ``policies.py``.
+The registry of policies by name lives in ``policy_registry.py``.
 """
 
 from __future__ import annotations
@@ -194,17 +194,6 @@ class SchedulingPolicy(abc.ABC):
 
     def observe_idle(self, idle_s: float) -> None:
         """The engine had no live request for ``idle_s`` seconds."""
-        return None
-
-    def carried_state(self, shift_s: float) -> object | None:
-        """What this policy has learned from past requests (rates, recent
-        arrivals), on a clock ``shift_s`` ahead, for ``resume`` in another
-        policy of the same kind: a simulated twin of a live engine starts
-        where the engine stood. None when it learns nothing."""
-        return None
-
-    def resume(self, state: object | None) -> None:
-        """Starts from ``carried_state`` of a policy of the same kind."""
         return None
 
     def forget(self, req_id: str) -> None:
