@@ -66,8 +66,8 @@ def main(args: argparse.Namespace) -> int:
 
 def measure(model: str, dtype: str, max_num_seqs: int, num_requests: int) -> dict[str, object]:
     """Start-up calibration, then the online refit over a saturating batch."""
-    from slipstream.service.bench.slo import SloOptions
-    from slipstream.service.bench.slo_engine import _measure_capacity, _start_engines
+    from slipstream.service.bench.slo_engine import measure_capacity, start_engines
+    from slipstream.service.bench.slo_options import SloOptions, engine_shaped
 
     opts = SloOptions(
         mode="engine",
@@ -80,19 +80,12 @@ def measure(model: str, dtype: str, max_num_seqs: int, num_requests: int) -> dic
         max_num_seqs=max_num_seqs,
     )
     # The engine shape of ``bench slo``'s engine mode.
-    opts = replace(
-        opts,
-        num_device_blocks=256,
-        num_host_blocks=128,
-        prompt_len=(16, 128),
-        output_len=(8, 48),
-        capacity_requests=num_requests,
-    )
-    engines, startup = _start_engines(opts)
+    opts = replace(engine_shaped(opts), capacity_requests=num_requests)
+    engines, startup = start_engines(opts)
     rig = engines["deadline"]
     try:
         started = time.monotonic()
-        capacity = _measure_capacity(opts, rig.engine)
+        capacity = measure_capacity(opts, rig.engine)
         seconds = time.monotonic() - started
     finally:
         rig.engine.shutdown()

@@ -20,14 +20,43 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
 
-SWEEP_LOADS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
+from slipstream.scheduler.cost_model import CostModel
+from slipstream.scheduler.simulator import SimRequest
+from slipstream.service.bench.slo_options import (
+    SWEEP_LOADS,
+    SloOptions,
+    options_json,
+    workload_spec,
+)
+from slipstream.service.bench.slo_workload import attainable_load, make_requests
+
 BISECTIONS = 4
 CLASS0_TARGET = 0.99
 OVERALL_TARGET = 0.90
 
 Run = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """Throughput of a saturating batch: the ceiling of any policy's goodput."""
+
+    rps: float
+    tokens_per_s: float
+
+    @staticmethod
+    def of(batch: Sequence[SimRequest], makespan_s: float) -> Capacity:
+        tokens = sum(r.output_len for r in batch)
+        return Capacity(len(batch) / makespan_s, tokens / makespan_s)
+
+    def report_fields(self) -> dict[str, float]:
+        return {"capacity_rps": self.rps, "capacity_tokens_per_s": self.tokens_per_s}
+
+
+def goodput_fraction(metrics: dict[str, object], capacity: Capacity) -> float:
+    """A run's goodput as a fraction of ``capacity``'s token throughput."""
+    return float(metrics["goodput_tokens_per_s"]) / capacity.tokens_per_s  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +114,21 @@ def find_capacity(
     return CapacityResult(policy, low, False, runs)
 
 
+def search_capacities(
+    opts: SloOptions, evaluate: Callable[[str, float], Run]
+) -> list[CapacityResult]:
+    """Every policy's capacity, ``evaluate(policy, load)`` replaying one load."""
+    return [
+        find_capacity(
+            policy,
+            lambda load, policy=policy: evaluate(policy, load),  # type: ignore[misc]
+            opts.capacity_sweep,
+            opts.capacity_bisections,
+        )
+        for policy in opts.policies
+    ]
+
+
 def capacity_json(results: Sequence[CapacityResult], capacity_rps: float) -> dict[str, object]:
     """``{"<policy>": {"load": L, "rate_rps": R, "is_lower_bound": b}, ...}``."""
     return {
@@ -111,81 +155,30 @@ def capacity_ratios(capacity: dict[str, object]) -> dict[str, float | None]:
     return ratios
 
 
-def plot_capacity(report: dict[str, object], path: str) -> None:
-    """Attainment vs load, one panel per class (and one overall), a line per
-    policy, each policy's capacity marked by a vertical line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = report["capacity_runs"]
-    capacity = report["capacity"]
-    assert isinstance(runs, list) and isinstance(capacity, dict)
-    panels = [("all", None), ("class 0", "0"), ("class 1", "1"), ("class 2", "2")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    policies = sorted({str(r["policy"]) for r in runs})
-    colors = {p: f"C{i}" for i, p in enumerate(policies)}
-    for ax, (title, cls) in zip(axes[0], panels, strict=True):
-        for policy in policies:
-            rows = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["load"])
-            values = [
-                r["attainment"] if cls is None else r["classes"][cls]["attainment"] for r in rows
-            ]
-            ax.plot(
-                [r["load"] for r in rows], values, marker="o", color=colors[policy], label=policy
-            )
-            load = capacity[policy]["load"]
-            ax.axvline(load, color=colors[policy], linestyle=":", alpha=0.8)
-        target = OVERALL_TARGET if cls is None else (CLASS0_TARGET if cls == "0" else None)
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
-        style_attainment_axes(ax, f"{title} (capacity: dotted)")
-    save_figure(fig, path)
+def workload_bound(opts: SloOptions, cost: CostModel, cv: float) -> float:
+    """``attainable_load`` of the workload's requests (their lengths and
+    classes; the load only moves their arrivals)."""
+    requests = make_requests(workload_spec(opts, 1.0, cv), cost, opts.max_num_batched_tokens)
+    return attainable_load(requests, cost, opts.max_num_seqs, OVERALL_TARGET, CLASS0_TARGET)
 
 
-def style_attainment_axes(ax: Any, title: str) -> None:
-    """The look every attainment-vs-load panel of ``bench slo`` shares."""
-    ax.set_title(title)
-    ax.set_xlabel("load (x capacity)")
-    ax.set_ylabel("deadline attainment")
-    ax.set_ylim(0, 1.05)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-
-
-def save_figure(fig: Any, path: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def format_capacity(report: dict[str, object]) -> str:
-    capacity = report["capacity"]
-    assert isinstance(capacity, dict)
-    lines = [
-        f"SLO capacity (class 0 >= {CLASS0_TARGET:.0%}, all >= {OVERALL_TARGET:.0%}; "
-        f"load x measured capacity {float(report['capacity_rps']):.2f} req/s):"  # type: ignore[arg-type]
-    ]
-    for policy, entry in capacity.items():
-        bound = " (lower bound: every swept load met it)" if entry["is_lower_bound"] else ""
-        lines.append(
-            f"  {policy:<8} load {entry['load']:.3f}  {entry['rate_rps']:.2f} req/s{bound}"
-        )
-    limit = report.get("attainable_load")
-    if isinstance(limit, float):
-        lines.append(
-            f"  any      at most load {limit:.3f}: past it, the heaviest requests the target"
-            " lets go carry less than the 1 - 1/load of the work that must go"
-        )
-    ratios = report.get("capacity_ratios") or {}
-    assert isinstance(ratios, dict)
-    if ratios:
-        parts = "  ".join(
-            f"x {name.removeprefix('over_')} {'-' if v is None else f'{v:.2f}'}"
-            for name, v in ratios.items()
-        )
-        lines.append(f"  deadline's capacity: {parts}")
-    return "\n".join(lines)
+def capacity_report(
+    results: Sequence[CapacityResult],
+    capacity: Capacity,
+    opts: SloOptions,
+    cv: float,
+    cost: CostModel,
+) -> dict[str, object]:
+    """The report of a capacity search; ``cost`` is the model the workload's
+    deadlines were set with (it weighs the requests for ``attainable_load``)."""
+    found = capacity_json(results, capacity.rps)
+    return {
+        "capacity": found,
+        "capacity_ratios": capacity_ratios(found),
+        "attainable_load": workload_bound(opts, cost, cv),
+        "capacity_cv": cv,
+        "capacity_runs": [run for r in results for run in r.runs],
+        "runs": [],
+        **capacity.report_fields(),
+        "options": options_json(opts),
+    }

@@ -31,9 +31,9 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import SchedulerError
@@ -44,14 +44,34 @@ from slipstream.scheduler.simulator import (
     REJECT_CAUSE_NAMES,
     SimOutcome,
     SimRequest,
-    SimResult,
     carried_state,
+)
+from slipstream.service.bench.slo_capacity import (
+    Capacity,
+    capacity_report,
+    goodput_fraction,
+    search_capacities,
+)
+from slipstream.service.bench.slo_options import (
+    SloOptions,
+    run_grid,
+    run_header,
+    scheduler_config,
+    workload_spec,
+)
+from slipstream.service.bench.slo_report import grid_report
+from slipstream.service.bench.slo_sim import sim_capacity, simulate_workload
+from slipstream.service.bench.slo_twin import (
+    MAX_LISTED_DISAGREEMENTS,
+    class0_misses,
+    reproducibility,
+    scored_differently,
+    twin_summary,
 )
 from slipstream.service.bench.slo_workload import (
     as_scheduled,
     make_requests,
     saturating_requests,
-    score_against,
     scored_metrics,
 )
 from slipstream.service.engine.calibration import calibrate
@@ -61,9 +81,6 @@ from slipstream.service.engine.events import Event, FinishEvent, GenerationReque
 from slipstream.service.engine.loader import load_parts
 from slipstream.service.engine.runner import kv_bytes_per_block
 from slipstream.service.models.llama import LlamaModel
-
-if TYPE_CHECKING:
-    from slipstream.service.bench.slo import Capacity, SloOptions
 
 
 @dataclass
@@ -79,11 +96,9 @@ class Rig:
     listeners: list[Callable[[StepPlan, float], None]] = field(default_factory=list)
 
 
-def _start_engines(opts: SloOptions) -> tuple[dict[str, Rig], CostModel]:
+def start_engines(opts: SloOptions) -> tuple[dict[str, Rig], CostModel]:
     """One started engine per policy, each with its own copy of one
     calibration (refit online from its own steps)."""
-    from slipstream.service.bench.slo import scheduler_config
-
     rigs: dict[str, Rig] = {}
     cost: CostModel | None = None
     for policy in opts.policies:
@@ -156,152 +171,94 @@ def deadline_yardstick(
     return CostModel(scaled), scale
 
 
-def _measure_capacity(opts: SloOptions, engine: Engine) -> Capacity:
-    from slipstream.service.bench.slo import Capacity, workload_spec
-
+def measure_capacity(opts: SloOptions, engine: Engine) -> Capacity:
     batch = saturating_requests(workload_spec(opts, 1.0, 1.0), opts.capacity_requests)
     started = time.monotonic()
     _replay(engine, batch, started, engine.info.vocab_size)
     return Capacity.of(batch, time.monotonic() - started)
 
 
+@dataclass(frozen=True, slots=True)
+class Bench:
+    """What every engine-mode run starts from: one started engine per
+    policy, the start-up calibration, the model the workload's deadlines
+    are set with (and its scale) and the first engine's measured capacity."""
+
+    rigs: dict[str, Rig]
+    calibration: CostModel
+    yardstick: CostModel
+    deadline_scale: float
+    capacity: Capacity
+
+    def run(
+        self, opts: SloOptions, policy: str, deadlines: str, load: float, cv: float,
+        requests: list[SimRequest],
+    ) -> dict[str, object]:  # fmt: skip
+        """One real-time replay with its twins, scored against capacity."""
+        run = _engine_run(self.rigs[policy], policy, deadlines, load, cv, requests, opts)
+        run["goodput_fraction_of_capacity"] = goodput_fraction(run, self.capacity)
+        return run
+
+    def requests(self, opts: SloOptions, load: float, cv: float) -> list[SimRequest]:
+        spec = workload_spec(opts, load * self.capacity.rps, cv)
+        return make_requests(spec, self.yardstick, opts.max_num_batched_tokens)
+
+    def report_fields(self) -> dict[str, object]:
+        return {"coefficients": _coeffs(self.calibration), "deadline_scale": self.deadline_scale}
+
+
+@contextmanager
+def started_bench(opts: SloOptions) -> Iterator[Bench]:
+    """The engines started and measured; shut down on exit."""
+    rigs, cost = start_engines(opts)
+    try:
+        first = rigs[opts.policies[0]].engine
+        yardstick, scale = deadline_yardstick(opts, first, cost)
+        yield Bench(rigs, cost, yardstick, scale, measure_capacity(opts, first))
+    finally:
+        for rig in rigs.values():
+            rig.engine.shutdown()
+
+
 def run_engine_capacity(opts: SloOptions) -> dict[str, object]:
     """Each policy's SLO capacity on the real engine (see ``slo_capacity``):
     every evaluated load is a real-time replay, with its simulated twin."""
-    from slipstream.service.bench.slo import capacity_report, goodput_fraction, workload_spec
-    from slipstream.service.bench.slo_capacity import find_capacity
-
-    engines, cost = _start_engines(opts)
     cv = opts.cvs[0]
-    try:
-        yardstick, scale = deadline_yardstick(opts, engines[opts.policies[0]].engine, cost)
-        capacity = _measure_capacity(opts, engines[opts.policies[0]].engine)
-
-        def evaluate(policy: str, load: float) -> dict[str, object]:
-            spec = workload_spec(opts, load * capacity.rps, cv)
-            requests = make_requests(spec, yardstick, opts.max_num_batched_tokens)
-            run = _engine_run(engines[policy], policy, "enforced", load, cv, requests, opts)
-            run["goodput_fraction_of_capacity"] = goodput_fraction(run, capacity)
-            return run
-
-        results = [
-            find_capacity(
-                policy,
-                lambda load, policy=policy: evaluate(policy, load),  # type: ignore[misc]
-                opts.capacity_sweep,
-                opts.capacity_bisections,
-            )
-            for policy in opts.policies
-        ]
-    finally:
-        for rig in engines.values():
-            rig.engine.shutdown()
-    report = capacity_report(results, capacity, opts, cv, yardstick)
-    report["coefficients"] = _coeffs(cost)
-    report["deadline_scale"] = scale
-    return report
+    with started_bench(opts) as bench:
+        results = search_capacities(
+            opts,
+            lambda policy, load: bench.run(
+                opts, policy, "enforced", load, cv, bench.requests(opts, load, cv)
+            ),
+        )
+    report = capacity_report(results, bench.capacity, opts, cv, bench.yardstick)
+    return {**report, **bench.report_fields()}
 
 
 def run_engine_bench(opts: SloOptions) -> dict[str, object]:
-    from slipstream.service.bench.slo import (
-        goodput_fraction,
-        goodput_ratios,
-        run_grid,
-        sim_capacity,
-        workload_spec,
-    )
-
-    engines, cost = _start_engines(opts)
-    try:
-        first = engines[opts.policies[0]]
-        yardstick, scale = deadline_yardstick(opts, first.engine, cost)
-        capacity = _measure_capacity(opts, first.engine)
-        predicted = sim_capacity(opts, CostModel(cost.coefficients))
+    with started_bench(opts) as bench:
+        first = bench.rigs[opts.policies[0]]
+        predicted = sim_capacity(opts, CostModel(bench.calibration.coefficients))
         refit = sim_capacity(opts, CostModel(first.cost_model.coefficients))
         workloads: dict[tuple[float, float], list[SimRequest]] = {}
         runs: list[dict[str, object]] = []
         repeat_runs: list[dict[str, object]] = []
         for cv, load, policy, deadlines in run_grid(opts):
             if (cv, load) not in workloads:
-                spec = workload_spec(opts, load * capacity.rps, cv)
-                workloads[cv, load] = make_requests(spec, yardstick, opts.max_num_batched_tokens)
-            requests = workloads[cv, load]
+                workloads[cv, load] = bench.requests(opts, load, cv)
             for repeat in range(opts.repeats):
-                run = _engine_run(engines[policy], policy, deadlines, load, cv, requests, opts)
-                run["goodput_fraction_of_capacity"] = goodput_fraction(run, capacity)
+                run = bench.run(opts, policy, deadlines, load, cv, workloads[cv, load])
                 run["repeat"] = repeat
                 (repeat_runs if repeat else runs).append(run)
-    finally:
-        for rig in engines.values():
-            rig.engine.shutdown()
     return {
-        "runs": runs,
-        "capacity_rps": capacity.rps,
-        "capacity_tokens_per_s": capacity.tokens_per_s,
+        **grid_report(runs, bench.capacity),
         "sim_capacity_rps": predicted.rps,
         "sim_capacity_tokens_per_s": predicted.tokens_per_s,
         "sim_capacity_rps_refit": refit.rps,
-        "goodput_ratios": goodput_ratios(runs),
-        "coefficients": _coeffs(cost),
-        "deadline_scale": scale,
+        **bench.report_fields(),
         "repeat_runs": repeat_runs,
         "reproducibility": reproducibility([*runs, *repeat_runs]),
     }
-
-
-SIDES = (("engine", None), ("twin", "sim_twin"), ("twin_run_fit", "sim_twin_run_fit"))
-
-
-def reproducibility(runs: Sequence[dict[str, object]]) -> list[dict[str, object]]:
-    """For every cell replayed more than once (same requests, same policy):
-    per class and overall, the engine's attainment in each replay and its
-    spread (max - min), each twin's, and how far each twin's median is from
-    the engine's. A deterministic twin cannot be within ``d`` of every
-    replay when the replays themselves spread by more than ``2d``."""
-    from slipstream.service.bench.slo import side_attainment
-
-    cells: dict[tuple[object, ...], list[dict[str, object]]] = {}
-    for run in runs:
-        key = (run["cv"], run["load"], run["policy"], run["deadlines"])
-        cells.setdefault(key, []).append(run)
-    rows: list[dict[str, object]] = []
-    for (cv, load, policy, deadlines), group in cells.items():
-        if len(group) < 2:
-            continue
-        classes: dict[str, dict[str, object]] = {}
-        for cls in ("all", "0", "1", "2"):
-            entry: dict[str, object] = {}
-            medians: dict[str, float | None] = {}
-            for name, field_name in SIDES:
-                side_class = None if cls == "all" else cls
-                values = [
-                    side_attainment(run if field_name is None else run.get(field_name), side_class)
-                    for run in group
-                ]
-                known = [float(v) for v in values if v is not None]  # type: ignore[arg-type]
-                medians[name] = statistics.median(known) if known else None
-                entry[name] = values
-                entry[f"{name}_median"] = medians[name]
-                if field_name is None:
-                    entry["engine_spread"] = max(known) - min(known) if known else None
-            ours = medians["engine"]
-            for name, _ in SIDES[1:]:
-                theirs = medians[name]
-                entry[f"{name}_gap"] = (
-                    None if theirs is None or ours is None else abs(theirs - ours)
-                )
-            classes[cls] = entry
-        rows.append(
-            {
-                "cv": cv,
-                "load": load,
-                "policy": policy,
-                "deadlines": deadlines,
-                "replays": len(group),
-                "classes": classes,
-            }
-        )
-    return rows
 
 
 def _engine_run(
@@ -313,8 +270,6 @@ def _engine_run(
     requests: list[SimRequest],
     opts: SloOptions,
 ) -> dict[str, object]:
-    from slipstream.service.bench.slo import simulate_workload
-
     engine, sched, model = rig.engine, rig.scheduler, rig.cost_model
     # What the engine knew at the start, margin for its own error included
     # (a twin without it would plan closer to deadlines than the engine does).
@@ -349,20 +304,16 @@ def _engine_run(
         opts, policy, requests, refit, deadlines, carried
     )
     return {
-        "policy": policy,
-        "deadlines": deadlines,
-        "load": load,
-        "cv": cv,
-        "mode": "engine",
+        **run_header(policy, deadlines, load, cv, "engine"),
         **scored_metrics(outcomes, requests),
         "num_requests": len(requests),
         "preemptions_swap": swaps,
         "preemptions_recompute": sched.num_recompute_preemptions - recomputes0,
         "swapped_bytes_lower_bound": swaps * kv_bytes_per_block(rig.model, opts.block_size),
         "swapped_bytes": None,
-        "sim_twin": {**_twin_summary(twin_metrics, twin), "overrun": held.overrun},
+        "sim_twin": {**twin_summary(twin_metrics, twin), "overrun": held.overrun},
         "sim_twin_run_fit": {
-            **_twin_summary(twin_refit_metrics, twin_refit),
+            **twin_summary(twin_refit_metrics, twin_refit),
             "coefficients": _coeffs(refit),
             "overrun": mean_overrun,
             "num_disagreements": len(scored_differently(outcomes, twin_refit.outcomes, requests)),
@@ -370,87 +321,6 @@ def _engine_run(
         "num_twin_disagreements": len(disagreements),
         "twin_disagreements": disagreements[:MAX_LISTED_DISAGREEMENTS],
         "class0_misses": class0_misses(outcomes, requests)[:MAX_LISTED_DISAGREEMENTS],
-    }
-
-
-MAX_LISTED_DISAGREEMENTS = 20
-
-
-def class0_misses(
-    outcomes: Sequence[SimOutcome], requests: Sequence[SimRequest]
-) -> list[dict[str, object]]:
-    """Every class-0 request that missed on the engine, with what happened
-    to it and what it asked for: the first place to look when class 0 falls
-    short."""
-    rows: list[dict[str, object]] = []
-    for outcome, spec in zip(score_against(outcomes, requests), requests, strict=True):
-        if spec.priority != 0 or outcome.met_deadline:
-            continue
-        rows.append(
-            {
-                "req_id": spec.req_id,
-                "arrival_s": spec.arrival,
-                "fate": _fate(outcome),
-                "deadline_s": None if spec.deadline is None else spec.deadline - spec.arrival,
-                "prompt_len": spec.prompt_len,
-                "output_len": spec.output_len,
-                "queue_wait_s": None
-                if outcome.first_scheduled_time is None
-                else outcome.first_scheduled_time - spec.arrival,
-                "ttft_s": None
-                if outcome.first_token_time is None
-                else outcome.first_token_time - spec.arrival,
-                "preemptions": outcome.num_preemptions,
-            }
-        )
-    return rows
-
-
-def scored_differently(
-    engine: Sequence[SimOutcome], twin: Sequence[SimOutcome], requests: Sequence[SimRequest]
-) -> list[dict[str, object]]:
-    """The requests that met their deadline on one side and not the other
-    (both judged against ``requests``' deadlines), in request order."""
-    ours, theirs = score_against(engine, requests), score_against(twin, requests)
-    rows: list[dict[str, object]] = []
-    for e, t, spec in zip(ours, theirs, requests, strict=True):
-        if e.met_deadline == t.met_deadline:
-            continue
-        rows.append(
-            {
-                "req_id": spec.req_id,
-                "priority": spec.priority,
-                "met_on_engine": e.met_deadline,
-                "met_in_twin": t.met_deadline,
-                "engine": _fate(e),
-                "twin": _fate(t),
-                "deadline_s": None if spec.deadline is None else spec.deadline - spec.arrival,
-            }
-        )
-    return rows
-
-
-def _fate(outcome: SimOutcome) -> str:
-    reason = outcome.finish_reason.name.lower()
-    if outcome.rejection:
-        reason = f"{reason}:{outcome.rejection}"
-    return f"{reason} after {outcome.finish_time - outcome.arrival:.2f}s"
-
-
-def _twin_summary(metrics: dict[str, object], result: SimResult) -> dict[str, object]:
-    classes = metrics["classes"]
-    assert isinstance(classes, dict)
-    return {
-        "attainment": metrics["attainment"],
-        "goodput_tokens_per_s": metrics["goodput_tokens_per_s"],
-        "early_rejections": metrics["early_rejections"],
-        "overload_refusals": metrics["overload_refusals"],
-        "preemptions_swap": result.num_swap_preemptions,
-        "preemptions_recompute": result.num_recompute_preemptions,
-        "classes": {
-            name: {key: c[key] for key in ("attainment", "ttft_p99_s", "max_wait_s")}
-            for name, c in classes.items()
-        },
     }
 
 

@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from slipstream.scheduler.cost_model import MAX_OVERRUN
-from slipstream.service.bench import slo
-from slipstream.service.bench.slo_engine import reproducibility
+from slipstream.scheduler.cost_model import MAX_OVERRUN, CostModel
+from slipstream.scheduler.simulator import simulate
+from slipstream.service.bench import slo, slo_capacity, slo_engine, slo_options, slo_report, slo_sim
+from slipstream.service.bench.slo_twin import reproducibility
 from slipstream.service.bench.slo_workload import gamma_arrivals, hide_deadlines, score_against
 
 CLASS_KEYS = {"attainment", "goodput_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s"}
@@ -23,7 +24,7 @@ RUN_KEYS |= {"preemptions_swap", "preemptions_recompute", "early_rejections", "m
 
 @pytest.fixture(scope="module")
 def report() -> dict[str, object]:
-    opts = slo.SloOptions(
+    opts = slo_options.SloOptions(
         mode="sim",
         num_requests=600,
         loads=(1.5,),
@@ -32,7 +33,7 @@ def report() -> dict[str, object]:
         capacity_requests=200,
         seed=3,
     )
-    return slo.run_sim_bench(opts)
+    return slo_sim.run_sim_bench(opts)
 
 
 def test_json_has_the_documented_shape(report: dict[str, object]) -> None:
@@ -104,24 +105,26 @@ def test_score_against_refuses_mismatched_outcomes() -> None:
     requests = [SimRequest(f"r{i}", float(i), 8, 4, deadline=float(i) + 1) for i in range(2)]
     hidden = hide_deadlines(requests)
     assert all(r.deadline is None for r in hidden)
-    outcomes = slo.simulate(hidden, slo.scheduler_config(_tiny_opts(), "fcfs"), slo.CostModel())
+    outcomes = simulate(hidden, slo_options.scheduler_config(_tiny_opts(), "fcfs"), CostModel())
     scored = score_against(outcomes.outcomes, requests)
     assert [o.deadline for o in scored] == [1.0, 2.0]
     with pytest.raises(ValueError, match="is not request"):
         score_against(outcomes.outcomes, requests[::-1])
 
 
-def _tiny_opts() -> slo.SloOptions:
-    return slo.SloOptions(mode="sim", num_requests=2, loads=(1.0,), cvs=(1.0,), policies=("fcfs",))
+def _tiny_opts() -> slo_options.SloOptions:
+    return slo_options.SloOptions(
+        mode="sim", num_requests=2, loads=(1.0,), cvs=(1.0,), policies=("fcfs",)
+    )
 
 
 def test_simulation_is_deterministic() -> None:
-    opts = slo.SloOptions(
+    opts = slo_options.SloOptions(
         mode="sim", num_requests=150, loads=(1.5,), cvs=(3.0,), policies=("deadline",)
     )
-    capacity = slo.Capacity(rps=2.0, tokens_per_s=100.0)
-    first = slo.sim_run(opts, "deadline", 1.5, 3.0, capacity)
-    second = slo.sim_run(opts, "deadline", 1.5, 3.0, capacity)
+    capacity = slo_capacity.Capacity(rps=2.0, tokens_per_s=100.0)
+    first = slo_sim.sim_run(opts, "deadline", 1.5, 3.0, capacity)
+    second = slo_sim.sim_run(opts, "deadline", 1.5, 3.0, capacity)
     for run in (first, second):
         del run["sim_wall_s"]
     assert first == second
@@ -180,7 +183,7 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, 
         baseline_deadlines=("unaware",),
         capacity_requests=16,
     )
-    report = slo.run_engine_bench(opts)
+    report = slo_engine.run_engine_bench(opts)
     runs = report["runs"]
     assert [(r["policy"], r["deadlines"]) for r in runs] == [
         ("priority", "unaware"),
@@ -221,11 +224,11 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, 
     assert report["capacity_rps"] > 0 and report["sim_capacity_rps"] > 0
     assert report["deadline_scale"] > 0  # isolated requests measured on the engine
     assert {r["baseline_deadlines"] for r in report["goodput_ratios"]} == {"unaware"}
-    summary = slo.format_summary(report)
+    summary = slo_report.format_summary(report)
     assert "engine vs its simulated twin" in summary and "capacity: engine" in summary
     assert "the engine replaying the same requests" in summary
     png = tmp_path / "slo.png"
-    slo.plot_attainment(report, str(png))  # the replays drawn next to the first runs
+    slo_report.plot_attainment(report, str(png))  # the replays drawn next to the first runs
     assert png.stat().st_size > 1000
 
 
@@ -284,7 +287,7 @@ def test_engine_capacity_search_on_the_real_engine(tiny_model_dir) -> None:
         capacity_sweep=(0.5, 1.0),
         capacity_bisections=0,
     )
-    report = slo.run_engine_capacity(opts)
+    report = slo_engine.run_engine_capacity(opts)
     entry = report["capacity"]["deadline"]
     assert entry["load"] in (0.0, 0.5, 1.0)
     assert entry["rate_rps"] == pytest.approx(entry["load"] * report["capacity_rps"])

@@ -13,10 +13,10 @@ import pytest
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.simulator import SimOutcome, SimRequest, simulate
-from slipstream.service.bench import slo
+from slipstream.service.bench import slo, slo_options, slo_sim
 from slipstream.service.bench.calibrate import FORMAT, load_calibration
 from slipstream.service.bench.slo_capacity import capacity_ratios, find_capacity, meets_target
-from slipstream.service.bench.slo_engine import scored_differently
+from slipstream.service.bench.slo_twin import scored_differently
 from slipstream.service.bench.slo_workload import (
     attainable_load,
     saturating_requests,
@@ -173,19 +173,19 @@ def test_attainable_load_gives_up_the_heaviest_the_targets_allow() -> None:
 def test_batched_shares_add_up_to_a_saturated_runs_time() -> None:
     """The weights ``attainable_load`` compares are the simulated machine
     time of a saturating batch (within the ramp-down of its last steps)."""
-    opts = slo.SloOptions(
+    opts = slo_options.SloOptions(
         mode="sim", num_requests=400, loads=(1.0,), cvs=(1.0,), policies=("fcfs",)
     )
-    spec = slo.workload_spec(opts, 1.0, 1.0)
+    spec = slo_options.workload_spec(opts, 1.0, 1.0)
     batch = saturating_requests(spec, 400)
     cost = CostModel(opts.coefficients)
-    result = simulate(batch, slo.scheduler_config(opts, "fcfs"), cost)
+    result = simulate(batch, slo_options.scheduler_config(opts, "fcfs"), cost)
     shares = sum(cost.batched_seconds(r.prompt_len, r.output_len, opts.max_num_seqs) for r in batch)
     assert shares == pytest.approx(result.makespan_s, rel=0.05)
 
 
 def test_capacity_is_not_inflated_by_a_queue_limit() -> None:
-    opts = slo.SloOptions(
+    opts = slo_options.SloOptions(
         mode="sim",
         num_requests=100,
         loads=(1.0,),
@@ -193,5 +193,5 @@ def test_capacity_is_not_inflated_by_a_queue_limit() -> None:
         policies=("fcfs",),
         capacity_requests=120,
     )
-    limited = slo.sim_capacity(replace(opts, max_queue_len=16))
-    assert limited.rps == pytest.approx(slo.sim_capacity(opts).rps)
+    limited = slo_sim.sim_capacity(replace(opts, max_queue_len=16))
+    assert limited.rps == pytest.approx(slo_sim.sim_capacity(opts).rps)
