@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from slipstream.service.bench.serve import LoadShape, Trace, arrival_offsets
+from slipstream.service.bench.serve_load import LoadShape, Trace, arrival_offsets
 
 if TYPE_CHECKING:
     import aiohttp

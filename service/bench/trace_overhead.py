@@ -17,14 +17,8 @@ import resource
 import statistics
 
 from slipstream.service.bench.otlp_receiver import OtlpReceiver
-from slipstream.service.bench.serve import (
-    LoadShape,
-    environ_without_otel,
-    metrics,
-    remote_vocab_size,
-    run_remote,
-    spawned_server,
-)
+from slipstream.service.bench.serve import environ_without_otel, remote_vocab_size, spawned_server
+from slipstream.service.bench.serve_load import LoadShape, metrics, run_remote
 from slipstream.service.bench.workload import make_workload, workload_summary
 
 MODES = ("tracing_off", "tracing_on")
