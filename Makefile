@@ -1,17 +1,23 @@
 # Slipstream — two commands on a fresh machine: `make run` and `make test`.
 #
-# TORCH_SPEC picks the torch build installed before anything else. The default
-# is the CPU wheel; a plain `torch` requirement would pull a multi-GB CUDA
-# build. For a CUDA machine: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" ...
+# TORCH_SPEC picks the torch build installed before anything else. On a machine
+# where nvidia-smi sees an NVIDIA GPU it is the CUDA build, so `make run` serves
+# on the GPU; elsewhere the CPU wheel (a plain `torch` requirement would pull a
+# multi-GB CUDA build). Another build: make TORCH_SPEC="torch==... --index-url ..." ...
 PYTHON ?= python3
 VENV ?= .venv
+HAS_NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_NVIDIA_GPU),yes)
+TORCH_SPEC ?= torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+else
 TORCH_SPEC ?= torch==2.13.0
+endif
 MODEL ?= smollm2
 PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run kernels test unit-other-cpu test-slow fuzz lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step bench-soak fleet-test fleet-up fleet-down haproxy clean
+.PHONY: run kernels test unit-other-cpu test-gpu test-slow fuzz lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step bench-soak fleet-test fleet-up fleet-down haproxy clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +62,11 @@ unit-other-cpu: $(STAMP) protos
 	SLIPSTREAM_CPU=$(OTHER_CPU) $(BIN)/python -m pytest -m "not slow" $(CPU_TESTS)
 
 test: lint typecheck unit unit-other-cpu
+
+# The GPU tests (marked gpu, skipped where torch sees no CUDA device), with
+# Triton compiling for the GPU instead of running under its interpreter.
+test-gpu: $(STAMP) protos
+	TRITON_INTERPRET=0 $(BIN)/python -m pytest -m gpu tests/gpu
 
 test-slow: $(STAMP) protos
 	$(BIN)/python -m pytest -m slow

@@ -61,6 +61,19 @@ def _fresh_logging() -> object:
     structlog.reset_defaults()
 
 
+@pytest.fixture(scope="module")
+def engine(request: pytest.FixtureRequest) -> Iterator[object]:
+    """A started engine on the test module's ``CONFIG`` (an ``EngineConfig``),
+    shared by the module's tests and shut down after them: the one in-process
+    engine the server tests run against."""
+    from slipstream.service.engine.loader import load_engine
+
+    eng = load_engine(request.module.CONFIG)
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
 ServerProcess = tuple[subprocess.Popen[str], str]
 
 

@@ -45,16 +45,11 @@ INT64 = (-(2**63), 2**63 - 1)
 
 
 @pytest.fixture(scope="module")
-def channel() -> Iterator[grpc.Channel]:
-    from slipstream.service.engine.loader import load_engine
-
-    engine = load_engine(CONFIG)
-    engine.start()
+def channel(engine: object) -> Iterator[grpc.Channel]:
     server = ServerThread(engine)
     with grpc.insecure_channel(server.target) as ch:
         yield ch
     server.stop()
-    engine.shutdown()
 
 
 # ---------------------------------------------------------------- strategies

@@ -78,16 +78,6 @@ def spans() -> InMemorySpanExporter:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[object]:
-    from slipstream.service.engine.loader import load_engine
-
-    eng = load_engine(CONFIG)
-    eng.start()
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def server(engine: object, spans: InMemorySpanExporter) -> Iterator[ServerThread]:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))

@@ -48,16 +48,6 @@ LONG = 960  # tokens: outlives anything a test does to it (tiny: ~5 s alone)
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[object]:
-    from slipstream.service.engine.loader import load_engine
-
-    eng = load_engine(CONFIG)
-    eng.start()
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def server(engine: object) -> Iterator[ServerThread]:
     srv = ServerThread(engine)
     yield srv

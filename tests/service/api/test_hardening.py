@@ -50,16 +50,6 @@ NEVER_READS = Path(__file__).with_name("never_reads.py")
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[object]:
-    from slipstream.service.engine.loader import load_engine
-
-    eng = load_engine(CONFIG)
-    eng.start()
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def server(engine: object) -> Iterator[ServerThread]:
     srv = ServerThread(engine, limits=LIMITS)
     yield srv

@@ -92,15 +92,6 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[object]:
-    from slipstream.service.engine.loader import load_engine
-
-    eng = load_engine(CONFIG)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def spans() -> InMemorySpanExporter:
     return InMemorySpanExporter()
 

@@ -269,17 +269,14 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+def served(engine: object) -> Iterator[Served]:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from slipstream.service.engine.loader import load_engine
     from slipstream.service.telemetry.metrics import ServerMetrics
     from slipstream.service.telemetry.tracing import Telemetry
 
-    engine = load_engine(CONFIG)
-    engine.start()
     spans = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(spans))
@@ -288,7 +285,6 @@ def served() -> Iterator[Served]:
     server = ServerThread(engine, tenants, telemetry)
     yield Served(server, tenants, telemetry, spans)
     server.stop()
-    engine.shutdown()
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -95,16 +95,6 @@ def write(path: Path, data: bytes) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[object]:
-    from slipstream.service.engine.loader import load_engine
-
-    eng = load_engine(CONFIG)
-    eng.start()
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Server CA, a server certificate, a client CA and a client
     certificate, and an unrelated CA with a client certificate of its own."""

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from slipstream.kernels.cpu_features import CpuFeatures, detect
 from slipstream.service.engine.config import EngineConfig
@@ -84,3 +85,18 @@ def test_failed_start_prints_one_line_and_no_traceback(
     errors = [line for line in proc.stderr.splitlines() if line.startswith("slipstream: error:")]
     assert len(errors) == 1 and "cannot load the model" in errors[0]
     assert "serving" not in proc.stdout  # never announced SERVING
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_cuda_device_that_is_not_there_is_one_error_line() -> None:
+    proc = _serve(["--model", "tiny", "--no-calibrate", "--device", "cuda"])
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slipstream: error:")]
+    assert len(errors) == 1 and "no CUDA device" in errors[0], proc.stderr[-2000:]
+
+
+def test_the_cpu_is_said_as_the_device() -> None:
+    engine = load_engine(EngineConfig(model="tiny", num_device_blocks=16, device="cpu"))
+    assert engine.info.device["type"] == "cpu" and engine.info.device["name"]
+    engine.shutdown()

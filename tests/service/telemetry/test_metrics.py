@@ -29,13 +29,9 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 @pytest.fixture(scope="module")
-def setup() -> Iterator[tuple[ServerThread, Callable[[], Samples]]]:
-    from slipstream.service.engine.loader import load_engine
-
+def setup(engine: object) -> Iterator[tuple[ServerThread, Callable[[], Samples]]]:
     metrics = ServerMetrics()
     http, port = serve_metrics(metrics.registry, "127.0.0.1", 0)
-    engine = load_engine(CONFIG)
-    engine.start()
     srv = ServerThread(engine, telemetry=Telemetry(None, metrics))
 
     def scrape() -> Samples:
@@ -49,7 +45,6 @@ def setup() -> Iterator[tuple[ServerThread, Callable[[], Samples]]]:
 
     yield srv, scrape
     srv.stop()
-    engine.shutdown()
     http.shutdown()
 
 

@@ -47,9 +47,7 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-def server(receiver: OtlpReceiver) -> Iterator[ServerThread]:
-    from slipstream.service.engine.loader import load_engine
-
+def server(receiver: OtlpReceiver, engine: object) -> Iterator[ServerThread]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # ms: export promptly
@@ -57,12 +55,9 @@ def server(receiver: OtlpReceiver) -> Iterator[ServerThread]:
         env.delenv("OTEL_SDK_DISABLED", raising=False)
         telemetry = Telemetry(tracer_provider(os.environ))
     assert telemetry.provider is not None
-    engine = load_engine(CONFIG)
-    engine.start()
     srv = ServerThread(engine, telemetry=telemetry)
     yield srv
     srv.stop()
-    engine.shutdown()
     telemetry.shutdown()
 
 
