@@ -1,15 +1,20 @@
-"""Admission checks: what a request must satisfy before it may queue.
+"""Admission: what a request must satisfy before it may queue, and what the
+door does with it (``Admission.add_request``): the deadline-feasibility and
+overload checks the policy answers, and a full queue's shedding.
 
 Each check raises before anything is mutated, so a rejected request leaves
-the scheduler exactly as it was. The deadline-feasibility check
-(``DeadlineInfeasible``) belongs here too; it needs the step-cost model.
+the scheduler exactly as it was.
 """
 
 from __future__ import annotations
 
+import heapq
+
 from .config import SchedulerConfig
-from .errors import PromptTooLong
-from .request import Request
+from .errors import DeadlineInfeasible, DuplicateRequest, Overloaded, PromptTooLong, QueueFull
+from .plan import FinishedRequest
+from .prefix_sharing import PrefixSharing
+from .request import FinishReason, RejectCause, Request, RequestStatus
 
 
 def check_request_shape(req: Request) -> None:
@@ -50,4 +55,107 @@ def check_request_fits(req: Request, config: SchedulerConfig) -> None:
         raise PromptTooLong(
             f"prompt + max_new_tokens needs {blocks} KV blocks, "
             f"the device pool has {config.num_device_blocks}"
+        )
+
+
+# Bounds of a retry-after hint, and the weight of the newest gap between
+# finishes in the average that sizes it.
+_RETRY_AFTER_S = (0.05, 300.0)
+_FINISH_GAP_EWMA = 0.1
+
+
+class Admission(PrefixSharing):
+    """The door: queues a request or refuses it, shedding a less urgent
+    queued request to make room when the policy names one."""
+
+    def add_request(self, req: Request, now: float | None = None) -> None:
+        """Queues ``req`` (WAITING). Raises ValueError, DuplicateRequest,
+        PromptTooLong, DeadlineInfeasible or QueueFull — and then changes
+        nothing. ``now`` defaults to ``req.arrival_time``.
+
+        A full queue sheds the queued request the policy names
+        (``shed_victim``: a less urgent class) to make room: it ends
+        REJECTED (``RejectCause.SHED``) and is reported in the next plan's
+        ``finished``. Without a victim the newcomer gets QueueFull."""
+        check_request_shape(req)
+        if req.req_id in self._requests:
+            raise DuplicateRequest(f"request {req.req_id!r} is already live")
+        check_request_fits(req, self.config)
+        self._prefix_hits(req)  # cached tokens cost nothing in the estimates below
+        at = req.arrival_time if now is None else now
+        if self.config.reject_infeasible:
+            infeasible = self.policy.check_admission(req, at)
+            if infeasible is not None:
+                self.policy.forget(req.req_id)
+                raise DeadlineInfeasible(infeasible.message, infeasible.limit)
+        refusal = self.policy.overload_refusal(req, at)
+        if refusal:
+            self.policy.forget(req.req_id)
+            retry = self.retry_after_seconds(req.priority)
+            self._count_refusal(req.priority, "overloaded")
+            load = self.policy.overload_estimate()
+            raise Overloaded(f"{refusal}; retry after {retry:.3f}s", retry, load or 0.0)
+        if len(self._waiting) >= self.config.max_queue_len:
+            victim = self.policy.shed_victim(req, self._waiting, at)
+            if victim is None:
+                self.policy.forget(req.req_id)
+                retry = self.retry_after_seconds(req.priority)
+                self._count_refusal(req.priority, "queue_full")
+                raise QueueFull(
+                    f"waiting queue is full ({self.config.max_queue_len} requests); "
+                    f"retry after {retry:.3f}s",
+                    retry,
+                )
+            self._shed(victim)
+        req.arrival_index = self._num_arrivals
+        self._num_arrivals += 1
+        self.policy.observe_arrival(req, at)
+        self._requests[req.req_id] = req
+        self._waiting.append(req)
+        self._waiting_version += 1
+        for when in (req.deadline, req.first_token_deadline):
+            if when is not None:
+                heapq.heappush(self._deadlines, (when, req.arrival_index, req))
+
+    def _count_refusal(self, priority: int, reason: str) -> None:
+        key = (priority, reason)
+        self._num_refused[key] = self._num_refused.get(key, 0) + 1
+
+    def _shed(self, victim: Request) -> None:
+        if (
+            victim.status is not RequestStatus.WAITING
+            or self._requests.get(victim.req_id) is not victim
+        ):
+            raise ValueError(f"policy chose {victim.req_id!r} to shed, which is not waiting")
+        retry = self.retry_after_seconds(victim.priority)
+        message = f"shed from a full queue for a more urgent request; retry after {retry:.3f}s"
+        self._finish(victim, FinishReason.REJECTED, message)
+        self._num_shed[victim.priority] = self._num_shed.get(victim.priority, 0) + 1
+        self._ended.append(
+            FinishedRequest(
+                victim.req_id,
+                FinishReason.REJECTED,
+                message,
+                reject_cause=RejectCause.SHED,
+                retry_after_s=retry,
+            )
+        )
+
+    def retry_after_seconds(self, priority: int) -> float:
+        """When a retry of class ``priority`` may find room: the queued work
+        of that class or a more urgent one, at the recent rate of finishes."""
+        gap = self._finish_gap_s if self._finish_gap_s is not None else 1.0
+        ahead = sum(1 for r in self._waiting if r.priority <= priority)
+        low, high = _RETRY_AFTER_S
+        return min(high, max(low, (ahead + 1) * gap))
+
+    def _note_finish(self, now: float) -> None:
+        """Tracks the average gap between completions (for retry hints)."""
+        last, self._last_finish_time = self._last_finish_time, now
+        if last is None:
+            return
+        gap = now - last
+        average = self._finish_gap_s
+        self._finish_gap_s = (
+            gap if average is None else average + _FINISH_GAP_EWMA * (gap - average)
         )

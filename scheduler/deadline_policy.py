@@ -3,31 +3,9 @@ preemption of less urgent running work only when urgent work would
 otherwise miss, early abandonment of work that can no longer make its
 deadline, swap vs recompute by cost.
 
-Estimates. For each request the policy caches, per progress (computed
-tokens, outputs, status), the *isolated* remaining time (the cost model's
-service time if it ran alone: rest of the prefill, in budget-sized chunks,
-then the decodes to ``expected_output_tokens`` or ``max_new_tokens``, plus
-a swap-in when swapped) and the number of steps that takes. Under load a
-step is slower than an isolated one, so the *loaded* remaining time is
-``max(isolated, steps * loaded_step_s)`` where ``loaded_step_s`` is an
-exponential average of the predicted seconds of the plans actually made
-(``observe_plan``). Caching the components keeps every estimate O(1);
-only the multiplication by the current step time is redone, once per
-``(now, loaded_step_s)`` and request.
-
-Urgency (smaller sorts first)::
-
-    (is_hopeless, effective_class, deadline - loaded_remaining, arrival_index)
-
-- ``is_hopeless``: ``now + loaded_remaining > deadline``. The scheduler
-  abandons such work (DEADLINE_EXCEEDED, "cannot meet deadline") when
-  ``SchedulerConfig.abandon_hopeless``; compute spent on it is wasted and
-  only makes others miss too.
-- ``effective_class``: ``priority`` lowered by one per ``aging_s`` seconds
-  since arrival, down to 0: the least urgent class competes on slack with
-  class 0 after ``2 * aging_s`` — its wait is bounded by that (or by its own
-  deadline, when abandoned). Promotion changes order only, never the right
-  to preempt.
+How long each request still needs (alone and under load) and its urgency
+key, ``(is_hopeless, effective_class, latest start, arrival_index)``, are
+``deadline_estimates.py``'s.
 
 Overload (``overload_refusal``): past capacity, arrivals of classes above 0
 are refused at the door, the least urgent class first and the heaviest
@@ -56,102 +34,35 @@ from typing import ClassVar
 from .batch_shaping import CEILING_MARGIN_STEPS, ArrivalReserve, BatchShaper
 from .config import SchedulerConfig
 from .cost_model import CostModel, StepShape, idle_keep
+from .deadline_estimates import DeadlineEstimates, output_target
 from .overload import OverloadShedder
 from .plan import StepPlan
 from .policy_base import Infeasible, PreemptionMode, SchedulingPolicy, least_urgent_class_victim
-from .request import ExpiredLimit, FinishReason, Request, RequestStatus
+from .request import ExpiredLimit, FinishReason, Request
 
 # Steps of headroom an urgent waiting request keeps before it preempts.
 _MARGIN_STEPS = 3.0
-# A request is hopeless when even this fraction of its loaded remaining time
-# overruns its deadline: the loaded estimate is an average, and a wrong
-# "hopeless" costs a request that might have made it.
-HOPELESS_LOAD_FRACTION = 1.0
 # Weight of the newest plan in the loaded step-time average.
 _STEP_EWMA = 0.05
 
 
-# The request fields an urgency depends on: (computed tokens, outputs,
-# status, deadline, first-token deadline, priority, arrival time, arrival
-# index). The first three are the progress an estimate depends on.
-_Signature = tuple[int, int, RequestStatus, float | None, float | None, int, float, int]
-_Progress = tuple[int, int, RequestStatus]
-
-
-def _output_target(req: Request, outputs: int) -> int:
-    """The outputs ``req`` is expected to end with, having ``outputs``:
-    its expected count (else ``max_new_tokens``), at least one more than it
-    has, at most ``max_new_tokens``."""
-    target = req.expected_output_tokens or req.max_new_tokens
-    return min(max(target, outputs + 1), req.max_new_tokens)
-
-
-class _Entry:
-    """What the policy knows about one live request: a record updated in
-    place, not rebuilt, every time the request is ranked in a new step.
-
-    The estimate (``isolated_s``, ``num_steps``) is valid while ``progress``
-    is the request's; the urgency (``is_hopeless``, ``latest_start``,
-    ``key``) while, in addition, ``epoch`` is the policy's current one (one
-    ``(now, loaded_step_s)``) and ``signature`` is the request's.
-    """
-
-    __slots__ = (
-        "epoch",
-        "first_token_isolated_s",
-        "first_token_steps",
-        "hopeless_limit",
-        "is_hopeless",
-        "isolated_s",
-        "key",
-        "latest_start",
-        "num_steps",
-        "progress",
-        "signature",
-    )
-
-    def __init__(self) -> None:
-        self.progress: _Progress | None = None
-        self.isolated_s = 0.0
-        self.num_steps = 0
-        # Until the first output: the same for the first token (else 0).
-        self.first_token_isolated_s = 0.0
-        self.first_token_steps = 0
-        self.epoch = -1
-        self.signature: _Signature | None = None
-        self.is_hopeless = False
-        self.hopeless_limit = ExpiredLimit.DEADLINE
-        self.latest_start = math.inf
-        self.key: tuple[float, ...] = ()
-
-
-class DeadlinePolicy(SchedulingPolicy):
+class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
     """Slack-ordered priority classes; preempts for urgent work only when it
     must; abandons hopeless work; swap or recompute, whichever is cheaper."""
 
     name: ClassVar[str] = "deadline"
 
     def __init__(self, config: SchedulerConfig, cost_model: CostModel | None = None) -> None:
-        self.cost_model = cost_model if cost_model is not None else CostModel()
-        self._budget = config.max_num_batched_tokens
-        self._aging_s = config.aging_s
+        super().__init__(config, cost_model)
         self._min_residency_s = config.min_residency_s
-        self._entries: dict[str, _Entry] = {}
         self.arrival_reserve = ArrivalReserve()  # keeps steps short for class-0 arrivals
         self._batch = config.max_num_seqs
         self._shedder = OverloadShedder() if config.shed_under_overload else None
         # (req_id, weight, shed class) of the arrival ``overload_refusal`` let
         # in, recorded by ``observe_arrival`` once the scheduler queued it.
         self._pending_arrival: tuple[str, float, int | None] | None = None
-        # Every queue is ranked several times per step at one (now, loaded
-        # step time), an epoch: urgencies are computed once per epoch.
-        self._epoch = 0
-        self._epoch_now = math.nan  # NaN equals nothing: the first call starts epoch 1
-        self._epoch_step_s = math.nan
-        c = self.cost_model.coefficients
-        self.loaded_step_s = c.base_s + c.per_decode_seq_s  # one isolated decode step
 
-    # -- estimates -------------------------------------------------------
+    # -- what the steps teach -------------------------------------------
 
     def observe_plan(self, plan: StepPlan, saturated: bool = False) -> None:
         shedder = self._shedder
@@ -189,134 +100,8 @@ class DeadlinePolicy(SchedulingPolicy):
         lone = c.base_s + c.per_decode_seq_s
         self.loaded_step_s = lone + (self.loaded_step_s - lone) * idle_keep(idle_s)
 
-    def remaining_seconds(self, req: Request) -> float:
-        """Isolated remaining service time (swap-in included when swapped)."""
-        return self._estimate(req).isolated_s
-
-    def loaded_remaining_seconds(self, req: Request) -> float:
-        """Remaining time at the current loaded step time (never below isolated)."""
-        est = self._estimate(req)
-        return max(est.isolated_s, est.num_steps * self.loaded_step_s)
-
-    def _estimate(self, req: Request) -> _Entry:
-        """``req``'s entry with its estimate up to date."""
-        progress = (req.num_known_kv_tokens, len(req.output_token_ids), req.status)
-        entry = self._entry(req.req_id)
-        if entry.progress != progress:
-            self._new_estimate(entry, req, progress)
-        return entry
-
-    def _entry(self, req_id: str) -> _Entry:
-        entry = self._entries.get(req_id)
-        if entry is None:
-            entry = self._entries[req_id] = _Entry()
-        return entry
-
-    def _new_estimate(self, entry: _Entry, req: Request, progress: _Progress) -> None:
-        computed, outputs, status = progress
-        outputs_left = max(1, _output_target(req, outputs) - outputs)
-        num_tokens = len(req.prompt_token_ids) + outputs
-        cost = self.cost_model
-        prefill = cost.prefill_seconds(num_tokens - computed, self._budget, computed)
-        isolated = prefill + cost.decode_seconds(num_tokens, max(0, outputs_left - 1))
-        if status is RequestStatus.SWAPPED:
-            swap = cost.swap_seconds(len(req.host_block_ids))
-            isolated += swap
-            prefill += swap
-        chunks = -(-(num_tokens - computed) // self._budget)
-        entry.progress = progress
-        entry.isolated_s = isolated
-        entry.num_steps = chunks + outputs_left - 1
-        entry.first_token_isolated_s = prefill if outputs == 0 else 0.0
-        entry.first_token_steps = max(1, chunks) if outputs == 0 else 0
-
-    def slack(self, req: Request, now: float) -> float:
-        return self._latest_start(req) - now
-
-    def _latest_start(self, req: Request) -> float:
-        """The last moment it could start under the current load and still
-        meet its deadline (``deadline - loaded remaining``) and, before its
-        first token, its first-token deadline; +inf without either."""
-        latest = math.inf
-        if req.deadline is not None:
-            latest = req.deadline - self.loaded_remaining_seconds(req)
-        est = self._estimate(req)
-        if req.first_token_deadline is not None and est.first_token_steps:
-            loaded = max(est.first_token_isolated_s, est.first_token_steps * self.loaded_step_s)
-            latest = min(latest, req.first_token_deadline - loaded)
-        return latest
-
     def forget(self, req_id: str) -> None:
         self._entries.pop(req_id, None)
-
-    def _urgency_of(self, req: Request, now: float) -> _Entry:
-        """``req``'s entry with its urgency at ``now``: exactly what
-        ``is_hopeless``, ``effective_class`` and ``slack`` compute,
-        memoized per epoch."""
-        if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
-            self._epoch += 1
-            self._epoch_now, self._epoch_step_s = now, self.loaded_step_s
-        signature = (
-            req.num_known_kv_tokens,
-            len(req.output_token_ids),
-            req.status,
-            req.deadline,
-            req.first_token_deadline,
-            req.priority,
-            req.arrival_time,
-            req.arrival_index,
-        )
-        entry = self._entry(req.req_id)
-        if entry.epoch == self._epoch and entry.signature == signature:
-            return entry
-        self._new_urgency(entry, req, now, signature)
-        return entry
-
-    def _new_urgency(self, entry: _Entry, req: Request, now: float, signature: _Signature) -> None:
-        computed, outputs, status, deadline, first_token_deadline, _, _, arrival_index = signature
-        if entry.progress != (computed, outputs, status):
-            self._new_estimate(entry, req, (computed, outputs, status))
-        effective = self.effective_class(req, now)
-        hopeless, latest, limit = False, math.inf, ExpiredLimit.DEADLINE
-        # Loaded time counts against waiting / swapped work of a class above 0
-        # only: see ``is_hopeless``.
-        judge_loaded = effective > 0 and status is not RequestStatus.RUNNING
-        step_s = self.loaded_step_s
-        if deadline is not None:
-            isolated, loaded = entry.isolated_s, entry.num_steps * step_s
-            latest = deadline - (loaded if loaded > isolated else isolated)  # max()
-            needed = isolated
-            if judge_loaded:
-                needed = max(needed, HOPELESS_LOAD_FRACTION * entry.num_steps * step_s)
-            hopeless = now + needed > deadline
-        if first_token_deadline is not None and entry.first_token_steps:
-            isolated, loaded = entry.first_token_isolated_s, entry.first_token_steps * step_s
-            latest = min(latest, first_token_deadline - (loaded if loaded > isolated else isolated))
-            needed = isolated
-            if judge_loaded:
-                needed = max(needed, HOPELESS_LOAD_FRACTION * loaded)
-            if not hopeless and now + needed > first_token_deadline:
-                hopeless, limit = True, ExpiredLimit.FIRST_TOKEN
-        entry.epoch = self._epoch
-        entry.signature = signature
-        entry.is_hopeless = hopeless
-        entry.hopeless_limit = limit
-        entry.latest_start = latest
-        entry.key = (1.0 if hopeless else 0.0, float(effective), latest, float(arrival_index))
-
-    def effective_class(self, req: Request, now: float) -> int:
-        if self._aging_s <= 0 or req.priority <= 0:
-            return req.priority
-        promoted = int((now - req.arrival_time) // self._aging_s)
-        return max(0, req.priority - promoted)
-
-    def is_hopeless(self, req: Request, now: float) -> bool:
-        """Waiting or swapped work: it would miss at the current load.
-        Running work, and work of effective class 0: it would miss even
-        alone — the loaded average is too noisy a reason to throw away work
-        that is making progress, and class 0 preempts its way in and so
-        fares better than the average request."""
-        return self._urgency_of(req, now).is_hopeless
 
     # -- the policy seam -------------------------------------------------
 
@@ -432,7 +217,7 @@ class DeadlinePolicy(SchedulingPolicy):
         if shedder is None:
             return ""
         weight = self.cost_model.batched_seconds(
-            len(req.prompt_token_ids), _output_target(req, 0), self._batch
+            len(req.prompt_token_ids), output_target(req, 0), self._batch
         )
         shed_class = req.priority if req.priority > 0 and req.deadline is not None else None
         if not shedder.refuses(weight, shed_class):
@@ -471,7 +256,7 @@ class DeadlinePolicy(SchedulingPolicy):
         if shedder is None:
             return
         weight = self.cost_model.batched_seconds(
-            len(req.prompt_token_ids), _output_target(req, 0), self._batch
+            len(req.prompt_token_ids), output_target(req, 0), self._batch
         )
         served = 0.0
         prompt_done = min(req.num_computed_tokens, len(req.prompt_token_ids))

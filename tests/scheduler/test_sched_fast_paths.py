@@ -2,7 +2,7 @@
 
 The same random script drives two schedulers: one as shipped, one with a
 reference policy that recomputes every urgency from the formulas in
-``deadline_policy``'s docstring (no per-step memo), asks about abandonment
+``deadline_estimates``'s docstring (no per-step memo), asks about abandonment
 one request at a time (the seam's default), picks admission victims by a
 plain maximum over all running requests, and a scheduler that ranks the
 waiting queue afresh on every walk. Every plan and every output must be
@@ -29,7 +29,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     SchedulingPolicy,
 )
-from slipstream.scheduler.deadline_policy import HOPELESS_LOAD_FRACTION
+from slipstream.scheduler.deadline_estimates import HOPELESS_LOAD_FRACTION
 from slipstream.scheduler.scheduler import _StepState
 from slipstream.scheduler.simulator import SimRequest, simulate
 

@@ -1,0 +1,135 @@
+"""The passes of one ``schedule()`` that fill the step, after room is made:
+running work first, then swapped work resumed, then waiting work admitted,
+each in the policy's order, under the token budget, the batch shaper and
+the budget held back for more urgent waiting work.
+"""
+
+from __future__ import annotations
+
+from .plan import ScheduledSeq
+from .request import Request, RequestStatus
+from .room import RoomMaking
+from .scheduler_state import _StepState
+
+
+class StepPlanning(RoomMaking):
+    """Schedules running, swapped and waiting work into the step."""
+
+    def _schedule_running(self, state: _StepState, now: float) -> None:
+        state.shaper = self.policy.batch_shaper(now)
+        for req in self.policy.order_running(self._running_list(), now):
+            if state.token_budget == 0:
+                return
+            if req.status is not RequestStatus.RUNNING or req.req_id in self._paused:
+                continue  # preempted as a victim earlier in this loop, or paused
+            available = state.token_budget
+            if state.reservations:
+                available -= self._held(state, req, now)
+            num_new = self._shaped(state, req, min(req.num_uncomputed_tokens, available))
+            if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
+                self._add_seq(state, req, num_new)
+
+    def _schedule_swapped(self, state: _StepState, now: float) -> None:
+        if state.preempted_ids:
+            return  # anti-thrash: see the module invariants
+        if not self._swapped:
+            return
+        head = self._most_urgent_waiting_key(now)
+        for req in self.policy.order_swapped(self._swapped.values(), now):
+            if req.req_id in self._paused:
+                continue
+            if not self._has_room_for_another(state):
+                return
+            if head is not None and head < self.policy.urgency_key(req, now):
+                return  # the slot and blocks go to more urgent waiting work
+            hits = self._released_prefix(req)
+            if hits is None:
+                self._requeue_lost_swap(req)
+                continue
+            num_new = self._shaped(
+                state,
+                req,
+                min(req.num_uncomputed_tokens, state.token_budget - self._held(state, req, now)),
+            )
+            if num_new <= 0:
+                return
+            target = req.num_computed_tokens + num_new
+            num_blocks = len(hits) + len(req.host_block_ids)
+            num_blocks = max(num_blocks, self.device_pool.blocks_for(target))
+            if not self.device_pool.can_allocate(self._blocks_to_admit(hits, num_blocks)):
+                return
+            self._swap_in(state, req, hits)
+            req.last_resumed_time = now
+            req.block_ids.extend(self.device_pool.append(req.block_ids, target))
+            self._add_seq(state, req, num_new)
+
+    def _schedule_waiting(self, state: _StepState, now: float) -> None:
+        if state.is_kv_exhausted:
+            state.is_saturated = bool(self._waiting)
+            return
+        for req in self._ordered_waiting(state, now):
+            if not self._has_room_for_another(state):
+                state.is_saturated = True
+                return
+            if req.req_id in state.preempted_ids or req.req_id in self._paused:
+                continue  # pushed out this very step (admitting it back would thrash), or paused
+            hits = self._prefix_hits(req)
+            cached = len(hits) * self.config.block_size
+            num_new = self._shaped(state, req, min(req.num_tokens - cached, state.token_budget))
+            if num_new <= 0:
+                state.is_held_back = True
+                return  # the step is as slow as urgent work can afford
+            target = cached + num_new
+            if not self.device_pool.can_allocate(
+                self._blocks_to_admit(hits, self.device_pool.blocks_for(target))
+            ):
+                state.is_saturated = True
+                return  # the head waits for blocks; nobody overtakes it
+            self._take_prefix(req, hits)
+            self._admit(req, now)
+            req.block_ids.extend(self.device_pool.append(req.block_ids, target))
+            self._add_seq(state, req, num_new)
+
+    def _add_seq(self, state: _StepState, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        # Fields by position, in declaration order: keywords make the frozen
+        # dataclass's __init__ markedly slower, and this runs per sequence per step.
+        state.seqs.append(
+            ScheduledSeq(
+                req.req_id,  # req_id
+                req.token_slice(start, start + num_new),  # token_ids
+                start,  # start_pos
+                list(req.block_ids),  # block_ids
+                start + num_new == req.num_tokens,  # sample
+                req.num_output_tokens,  # output_index
+                req.sampling,  # sampling
+            )
+        )
+        state.token_budget -= num_new
+        state.scheduled[req.req_id] = req
+        if state.shaper is not None:
+            state.shaper.commit(req, num_new)
+
+    def _shaped(self, state: _StepState, req: Request, num_new: int) -> int:
+        """``num_new`` as far as the batch shaper lets ``req`` have it."""
+        if state.shaper is None or num_new <= 0:
+            return num_new
+        allowed = state.shaper.fit(req, num_new)
+        if allowed == 0:
+            self._num_held_back += 1
+        return allowed
+
+    def _held(self, state: _StepState, req: Request, now: float) -> int:
+        """Budget held back from ``req`` for more urgent waiting work."""
+        if not state.reservations:
+            return 0
+        key = self.policy.urgency_key(req, now)
+        return sum(tokens for k, tokens in state.reservations if k < key)
+
+    def _has_room_for_another(self, state: _StepState) -> bool:
+        return state.token_budget > 0 and len(self._running) < self.config.max_num_seqs
+
+    def _most_urgent_waiting_key(self, now: float) -> tuple[float, ...] | None:
+        if not self.policy.is_urgency_driven or not self._waiting:
+            return None
+        return min(self.policy.urgency_key(r, now) for r in self._waiting)
