@@ -31,8 +31,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slipstream.service.cli import model as cli_model
+from slipstream.service.models import default_models
 from slipstream.service.models import store as model_store
-from slipstream.service.models.gguf import GGUFImportError, import_gguf, unpermute_rows
+from slipstream.service.models.gguf import GGUFImportError, import_gguf
+from slipstream.service.models.gguf_reader import unpermute_rows
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
@@ -100,7 +102,7 @@ def _vocab() -> tuple[list[str], list[int], list[str]]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = model_store.load_corpus()[:20000].split("\n\n") + ["in 2024 and 2025, 1234"] * 50
+    corpus = default_models.load_corpus()[:20000].split("\n\n") + ["in 2024 and 2025, 1234"] * 50
     tokenizer.train_from_iterator(corpus, trainer)
     data = json.loads(tokenizer.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]
