@@ -45,6 +45,7 @@ class FinishReason(enum.IntEnum):
     REJECTED = 5
     ERROR = 6
     SLOW_READER = 7  # its caller stopped reading; cancelled after a grace
+    OUT_OF_MEMORY = 8  # the device ran out of memory during its step
 
 
 class ExpiredLimit(enum.IntEnum):

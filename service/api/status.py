@@ -100,6 +100,10 @@ _FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
     FinishReason.ERROR: (pb.FINISH_REASON_ERROR, grpc.StatusCode.INTERNAL),
     # The stream's outbound buffer stayed full: the server's memory for it ran out.
     FinishReason.SLOW_READER: (pb.FINISH_REASON_SLOW_READER, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    FinishReason.OUT_OF_MEMORY: (
+        pb.FINISH_REASON_OUT_OF_MEMORY,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ),
 }
 
 

@@ -37,6 +37,7 @@ from slipstream.service.engine.cuda_graphs import (
     is_out_of_memory,
 )
 from slipstream.service.engine.device import describe_device
+from slipstream.service.engine.events import StepOutOfMemory
 from slipstream.service.engine.runner import KVPool, StepResult
 from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
 from slipstream.service.engine.staging import (
@@ -49,17 +50,6 @@ from slipstream.service.engine.staging import (
 )
 from slipstream.service.engine.swap import BlockSwapper, allocate_host_pool
 from slipstream.service.models.llama import LlamaModel
-
-
-class StepOutOfMemory(RuntimeError):
-    """The device ran out of memory during a step. ``req_ids`` are the requests
-    whose state the step may have left incomplete (its sequences; also the
-    preempted ones when the swaps failed): the engine ends them with
-    RESOURCE_EXHAUSTED and frees their blocks; the runner stays usable."""
-
-    def __init__(self, req_ids: list[str], detail: str) -> None:
-        super().__init__(f"device out of memory during a step of {len(req_ids)} requests: {detail}")
-        self.req_ids = req_ids
 
 
 def move_model_to(model: LlamaModel, device: torch.device) -> None:

@@ -36,6 +36,7 @@ from slipstream.service.engine.events import (
     ModelInfo,
     PoolStats,
     PrefixCacheStats,
+    StepOutOfMemory,
     TokenEvent,
 )
 from slipstream.service.engine.observer import EngineObserver
@@ -243,6 +244,10 @@ class Engine:
                     continue
             try:
                 self._step()
+            except StepOutOfMemory as exc:  # the server goes on; that step's requests end
+                log.warning("step_out_of_memory", requests=len(exc.req_ids), detail=str(exc))
+                for req_id in exc.req_ids:
+                    self._end(req_id, FinishReason.OUT_OF_MEMORY, str(exc))
             except Exception:  # a broken step must not take the server down
                 log.exception("engine_step_failed")
                 self._fail_all("internal error during a model step")

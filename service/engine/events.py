@@ -38,6 +38,16 @@ class GenerationRequest:
     tenant: str = ""
 
 
+class StepOutOfMemory(RuntimeError):
+    """The device ran out of memory during a step (runners raise it). ``req_ids``
+    are the requests whose state the step may have left incomplete: the engine
+    ends them OUT_OF_MEMORY (RESOURCE_EXHAUSTED), frees their blocks and goes on."""
+
+    def __init__(self, req_ids: list[str], detail: str) -> None:
+        super().__init__(f"device out of memory during a step of {len(req_ids)} requests: {detail}")
+        self.req_ids = req_ids
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     """New tokens of one request from one engine step. ``index`` is the

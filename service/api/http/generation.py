@@ -57,6 +57,7 @@ _FAILED: dict[FinishReason, tuple[int, str, str]] = {
     FinishReason.CANCELLED: (503, "service_unavailable", "cancelled"),
     FinishReason.REJECTED: (503, "service_unavailable", "rejected"),
     FinishReason.ERROR: (500, "server_error", "internal_error"),
+    FinishReason.OUT_OF_MEMORY: (503, "service_unavailable", "out_of_memory"),
 }
 
 # 401/403 hook: called with the Authorization header before any work; it

@@ -16,7 +16,7 @@ from slipstream.scheduler.plan import StepPlan
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.engine import Engine
-from slipstream.service.engine.events import GenerationRequest, ModelInfo
+from slipstream.service.engine.events import GenerationRequest, ModelInfo, StepOutOfMemory
 
 WORDS = ["<eos>", "a", "b", "c", "x", "y", "z", "!"]
 EOS = 0
@@ -126,3 +126,36 @@ def test_a_step_listener_sees_each_step_with_its_seconds() -> None:
     assert result.token_ids == [1, 2, 3]
     assert [step for step, _ in seen] == [p.step for p in runner.plans if p.seqs]
     assert all(seconds > 0 for _, seconds in seen)
+
+
+class _OutOfMemoryOnce(_ScriptedRunner):
+    """Runs out of device memory on the first step that holds ``victim``."""
+
+    def __init__(self, scripts: dict[str, list[int]], victim: str) -> None:
+        super().__init__(scripts)
+        self.victim: str | None = victim
+
+    def execute(self, plan: StepPlan) -> _Result:
+        if self.victim in {s.req_id for s in plan.seqs}:
+            self.victim = None
+            raise StepOutOfMemory([s.req_id for s in plan.seqs], "CUDA out of memory (simulated)")
+        return super().execute(plan)
+
+
+def test_a_step_out_of_memory_ends_its_requests_and_the_engine_goes_on() -> None:
+    engine, scheduler, _, _ = _engine({})
+    runner = _OutOfMemoryOnce({"big": [1] * 4, "after": [2, 3, 1]}, victim="big")
+    composed = Engine(scheduler, runner, engine.tokenizer, engine.info)
+    try:
+        (big,) = composed.generate(
+            [GenerationRequest(req_id="big", prompt_token_ids=[1] * 20, max_new_tokens=4)]
+        )
+        (after,) = composed.generate(
+            [GenerationRequest(req_id="after", prompt_token_ids=[1, 2], max_new_tokens=3)]
+        )
+        stats = composed.stats()
+    finally:
+        composed.shutdown()
+    assert big.finish.reason is FinishReason.OUT_OF_MEMORY and "out of memory" in big.finish.message
+    assert after.finish.reason is FinishReason.MAX_TOKENS and after.token_ids == [2, 3, 1]
+    assert stats.device_blocks.used == 0 and stats.waiting == stats.running == 0
