@@ -142,26 +142,39 @@ class HfContinuous(_InProcess):
         return run_hf_cb(model_dir, workload, options.dtype, options.peers.get(self.name))  # type: ignore[arg-type]
 
 
-class Vllm:
+class _OwnProcess:
+    """A peer in a process of its own, its flags, settings and failure
+    record in its module (``add_arguments``, ``settings_from_args``,
+    ``settings_record``)."""
+
+    name: str
+    module: Any
+    by_default = False  # needs an environment or a binary of its own
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        self.module.add_arguments(parser)
+
+    def settings(self, args: argparse.Namespace, environ: Mapping[str, str]) -> object:
+        return self.module.settings_from_args(args, environ)
+
+    def record(self, options: OfflineOptions) -> dict[str, object]:
+        return self.module.settings_record(options.peers[self.name])  # type: ignore[no-any-return]
+
+    def summary(self, metrics: Mapping[str, Any]) -> str | None:
+        return None
+
+
+class Vllm(_OwnProcess):
     """vLLM's CPU build, in its own Python environment (``vllm_peer``); its
     OpenAI server for ``bench serve`` (``vllm_server``)."""
 
     name = vllm_peer.ENGINE
-    by_default = False  # needs an environment of its own
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        vllm_peer.add_arguments(parser)
-
-    def settings(self, args: argparse.Namespace, environ: Mapping[str, str]) -> object:
-        return vllm_peer.settings_from_args(args, environ)
+    module = vllm_peer
 
     def run(
         self, model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
     ) -> EngineRun:
         return vllm_peer.run_vllm(model_dir, workload, options.peers[self.name])  # type: ignore[arg-type]
-
-    def record(self, options: OfflineOptions) -> dict[str, object]:
-        return vllm_peer.settings_record(options.peers[self.name])  # type: ignore[arg-type]
 
     def summary(self, metrics: Mapping[str, Any]) -> str | None:
         return vllm_peer.summary_line(metrics)
@@ -175,17 +188,11 @@ class Vllm:
         return vllm_server(python, model_dir, served_name, dtype, num_threads, port, log_path)
 
 
-class LlamaCpp:
+class LlamaCpp(_OwnProcess):
     """llama.cpp's ``llama-server`` on the model's original GGUF (``llamacpp_peer``)."""
 
     name = llamacpp_peer.ENGINE
-    by_default = False  # needs a llama-server binary
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        llamacpp_peer.add_arguments(parser)
-
-    def settings(self, args: argparse.Namespace, environ: Mapping[str, str]) -> object:
-        return llamacpp_peer.settings_from_args(args, environ)
+    module = llamacpp_peer
 
     def run(
         self, model_dir: str, workload: Sequence[WorkloadRequest], options: OfflineOptions
@@ -200,12 +207,6 @@ class LlamaCpp:
             )
         gguf = find_packaged_gguf(options.model)
         return llamacpp_peer.run_llamacpp(gguf, workload, options.peers[self.name])  # type: ignore[arg-type]
-
-    def record(self, options: OfflineOptions) -> dict[str, object]:
-        return llamacpp_peer.settings_record(options.peers[self.name])  # type: ignore[arg-type]
-
-    def summary(self, metrics: Mapping[str, Any]) -> str | None:
-        return None
 
 
 _VLLM = Vllm()
