@@ -32,3 +32,17 @@ class ServerThread:
         self.run(self.server.stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
+
+
+def hold_every_submit(engine: object, monkeypatch: Any) -> None:
+    """Pauses each request the moment ``engine`` takes it: it holds its KV and
+    gets no more steps, so it cannot finish before a timeout, a deadline or a
+    disconnect ends it, however fast this machine generates (a deadline still
+    ends a paused request; a cancel or an abort still frees it)."""
+    submit = engine.submit  # type: ignore[attr-defined]
+
+    def submit_held(request: Any, on_event: Any) -> None:
+        submit(request, on_event)
+        engine.pause([request.req_id])  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(engine, "submit", submit_held)

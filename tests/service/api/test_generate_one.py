@@ -17,6 +17,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from server_thread import hold_every_submit
 
 from slipstream.clients import AsyncClient, Client, StreamError
 from slipstream.service.api.lifecycle import Lifecycle
@@ -229,7 +230,10 @@ def test_cancelling_the_call_frees_the_kv_at_once(client: Client, engine: object
     assert time.monotonic() - started < 2.0
 
 
-def test_the_call_deadline_is_the_requests_deadline(client: Client, engine: object) -> None:
+def test_the_call_deadline_is_the_requests_deadline(
+    client: Client, engine: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hold_every_submit(engine, monkeypatch)  # it cannot finish before the deadline
     generation = client.generate_one("too slow", max_tokens=LONG, ignore_eos=True, timeout=0.5)
     # The engine expires the request at the same instant the call's deadline
     # ends the call: on a loaded machine either may reach the client first.

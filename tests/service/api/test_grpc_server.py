@@ -22,7 +22,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from server_thread import ServerThread
+from server_thread import ServerThread, hold_every_submit
 
 from slipstream.clients import Client, StreamError
 from slipstream.kernels.cpu_features import detect
@@ -305,7 +305,10 @@ def test_first_token_timeout_expires_and_says_so(stub: pb_grpc.InferenceStub) ->
     assert finished["ok"].expired_limit == pb.EXPIRED_LIMIT_UNSPECIFIED
 
 
-def test_call_deadline_bounds_every_request(client: Client) -> None:
+def test_call_deadline_bounds_every_request(
+    client: Client, engine: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hold_every_submit(engine, monkeypatch)  # no request may finish before the deadline
     stream = client.stream(timeout=0.5)
     generations = [stream.generate(p, max_tokens=LONG, ignore_eos=True) for p in prompts(3)]
     for g in generations:

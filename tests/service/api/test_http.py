@@ -18,6 +18,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from server_thread import hold_every_submit
 
 from slipstream.clients import Client
 from slipstream.service.engine.chat import render_chat
@@ -317,9 +318,10 @@ def test_closing_the_stream_frees_the_request(
 
 
 def test_a_client_gone_mid_request_is_aborted(
-    servers: Servers, grpc_client: Client, engine: object
+    servers: Servers, grpc_client: Client, engine: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Not streamed: the handler is waiting, writing nothing, when the client goes.
+    hold_every_submit(engine, monkeypatch)
     with servers.client(timeout=0.5) as short, pytest.raises(openai.APITimeoutError):
         short.completions.create(
             model="tiny", prompt=prompts(4)[3], max_tokens=LONG, extra_body={"ignore_eos": True}
