@@ -81,6 +81,34 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """A request as a caller asked for it: built once at the front door (the
+    wire conversion, the HTTP front, an in-process caller), handed to the
+    engine, and carried inside the scheduler's ``Request`` (``Request.spec``).
+    A new caller-set field is added here and in the conversion that fills it.
+
+    Times are absolute ``time.monotonic()`` seconds; ``arrival_time`` None
+    means "when the engine takes it". ``req_id`` is unique across the engine
+    (the gRPC layer prefixes the stream's id). ``first_token_deadline`` is
+    the time by which the first output token must be out. ``stop_sequences``
+    are matched on the text by the engine; ``tenant`` names who asked, for
+    telemetry only. The scheduler reads neither."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+    deadline: float | None = None
+    expected_output_tokens: int | None = None
+    arrival_time: float | None = None
+    first_token_deadline: float | None = None
+    tenant: str = ""
+
+
 @dataclass(slots=True)
 class Request:
     """A generation request and its scheduling state.
@@ -126,6 +154,20 @@ class Request:
     num_released_blocks: int = 0
     num_cached_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # What the caller asked for, when the request came through the engine
+    # (requests built directly, by the simulator or a test, have none).
+    spec: RequestSpec | None = None
+
+    @classmethod
+    def from_spec(
+        cls, spec: RequestSpec, eos_token_ids: tuple[int, ...], arrival_time: float
+    ) -> Request:
+        """The scheduler's request for ``spec``: every field the two share is
+        taken from it by name, so a field added to both needs no copying code."""
+        shared = {name: getattr(spec, name) for name in _SHARED_FIELDS}
+        shared["prompt_token_ids"] = list(spec.prompt_token_ids)
+        shared["arrival_time"] = arrival_time
+        return cls(**shared, eos_token_ids=eos_token_ids, spec=spec)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -174,3 +216,12 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+
+# The caller-set fields the scheduler plans with: those a RequestSpec and a
+# Request both declare (computed, so the two lists cannot drift apart).
+_SHARED_FIELDS = tuple(
+    name
+    for name in RequestSpec.__dataclass_fields__
+    if name in Request.__dataclass_fields__ and name != "spec"
+)

@@ -47,7 +47,7 @@ from slipstream.service.engine.events import (
     Event,
     EventCallback,
     FinishEvent,
-    GenerationRequest,
+    RequestSpec,
 )
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -373,7 +373,7 @@ class TenantGate:
     tenants: Tenants
     tenant: Tenant
 
-    def admit(self, request: GenerationRequest) -> tuple[GenerationRequest, Grant]:
+    def admit(self, request: RequestSpec) -> tuple[RequestSpec, Grant]:
         """``request`` labelled with the tenant, and its grant."""
         grant = self.tenants.admit(
             self.tenant, request.priority, request.max_new_tokens, len(request.prompt_token_ids)

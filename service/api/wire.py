@@ -25,8 +25,8 @@ from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.events import (
     EngineStats,
     FinishEvent,
-    GenerationRequest,
     ModelInfo,
+    RequestSpec,
     TokenEvent,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -216,12 +216,12 @@ def to_generation_request(
     info: ModelInfo,
     now: float,
     call_deadline: float | None,
-) -> GenerationRequest:
+) -> RequestSpec:
     """The engine request for a submit; raises ``ValueError`` if malformed."""
     _reject_unknown_fields(submit, "submit")
     if submit.return_logprobs:
         raise ValueError("logprobs are not available from this server")
-    return GenerationRequest(
+    return RequestSpec(
         req_id=req_id,
         prompt_token_ids=_prompt_ids(submit, tokenizer, info),
         max_new_tokens=_max_new_tokens(submit.stopping, info),

@@ -46,7 +46,7 @@ from slipstream.service.bench.workload import (
     workload_summary,
 )
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
-from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest
+from slipstream.service.engine.events import Event, FinishEvent, RequestSpec
 
 # Slipstream and every peer; the peers that are not ``by_default`` run only
 # when asked for (vLLM needs an environment of its own, llama.cpp a binary).
@@ -356,7 +356,7 @@ def submit_workload(
 ) -> None:
     """Submit every request of ``workload`` (EOS ignored) as arriving at ``t0``."""
     for req_id, req in zip(ids, workload, strict=True):
-        request = GenerationRequest(
+        request = RequestSpec(
             req_id=req_id,
             prompt_token_ids=list(req.prompt_token_ids),
             max_new_tokens=req.max_tokens,

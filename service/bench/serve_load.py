@@ -155,7 +155,7 @@ def run_local(
     engine: object, workload: Sequence[WorkloadRequest], shape: LoadShape, tag: str
 ) -> tuple[list[Trace], float]:
     """The same workload and arrivals through ``engine.submit`` directly."""
-    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
 
     traces = [Trace() for _ in workload]
     done = threading.Semaphore(0)
@@ -179,7 +179,7 @@ def run_local(
         time.sleep(max(0.0, t0 + offset - time.perf_counter()))
         limit.acquire()
         traces[i].sent = time.perf_counter()
-        request = GenerationRequest(
+        request = RequestSpec(
             req_id=f"{tag}-{i}",
             prompt_token_ids=list(workload[i].prompt_token_ids),
             max_new_tokens=workload[i].max_tokens,

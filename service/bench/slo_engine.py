@@ -77,7 +77,7 @@ from slipstream.service.bench.slo_workload import (
 from slipstream.service.engine.calibration import calibrate
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
-from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest, TokenEvent
+from slipstream.service.engine.events import Event, FinishEvent, RequestSpec, TokenEvent
 from slipstream.service.engine.loader import load_parts
 from slipstream.service.engine.runner import kv_bytes_per_block
 from slipstream.service.models.llama import LlamaModel
@@ -348,7 +348,7 @@ def _replay(
         delay = t0 + spec.arrival - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        request = GenerationRequest(
+        request = RequestSpec(
             req_id=spec.req_id,
             prompt_token_ids=[rng.randrange(4, vocab) for _ in range(spec.prompt_len)],
             max_new_tokens=spec.output_len,

@@ -169,7 +169,7 @@ def _spec(
 
 def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
     from slipstream.scheduler.request import FinishReason, SamplingParams
-    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
     from slipstream.service.engine.loader import load_engine
 
     engine = load_engine(engine_config(args))
@@ -179,7 +179,7 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
     try:
         for spec, collector in zip(specs, collectors, strict=True):
             try:
-                request = GenerationRequest(
+                request = RequestSpec(
                     req_id=collector.req_id,
                     prompt_token_ids=_local_prompt_ids(spec, engine.tokenizer),
                     max_new_tokens=spec.max_tokens,

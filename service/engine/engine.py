@@ -32,10 +32,10 @@ from slipstream.service.engine.events import (
     Event,
     EventCallback,
     FinishEvent,
-    GenerationRequest,
     ModelInfo,
     PoolStats,
     PrefixCacheStats,
+    RequestSpec,
     StepOutOfMemory,
     TokenEvent,
 )
@@ -55,7 +55,7 @@ class Runner(Protocol):
 class _Live:
     """Engine-side state of one request: how to reach its caller and its text."""
 
-    request: GenerationRequest
+    request: RequestSpec
     state: Request  # the scheduler's record, read (never written) here
     on_event: EventCallback
     detokenizer: IncrementalDetokenizer
@@ -118,22 +118,10 @@ class Engine:
             )
             self._thread.start()
 
-    def submit(self, request: GenerationRequest, on_event: EventCallback) -> None:
+    def submit(self, request: RequestSpec, on_event: EventCallback) -> None:
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         eos = () if request.ignore_eos else tuple(self.info.eos_token_ids)
-        sched_request = Request(
-            req_id=request.req_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            max_new_tokens=request.max_new_tokens,
-            sampling=request.sampling,
-            eos_token_ids=eos,
-            ignore_eos=request.ignore_eos,
-            priority=request.priority,
-            arrival_time=arrival,
-            deadline=request.deadline,
-            first_token_deadline=request.first_token_deadline,
-            expected_output_tokens=request.expected_output_tokens,
-        )
+        sched_request = Request.from_spec(request, eos, arrival)
         detokenizer = IncrementalDetokenizer(
             self._fast_tokenizer, request.prompt_token_ids, request.stop_sequences
         )
@@ -215,7 +203,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
-    def generate(self, requests: list[GenerationRequest]) -> list[FinishedResult]:
+    def generate(self, requests: list[RequestSpec]) -> list[FinishedResult]:
         """Runs ``requests`` concurrently and returns their results in order."""
         collectors = {r.req_id: _Collector() for r in requests}
         self.start()

@@ -1,6 +1,6 @@
 """What crosses between the engine thread and its callers.
 
-A caller submits a ``GenerationRequest`` with a callback; the engine thread
+A caller submits a ``RequestSpec`` with a callback; the engine thread
 calls it with ``TokenEvent``s as tokens are made and exactly one
 ``FinishEvent`` at the end. Callbacks run on the engine thread and must be
 cheap and non-blocking (hand off with ``loop.call_soon_threadsafe`` or a
@@ -13,29 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause, SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationRequest:
-    """A request as the engine takes it. Times are absolute ``time.monotonic()``
-    seconds. ``req_id`` is unique across the engine (the gRPC layer prefixes
-    the stream's id to the client's request id). ``first_token_deadline`` is
-    the time by which the first output token must be out. ``tenant`` names
-    who asked, for telemetry only (empty on a server without tenants)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    stop_sequences: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    priority: int = 0
-    deadline: float | None = None
-    expected_output_tokens: int | None = None
-    arrival_time: float | None = None
-    first_token_deadline: float | None = None
-    tenant: str = ""
+from slipstream.scheduler.request import (  # noqa: F401  RequestSpec: the engine's request
+    ExpiredLimit,
+    FinishReason,
+    RejectCause,
+    RequestSpec,
+    SamplingParams,
+)
 
 
 class StepOutOfMemory(RuntimeError):

@@ -18,11 +18,11 @@ from typing import Protocol
 
 from slipstream.scheduler.plan import RequestOutput, StepPlan
 from slipstream.scheduler.request import Request, RequestStatus
-from slipstream.service.engine.events import FinishEvent, GenerationRequest
+from slipstream.service.engine.events import FinishEvent, RequestSpec
 
 
 class EngineObserver(Protocol):
-    def on_submit(self, request: GenerationRequest, state: Request) -> None:
+    def on_submit(self, request: RequestSpec, state: Request) -> None:
         """``state`` is the scheduler's record: read it, never write it."""
 
     def on_step(
@@ -40,7 +40,7 @@ class ObserverGroup:
     def __init__(self, observers: list[EngineObserver]) -> None:
         self._observers = tuple(observers)
 
-    def on_submit(self, request: GenerationRequest, state: Request) -> None:
+    def on_submit(self, request: RequestSpec, state: Request) -> None:
         for observer in self._observers:
             observer.on_submit(request, state)
 

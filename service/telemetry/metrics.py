@@ -78,9 +78,9 @@ if TYPE_CHECKING:
     from slipstream.service.engine.events import (
         EngineStats,
         FinishEvent,
-        GenerationRequest,
         PoolStats,
         PrefixCacheStats,
+        RequestSpec,
     )
 
 # Bucket boundaries recommended by the OpenTelemetry GenAI semantic conventions.
@@ -340,7 +340,7 @@ class ServerMetrics:
 
     # -- engine thread (EngineObserver) -----------------------------------
 
-    def on_submit(self, request: GenerationRequest, state: Request) -> None:
+    def on_submit(self, request: RequestSpec, state: Request) -> None:
         with self._lock:
             self._requests[request.req_id] = (
                 str(request.priority),

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from slipstream.scheduler.plan import RequestOutput, ScheduledSeq, StepPlan
     from slipstream.service.engine.engine import Engine
-    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
 
 log = structlog.get_logger(__name__)
 
@@ -147,7 +147,7 @@ class RequestTracer:
 
     # -- event loop ---------------------------------------------------------
 
-    def begin(self, request: GenerationRequest, client_request_id: str, parent: Context) -> None:
+    def begin(self, request: RequestSpec, client_request_id: str, parent: Context) -> None:
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         span = self._tracer.start_span(
             f"{OPERATION} {self._model}",
@@ -210,7 +210,7 @@ class RequestTracer:
         return reason
 
     def _request_attributes(
-        self, request: GenerationRequest, client_request_id: str, arrival: float
+        self, request: RequestSpec, client_request_id: str, arrival: float
     ) -> dict[str, str | int | float | bool]:
         sampling = request.sampling
         attributes: dict[str, str | int | float | bool] = {
@@ -238,7 +238,7 @@ class RequestTracer:
 
     # -- engine thread (EngineObserver) -----------------------------------
 
-    def on_submit(self, request: GenerationRequest, state: Request) -> None:
+    def on_submit(self, request: RequestSpec, state: Request) -> None:
         timeline = self._timelines.get(request.req_id)
         if timeline is not None:
             timeline.state = state

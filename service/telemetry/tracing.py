@@ -33,7 +33,7 @@ from slipstream.service.telemetry.request_trace import RequestTracer, WireStatus
 
 if TYPE_CHECKING:
     from slipstream.service.engine.engine import Engine
-    from slipstream.service.engine.events import GenerationRequest
+    from slipstream.service.engine.events import RequestSpec
 
 log = structlog.get_logger(__name__)
 
@@ -142,7 +142,7 @@ class Telemetry:
 
     def begin(
         self,
-        request: GenerationRequest,
+        request: RequestSpec,
         client_request_id: str,
         metadata: Iterable[tuple[str, str | bytes]],
         trace_context: Mapping[str, str],

@@ -34,7 +34,7 @@ from slipstream.service.api.http.responses import (
 )
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.engine.chat import render_chat
-from slipstream.service.engine.events import FinishEvent, GenerationRequest, TokenEvent
+from slipstream.service.engine.events import FinishEvent, RequestSpec, TokenEvent
 
 if TYPE_CHECKING:
     from slipstream.service.api.workers import WorkerPool
@@ -177,7 +177,7 @@ class Generations:
 
     async def _request(
         self, engine: Engine, parsed: OpenAIRequest, envelope: Envelope, now: float
-    ) -> GenerationRequest:
+    ) -> RequestSpec:
         try:
             ids = await prompt_token_ids(engine, parsed.prompt, self._workers)
         except (ValueError, QueueFull) as exc:  # ChatError: bad roles, no template; pool full
@@ -197,7 +197,7 @@ class Generations:
     def _submit(
         self,
         engine: Engine,
-        gen_request: GenerationRequest,
+        gen_request: RequestSpec,
         relay: EventRelay,
         parsed: OpenAIRequest,
         envelope: Envelope,

@@ -21,7 +21,7 @@ from test_grpc_server import ServerThread
 from slipstream.clients import AsyncClient, Client
 from slipstream.service.engine.chat import ChatError, check_messages, render_chat
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -143,7 +143,7 @@ def test_model_info_says_whether_there_is_a_template(
 
 def test_chat_request_runs_the_rendered_prompt(chat_server: ServerThread, chat_engine) -> None:  # type: ignore[no-untyped-def]
     ids = render_chat(chat_engine.tokenizer, QUESTION)
-    request = GenerationRequest(req_id="local", prompt_token_ids=ids, max_new_tokens=12)
+    request = RequestSpec(req_id="local", prompt_token_ids=ids, max_new_tokens=12)
     (local,) = chat_engine.generate([request])
     with Client(chat_server.target) as client:
         result = client.chat(QUESTION, max_tokens=12).result(timeout=60)

@@ -23,7 +23,7 @@ from slipstream.clients import AsyncClient, Client, StreamError
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.server import build_server, connection_age_options
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.service.telemetry.tracing import Telemetry
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -121,7 +121,7 @@ def submit(request_id: str = "a", **fields: object) -> pb.Submit:
 
 
 def local_greedy(engine: object, prompt: list[int], max_tokens: int) -> list[int]:
-    request = GenerationRequest(req_id="local", prompt_token_ids=prompt, max_new_tokens=max_tokens)
+    request = RequestSpec(req_id="local", prompt_token_ids=prompt, max_new_tokens=max_tokens)
     return engine.generate([request])[0].token_ids  # type: ignore[attr-defined]
 
 

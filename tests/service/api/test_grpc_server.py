@@ -27,7 +27,7 @@ from server_thread import ServerThread, hold_every_submit
 from slipstream.clients import Client, StreamError
 from slipstream.kernels.cpu_features import detect
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -93,7 +93,7 @@ def local_greedy(
     engine: object, token_prompts: list[list[int]], max_tokens: int
 ) -> list[list[int]]:
     requests = [
-        GenerationRequest(req_id=f"local-{i}", prompt_token_ids=p, max_new_tokens=max_tokens)
+        RequestSpec(req_id=f"local-{i}", prompt_token_ids=p, max_new_tokens=max_tokens)
         for i, p in enumerate(token_prompts)
     ]
     return [r.token_ids for r in engine.generate(requests)]  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from server_thread import hold_every_submit
 from slipstream.clients import Client
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.service.telemetry.metrics import ServerMetrics
 from slipstream.service.telemetry.tracing import Telemetry
 
@@ -333,12 +333,12 @@ def test_a_client_gone_mid_request_is_aborted(
 
 
 @pytest.fixture
-def submitted(engine: object, monkeypatch: pytest.MonkeyPatch) -> list[GenerationRequest]:
-    """Every GenerationRequest the engine is handed, in order."""
-    seen: list[GenerationRequest] = []
+def submitted(engine: object, monkeypatch: pytest.MonkeyPatch) -> list[RequestSpec]:
+    """Every RequestSpec the engine is handed, in order."""
+    seen: list[RequestSpec] = []
     original = engine.submit  # type: ignore[attr-defined]
 
-    def spy(request: GenerationRequest, on_event: object) -> None:
+    def spy(request: RequestSpec, on_event: object) -> None:
         seen.append(request)
         original(request, on_event)
 
@@ -346,7 +346,7 @@ def submitted(engine: object, monkeypatch: pytest.MonkeyPatch) -> list[Generatio
     return seen
 
 
-def _controls(request: GenerationRequest) -> tuple[object, ...]:
+def _controls(request: RequestSpec) -> tuple[object, ...]:
     assert request.deadline is not None and request.arrival_time is not None
     return (
         request.prompt_token_ids,
@@ -361,7 +361,7 @@ def _controls(request: GenerationRequest) -> tuple[object, ...]:
 
 
 def test_priority_deadline_and_expected_tokens_map_as_over_grpc(
-    oai: openai.OpenAI, grpc_client: Client, submitted: list[GenerationRequest]
+    oai: openai.OpenAI, grpc_client: Client, submitted: list[RequestSpec]
 ) -> None:
     prompt = prompts(5)[4]
     stream = grpc_client.stream()

@@ -16,7 +16,7 @@ from slipstream.scheduler.plan import StepPlan
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.engine import Engine
-from slipstream.service.engine.events import GenerationRequest, ModelInfo, StepOutOfMemory
+from slipstream.service.engine.events import ModelInfo, RequestSpec, StepOutOfMemory
 
 WORDS = ["<eos>", "a", "b", "c", "x", "y", "z", "!"]
 EOS = 0
@@ -86,9 +86,9 @@ def test_every_ending_is_the_schedulers() -> None:
     }
     engine, scheduler, cost, runner = _engine(scripts)
     requests = [
-        GenerationRequest(req_id="limit", prompt_token_ids=[1, 2], max_new_tokens=4),
-        GenerationRequest(req_id="eos", prompt_token_ids=[3], max_new_tokens=6),
-        GenerationRequest(
+        RequestSpec(req_id="limit", prompt_token_ids=[1, 2], max_new_tokens=4),
+        RequestSpec(req_id="eos", prompt_token_ids=[3], max_new_tokens=6),
+        RequestSpec(
             req_id="stop", prompt_token_ids=[2, 2, 2], max_new_tokens=6, stop_sequences=("yz",)
         ),
     ]
@@ -119,7 +119,7 @@ def test_a_step_listener_sees_each_step_with_its_seconds() -> None:
     composed = Engine(engine._scheduler, runner, engine.tokenizer, engine.info, listeners)
     try:
         (result,) = composed.generate(
-            [GenerationRequest(req_id="r", prompt_token_ids=[1], max_new_tokens=3)]
+            [RequestSpec(req_id="r", prompt_token_ids=[1], max_new_tokens=3)]
         )
     finally:
         composed.shutdown()
@@ -148,10 +148,10 @@ def test_a_step_out_of_memory_ends_its_requests_and_the_engine_goes_on() -> None
     composed = Engine(scheduler, runner, engine.tokenizer, engine.info)
     try:
         (big,) = composed.generate(
-            [GenerationRequest(req_id="big", prompt_token_ids=[1] * 20, max_new_tokens=4)]
+            [RequestSpec(req_id="big", prompt_token_ids=[1] * 20, max_new_tokens=4)]
         )
         (after,) = composed.generate(
-            [GenerationRequest(req_id="after", prompt_token_ids=[1, 2], max_new_tokens=3)]
+            [RequestSpec(req_id="after", prompt_token_ids=[1, 2], max_new_tokens=3)]
         )
         stats = composed.stats()
     finally:

@@ -12,7 +12,7 @@ import pytest
 from slipstream.scheduler.errors import QueueFull
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.events import Event, FinishEvent, GenerationRequest
+from slipstream.service.engine.events import Event, FinishEvent, RequestSpec
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +51,8 @@ class Finishes:
             return self.events[req_id]
 
 
-def request(req_id: str, priority: int, max_new_tokens: int = 4, **kw: object) -> GenerationRequest:
-    return GenerationRequest(
-        req_id, [5, 6, 7], max_new_tokens, ignore_eos=True, priority=priority, **kw
-    )  # type: ignore[arg-type]
+def request(req_id: str, priority: int, max_new_tokens: int = 4, **kw: object) -> RequestSpec:
+    return RequestSpec(req_id, [5, 6, 7], max_new_tokens, ignore_eos=True, priority=priority, **kw)  # type: ignore[arg-type]
 
 
 def test_shed_and_first_token_expiry_reach_the_finish_event(engine: object) -> None:

@@ -17,7 +17,7 @@ from slipstream.kernels import linear
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_parts
 
 NUM_PROMPTS = 32
@@ -75,7 +75,7 @@ def test_greedy_matches_transformers(tiny_model_dir, hf_model, compile):
     prompts = _prompts(engine.info.vocab_size)
     max_tokens = [8 + (i * 5) % 17 for i in range(NUM_PROMPTS)]
     requests = [
-        GenerationRequest(req_id=f"p{i}", prompt_token_ids=p, max_new_tokens=n)
+        RequestSpec(req_id=f"p{i}", prompt_token_ids=p, max_new_tokens=n)
         for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
     ]
     try:

@@ -16,16 +16,16 @@ import pytest
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine
 
 BLOCK = 16
 
 
-def _requests(vocab: int, first: int, count: int, deadline: float) -> list[GenerationRequest]:
+def _requests(vocab: int, first: int, count: int, deadline: float) -> list[RequestSpec]:
     rng = random.Random(first)
     return [
-        GenerationRequest(
+        RequestSpec(
             req_id=f"q{i}",
             prompt_token_ids=[rng.randrange(4, vocab) for _ in range(rng.randint(8, 56))],
             max_new_tokens=rng.randint(40, 64)
@@ -39,9 +39,7 @@ def _requests(vocab: int, first: int, count: int, deadline: float) -> list[Gener
     ]
 
 
-def _run(
-    engine: Engine, early: list[GenerationRequest], late: list[GenerationRequest]
-) -> dict[str, list[int]]:
+def _run(engine: Engine, early: list[RequestSpec], late: list[RequestSpec]) -> dict[str, list[int]]:
     from slipstream.service.engine.engine import _Collector
 
     collectors = {r.req_id: _Collector() for r in early + late}

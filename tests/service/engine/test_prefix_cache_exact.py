@@ -13,7 +13,7 @@ from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine, FinishedResult
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine, load_parts
 
 BLOCK = 16
@@ -21,14 +21,14 @@ PREFIX_LEN = 200  # 12 full blocks and a partial one
 NUM_REQUESTS = 24
 
 
-def _workload(vocab: int) -> list[GenerationRequest]:
+def _workload(vocab: int) -> list[RequestSpec]:
     rng = random.Random(14)
     prefix = [rng.randrange(4, vocab) for _ in range(PREFIX_LEN)]
     requests = []
     for i in range(NUM_REQUESTS):
         tail = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 24))]
         requests.append(
-            GenerationRequest(
+            RequestSpec(
                 req_id=f"p{i}",
                 prompt_token_ids=prefix[: _shared_len(i)] + tail,
                 max_new_tokens=rng.randint(6, 20),
@@ -46,7 +46,7 @@ def _shared_len(index: int) -> int:
 
 
 def _run(
-    config: EngineConfig, workload: list[GenerationRequest]
+    config: EngineConfig, workload: list[RequestSpec]
 ) -> tuple[list[FinishedResult], Scheduler]:
     """The first request alone (it fills the cache), then the rest at once."""
     parts = load_parts(config)
@@ -64,7 +64,7 @@ def _run(
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: object) -> tuple[list[GenerationRequest], list[FinishedResult]]:
+def reference(tiny_model_dir: object) -> tuple[list[RequestSpec], list[FinishedResult]]:
     config = EngineConfig(
         model=str(tiny_model_dir),
         dtype="float32",
@@ -106,7 +106,7 @@ def reference(tiny_model_dir: object) -> tuple[list[GenerationRequest], list[Fin
 )
 def test_prefix_cache_on_matches_off_bit_for_bit(
     tiny_model_dir: object,
-    reference: tuple[list[GenerationRequest], list[FinishedResult]],
+    reference: tuple[list[RequestSpec], list[FinishedResult]],
     knobs: dict[str, object],
 ) -> None:
     workload, expected = reference

@@ -15,7 +15,7 @@ import torch
 from slipstream.kernels.cpu_features import CpuFeatures, detect
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
-from slipstream.service.engine.events import GenerationRequest
+from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine
 
 NATIVE = CpuFeatures("forced native bf16", ("amx_bf16", "avx2"), "AVX512", False, False)
@@ -24,7 +24,7 @@ CLAIMS_PACKING = CpuFeatures("forced packing", ("amx_bf16",), "AVX512", True, Tr
 
 
 def _generate(engine: Engine) -> list[int]:
-    request = GenerationRequest(req_id="a", prompt_token_ids=[5, 6, 7], max_new_tokens=4)
+    request = RequestSpec(req_id="a", prompt_token_ids=[5, 6, 7], max_new_tokens=4)
     (result,) = engine.generate([request])
     engine.shutdown()
     return result.token_ids

@@ -564,12 +564,12 @@ def test_smollm2_converts_once_under_concurrency(
 
 def _engine_greedy(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from slipstream.service.engine.config import EngineConfig
-    from slipstream.service.engine.events import GenerationRequest
+    from slipstream.service.engine.events import RequestSpec
     from slipstream.service.engine.loader import load_engine
 
     engine = load_engine(EngineConfig(model=str(model_dir), dtype="float32", block_size=16))
     requests = [
-        GenerationRequest(req_id=f"p{i}", prompt_token_ids=p, max_new_tokens=max_tokens)
+        RequestSpec(req_id=f"p{i}", prompt_token_ids=p, max_new_tokens=max_tokens)
         for i, p in enumerate(prompts)
     ]
     try:

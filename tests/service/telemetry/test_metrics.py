@@ -210,11 +210,11 @@ def test_prefix_cache_hits_reach_the_caller_and_the_hit_rate(
 
 def test_sheds_are_counted_by_class() -> None:
     from slipstream.scheduler.request import FinishReason, RejectCause
-    from slipstream.service.engine.events import FinishEvent, GenerationRequest
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
 
     metrics = ServerMetrics()
     for req_id, priority in (("a", 2), ("b", 2), ("c", 1)):
-        request = GenerationRequest(req_id, [1, 2], 4, priority=priority)
+        request = RequestSpec(req_id, [1, 2], 4, priority=priority)
         metrics.on_submit(request, None)  # type: ignore[arg-type]
     for req_id in ("a", "b", "c"):
         shed = FinishEvent(req_id, FinishReason.REJECTED, reject_cause=RejectCause.SHED)

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from slipstream.scheduler.plan import RequestOutput, ScheduledSeq, StepPlan
 from slipstream.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
-from slipstream.service.engine.events import FinishEvent, GenerationRequest
+from slipstream.service.engine.events import FinishEvent, RequestSpec
 from slipstream.service.telemetry.request_trace import RequestTracer
 
 BYTES_PER_BLOCK = 1024
@@ -30,7 +30,7 @@ def traced(sampler: object = None) -> tuple[RequestTracer, InMemorySpanExporter]
 
 
 def submit(tracer: RequestTracer) -> Request:
-    request = GenerationRequest("a", [1, 2, 3, 4, 5, 6], max_new_tokens=3, arrival_time=100.0)
+    request = RequestSpec("a", [1, 2, 3, 4, 5, 6], max_new_tokens=3, arrival_time=100.0)
     tracer.begin(request, "client-a", trace.set_span_in_context(trace.INVALID_SPAN))
     state = Request("a", [1, 2, 3, 4, 5, 6], 3, arrival_time=100.0)
     tracer.on_submit(request, state)
