@@ -229,10 +229,22 @@ def triton_paged_attention(
 ) -> torch.Tensor:
     """Same contract as ``attention.paged_attention``: decodes go to the paged
     decode kernel (split-K on long contexts), prefill chunks to the prefill kernel."""
+    return triton_attention_for_step(q, k_cache, v_cache, meta, triton_step(meta), scale)
+
+
+def triton_attention_for_step(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    step: TritonStep,
+    scale: float,
+) -> torch.Tensor:
+    """``triton_paged_attention`` with the step's Triton metadata already built
+    (by ``triton_step``, or staged on the device by the GPU runner)."""
     from slipstream.kernels.triton_paged_decode import paged_decode
     from slipstream.kernels.triton_paged_prefill import paged_prefill
 
-    step = triton_step(meta)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if step.decode_seq_ids is not None and step.decode_token_ids is not None:
         paged_decode(

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.kernels.attention import AttentionMetadata
-from slipstream.kernels.backend import TritonStep, triton_paged_attention
+from slipstream.kernels.backend import (
+    TritonStep,
+    triton_attention_for_step,
+    triton_paged_attention,
+)
 from slipstream.kernels.workspace import default_workspace
 from slipstream.service.engine.staging import StagedStep
 
@@ -86,19 +90,4 @@ def staged_paged_attention(
     staged metadata nothing is built, other metadata goes the usual way."""
     if not isinstance(meta, StagedAttentionMetadata):
         return triton_paged_attention(q, k_cache, v_cache, meta, scale)
-    from slipstream.kernels.triton_paged_decode import paged_decode
-    from slipstream.kernels.triton_paged_prefill import paged_prefill
-
-    step = meta.triton
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if step.decode_seq_ids is not None and step.decode_token_ids is not None:
-        paged_decode(
-            q, k_cache, v_cache, meta.block_tables, step.seq_lens,
-            step.decode_seq_ids, step.decode_token_ids, step.max_decode_len, scale, out,
-        )  # fmt: skip
-    if step.prefill_seq_ids is not None:
-        paged_prefill(
-            q, k_cache, v_cache, meta.block_tables, step.seq_lens, meta.query_start_loc,
-            step.prefill_seq_ids, step.max_prefill_query_len, scale, out,
-        )  # fmt: skip
-    return out
+    return triton_attention_for_step(q, k_cache, v_cache, meta, meta.triton, scale)
