@@ -30,7 +30,10 @@ capacity are ``queue_full`` and ``overloaded``. The capacity measurement
 also gives generated tokens per second; the load offered is bounded above
 by the ``max_new_tokens`` of every submit per second. A run offered under
 half the capacity (by that bound) that refuses anything for capacity fails
-(exit code 1), as do leaked blocks and errors nobody asked for.
+(exit code 1), as do leaked blocks, errors nobody asked for and a mixed
+request refused DEADLINE_INFEASIBLE whose timeout was at least 1.5x what it
+needs alone (``infeasible_unjustified``; the isolated times are measured on
+the idle server first).
 """
 
 from __future__ import annotations
@@ -95,6 +98,73 @@ async def _sample(stub: object, pid: int) -> dict[str, float]:
     }
 
 
+# Output lengths whose isolated service time is measured (seconds, medians of 3).
+ISOLATED_TOKENS = (1, 128)
+
+
+async def _isolated_seconds(stub: object, vocab: int) -> dict[int, float]:
+    """Seconds one request of a 32-token prompt takes alone, by output length."""
+    from slipstream.v1 import inference_pb2 as pb
+
+    load = Load(random.Random(2), vocab)
+    seconds: dict[int, float] = {}
+    for max_tokens in ISOLATED_TOKENS:
+        times = []
+        for i in range(3):
+            submit = pb.Submit(
+                request_id=f"alone-{max_tokens}-{i}",
+                token_ids=pb.TokenIds(ids=[load.rng.randrange(5, vocab) for _ in range(32)]),
+                stopping=pb.StoppingCriteria(max_new_tokens=max_tokens, ignore_eos=True),
+            )
+            started = time.monotonic()
+            async for _ in stub.Generate(iter([pb.GenerateRequest(submit=submit)])):  # type: ignore[attr-defined]
+                pass
+            times.append(time.monotonic() - started)
+        seconds[max_tokens] = statistics.median(times)
+    return seconds
+
+
+# An infeasible refusal is unjustified when the timeout was at least this many
+# times the request's isolated service time. The isolated times are measured
+# on the idle server before the mix; during the mix the load generator shares
+# the machine's cores, so a timeout just above them may really be too short.
+UNJUSTIFIED_MARGIN = 1.5
+
+
+def _infeasible_summary(
+    infeasible: list[tuple[float, int]], alone: dict[int, float]
+) -> dict[str, object]:
+    """Mixed requests refused DEADLINE_INFEASIBLE against their isolated service
+    time (interpolated between the measured lengths for their max_new_tokens):
+    ``unjustified`` had a timeout of at least ``UNJUSTIFIED_MARGIN`` times it
+    (a server with room should have served them), ``borderline`` one between
+    1x and that."""
+    (short, t_short), (long, t_long) = sorted(alone.items())
+    per_token = (t_long - t_short) / (long - short)
+
+    def isolated(max_tokens: int) -> float:
+        return t_short + (max_tokens - short) * per_token
+
+    def sample(timeout: float, max_tokens: int) -> dict[str, float]:
+        return {
+            "timeout_s": timeout,
+            "max_new_tokens": max_tokens,
+            "isolated_s": isolated(max_tokens),
+        }
+
+    ratios = [(t / isolated(n), t, n) for t, n in infeasible]
+    unjustified = [sample(t, n) for r, t, n in ratios if r >= UNJUSTIFIED_MARGIN]
+    borderline = [sample(t, n) for r, t, n in ratios if 1.0 <= r < UNJUSTIFIED_MARGIN]
+    return {
+        "isolated_seconds": {str(n): s for n, s in sorted(alone.items())},
+        "infeasible_refusals": len(infeasible),
+        "infeasible_unjustified": len(unjustified),
+        "infeasible_borderline": len(borderline),
+        "infeasible_unjustified_samples": unjustified[:10],
+        "infeasible_borderline_samples": borderline[:10],
+    }
+
+
 async def _capacity(target: str, vocab: int, seconds: float) -> tuple[float, float]:
     """Plain requests and generated tokens per second with 32 always in
     flight (closed loop)."""
@@ -132,6 +202,7 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
     ):
         stub = pb_grpc.InferenceStub(channel)
         vocab = (await stub.GetModelInfo(pb.GetModelInfoRequest())).vocab_size
+        alone = await _isolated_seconds(stub, vocab)
         capacity, capacity_tokens = await _capacity(target, vocab, args.calibrate_s)
         rate = args.load * capacity
         print(
@@ -222,6 +293,7 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
             },
             "capacity_refusals": capacity_refusals,
             "capacity_refusal_samples": load.refusal_samples,
+            **_infeasible_summary(load.infeasible, alone),
             "outcomes": dict(sorted(load.outcomes.items())),
             "error_samples": [e for s in samples for e in s["error_samples"]][:10]  # type: ignore[attr-defined]
             + tail.errors[:10],
@@ -311,7 +383,8 @@ def run(args: argparse.Namespace) -> int:
     summary = report["summary"]
     assert isinstance(summary, dict)
     leaked = summary["leaked_device_blocks"] or summary["leaked_host_blocks"]
-    return 1 if leaked or summary["errors_not_asked_for"] or refused_with_room(summary) else 0
+    failed = leaked or summary["errors_not_asked_for"] or summary["infeasible_unjustified"]
+    return 1 if failed or refused_with_room(summary) else 0
 
 
 def refused_with_room(summary: dict[str, object]) -> bool:

@@ -42,6 +42,9 @@ class Load:
     refusal_minutes: dict[int, dict[str, int]] = field(default_factory=dict)
     refusal_samples: list[str] = field(default_factory=list)
     offered_tokens: int = 0  # max_new_tokens of every submit
+    # Mixed requests refused DEADLINE_INFEASIBLE: (timeout_s, max_new_tokens),
+    # checked afterwards against the isolated service time of that many tokens.
+    infeasible: list[tuple[float, int]] = field(default_factory=list)
     output_tokens: int = 0  # generated tokens seen by the readers that read them
 
     def refused(self, finished: object) -> None:
@@ -106,6 +109,7 @@ async def mixed_stream(load: Load, stub: object, index: int) -> None:
     rng = load.rng
     num_requests = rng.randint(1, 6)
     cancels: list[tuple[float, str]] = []
+    asked: dict[str, tuple[float, int]] = {}  # request id -> (timeout_s, max_new_tokens)
     call = stub.Generate()  # type: ignore[attr-defined]
     error = None
     reasons: list[str] = []
@@ -117,6 +121,8 @@ async def mixed_stream(load: Load, stub: object, index: int) -> None:
                 timeout = rng.choice((0.05, 0.3, 1.0, 3.0))
                 extra["timeout"] = Duration(seconds=int(timeout), nanos=int(timeout % 1 * 1e9))
             max_tokens = rng.randint(1, 128)
+            if "timeout" in extra:
+                asked[request_id] = (timeout, max_tokens)
             ignore_eos = rng.random() < 0.5
             await call.write(
                 _submit(pb, request_id, load.prompt(), max_tokens, ignore_eos, load, **extra)
@@ -136,6 +142,8 @@ async def mixed_stream(load: Load, stub: object, index: int) -> None:
                 reasons.append(pb.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_"))
                 if finished.reason == pb.FINISH_REASON_REJECTED:
                     load.refused(finished)
+                    if finished.reject_reason == pb.REJECT_REASON_DEADLINE_INFEASIBLE:
+                        load.infeasible.append(asked[response.request_id])
         if len(reasons) != num_requests or "ERROR" in reasons:
             error = f"finished {'+'.join(sorted(set(reasons)))}"
     except Exception as exc:  # an RpcError nobody asked for

@@ -41,3 +41,6 @@ def test_the_mix_at_moderate_load_is_never_refused_for_capacity() -> None:
     assert summary["capacity_refusals"] == 0, summary["capacity_refusal_samples"]
     assert not soak.refused_with_room(summary)
     assert summary["leaked_device_blocks"] == 0 and summary["leaked_host_blocks"] == 0
+    # Every deadline refused as infeasible was shorter than (or within the
+    # margin of) what the request needs alone.
+    assert summary["infeasible_unjustified"] == 0, summary["infeasible_unjustified_samples"]
