@@ -1,5 +1,6 @@
 """Dense projections, with weights packed once at load time: for oneDNN, or
-for the panel kernel (``csrc/linear_cpu.cpp``, float32 on AVX2 CPUs).
+for the panel kernel (``csrc/linear_cpu.cpp``: float32 on AVX2 CPUs, bf16
+calls of a few rows on AVX512-BF16 CPUs).
 
 ``F.linear`` on the CPU re-lays out a bf16 weight into oneDNN's blocked format
 on every call; packing it once at load time removes that from every step
@@ -15,10 +16,17 @@ measured on the AMD EPYC (Zen 3, AVX2) with 2 threads over all 30 layers of
 packed GEMM at 1 token, 1.6x at 4-8, 1.2-1.35x from 16 to 512 (``csrc/
 linear_cpu.cpp`` says why). One layout serves every batch size, so the
 weights are held once.
+
+bf16 panels (the library's ``avx512`` variant: AVX512-BF16 dot products)
+serve calls of at most ``MAX_BF16_PANEL_ROWS`` rows; larger calls stay on
+oneDNN, so a bf16 weight with panels is held twice (panels and oneDNN's
+layout). Measured on an AMD EPYC (Zen 5, avx512_bf16, no AMX), 2 threads,
+the ``small`` model's four projections of one layer: see docs/kernels.md.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -32,10 +40,14 @@ EXTENSION = extensions.Extension(
     cflags=("-O3", "-fopenmp", "-Wno-psabi"),
     ldflags=("-fopenmp",),
     probe="linear_cpu_isa",
-    what="float32 panel projection kernel",
+    what="panel projection kernel",
     fallback="oneDNN's projections",
+    set_max_isa="linear_set_max_isa",
 )
 PANEL = 16  # output features per panel (csrc/linear_cpu.cpp)
+# bf16 calls of up to this many rows take the panels, larger ones oneDNN
+# (docs/kernels.md: the crossover on an AMD EPYC Zen 5).
+MAX_BF16_PANEL_ROWS = 8
 NO_AVX2 = "the CPU has no AVX2"
 
 
@@ -47,7 +59,13 @@ def panels_available(home: Path | None = None) -> bool:
 
 
 def _runs_avx2() -> bool | str:
-    return torch.ops.slipstream.linear_cpu_isa() == "avx2" or NO_AVX2
+    return torch.ops.slipstream.linear_cpu_isa() in ("avx2", "avx512") or NO_AVX2
+
+
+def bf16_panels_available(home: Path | None = None) -> bool:
+    """True where the panel kernel loaded and runs its ``avx512`` variant
+    (AVX512-BF16, as capped by ``cpu_features.detect()``)."""
+    return panels_available(home) and torch.ops.slipstream.linear_cpu_isa() == "avx512"
 
 
 def panels_failure() -> str | None:
@@ -64,6 +82,19 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
 
 
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` (K even) -> ``[ceil(N / 16), K / 2, 16, 2]``: panel ``p``
+    holds rows ``16p .. 16p + 15``, k in pairs, so that one 64-byte row
+    ``[p, i]`` is ``W[16p + j, 2i + t]`` for j < 16, t < 2; zero past ``N``."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"bf16 panels need an even number of input features, got {k}")
+    num_panels = -(-n // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(num_panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
 class WeightPackingFailed(ValueError):
     """oneDNN refused to pack a weight: the asked-for layout does not fit this
     CPU (it lacks the instructions oneDNN needs), a configuration error."""
@@ -73,12 +104,23 @@ class Linear:
     """``y = x @ weight.T + bias`` for 2-D ``x`` of shape ``[tokens, in_features]``.
 
     ``pack`` asks for the oneDNN-packed layout of a bf16 or fp32 CPU weight; it
-    raises ``WeightPackingFailed`` where oneDNN cannot pack. ``panels`` (which
-    wins over ``pack``) asks for the panel kernel's layout, for a float32 CPU
-    weight, once ``panels_available()`` said yes; other weights ignore it.
+    raises ``WeightPackingFailed`` where oneDNN cannot pack. ``panels`` asks
+    for the panel kernel's layout, once ``panels_available()`` said yes: a
+    float32 CPU weight takes panels for every call (and wins over ``pack``);
+    a bf16 one with an even in_features, where ``bf16_panels_available()``,
+    takes them for calls of up to ``max_panel_rows`` rows and keeps the
+    oneDNN (or plain) weight for the rest. Other weights ignore it.
     """
 
-    __slots__ = ("bias", "is_packed", "out_features", "uses_panels", "weight")
+    __slots__ = (
+        "bias",
+        "is_packed",
+        "max_panel_rows",
+        "out_features",
+        "panels",
+        "uses_panels",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -92,23 +134,38 @@ class Linear:
         self.out_features = weight.shape[0]
         self.bias = bias
         on_cpu = weight.device.type == "cpu"
-        self.uses_panels = panels and on_cpu and weight.dtype == torch.float32
-        self.is_packed = (
-            not self.uses_panels
-            and pack
+        fp32_panels = panels and on_cpu and weight.dtype == torch.float32
+        bf16_panels = (
+            panels
             and on_cpu
-            and weight.dtype in (torch.bfloat16, torch.float32)
+            and weight.dtype == torch.bfloat16
+            and weight.shape[1] % 2 == 0
+            and bf16_panels_available()
         )
-        if self.uses_panels:
-            self.weight = pack_panels(weight)
-        else:
-            self.weight = _packed(weight) if self.is_packed else weight
+        self.uses_panels = fp32_panels or bf16_panels
+        self.max_panel_rows = 0
+        self.panels: torch.Tensor | None = None
+        if fp32_panels:
+            self.panels = pack_panels(weight)
+            self.max_panel_rows = sys.maxsize
+        elif bf16_panels:
+            self.panels = pack_bf16_panels(weight)
+            self.max_panel_rows = MAX_BF16_PANEL_ROWS
+        self.is_packed = (
+            not fp32_panels and pack and on_cpu and weight.dtype in (torch.bfloat16, torch.float32)
+        )
+        # A float32 weight on panels serves every call from them.
+        self.weight = self.panels if fp32_panels else _packed(weight) if self.is_packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.uses_panels:
+        if x.shape[0] <= self.max_panel_rows:
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            return torch.ops.slipstream.panel_linear(x, self.weight, self.bias, self.out_features)
+            if x.dtype == torch.float32:
+                op = torch.ops.slipstream.panel_linear
+            else:
+                op = torch.ops.slipstream.panel_linear_bf16
+            return op(x, self.panels, self.bias, self.out_features)
         if self.is_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)

@@ -27,9 +27,26 @@
 // results agree with them to ~1e-6 relative, not bit for bit.
 //
 // Instruction sets: an AVX2+FMA kernel (intrinsics) and a plain scalar
-// baseline, picked at run time (__builtin_cpu_supports), so the binary does
-// not depend on the build machine's CPU; kernels/linear.py uses it only
-// where the AVX2 variant runs.
+// baseline, picked at run time (__builtin_cpu_supports, capped by
+// linear_set_max_isa, which the Python side calls with what
+// cpu_features.detect() allows), so the binary does not depend on the build
+// machine's CPU; kernels/linear.py uses it only where the AVX2 variant runs.
+//
+// bf16 panels (panel_linear_bf16, the "avx512" variant: AVX-512 F/BW/VL and
+// AVX512-BF16) serve the few-row calls of bf16 weights, where oneDNN reads
+// the weights at about half the memory rate. Pairs of k sit side by side so
+// one vdpbf16ps takes a whole 64-byte row of the panel:
+//
+//   panels [P = ceil(N / 16), K / 2, 16, 2]   panels[p, i, j, t] = W[16 p + j, 2 i + t]
+//
+//   for i in 0..K/2:  w = panel[i]                    one 64-byte load
+//                     acc[s][r] += (x[r, 2i], x[r, 2i+1]) . w    broadcast + vdpbf16ps
+//
+// A tile is up to 8 rows against two adjacent panels, so each broadcast of
+// x feeds two dot products. With one row, two accumulators would be chains
+// of dependent vdpbf16ps (latency-bound), so k-pairs also rotate over S
+// accumulator sets, summed at the end. Products of bf16 are exact in fp32; sums are fp32,
+// rounded once to bf16 (round to nearest even) after the bias, as oneDNN does.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -41,6 +58,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -143,9 +161,146 @@ void run_panels_portable(const float* x, int64_t ldx, int64_t m, const float* pa
   }
 }
 
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
+// ------------------------------------------------------------------ AVX-512 bf16
+
+#define SLIPSTREAM_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+constexpr int kBf16TileRows = 8;  // rows of x per register tile
+
+// A tile is R rows against NP adjacent panels (NP <= 2): each broadcast pair
+// of x feeds NP dot products. With few rows the k-pairs also rotate over S
+// accumulator sets, so that at least 4 independent chains are in flight.
+template <int R, int NP>
+constexpr int sets_for() {
+  return R * NP >= 4 ? 1 : R * NP >= 2 ? 2 : 4;
+}
+
+// acc[q][r] += (x[r, 2i], x[r, 2i + 1]) . panel_q[i] for every row and panel.
+template <int R, int NP>
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dot_pair(
+    __m512 (*acc)[R], const uint16_t* x, int64_t ldx, const uint16_t* panel,
+    int64_t panel_stride, int64_t i) {
+  __m512i w[NP];
+#pragma GCC unroll 2
+  for (int q = 0; q < NP; ++q) w[q] = _mm512_loadu_si512(panel + q * panel_stride + i * 2 * kPanel);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    int32_t pair;
+    std::memcpy(&pair, x + r * ldx + 2 * i, sizeof(pair));
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], xb, (__m512bh)w[q]);
+  }
+}
+
+template <int R, int NP>
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void tile_bf16(
+    const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_pairs, uint16_t* y,
+    int64_t ldy, int64_t cols, const uint16_t* bias) {
+  constexpr int S = sets_for<R, NP>();
+  __m512 acc[S][NP][R];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s) {
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[s][q][r] = _mm512_setzero_ps();
+    }
+  }
+  const int64_t stride = k_pairs * 2 * kPanel;
+  int64_t i = 0;
+  for (; i + S <= k_pairs; i += S) {
+#pragma GCC unroll 4
+    for (int s = 0; s < S; ++s) dot_pair<R, NP>(acc[s], x, ldx, panel, stride, i + s);
+  }
+  for (; i < k_pairs; ++i) dot_pair<R, NP>(acc[0], x, ldx, panel, stride, i);
+#pragma GCC unroll 2
+  for (int q = 0; q < NP; ++q) {
+    const int64_t left = cols - q * kPanel;  // columns of this panel inside N
+    const __mmask16 keep = static_cast<__mmask16>(left >= kPanel ? 0xffff : (1u << left) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr) {  // bf16 -> fp32 is a 16-bit shift
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + q * kPanel)), 16));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = acc[0][q][r];
+#pragma GCC unroll 4
+      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[s][q][r]);
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(sum, b));
+      _mm256_mask_storeu_epi16(y + r * ldy + q * kPanel, keep, (__m256i)out);
+    }
+  }
+}
+
+template <int R, int NP>
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dispatch_bf16(
+    int rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_pairs,
+    uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      dispatch_bf16<R - 1, NP>(rows, x, ldx, panel, k_pairs, y, ldy, cols, bias);
+      return;
+    }
+  }
+  tile_bf16<R, NP>(x, ldx, panel, k_pairs, y, ldy, cols, bias);
+}
+
+SLIPSTREAM_AVX512_BF16 void run_panels_bf16(const uint16_t* x, int64_t ldx, int64_t m,
+                                            const uint16_t* panels, int64_t k_pairs, uint16_t* y,
+                                            int64_t n, const uint16_t* bias, int64_t p_begin,
+                                            int64_t p_end) {
+  for (int64_t p = p_begin; p < p_end; p += 2) {
+    const uint16_t* panel = panels + p * k_pairs * 2 * kPanel;
+    const int64_t col = p * kPanel;
+    const int64_t cols = std::min(2 * kPanel, n - col);
+    const uint16_t* pb = bias != nullptr ? bias + col : nullptr;
+    const bool pair = p + 1 < p_end;
+    for (int64_t r = 0; r < m; r += kBf16TileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m - r));
+      const uint16_t* xr = x + r * ldx;
+      uint16_t* yr = y + r * n + col;
+      if (pair) {
+        dispatch_bf16<kBf16TileRows, 2>(rows, xr, ldx, panel, k_pairs, yr, n, cols, pb);
+      } else {
+        dispatch_bf16<kBf16TileRows, 1>(rows, xr, ldx, panel, k_pairs, yr, n, cols, pb);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ variants
+
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr const char* kIsaNames[] = {"portable", "avx2", "avx512"};
+
+int cpu_isa() {
+  static const int best = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return int(kPortable);
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512bf16"))
+      return int(kAvx512);
+    return int(kAvx2);
+  }();
+  return best;
+}
+
+std::atomic<int> g_max_isa{kAvx512};  // lowered by linear_set_max_isa
+
+int isa() { return std::min(cpu_isa(), g_max_isa.load(std::memory_order_relaxed)); }
+
+bool has_avx2() { return isa() >= kAvx2; }
+
+const float* checked_bias(const c10::optional<at::Tensor>& bias, at::ScalarType dtype, int64_t n) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n &&
+                  bias->is_contiguous(),
+              "bias must be a contiguous [out_features] tensor of the weight's dtype");
+  return static_cast<const float*>(bias->data_ptr());
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
@@ -159,13 +314,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(panels.size(1) == k_size, "x has ", k_size, " features, the weight ", panels.size(1));
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
               "out_features does not match the number of panels");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n &&
-                    bias->is_contiguous(),
-                "bias must be a contiguous float32 [out_features] tensor");
-    bp = bias->data_ptr<float>();
-  }
+  const float* bp = checked_bias(bias, at::kFloat, n);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const float* xp = x.data_ptr<float>();
@@ -182,14 +331,62 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   return y;
 }
 
-std::string linear_isa() { return has_avx2() ? "avx2" : "portable"; }
+at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels,
+                             const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(isa() == kAvx512, "panel_linear_bf16 needs the avx512 variant (AVX512-BF16); ",
+              "this CPU, as capped, runs ", kIsaNames[isa()]);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16,
+              "panel_linear_bf16 takes bfloat16 x and panels");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, in_features] with packed rows");
+  TORCH_CHECK(panels.dim() == 4 && panels.size(2) == kPanel && panels.size(3) == 2 &&
+                  panels.is_contiguous(),
+              "panels must be a contiguous [ceil(out / 16), in_features / 2, 16, 2] tensor");
+  const int64_t m = x.size(0), k_size = x.size(1), n = out_features;
+  TORCH_CHECK(k_size % 2 == 0 && panels.size(1) * 2 == k_size, "x has ", k_size,
+              " features, the weight ", panels.size(1) * 2, " (an even number)");
+  TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
+              "out_features does not match the number of panels");
+  const auto* bp = reinterpret_cast<const uint16_t*>(checked_bias(bias, at::kBFloat16, n));
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = static_cast<const uint16_t*>(panels.data_ptr());
+  auto* yp = static_cast<uint16_t*>(y.data_ptr());
+  const int64_t ldx = x.stride(0), k_pairs = k_size / 2;
+  // Chunks of >= 64 KiB of weights per thread: below that the fork costs more
+  // than the second core's reads gain.
+  const int64_t grain = 2 * std::max<int64_t>(1, 32768 / (k_size * 2 * kPanel * m));
+  at::parallel_for(0, panels.size(0), grain, [&](int64_t b, int64_t e) {
+    run_panels_bf16(xp, ldx, m, wp, k_pairs, yp, n, bp, b, e);
+  });
+  return y;
+}
+
+std::string linear_isa() { return kIsaNames[isa()]; }
+
+// Caps the variant at `name`; returns the one now picked.
+std::string linear_set_max_isa(c10::string_view name) {
+  for (int i = 0; i < 3; ++i) {
+    if (name == kIsaNames[i]) {
+      g_max_isa.store(i);
+      return linear_isa();
+    }
+  }
+  TORCH_CHECK(false, "linear_set_max_isa: avx512, avx2 or portable, got ", name);
+  return "";
+}
 
 }  // namespace
 }  // namespace slipstream
 
 TORCH_LIBRARY_FRAGMENT(slipstream, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("panel_linear_bf16(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_cpu_isa() -> str", &slipstream::linear_isa);
+  m.def("linear_set_max_isa(str isa) -> str", &slipstream::linear_set_max_isa);
 }
 
-TORCH_LIBRARY_IMPL(slipstream, CPU, m) { m.impl("panel_linear", &slipstream::panel_linear); }
+TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
+  m.impl("panel_linear", &slipstream::panel_linear);
+  m.impl("panel_linear_bf16", &slipstream::panel_linear_bf16);
+}

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from test_cpu_attention import MIXED, _case, run_variant
 
-from slipstream.kernels import cpu_attention, extensions, fused_ops
+from slipstream.kernels import cpu_attention, extensions, fused_ops, linear
 from slipstream.kernels.cpu_features import CpuFeatures, detect, native
 
 ORDER = ("portable", "avx2", "avx512")
@@ -50,7 +50,8 @@ def libraries() -> Iterator[list[extensions.Extension]]:
     home = Path(os.environ["SLIPSTREAM_HOME"])
     assert cpu_attention.is_available(home), cpu_attention.failure()
     assert fused_ops.is_available(home), fused_ops.failure()
-    exts = [cpu_attention.EXTENSION, fused_ops.EXTENSION]
+    assert linear.panels_available(home) or linear.panels_failure() == linear.NO_AVX2
+    exts = [cpu_attention.EXTENSION, fused_ops.EXTENSION, linear.EXTENSION]
     yield exts
     for ext in exts:  # back to what this machine reports
         extensions.cap_isa(ext)
@@ -63,7 +64,7 @@ def _cpu_best(ext: extensions.Extension) -> str:
     return picked
 
 
-@pytest.mark.parametrize("ext_name", ["paged_attention_cpu", "fused_ops_cpu"])
+@pytest.mark.parametrize("ext_name", ["paged_attention_cpu", "fused_ops_cpu", "linear_cpu"])
 @pytest.mark.parametrize(
     "flags", [(), ("avx2",), ("avx512f", "avx2")], ids=["none", "avx2", "avx512"]
 )

@@ -1,7 +1,9 @@
-"""The float32 panel projection (``kernels/linear.py``, ``csrc/linear_cpu.cpp``)
-against a float64 reference: every row-tile remainder (1..6 rows), widths
-that are not a multiple of the 16-feature panel, bias or none, strided rows,
-and both thread counts.
+"""The panel projections (``kernels/linear.py``, ``csrc/linear_cpu.cpp``)
+against a float64 reference: float32 at every row-tile remainder (1..6
+rows), bf16 (AVX512-BF16) at every row count of its 8-row tiles and a panel
+left unpaired, widths that are not a multiple of the 16-feature panel, bias
+or none, strided rows, and both thread counts; which calls take the bf16
+panels (rows, the variant as capped by a forced CPU answer).
 
 Built once into ``$SLIPSTREAM_HOME/cache/extensions`` (the test home); a
 machine without a C++ compiler or without AVX2 skips.
@@ -17,8 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels import linear
-from slipstream.kernels.linear import Linear, pack_panels
+from slipstream.kernels import extensions, linear
+from slipstream.kernels.cpu_features import CpuFeatures
+from slipstream.kernels.linear import Linear, pack_bf16_panels, pack_panels
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,10 +76,91 @@ def test_strided_rows_and_a_non_contiguous_view() -> None:
     )
 
 
-def test_only_float32_cpu_weights_use_panels() -> None:
+def test_float32_and_even_width_bf16_weights_use_panels() -> None:
     assert Linear(torch.randn(4, 4), panels=True).uses_panels
     bf16 = Linear(torch.randn(4, 4, dtype=torch.bfloat16), panels=True)
-    assert not bf16.uses_panels and bf16.weight.shape == (4, 4)
+    assert bf16.uses_panels is linear.bf16_panels_available()
+    assert bf16.weight.shape == (4, 4)  # kept for the calls of many rows
+    odd = Linear(torch.randn(4, 5, dtype=torch.bfloat16), panels=True)
+    assert not odd.uses_panels and odd.max_panel_rows == 0
+    assert not Linear(torch.randn(4, 4, dtype=torch.float16), panels=True).uses_panels
+
+
+def test_bf16_packing_pairs_k_inside_each_panel_row() -> None:
+    w = torch.arange(20 * 6, dtype=torch.float32).view(20, 6).bfloat16()
+    panels = pack_bf16_panels(w)
+    assert panels.shape == (2, 3, 16, 2) and panels.is_contiguous()
+    assert torch.equal(panels[0, 1, 5], w[5, 2:4])
+    assert torch.equal(panels[1, 2, 3], w[19, 4:6])
+    assert not panels[1, :, 4:].any()
+    with pytest.raises(ValueError, match="even"):
+        pack_bf16_panels(torch.ones(4, 5, dtype=torch.bfloat16))
+
+
+@pytest.fixture
+def bf16_panels() -> None:
+    if not linear.bf16_panels_available():
+        isa = torch.ops.slipstream.linear_cpu_isa()
+        pytest.skip(f"bf16 panels need AVX512-BF16 (this CPU, as reported, runs {isa})")
+
+
+def _bf16_case(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    return torch.randn(rows, k, generator=gen).bfloat16(), w, b
+
+
+@pytest.mark.usefixtures("bf16_panels")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 8), (37, 50), (80, 2), (1024, 576)])
+def test_bf16_panels_match_float64(rows: int, out_features: int, in_features: int, threads: int):
+    """The op itself, at any row count (Linear sends it at most 8); 37 and 80
+    features leave a partial panel and an odd number of panels (one unpaired)."""
+    torch.set_num_threads(threads)
+    x, w, b = _bf16_case(rows, out_features, in_features, rows * 1000 + out_features)
+    panels = pack_bf16_panels(w)
+    for bias in (None, b):
+        got = torch.ops.slipstream.panel_linear_bf16(x, panels, bias, out_features)
+        assert got.shape == (rows, out_features) and got.dtype == torch.bfloat16
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        # Exact products, fp32 sums, one rounding to bf16 (half an ulp: 2^-9).
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
+
+
+@pytest.mark.usefixtures("bf16_panels")
+def test_bf16_calls_of_few_rows_take_the_panels_and_the_rest_onednn() -> None:
+    x, w, b = _bf16_case(linear.MAX_BF16_PANEL_ROWS + 1, 48, 64, 3)
+    layer = Linear(w, b, pack=True, panels=True)
+    plain = Linear(w, b, pack=True)
+    assert layer.uses_panels and layer.is_packed
+    few = x[: linear.MAX_BF16_PANEL_ROWS]
+    on_panels = torch.ops.slipstream.panel_linear_bf16(few, layer.panels, b, 48)
+    assert torch.equal(layer(few), on_panels)
+    assert torch.equal(layer(x), plain(x))
+    strided = torch.randn(2, 100).bfloat16()[:, 10:74]
+    want = F.linear(strided.double(), w.double(), b.double())
+    torch.testing.assert_close(layer(strided).double(), want, rtol=2**-8, atol=1e-3)
+
+
+def _answer(*flags: str) -> CpuFeatures:
+    return CpuFeatures("forced", flags, "DEFAULT", can_pack_bf16=False)
+
+
+def test_an_avx2_answer_keeps_bf16_weights_off_the_panels() -> None:
+    """Whatever this CPU runs: capped at avx2 no weight takes bf16 panels and
+    the op refuses; float32 panels stay. Restored to this run's answer."""
+    w = torch.randn(32, 64).bfloat16()
+    try:
+        assert extensions.cap_isa(linear.EXTENSION, _answer("avx2")) == "avx2"
+        assert not linear.bf16_panels_available()
+        assert not Linear(w, panels=True).uses_panels
+        assert Linear(w.float(), panels=True).uses_panels
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.slipstream.panel_linear_bf16(w[:1], pack_bf16_panels(w), None, 32)
+    finally:
+        extensions.cap_isa(linear.EXTENSION)
 
 
 def test_bad_arguments_are_errors_not_crashes() -> None:
@@ -89,3 +173,17 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
         torch.ops.slipstream.panel_linear(torch.ones(2, 8), panels, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.slipstream.panel_linear(torch.ones(2, 8), panels, torch.ones(3), 20)
+
+
+@pytest.mark.usefixtures("bf16_panels")
+def test_bad_bf16_arguments_are_errors_not_crashes() -> None:
+    panels = pack_bf16_panels(torch.randn(20, 8).bfloat16())
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.slipstream.panel_linear_bf16(x.float(), panels, None, 20)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.slipstream.panel_linear_bf16(torch.ones(2, 10).bfloat16(), panels, None, 20)
+    with pytest.raises(RuntimeError, match="number of panels"):
+        torch.ops.slipstream.panel_linear_bf16(x, panels, None, 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.slipstream.panel_linear_bf16(x, panels, torch.ones(20), 20)
