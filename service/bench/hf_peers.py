@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 from slipstream.service.bench.report import EngineRun, RequestTiming
 from slipstream.service.bench.workload import WARMUP_WORKLOAD, WorkloadRequest
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,12 +41,14 @@ class CBSettings:
     max_requests_per_batch: int | None = None
 
 
-def load_hf_model(model_dir: str, dtype: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    """The model in eval mode with its EOS removed from its generation config,
-    so ``generate`` never stops a row early."""
+def load_hf_model(
+    model_dir: str, dtype: str, attn_implementation: str = "sdpa", device: str = "cpu"
+) -> PreTrainedModel:
+    """The model on ``device`` in eval mode with its EOS removed from its
+    generation config, so ``generate`` never stops a row early."""
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=_torch_dtype(dtype), attn_implementation=attn_implementation
-    )
+    ).to(device)
     model.eval()
     model.generation_config.eos_token_id = None
     return model
@@ -58,12 +60,13 @@ def run_hf_static(
     dtype: str,
     batch_size: int = 16,
     attn_implementation: str = "sdpa",
+    device: str = "cpu",
 ) -> EngineRun:
     """Batches of ``batch_size`` in workload order, one after another; every
     batch runs until its longest member's ``max_tokens``. A request's result
     is complete when its batch returns; its first token comes with its
     batch's first decode step."""
-    model = load_hf_model(model_dir, dtype, attn_implementation)
+    model = load_hf_model(model_dir, dtype, attn_implementation, device)
     pad_id = _pad_token_id(model)
     batches = [list(workload[i : i + batch_size]) for i in range(0, len(workload), batch_size)]
     _generate_static(model, WARMUP_WORKLOAD, pad_id)
@@ -79,6 +82,7 @@ def run_hf_static(
         "dtype": dtype,
         "num_threads": torch.get_num_threads(),
         "batch_size": batch_size,
+        "device": device,
         "padding": "left",
         "batch_order": "workload order",
         "attn_implementation": attn_implementation,
@@ -92,11 +96,12 @@ def run_hf_cb(
     workload: Sequence[WorkloadRequest],
     dtype: str,
     settings: CBSettings | None = None,
+    device: str = "cpu",
 ) -> EngineRun:
     """Every request submitted at ``t0`` to one manager; latency is each
     request's in-engine finish stamp, TTFT its first token's stamp."""
     settings = settings or CBSettings()
-    model = load_hf_model(model_dir, dtype, settings.attn_implementation)
+    model = load_hf_model(model_dir, dtype, settings.attn_implementation, device)
     cb_config = _cb_config(settings, workload)
     manager = model.init_continuous_batching(
         generation_config=GenerationConfig(do_sample=False, eos_token_id=-1),
@@ -120,6 +125,7 @@ def run_hf_cb(
         {
             "dtype": dtype,
             "num_threads": torch.get_num_threads(),
+            "device": device,
             "attn_implementation": settings.attn_implementation,
             "page_size": resolved.page_size,
             "max_batch_tokens": resolved.max_batch_tokens,
@@ -160,6 +166,7 @@ def _generate_static(
         n = len(req.prompt_token_ids)
         input_ids[row, width - n :] = torch.tensor(req.prompt_token_ids)
         attention_mask[row, width - n :] = 1
+    input_ids, attention_mask = input_ids.to(model.device), attention_mask.to(model.device)
     max_new_tokens = max(r.max_tokens for r in batch)
     clock = _FirstTokenClock()
     output = model.generate(

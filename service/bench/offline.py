@@ -46,6 +46,7 @@ from slipstream.service.bench.workload import (
     workload_summary,
 )
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+from slipstream.service.engine.device import resolve_device
 from slipstream.service.engine.events import Event, FinishEvent, RequestSpec
 
 # Slipstream and every peer; the peers that are not ``by_default`` run only
@@ -80,6 +81,7 @@ class OfflineOptions:
     max_num_seqs: int | None = None
     prefix_cache: bool = True
     floor: bool = True
+    device: str = "cpu"  # --device as given: cpu, cuda, cuda:N (auto resolved)
     # Each peer's settings by peer name (``Peer.settings``), for the peers asked for.
     peers: Mapping[str, object] = field(default_factory=dict)
 
@@ -104,6 +106,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 only with native bf16"
     )
     parser.add_argument("--threads", type=int, default=2, dest="num_threads")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, cuda or cuda:N (auto: the GPU when torch sees one): where Slipstream and "
+        "the in-process transformers peers run",
+    )
     parser.add_argument(
         "--prompt-len", type=int, nargs=2, default=(16, 512), metavar=("MIN", "MAX")
     )
@@ -145,6 +153,10 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         raise BenchError(f"--engines takes a subset of {','.join(ENGINES)}, got {args.engines!r}")
     if args.num_requests < 1 or args.num_threads < 1:
         raise BenchError("--requests and --threads must be >= 1")
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as exc:
+        raise BenchError(str(exc)) from exc
     peers = {}
     for name in engines:
         if name in PEERS:
@@ -157,8 +169,9 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         num_requests=args.num_requests,
         seed=args.seed,
         engines=engines,
-        dtype=resolved_dtype(args.dtype),
+        dtype=resolved_dtype(args.dtype, device),
         requested_dtype=args.dtype,
+        device=device,
         num_threads=args.num_threads,
         prompt_len=tuple(args.prompt_len),
         output_len=tuple(args.output_len),
@@ -170,7 +183,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
-        floor=args.floor,
+        floor=args.floor and device == "cpu",  # the floor is a CPU roofline
         peers=peers,
     )
 
@@ -314,6 +327,7 @@ def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
     set_knobs = {k: v for k, v in knobs.items() if v is not None}
     return EngineConfig(
         model=model_dir,
+        device=options.device,
         dtype=options.dtype,
         num_threads=options.num_threads,
         prefix_cache=options.prefix_cache,
@@ -411,7 +425,7 @@ def _environment(options: OfflineOptions, model_dir: str) -> dict[str, object]:
     return {
         "model": options.model,
         "model_dir": model_dir,
-        **hardware(options.requested_dtype),
+        **hardware(options.requested_dtype, options.device),
         "num_threads": options.num_threads,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -119,7 +119,13 @@ class HfStatic(_InProcess):
         from slipstream.service.bench.hf_peers import run_hf_static
 
         batch_size = options.peers.get(self.name, 16)
-        return run_hf_static(model_dir, workload, options.dtype, batch_size=batch_size)  # type: ignore[arg-type]
+        return run_hf_static(
+            model_dir,
+            workload,
+            options.dtype,
+            batch_size=batch_size,
+            device=options.device,  # type: ignore[arg-type]
+        )
 
 
 class HfContinuous(_InProcess):
@@ -139,7 +145,13 @@ class HfContinuous(_InProcess):
     ) -> EngineRun:
         from slipstream.service.bench.hf_peers import run_hf_cb
 
-        return run_hf_cb(model_dir, workload, options.dtype, options.peers.get(self.name))  # type: ignore[arg-type]
+        return run_hf_cb(
+            model_dir,
+            workload,
+            options.dtype,
+            options.peers.get(self.name),
+            options.device,  # type: ignore[arg-type]
+        )
 
 
 class _OwnProcess:

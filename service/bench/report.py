@@ -40,21 +40,36 @@ class TokenCountMismatch(RuntimeError):
     for: its throughput would not be comparable."""
 
 
-def hardware(requested_dtype: str) -> dict[str, object]:
-    """The CPU a benchmark ran on and the dtype ``requested_dtype`` resolved to there."""
+def hardware(requested_dtype: str, device: str = "cpu") -> dict[str, object]:
+    """The CPU a benchmark ran on, the device its engines ran on (``--device``
+    as resolved: the GPU's name and memory on CUDA) and the dtype
+    ``requested_dtype`` resolved to there."""
     from slipstream.kernels.cpu_features import choose_dtype, detect
+    from slipstream.service.engine.device import (
+        default_dtype_for,
+        describe_device,
+        resolve_device,
+    )
 
     cpu = detect()
+    where = resolve_device(device)
+    if where.type == "cuda":
+        dtype = requested_dtype
+        if requested_dtype == "auto":
+            dtype = str(default_dtype_for(where)).removeprefix("torch.")
+    else:
+        dtype = choose_dtype(requested_dtype, cpu).dtype
     return {
         "cpu": cpu.describe(),
+        "device": describe_device(where),
         "requested_dtype": requested_dtype,
-        "dtype": choose_dtype(requested_dtype, cpu).dtype,
+        "dtype": dtype,
     }
 
 
-def resolved_dtype(requested_dtype: str) -> str:
-    """``auto`` made concrete for this CPU (what every engine of a run uses)."""
-    return str(hardware(requested_dtype)["dtype"])
+def resolved_dtype(requested_dtype: str, device: str = "cpu") -> str:
+    """``auto`` made concrete for this CPU or GPU (what every engine of a run uses)."""
+    return str(hardware(requested_dtype, device)["dtype"])
 
 
 def check_token_counts(run: EngineRun, expected: Sequence[int]) -> None:

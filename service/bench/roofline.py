@@ -12,7 +12,6 @@ hand.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -121,7 +120,9 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
     """The best of torch's matmul, oneDNN's packed weights (where this CPU
     packs the dtype, as the engine then does) and (for float32, where it runs)
     the panel kernel over one layer's projections at ``RATE_ROWS`` rows; the read rate
-    of summing one ``READ_BYTES`` buffer. Medians of ``repeats``."""
+    of summing one ``READ_BYTES`` buffer. The fastest of ``repeats`` (a floor
+    is what the machine can do: on a shared machine a median drifts with
+    whatever else runs, and a floor slower than the engine is no floor)."""
     import torch
     import torch.nn.functional as F
 
@@ -141,7 +142,7 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
         candidates["panel"] = [linear.Linear(w, panels=True) for w in weights]
     best_rate, best_name = 0.0, ""
     for name, layer in candidates.items():
-        seconds = _median_seconds(
+        seconds = _fastest_seconds(
             lambda layer=layer: [
                 f(inputs[w.shape[1]]) for f, w in zip(layer, weights, strict=True)
             ],
@@ -149,18 +150,18 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
         )
         if flop / seconds > best_rate:
             best_rate, best_name = flop / seconds, name
-    read_s = read_floor_ms(READ_BYTES, torch.float32, repeats) / 1e3
+    read_s = read_floor_ms(READ_BYTES, torch.float32, repeats, statistic=min) / 1e3
     return Rates(best_rate, best_name, READ_BYTES / read_s)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def _fastest_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,7 +71,8 @@ WEIGHTS = (0.5, 0.2, 0.075, 0.075, 0.075, 0.075)
 @contextmanager
 def spawned(args: argparse.Namespace) -> Iterator[tuple[int, str]]:
     """``slipstream serve`` (pid, host:port), stopped with SIGTERM at the end."""
-    flags = ["--model", args.model, "--dtype", args.dtype, "--no-calibrate"]
+    # No HTTP front (its fixed default port would keep two soaks from running at once).
+    flags = ["--model", args.model, "--dtype", args.dtype, "--no-calibrate", "--http-port", "0"]
     flags += ["--slow-reader-grace", str(args.slow_reader_grace)]
     flags += ["--max-outbox-events", str(args.max_outbox_events)]
     if args.threads:

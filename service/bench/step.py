@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from slipstream.service.bench.report import hardware
 from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+from slipstream.service.engine.device import resolve_device
 
 if TYPE_CHECKING:
     from slipstream.service.engine.loader import EngineParts
@@ -41,7 +42,12 @@ if TYPE_CHECKING:
 MODES: dict[str, dict[str, object]] = {
     "eager": {"compile": False},
     "compiled": {"compile": True},
+    # On a CUDA device: decode steps replayed from captured graphs, or launched eagerly.
+    "graphs": {"cuda_graphs": True},
+    "no-graphs": {"cuda_graphs": False},
 }
+CUDA_MODES = frozenset({"graphs", "no-graphs"})
+DEFAULT_MODES = {"cpu": "eager,compiled", "cuda": "graphs,no-graphs"}
 # "compiled" runs the fused native kernels between the projections (no graph
 # to split), so both modes get the per-part split.
 BREAKDOWN_MODES = frozenset({"eager", "compiled"})
@@ -72,6 +78,7 @@ class StepOptions:
     warmup: int
     num_threads: int
     block_size: int
+    device: str = "cpu"  # as resolved: cpu, cuda:N
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -81,7 +88,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--model", default="small", help="model name (tiny, small) or path")
     parser.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes")
     parser.add_argument("--context", type=int, default=300, help="tokens cached per sequence")
-    parser.add_argument("--modes", default="eager,compiled", help=f"subset of {','.join(MODES)}")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help=f"subset of {','.join(MODES)} (default: eager,compiled on the CPU, "
+        "graphs,no-graphs on CUDA)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument("--steps", type=int, default=20, dest="num_steps", help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -98,10 +111,14 @@ def options_from_args(args: argparse.Namespace) -> StepOptions:
         batches = tuple(sorted({int(b) for b in args.batch.split(",") if b.strip()}))
     except ValueError:
         raise ValueError(f"--batch takes comma-separated integers, got {args.batch!r}") from None
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    device = resolve_device(args.device)
+    names = args.modes or DEFAULT_MODES[device.type]
+    modes = tuple(m.strip() for m in names.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
-        raise ValueError(f"--modes takes a subset of {','.join(MODES)}, got {args.modes!r}")
+        raise ValueError(f"--modes takes a subset of {','.join(MODES)}, got {names!r}")
+    if device.type != "cuda" and set(modes) & CUDA_MODES:
+        raise ValueError(f"--modes {names}: graphs and no-graphs are CUDA modes")
     if not batches or batches[0] < 1:
         raise ValueError("--batch sizes must be >= 1")
     positive = {
@@ -125,6 +142,7 @@ def options_from_args(args: argparse.Namespace) -> StepOptions:
         warmup=args.warmup,
         num_threads=args.num_threads,
         block_size=args.block_size,
+        device=str(device),
     )
 
 
@@ -153,7 +171,7 @@ def mode_options(mode: str) -> tuple[dict[str, object] | None, str | None]:
 
 def run_step_bench(options: StepOptions) -> dict[str, object]:
     load_at_start = os.getloadavg()[0]
-    hw = hardware(options.dtype)
+    hw = hardware(options.dtype, options.device)
     dtype = str(hw["dtype"])
     cpu = hw["cpu"]
     rows: list[dict[str, object]] = []
@@ -178,6 +196,7 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
             "steps": options.num_steps,
             "warmup_steps": options.warmup,
             "block_size": options.block_size,
+            "device": options.device,
             "batches": list(options.batches),
             "modes": list(options.modes),
         },
@@ -212,6 +231,7 @@ def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object])
         max_num_batched_tokens=max(512, max_batch),
         policy="fcfs",
         num_threads=options.num_threads,
+        device=options.device,
         **engine_options,  # type: ignore[arg-type]
     )
     engine = load_parts(config)
@@ -235,8 +255,8 @@ def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -
     deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [step_ms] * 9
     weight_bytes = t.weight_read_bytes(model)
     kv_bytes = t.kv_read_bytes(model, batch, options.context + 1)
-    weight_floor = t.read_floor_ms(weight_bytes, model.dtype)
-    kv_floor = t.read_floor_ms(kv_bytes, model.dtype)
+    weight_floor = t.read_floor_ms(weight_bytes, model.dtype, device=options.device)
+    kv_floor = t.read_floor_ms(kv_bytes, model.dtype, device=options.device)
     row: dict[str, object] = {
         "batch": batch,
         "mode": mode,

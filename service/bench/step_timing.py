@@ -56,7 +56,8 @@ def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
 def fill_kv(runner: ModelRunner, seed: int = 0) -> None:
     """Seeded random K/V in every device block: finite, and every page touched
     before timing (the pool starts zeroed)."""
-    generator = torch.Generator().manual_seed(seed)
+    device = runner.device_pool[0][0].device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for k_cache, v_cache in runner.device_pool:
         k_cache.normal_(generator=generator)
         v_cache.normal_(generator=generator)
@@ -196,16 +197,26 @@ def kv_read_bytes(model: LlamaModel, batch: int, seq_len: int) -> int:
     return batch * seq_len * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_size
 
 
-def read_floor_ms(num_bytes: int, dtype: torch.dtype, repeats: int = FLOOR_REPEATS) -> float:
-    """Median milliseconds to sum a buffer of ``num_bytes`` (one fused read with
-    the current torch thread count) after one untimed pass."""
+def read_floor_ms(
+    num_bytes: int,
+    dtype: torch.dtype,
+    repeats: int = FLOOR_REPEATS,
+    device: str = "cpu",
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> float:
+    """Milliseconds (the median of ``repeats``, or ``statistic``) to sum a buffer
+    of ``num_bytes`` on ``device`` (one fused read; on the CPU with the current
+    torch thread count, on a GPU its memory bandwidth) after one untimed pass."""
     element_size = torch.empty((), dtype=dtype).element_size()
     # ones, not empty: every page is written (mapped) before the clock starts.
-    buffer = torch.ones(max(1, num_bytes // element_size), dtype=dtype)
+    buffer = torch.ones(max(1, num_bytes // element_size), dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if buffer.is_cuda else (lambda: None)
     buffer.sum()
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter_ns()
         buffer.sum()
+        sync()
         times.append((time.perf_counter_ns() - start) / 1e6)
-    return statistics.median(times)
+    return statistic(times)

@@ -155,3 +155,19 @@ def test_bad_flags_are_usage_errors(flags: list[str], tiny_model_dir: Path) -> N
     with pytest.raises(SystemExit) as exc:
         main(["bench", "step", "--model", str(tiny_model_dir), *flags])
     assert exc.value.code == 2
+
+
+def test_cuda_modes_and_devices_are_refused_where_they_cannot_run() -> None:
+    from slipstream.service.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(ValueError, match="CUDA modes"):
+        step.options_from_args(parser.parse_args(["bench", "step", "--modes", "graphs"]))
+    # The default device is the CPU, whose modes are the default ones.
+    assert step.options_from_args(parser.parse_args(["bench", "step"])).modes == (
+        "eager",
+        "compiled",
+    )
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            step.options_from_args(parser.parse_args(["bench", "step", "--device", "cuda"]))
