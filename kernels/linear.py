@@ -47,7 +47,7 @@ EXTENSION = extensions.Extension(
 PANEL = 16  # output features per panel (csrc/linear_cpu.cpp)
 # bf16 calls of up to this many rows take the panels, larger ones oneDNN
 # (docs/kernels.md: the crossover on an AMD EPYC Zen 5).
-MAX_BF16_PANEL_ROWS = 8
+MAX_BF16_PANEL_ROWS = 4
 NO_AVX2 = "the CPU has no AVX2"
 
 

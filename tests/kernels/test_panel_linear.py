@@ -116,7 +116,7 @@ def _bf16_case(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 8), (37, 50), (80, 2), (1024, 576)])
 def test_bf16_panels_match_float64(rows: int, out_features: int, in_features: int, threads: int):
-    """The op itself, at any row count (Linear sends it at most 8); 37 and 80
+    """The op itself, at any row count (Linear sends it at most 4); 37 and 80
     features leave a partial panel and an odd number of panels (one unpaired)."""
     torch.set_num_threads(threads)
     x, w, b = _bf16_case(rows, out_features, in_features, rows * 1000 + out_features)
