@@ -126,7 +126,8 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
             "compiled": fused,
             "device": describe_device(torch.device("cpu")),
         },
-        panel_linears=model.panel_linears and choice.dtype == "float32",
+        panel_linears=model.panel_linears
+        and (choice.dtype == "float32" or linear.bf16_panels_available()),
     )
 
 
