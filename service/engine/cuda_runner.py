@@ -37,7 +37,7 @@ from slipstream.service.engine.cuda_graphs import (
     is_out_of_memory,
 )
 from slipstream.service.engine.device import describe_device
-from slipstream.service.engine.events import StepOutOfMemory
+from slipstream.service.engine.events import PoolStats, StepOutOfMemory
 from slipstream.service.engine.runner import KVPool, StepResult
 from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
 from slipstream.service.engine.staging import (
@@ -161,6 +161,12 @@ class DeviceRunner:
             "cuda_graphs": self.graph_stats.as_dict(),
             "pinned_host_memory": self._pin,
         }
+
+    def memory(self) -> PoolStats:
+        """The GPU's memory in bytes, used (by this process and any other) and
+        free, as the driver reports it: for the metrics scrape."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        return PoolStats(int(total - free), int(free))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

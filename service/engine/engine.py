@@ -177,7 +177,13 @@ class Engine:
                 recompute_preemptions=s.num_recompute_preemptions,
                 capacity_refusals=dict(s.num_refused_for_capacity),
                 overload_estimate=s.overload_estimate,
+                device_memory=self._device_memory(),
             )
+
+    def _device_memory(self) -> PoolStats | None:
+        """The runner's device memory where it has one to report (a GPU)."""
+        memory = getattr(self._runner, "memory", None)
+        return None if memory is None else memory()
 
     def live_output_counts(self) -> dict[str, int]:
         """Output tokens so far of every live request (for progress checks)."""

@@ -140,3 +140,5 @@ class EngineStats:
     # Arrivals refused at the door for capacity, by (priority class, reason).
     capacity_refusals: dict[tuple[int, str], int] = field(default_factory=dict)
     overload_estimate: float | None = None  # offered over served work; None before any
+    # On a GPU: its memory in bytes (used, free); None on the CPU.
+    device_memory: PoolStats | None = None

@@ -16,6 +16,7 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_num_requests_waiting                         gauge (all classes)
     slipstream_num_requests_running                         gauge (all classes)
     slipstream_kv_cache_usage_ratio                         gauge (device pool, 0..1)
+    slipstream_device_memory_bytes{state=used|free}         gauge (on a GPU only)
     slipstream_engine_steps_total                           counter
     slipstream_preemptions_total{kind=swap|recompute}       counter
     slipstream_prefix_cache_queried_tokens_total            counter (looked up at admission)
@@ -174,6 +175,15 @@ class _EngineCollector(Collector):
             overload.add_metric([str(priority)], count)
         yield overload
         yield from _capacity_metrics(stats)
+        if stats.device_memory is not None:
+            memory = GaugeMetricFamily(
+                "slipstream_device_memory_bytes",
+                "The GPU's memory as its driver reports it (used by any process, free)",
+                labels=["state"],
+            )
+            memory.add_metric(["used"], stats.device_memory.used)
+            memory.add_metric(["free"], stats.device_memory.free)
+            yield memory
         yield from _prefix_cache_metrics(stats.prefix_cache)
 
 

@@ -159,3 +159,16 @@ def test_a_step_out_of_memory_ends_its_requests_and_the_engine_goes_on() -> None
     assert big.finish.reason is FinishReason.OUT_OF_MEMORY and "out of memory" in big.finish.message
     assert after.finish.reason is FinishReason.MAX_TOKENS and after.token_ids == [2, 3, 1]
     assert stats.device_blocks.used == 0 and stats.waiting == stats.running == 0
+
+
+def test_a_runner_with_device_memory_reports_it_in_the_stats() -> None:
+    from slipstream.service.engine.events import PoolStats
+
+    class _GpuLike(_ScriptedRunner):
+        def memory(self) -> PoolStats:
+            return PoolStats(used=3, free=5)
+
+    engine, scheduler, _, _ = _engine({})
+    assert engine.stats().device_memory is None  # the CPU runner has none
+    composed = Engine(scheduler, _GpuLike({}), engine.tokenizer, engine.info)
+    assert composed.stats().device_memory == PoolStats(used=3, free=5)

@@ -249,3 +249,23 @@ def test_overload_refusals_are_counted_by_class() -> None:
     assert sample(refusals, {"priority": "3", "reason": "queue_full"}) == 2
     assert sample(refusals, {"priority": "2", "reason": "queue_full"}) is None
     assert sample("slipstream_overload_estimate") == 1.25
+
+
+def test_device_memory_is_a_gauge_on_a_gpu_only() -> None:
+    from slipstream.service.engine.events import EngineStats, PoolStats
+
+    class Engine:
+        def __init__(self, memory: PoolStats | None) -> None:
+            self.memory = memory
+
+        def stats(self) -> EngineStats:
+            pool = PoolStats(0, 8)
+            return EngineStats(0, 0, 0, pool, pool, {}, 7, False, device_memory=self.memory)
+
+    on_gpu, on_cpu = ServerMetrics(), ServerMetrics()
+    on_gpu.bind_engine(Engine(PoolStats(used=30 << 30, free=50 << 30)))  # type: ignore[arg-type]
+    on_cpu.bind_engine(Engine(None))  # type: ignore[arg-type]
+    name = "slipstream_device_memory_bytes"
+    assert on_gpu.registry.get_sample_value(name, {"state": "used"}) == 30 << 30
+    assert on_gpu.registry.get_sample_value(name, {"state": "free"}) == 50 << 30
+    assert on_cpu.registry.get_sample_value(name, {"state": "used"}) is None
