@@ -71,8 +71,9 @@ WEIGHTS = (0.5, 0.2, 0.075, 0.075, 0.075, 0.075)
 @contextmanager
 def spawned(args: argparse.Namespace) -> Iterator[tuple[int, str]]:
     """``slipstream serve`` (pid, host:port), stopped with SIGTERM at the end."""
-    # No HTTP front (its fixed default port would keep two soaks from running at once).
-    flags = ["--model", args.model, "--dtype", args.dtype, "--no-calibrate", "--http-port", "0"]
+    # The server's defaults (its cost model calibrated at start-up, as a user's
+    # is), but no HTTP front: its fixed port would keep two soaks from running.
+    flags = ["--model", args.model, "--dtype", args.dtype, "--http-port", "0"]
     flags += ["--slow-reader-grace", str(args.slow_reader_grace)]
     flags += ["--max-outbox-events", str(args.max_outbox_events)]
     if args.threads:
@@ -133,13 +134,16 @@ UNJUSTIFIED_MARGIN = 1.5
 
 
 def _infeasible_summary(
-    infeasible: list[tuple[float, int]], alone: dict[int, float]
+    infeasible: list[tuple[float, int]], before: dict[int, float], after: dict[int, float]
 ) -> dict[str, object]:
     """Mixed requests refused DEADLINE_INFEASIBLE against their isolated service
-    time (interpolated between the measured lengths for their max_new_tokens):
+    time (interpolated between the measured lengths for their max_new_tokens;
+    the slower of the measurements before and after the mix, so a machine
+    that slowed down meanwhile is not held against the server):
     ``unjustified`` had a timeout of at least ``UNJUSTIFIED_MARGIN`` times it
     (a server with room should have served them), ``borderline`` one between
     1x and that."""
+    alone = {n: max(before[n], after[n]) for n in before}
     (short, t_short), (long, t_long) = sorted(alone.items())
     per_token = (t_long - t_short) / (long - short)
 
@@ -157,7 +161,8 @@ def _infeasible_summary(
     unjustified = [sample(t, n) for r, t, n in ratios if r >= UNJUSTIFIED_MARGIN]
     borderline = [sample(t, n) for r, t, n in ratios if 1.0 <= r < UNJUSTIFIED_MARGIN]
     return {
-        "isolated_seconds": {str(n): s for n, s in sorted(alone.items())},
+        "isolated_seconds": {str(n): s for n, s in sorted(before.items())},
+        "isolated_seconds_after": {str(n): s for n, s in sorted(after.items())},
         "infeasible_refusals": len(infeasible),
         "infeasible_unjustified": len(unjustified),
         "infeasible_borderline": len(borderline),
@@ -264,6 +269,7 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
         output_tokens = load.output_tokens + sum(s.output_tokens for s in streams)
         idle = await _wait_idle(stub)
         final = await _sample(stub, pid)
+        alone_after = await _isolated_seconds(stub, vocab)
     errors = sum(int(s["errors"]) for s in samples) + len(tail.errors)  # type: ignore[call-overload]
     warm = [s for s in samples if float(s["t_s"]) >= args.minutes * 60 / 5]  # type: ignore[arg-type]
     warm_rss = float(warm[0]["rss_mb"]) if warm else float(samples[0]["rss_mb"])  # type: ignore[arg-type]
@@ -294,7 +300,8 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
             },
             "capacity_refusals": capacity_refusals,
             "capacity_refusal_samples": load.refusal_samples,
-            **_infeasible_summary(load.infeasible, alone),
+            **_infeasible_summary(load.infeasible, alone, alone_after),
+            "infeasible_messages_first_and_last": load.infeasible_messages,
             "outcomes": dict(sorted(load.outcomes.items())),
             "error_samples": [e for s in samples for e in s["error_samples"]][:10]  # type: ignore[attr-defined]
             + tail.errors[:10],

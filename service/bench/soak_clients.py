@@ -45,6 +45,7 @@ class Load:
     # Mixed requests refused DEADLINE_INFEASIBLE: (timeout_s, max_new_tokens),
     # checked afterwards against the isolated service time of that many tokens.
     infeasible: list[tuple[float, int]] = field(default_factory=list)
+    infeasible_messages: list[str] = field(default_factory=list)  # the first and last five
     output_tokens: int = 0  # generated tokens seen by the readers that read them
 
     def refused(self, finished: object) -> None:
@@ -58,6 +59,10 @@ class Load:
         minute[reason] = minute.get(reason, 0) + 1
         if reason in CAPACITY_REASONS and len(self.refusal_samples) < 10:
             self.refusal_samples.append(finished.message)  # type: ignore[attr-defined]
+        if reason == "deadline_infeasible":  # the estimate that decided it, over the run
+            minute_s = f"{time.monotonic() - self.started:.0f}s: "
+            self.infeasible_messages.append(minute_s + finished.message)  # type: ignore[attr-defined]
+            del self.infeasible_messages[5:-5]
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(5, self.vocab) for _ in range(self.rng.randint(8, 48))]
