@@ -269,11 +269,19 @@ def test_an_engine_with_room_refuses_nothing_however_much_was_offered() -> None:
     shedder.observe_room()
     assert shedder.load() <= 1.0 and shedder.threshold == NO_THRESHOLD
     assert shedder.admits(2 * WINDOW * mean / 10, max(weights), 2)
-    # The refusals of the full engine are forgotten: only admitted work counts.
+    # A step with room in an overload does not forget the full engine's
+    # refusals: they are offered work, and without them the estimate would
+    # read about the service rate and stop shedding when the engine fills.
+    offered = shedder.offered_load()
+    shedder.observe_saturated()
+    assert shedder.offered_load() == pytest.approx(offered) and shedder.load() > 5
+    assert not shedder.admits(2 * WINDOW * mean / 10, max(weights), 2)
+    # Once the engine idled they are forgotten: only admitted work counts.
+    shedder.observe_idle()
+    assert shedder.offered_load() < offered and shedder.load() <= 1.0
     admitted_rate = shedder.offered_load()
     shedder.observe_saturated()
     assert shedder.utilization() == pytest.approx(admitted_rate / shedder.service_rate)
-    assert not shedder.admits(2 * WINDOW * mean / 10, max(weights), 2)
 
 
 def test_work_given_back_leaves_the_offered_load() -> None:
