@@ -136,7 +136,8 @@ UNJUSTIFIED_MARGIN = 1.5
 def _infeasible_summary(
     infeasible: list[tuple[float, int]], before: dict[int, float], after: dict[int, float]
 ) -> dict[str, object]:
-    """Mixed requests refused DEADLINE_INFEASIBLE against their isolated service
+    """Mixed requests refused DEADLINE_INFEASIBLE at the door (running alone
+    they would miss: not those given up later in the queue) against their isolated service
     time (interpolated between the measured lengths for their max_new_tokens;
     the slower of the measurements before and after the mix, so a machine
     that slowed down meanwhile is not held against the server):
@@ -302,6 +303,9 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
             "capacity_refusal_samples": load.refusal_samples,
             **_infeasible_summary(load.infeasible, alone, alone_after),
             "infeasible_messages_first_and_last": load.infeasible_messages,
+            # Mixed requests that queued and were then given up as unable to
+            # make their deadline at the load they met (also DEADLINE_INFEASIBLE).
+            "infeasible_abandoned_in_queue": load.abandoned_in_queue,
             "outcomes": dict(sorted(load.outcomes.items())),
             "error_samples": [e for s in samples for e in s["error_samples"]][:10]  # type: ignore[attr-defined]
             + tail.errors[:10],

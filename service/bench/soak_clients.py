@@ -46,6 +46,7 @@ class Load:
     # checked afterwards against the isolated service time of that many tokens.
     infeasible: list[tuple[float, int]] = field(default_factory=list)
     infeasible_messages: list[str] = field(default_factory=list)  # the first and last five
+    abandoned_in_queue: int = 0  # mixed requests queued, then found hopeless at the load
     output_tokens: int = 0  # generated tokens seen by the readers that read them
 
     def refused(self, finished: object) -> None:
@@ -148,7 +149,13 @@ async def mixed_stream(load: Load, stub: object, index: int) -> None:
                 if finished.reason == pb.FINISH_REASON_REJECTED:
                     load.refused(finished)
                     if finished.reject_reason == pb.REJECT_REASON_DEADLINE_INFEASIBLE:
-                        load.infeasible.append(asked[response.request_id])
+                        # Refused at the door ("running alone it needs"), or
+                        # queued, then given up at the load it met ("at the
+                        # current load"): only the first is about its own time.
+                        if "at the current load" in finished.message:
+                            load.abandoned_in_queue += 1
+                        else:
+                            load.infeasible.append(asked[response.request_id])
         if len(reasons) != num_requests or "ERROR" in reasons:
             error = f"finished {'+'.join(sorted(set(reasons)))}"
     except Exception as exc:  # an RpcError nobody asked for
