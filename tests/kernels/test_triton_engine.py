@@ -35,10 +35,10 @@ def _engine(backend: str):
 
 
 def _generate(engine) -> list[list[int]]:
-    from slipstream.service.engine.events import GenerationRequest
+    from slipstream.service.engine.events import RequestSpec
 
     requests = [
-        GenerationRequest(req_id=f"r{i}", prompt_token_ids=p, max_new_tokens=n, ignore_eos=True)
+        RequestSpec(req_id=f"r{i}", prompt_token_ids=p, max_new_tokens=n, ignore_eos=True)
         for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW_TOKENS, strict=True))
     ]
     try:
