@@ -158,7 +158,9 @@ class Linear:
         self.weight = self.panels if fp32_panels else _packed(weight) if self.is_packed else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_panel_rows:
+        # ``panels is not None`` first: with no panels max_panel_rows is 0, and
+        # a step that samples nothing (a prefill chunk) calls with 0 rows.
+        if self.panels is not None and x.shape[0] <= self.max_panel_rows:
             if x.stride(-1) != 1:
                 x = x.contiguous()
             if x.dtype == torch.float32:

@@ -187,3 +187,10 @@ def test_bad_bf16_arguments_are_errors_not_crashes() -> None:
         torch.ops.slipstream.panel_linear_bf16(x, panels, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.slipstream.panel_linear_bf16(x, panels, torch.ones(20), 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_call_with_no_rows_on_a_layer_without_panels(dtype: torch.dtype) -> None:
+    # A step that samples nothing (a prefill chunk) calls the LM head with 0 rows.
+    layer = Linear(torch.randn(8, 16, dtype=dtype), pack=False, panels=False)
+    assert layer(torch.empty(0, 16, dtype=dtype)).shape == (0, 8)
