@@ -127,13 +127,19 @@ class CostModel:
         prior_weight: float = 10.0,
         overrun: float = 0.0,
         max_drift: float | None = MAX_DRIFT,
+        robust: bool = True,
     ) -> None:
         """``overrun`` starts the model with a margin measured elsewhere (a
         simulated twin planning with the margin its engine held); it is
         clamped to ``[0, MAX_OVERRUN]`` and moves only with ``observe``.
         ``max_drift``: how many times its start-up prediction a forward may
         be predicted at; None for a fit that starts from a guess, not a
-        calibration (the calibration itself)."""
+        calibration (the calibration itself). ``robust``: each sample is
+        clipped to within ``OUTLIER_FACTOR`` of the prediction and the
+        coefficients kept non-negative, as a fit online must be; off for the
+        start-up calibration, whose timed steps are fit as measured (clipped
+        against the built-in guess they could only halve it per sample: a
+        0.3 ms step of ``tiny`` came out at 8 ms)."""
         if max_drift is not None and max_drift < 1.0:
             raise ValueError(f"max_drift must be >= 1, got {max_drift}")
         if not 0.0 < forgetting <= 1.0:
@@ -151,6 +157,7 @@ class CostModel:
         self._prior_variance = 1.0 / prior_weight
         self._p = [[self._prior_variance if i == j else 0.0 for j in range(4)] for i in range(4)]
         self._forgetting = forgetting
+        self._robust = robust
         self._num_samples = 0
         self._overrun = min(MAX_OVERRUN, max(0.0, overrun))
         self._pace = 1.0 + self._overrun
@@ -216,7 +223,8 @@ class CostModel:
         self._overrun += _OVERRUN_EWMA * (over - self._overrun)
         ratio = min(PACE_BOUND, max(1.0 / PACE_BOUND, seconds / predicted))
         self._pace += _OVERRUN_EWMA * (ratio - self._pace)
-        seconds = min(predicted * OUTLIER_FACTOR, max(predicted / OUTLIER_FACTOR, seconds))
+        if self._robust:
+            seconds = min(predicted * OUTLIER_FACTOR, max(predicted / OUTLIER_FACTOR, seconds))
         x = _features(shape)
         px = [sum(self._p[i][j] * x[j] for j in range(4)) for i in range(4)]
         denom = self._forgetting + sum(x[i] * px[i] for i in range(4))
@@ -229,7 +237,8 @@ class CostModel:
         # negative and another far positive, cancelling on the steps it sees
         # and predicting shapes it does not see wildly (measured on a light
         # mix: a 0.5 ms decode predicted at 70 ms within three minutes).
-        self._theta = [max(0.0, t + g * error) for t, g in zip(self._theta, gain, strict=True)]
+        floor = 0.0 if self._robust else -math.inf
+        self._theta = [max(floor, t + g * error) for t, g in zip(self._theta, gain, strict=True)]
         # P <- (P - P x xᵀ P / denom) / lam, written symmetric: the textbook
         # (P - gain pxᵀ) drifts from symmetric in rounding, and forgetting
         # grows the drift into a negative eigenvalue, after which the fit

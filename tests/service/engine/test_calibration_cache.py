@@ -84,3 +84,23 @@ def test_an_unwritable_cache_still_calibrates(runner: object, tmp_path: Path) ->
     blocker.write_text("")
     model = calibrate_cached(runner, 128, 16, blocker / "cache", IDENTITY)  # type: ignore[arg-type]
     assert model.coefficients.per_prefill_token_s >= 0
+
+
+def test_the_calibration_fits_the_steps_as_measured(runner: object) -> None:
+    """The fit starts from the built-in guess (a 10 ms base, the small model
+    on two cores); tiny's steps take a fraction of a millisecond, and the
+    calibration must say so, not a clipped halfway value."""
+    import time
+
+    from slipstream.service.engine.calibration import calibrate, synthetic_plan
+
+    model = calibrate(runner, 64, 4)  # type: ignore[arg-type]
+    plan = synthetic_plan([(32, 1)], runner.block_size, 4)  # type: ignore[attr-defined]
+    runner.execute(plan)  # type: ignore[attr-defined]
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        runner.execute(plan)  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - started)
+    predicted = model.plan_seconds(plan)
+    assert predicted < 4 * min(times) + 0.002, (predicted, min(times))
