@@ -45,18 +45,12 @@ def hardware(requested_dtype: str, device: str = "cpu") -> dict[str, object]:
     as resolved: the GPU's name and memory on CUDA) and the dtype
     ``requested_dtype`` resolved to there."""
     from slipstream.kernels.cpu_features import choose_dtype, detect
-    from slipstream.service.engine.device import (
-        default_dtype_for,
-        describe_device,
-        resolve_device,
-    )
+    from slipstream.service.engine.device import cuda_dtype_name, describe_device, resolve_device
 
     cpu = detect()
     where = resolve_device(device)
     if where.type == "cuda":
-        dtype = requested_dtype
-        if requested_dtype == "auto":
-            dtype = str(default_dtype_for(where)).removeprefix("torch.")
+        dtype = cuda_dtype_name(requested_dtype, where)
     else:
         dtype = choose_dtype(requested_dtype, cpu).dtype
     return {

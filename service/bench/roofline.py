@@ -127,7 +127,7 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
     import torch.nn.functional as F
 
     from slipstream.kernels import linear
-    from slipstream.kernels.cpu_features import detect
+    from slipstream.kernels.cpu_features import choose_dtype, detect
     from slipstream.service.bench.step_timing import read_floor_ms
 
     dtype = getattr(torch, dtype_name)
@@ -135,8 +135,7 @@ def measure_rates(shape: ModelShape, dtype_name: str, repeats: int = 5) -> Rates
     inputs = {k: torch.randn(RATE_ROWS, k).to(dtype) for _, k in shape.projection_shapes()}
     flop = 2.0 * RATE_ROWS * sum(w.numel() for w in weights)
     candidates = {"torch": [lambda x, w=w: F.linear(x, w) for w in weights]}
-    cpu = detect()
-    if cpu.can_pack_bf16 if dtype == torch.bfloat16 else cpu.can_pack_fp32:
+    if choose_dtype(dtype_name, detect()).pack_weights:  # the engine's own decision
         candidates["packed"] = [linear.Linear(w, pack=True) for w in weights]
     if dtype == torch.float32 and linear.panels_available():
         candidates["panel"] = [linear.Linear(w, panels=True) for w in weights]

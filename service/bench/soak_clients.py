@@ -51,10 +51,9 @@ class Load:
 
     def refused(self, finished: object) -> None:
         """Counts a REJECTED finish by its reject reason."""
-        from slipstream.v1 import inference_pb2 as pb
+        from slipstream.service.api.status import reject_reason_name
 
-        code = finished.reject_reason  # type: ignore[attr-defined]
-        reason = pb.RejectReason.Name(code).removeprefix("REJECT_REASON_").lower()
+        reason = reject_reason_name(finished.reject_reason)  # type: ignore[attr-defined]
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
         minute = self.refusal_minutes.setdefault(int((time.monotonic() - self.started) // 60), {})
         minute[reason] = minute.get(reason, 0) + 1

@@ -103,6 +103,14 @@ def default_dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if major >= 8 else torch.float16
 
 
+def cuda_dtype_name(requested: str, device: torch.device) -> str:
+    """What ``--dtype`` (``auto`` or a torch dtype's name) runs as on a CUDA
+    ``device``: ``auto`` is ``default_dtype_for``'s, a name is itself."""
+    if requested != "auto":
+        return requested
+    return str(default_dtype_for(device)).removeprefix("torch.")
+
+
 def kv_blocks_for_gpu_memory(
     free_bytes: int, fraction: float, bytes_per_block: int, reserve: int
 ) -> int:

@@ -33,7 +33,7 @@ from slipstream.service.engine.calibration import calibrate_cached
 from slipstream.service.engine.chat import has_chat_template
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.device import (
-    default_dtype_for,
+    cuda_dtype_name,
     describe_device,
     device_log_line,
     kv_blocks_for_gpu_memory,
@@ -135,7 +135,8 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
     # Imported here: the CUDA runner's modules are needed on a GPU only.
     from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
 
-    dtype = default_dtype_for(device) if config.dtype == "auto" else DTYPES[config.dtype]
+    dtype_name = cuda_dtype_name(config.dtype, device)
+    dtype = DTYPES[dtype_name]
     backend = resolve_backend(config.attention_backend, device, home=slipstream_home())
     model_dir = resolve_model(config.model)
     model = LlamaModel(model_dir, dtype, backend, False, fused=False, panel_linears=False)
@@ -172,7 +173,6 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
         use_cuda_graphs=config.cuda_graphs,
         seed=config.seed,
     )
-    dtype_name = str(dtype).removeprefix("torch.")
     identity = {
         "model": str(model_dir),
         "dtype": dtype_name,

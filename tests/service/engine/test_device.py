@@ -11,6 +11,7 @@ import torch
 from slipstream.service.engine import device as device_mod
 from slipstream.service.engine.device import (
     DeviceUnavailable,
+    cuda_dtype_name,
     default_dtype_for,
     describe_device,
     device_log_line,
@@ -95,6 +96,12 @@ def test_describe_cpu():
 def test_default_dtype(gpus, cap, dtype):
     gpus(1, cap)
     assert default_dtype_for(torch.device("cuda", 0)) == dtype
+
+
+def test_cuda_dtype_name_resolves_auto_and_keeps_an_explicit_dtype(gpus):
+    gpus(1, (7, 5))
+    assert cuda_dtype_name("auto", torch.device("cuda", 0)) == "float16"
+    assert cuda_dtype_name("float32", torch.device("cuda", 0)) == "float32"
 
 
 def test_default_dtype_is_for_cuda_only():
