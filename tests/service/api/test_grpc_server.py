@@ -381,6 +381,10 @@ MALFORMED = {
         pb.REJECT_REASON_INVALID,
     ),
     "logprobs": (_submit("logprobs", return_logprobs=True), pb.REJECT_REASON_INVALID),
+    "empty-stop-sequence": (  # the wire's format check
+        _submit("empty-stop-sequence", stopping=pb.StoppingCriteria(stop_sequences=["end", ""])),
+        pb.REJECT_REASON_INVALID,
+    ),
     "unknown-field": (_with_unknown_field(), pb.REJECT_REASON_INVALID),
     "nested-unknown": (_with_nested_unknown_field(), pb.REJECT_REASON_INVALID),
     # ~1e14 s once raised OverflowError and ended the whole stream UNKNOWN.
