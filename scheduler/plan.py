@@ -12,6 +12,11 @@ from dataclasses import dataclass, field
 
 from .request import ExpiredLimit, FinishReason, RejectCause, SamplingParams
 
+# A token a step still in flight samples, in a plan made ahead of its results
+# (``Scheduler.schedule(ahead=True)``): the runner takes the id from that
+# step's output. Never a real token id.
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:

@@ -7,6 +7,15 @@ One step::
     sampled = runner.execute(plan)        # swaps, copies, one ragged forward
     outputs = scheduler.update(plan, sampled, now)
 
+Planning ahead (``schedule(now, ahead=True)``, for a device whose step runs
+while the host plans the next): the plan in flight is taken as done before
+planning — its computed tokens advanced, each token it samples held as
+``PENDING_TOKEN`` — so the new plan follows it; its ``update`` later puts the
+real tokens in and applies EOS and stop sequences, one step late. A request
+that ends there may already be in the next plan: that plan's token for it is
+dropped. A request at its token limit is not planned past it. At most one
+plan is ahead of its results.
+
 Every request's ``num_computed_tokens`` catches up with its ``num_tokens``
 under the per-step token budget: a decode is one token behind, a prefill many
 (chunked across steps when the budget runs out). Blocks are allocated for
@@ -50,7 +59,7 @@ from collections.abc import Callable, Mapping
 from .admission import Admission
 from .block_manager import commit_computed_blocks
 from .expiry import Expiry
-from .plan import RequestOutput, ScheduledSeq, StepPlan
+from .plan import PENDING_TOKEN, RequestOutput, ScheduledSeq, StepPlan
 from .request import FinishReason, Request, RequestStatus
 from .scheduler_queries import SchedulerQueries
 from .scheduler_state import _StepState
@@ -96,9 +105,15 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
 
     # == planning a step ==================================================
 
-    def schedule(self, now: float) -> StepPlan:
+    def schedule(self, now: float, ahead: bool = False) -> StepPlan:
         """Plans one step. Requests ended while planning (deadline expiry, abandonment)
-        appear only in ``plan.finished``, never in ``update()``'s outputs."""
+        appear only in ``plan.finished``, never in ``update()``'s outputs.
+
+        ``ahead``: the latest plan is still running; it is taken as done (see
+        the module's "planning ahead"). Raises ValueError when the plan before
+        it still awaits its ``update``."""
+        if ahead:
+            self._advance_in_flight()
         self._step += 1
         state = _StepState(step=self._step, token_budget=self.config.max_num_batched_tokens)
         if self._ended:
@@ -114,6 +129,7 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         self._in_flight_step = state.step
         self._in_flight = state.scheduled
         plan = state.to_plan()
+        self._in_flight_plan = plan
         self.policy.observe_plan(plan, state.is_saturated)
         self.policy.observe_room(not (state.is_saturated or state.is_held_back))
         return plan
@@ -139,6 +155,11 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         ``is_stopped(req_id, token_id)`` is asked once per token appended, in
         order (the engine's text-level stop sequences): True ends the request
         with STOP_SEQUENCE unless EOS or a limit ended it first."""
+        ahead = self._ahead
+        if ahead is not None and plan.step == ahead[0].step:
+            return self._resolve(ahead[1], sampled, now, step_s, is_stopped, plan)
+        if ahead is not None:
+            raise ValueError(f"plan {ahead[0].step} awaits its update before plan {plan.step}")
         if plan.step != self._in_flight_step:
             raise ValueError(f"plan {plan.step} is not the plan in flight")
         in_flight = self._in_flight
@@ -154,19 +175,88 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         self._in_flight = {}
         outputs = []
         for seq, req in current:
-            req.num_computed_tokens += len(seq.token_ids)
-            if self._prefix_cache:
-                commit_computed_blocks(self.device_pool, req)
+            self._advance(seq, req)
             if seq.sample:
-                outputs.append(self._append_token(req, sampled[seq.req_id], now, is_stopped))
+                req.output_token_ids.append(sampled[seq.req_id])
+                outputs.append(self._took_token(req, sampled[seq.req_id], now, is_stopped))
         if step_s is not None and self._cost_model is not None:
             self._cost_model.observe_plan(plan, step_s)
         return outputs
 
-    def _append_token(
+    def discard(self, plan: StepPlan) -> None:
+        """Forgets ``plan``, whose step failed: no ``update`` follows. Its
+        requests must be ended by the caller (``abort_request``)."""
+        if self._ahead is not None and self._ahead[0].step == plan.step:
+            self._ahead = None
+            self._at_limit.clear()
+        if plan.step == self._in_flight_step:
+            self._in_flight_step = None
+            self._in_flight = {}
+
+    # == planning ahead ===================================================
+
+    def _advance_in_flight(self) -> None:
+        """Takes the plan in flight as done: computed tokens advanced, a
+        ``PENDING_TOKEN`` appended per sampled token (see ``schedule``)."""
+        if self._ahead is not None:
+            raise ValueError(f"plan {self._ahead[0].step} still awaits its update")
+        plan = self._in_flight_plan
+        if self._in_flight_step is None or plan is None or plan.step != self._in_flight_step:
+            return
+        in_flight = self._in_flight
+        current = []
+        for seq in plan.seqs:
+            req = in_flight.get(seq.req_id)
+            if req is None or not _is_current(seq, req):
+                continue
+            current.append((seq, req))
+            self._advance(seq, req)
+            if seq.sample:
+                req.output_token_ids.append(PENDING_TOKEN)
+                if self._limit_reason(req) is not None:
+                    self._at_limit.add(req.req_id)  # update() ends it: plan nothing past it
+        self._in_flight_step = None
+        self._in_flight = {}
+        self._ahead = (plan, current)
+
+    def _resolve(
+        self,
+        current: list[tuple[ScheduledSeq, Request]],
+        sampled: Mapping[str, int],
+        now: float,
+        step_s: float | None,
+        is_stopped: StopCheck | None,
+        plan: StepPlan,
+    ) -> list[RequestOutput]:
+        """``update`` of a plan taken as done: its pending tokens become the
+        sampled ones; requests that ended meanwhile are skipped."""
+        live = [(seq, req) for seq, req in current if self._requests.get(req.req_id) is req]
+        missing = [seq.req_id for seq, _ in live if seq.sample and seq.req_id not in sampled]
+        if missing:
+            raise ValueError(f"no sampled token for {missing}")
+        self._ahead = None
+        self._at_limit.clear()
+        outputs = []
+        for seq, req in live:
+            if seq.sample:
+                token_id = sampled[seq.req_id]
+                req.output_token_ids[seq.output_index] = token_id
+                outputs.append(self._took_token(req, token_id, now, is_stopped))
+        if step_s is not None and self._cost_model is not None:
+            self._cost_model.observe_plan(plan, step_s)
+        return outputs
+
+    # == one sequence's results ===========================================
+
+    def _advance(self, seq: ScheduledSeq, req: Request) -> None:
+        req.num_computed_tokens += len(seq.token_ids)
+        if self._prefix_cache:
+            commit_computed_blocks(self.device_pool, req)
+
+    def _took_token(
         self, req: Request, token_id: int, now: float, is_stopped: StopCheck | None
     ) -> RequestOutput:
-        req.output_token_ids.append(token_id)
+        """Finishes ``req`` if its newest output ``token_id`` ends it."""
         if req.first_token_time is None:
             req.first_token_time = now
         hit_stop = is_stopped is not None and is_stopped(req.req_id, token_id)
@@ -181,6 +271,9 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
     def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
         if not req.ignore_eos and token_id in req.eos_token_ids:
             return FinishReason.EOS
+        return self._limit_reason(req)
+
+    def _limit_reason(self, req: Request) -> FinishReason | None:
         if req.num_output_tokens >= req.max_new_tokens:
             return FinishReason.MAX_TOKENS
         if req.num_tokens >= self.config.max_model_len:

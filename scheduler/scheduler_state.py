@@ -14,7 +14,7 @@ from .batch_shaping import BatchShaper
 from .block_manager import BlockPool
 from .config import SchedulerConfig
 from .cost_model import CostModel
-from .plan import FinishedRequest, ScheduledSeq, StepPlan
+from .plan import PENDING_TOKEN, FinishedRequest, ScheduledSeq, StepPlan
 from .policy_base import PreemptionMode, SchedulingPolicy
 from .policy_registry import make_policy
 from .request import FinishReason, Request, RequestStatus
@@ -91,6 +91,12 @@ class SchedulerState:
         self._num_arrivals = 0
         self._in_flight_step: int | None = None
         self._in_flight: dict[str, Request] = {}
+        self._in_flight_plan: StepPlan | None = None
+        # Planning ahead (Scheduler.schedule): the plan taken as done before
+        # its results came, with its sequences then current; and the requests
+        # it brought to a token limit (planned no further, ended by update).
+        self._ahead: tuple[StepPlan, list[tuple[ScheduledSeq, Request]]] | None = None
+        self._at_limit: set[str] = set()
         self._num_preemptions = {mode: 0 for mode in PreemptionMode}
         self._num_expired = 0
         self._num_abandoned = 0
@@ -130,6 +136,8 @@ class SchedulerState:
             del self._swapped[req.req_id]
         self.device_pool.free(req.block_ids)
         self.host_pool.free(req.host_block_ids)
+        if req.output_token_ids and req.output_token_ids[-1] == PENDING_TOKEN:
+            req.output_token_ids.pop()  # ended before the step in flight brought it
         req.block_ids = []
         req.host_block_ids = []
         req.num_committed_blocks = req.num_released_blocks = 0

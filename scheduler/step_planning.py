@@ -22,6 +22,8 @@ class StepPlanning(RoomMaking):
                 return
             if req.status is not RequestStatus.RUNNING or req.req_id in self._paused:
                 continue  # preempted as a victim earlier in this loop, or paused
+            if req.req_id in self._at_limit:
+                continue  # its pending token is its last: see Scheduler.schedule
             available = state.token_budget
             if state.reservations:
                 available -= self._held(state, req, now)

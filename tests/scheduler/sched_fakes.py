@@ -11,9 +11,10 @@ read by several sequences; the runner checks that nobody writes one.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from slipstream.scheduler import (
     BlockPool,
@@ -25,6 +26,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     StepPlan,
 )
+from slipstream.scheduler.plan import PENDING_TOKEN
 from slipstream.scheduler.policy_base import FcfsPolicy
 
 VOCAB = 97
@@ -186,28 +188,74 @@ class SelfFirstPolicy(FcfsPolicy):
         return min(candidates, key=lambda r: self.urgency_key(r, now), default=None)
 
 
-class Driver:
-    """Runs schedule -> fake runner -> update and records every finish."""
+def with_pending_tokens(plan: StepPlan, previous: dict[str, int]) -> StepPlan:
+    """``plan`` with each ``PENDING_TOKEN`` replaced by the token the previous
+    step sampled for that request, as a device runner takes it from that
+    step's output. A pending token is only ever a decode's one token."""
+    seqs = []
+    for seq in plan.seqs:
+        if PENDING_TOKEN in seq.token_ids:
+            assert seq.token_ids == [PENDING_TOKEN], seq
+            seq = dataclasses.replace(seq, token_ids=[previous[seq.req_id]])
+        seqs.append(seq)
+    return dataclasses.replace(plan, seqs=seqs)
 
-    def __init__(self, scheduler: Scheduler) -> None:
+
+class Driver:
+    """Runs schedule -> fake runner -> update and records every finish.
+
+    ``ahead``: plans each step before the previous step's update, as an
+    engine overlapping the host with the device does — schedule(N+1,
+    ahead) -> run N+1 -> update(N)."""
+
+    def __init__(self, scheduler: Scheduler, ahead: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = PagedFakeRunner(scheduler.config, scheduler.device_pool)
+        self.ahead = ahead
         self.now = 0.0
         self.finishes: dict[str, list[FinishReason]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.plans: list[StepPlan] = []
+        self._pending: tuple[StepPlan, dict[str, int]] | None = None
 
-    def step(self, dt: float = 1.0) -> list[RequestOutput]:
+    def step(
+        self, dt: float = 1.0, between: Callable[[StepPlan], None] | None = None
+    ) -> list[RequestOutput]:
+        """One step; ``between(plan)`` runs after the plan ran, before its update."""
         self.now += dt
-        plan = self.scheduler.schedule(self.now)
+        plan = self.scheduler.schedule(self.now, ahead=self._pending is not None)
         self.plans.append(plan)
         for finished in plan.finished:
             self.finishes.setdefault(finished.req_id, []).append(finished.reason)
         check_plan_rules(plan)
-        sampled = self.runner.execute(plan)
+        self._check_within_limits(plan)
+        previous = {} if self._pending is None else self._pending[1]
+        sampled = self.runner.execute(with_pending_tokens(plan, previous))
+        if between is not None:
+            between(plan)
+        if self.ahead:
+            pending, self._pending = self._pending, (plan, sampled)
+            if pending is None:
+                return []
+            plan, sampled = pending
         outputs = self.scheduler.update(plan, sampled, self.now)
         self.record(outputs)
         return outputs
+
+    def _check_within_limits(self, plan: StepPlan) -> None:
+        """No sequence is planned past its request's token limits."""
+        for seq in plan.seqs:
+            req = self.scheduler.get_request(seq.req_id)
+            assert req is not None
+            assert seq.start_pos + len(seq.token_ids) < self.scheduler.config.max_model_len
+            assert not seq.sample or seq.output_index < req.max_new_tokens, seq
+
+    def flush(self) -> None:
+        """Updates the plan still awaiting its results (planning ahead)."""
+        if self._pending is not None:
+            plan, sampled = self._pending
+            self._pending = None
+            self.record(self.scheduler.update(plan, sampled, self.now))
 
     def record(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -223,6 +271,8 @@ class Driver:
     def run_until_idle(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished():
-                return
+                self.flush()
+                if not self.scheduler.has_unfinished():
+                    return
             self.step()
         raise AssertionError(f"not idle after {max_steps} steps")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from sched_fakes import Driver, check_plan_rules, check_pools, reference_outputs
+from sched_fakes import Driver, check_pools, reference_outputs
 from test_sched_properties import POLICIES, POLICY_DRAWS
 
 from slipstream.scheduler import (
@@ -79,8 +79,24 @@ ops = st.lists(
 def test_shared_prefixes_keep_reference_counts_exact_and_end_with_nothing_used(
     config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]]
 ) -> None:
+    _check_prefix_script(config, policy_name, script, ahead=False)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs(), policy_name=st.sampled_from(POLICY_DRAWS), script=ops)
+def test_shared_prefixes_hold_when_planning_ahead(
+    config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]]
+) -> None:
+    """Blocks are committed to the cache when a plan is taken as done, before
+    its results: the same counts and tokens as planning after them."""
+    _check_prefix_script(config, policy_name, script, ahead=True)
+
+
+def _check_prefix_script(
+    config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]], ahead: bool
+) -> None:
     sched = Scheduler(config, POLICIES[policy_name](config))
-    driver = Driver(sched)
+    driver = Driver(sched, ahead=ahead)
     submitted: dict[str, Request] = {}
     for op in script:
         _apply(op, sched, driver, submitted)
@@ -142,17 +158,14 @@ def _apply(
         assert isinstance(op[1], int)
         driver.abort(_pick(op[1], sched.live_req_ids(), submitted))
     elif kind == "cancel_in_flight":
-        assert isinstance(op[1], int)
-        driver.now += 1.0
-        plan = sched.schedule(driver.now)
-        driver.plans.append(plan)
-        for finished in plan.finished:
-            driver.finishes.setdefault(finished.req_id, []).append(finished.reason)
-        check_plan_rules(plan)
-        sampled = driver.runner.execute(plan)
-        driver.abort(_pick(op[1], [seq.req_id for seq in plan.seqs], submitted))
-        check_pools(sched)
-        driver.record(sched.update(plan, sampled, driver.now))
+        pick = op[1]
+        assert isinstance(pick, int)
+
+        def cancel(plan: StepPlan) -> None:
+            driver.abort(_pick(pick, [seq.req_id for seq in plan.seqs], submitted))
+            check_pools(sched)
+
+        driver.step(between=cancel)
 
 
 def _force_preemption(sched: Scheduler, driver: Driver, pick: int, *, swap: bool) -> None:

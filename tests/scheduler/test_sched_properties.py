@@ -14,7 +14,6 @@ from sched_fakes import (
     Driver,
     SelfFirstPolicy,
     SwapPolicy,
-    check_plan_rules,
     check_pools,
     make_request,
     reference_outputs,
@@ -30,6 +29,7 @@ from slipstream.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulingPolicy,
+    StepPlan,
 )
 from slipstream.scheduler.policy_base import FcfsPolicy
 
@@ -105,8 +105,24 @@ POLICY_DRAWS = [*sorted(POLICIES), "deadline-swap", "deadline-swap", "deadline-r
 def test_random_interleavings_keep_every_invariant(
     config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]]
 ) -> None:
+    _check_interleaving(config, policy_name, script, ahead=False)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs(), policy_name=st.sampled_from(POLICY_DRAWS), script=ops)
+def test_planning_ahead_keeps_every_invariant_and_token(
+    config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]]
+) -> None:
+    """The same, with every step planned before the previous one's results
+    came back: EOS and stop land a step late, the tokens do not change."""
+    _check_interleaving(config, policy_name, script, ahead=True)
+
+
+def _check_interleaving(
+    config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]], ahead: bool
+) -> None:
     sched = Scheduler(config, POLICIES[policy_name](config))
-    driver = Driver(sched)
+    driver = Driver(sched, ahead=ahead)
     submitted: dict[str, Request] = {}
     host_was_full = False
     for op in script:
@@ -184,15 +200,11 @@ def _pick_id(pick: int, preferred: list[str], submitted: dict[str, Request]) -> 
 def _step_with_abort_in_flight(
     sched: Scheduler, driver: Driver, pick: object, submitted: dict[str, Request]
 ) -> None:
-    """schedule -> abort one scheduled request -> run -> update."""
-    driver.now += 1.0
-    plan = sched.schedule(driver.now)
-    driver.plans.append(plan)
-    for finished in plan.finished:
-        driver.finishes.setdefault(finished.req_id, []).append(finished.reason)
-    check_plan_rules(plan)
-    sampled = driver.runner.execute(plan)
+    """schedule -> run -> abort one scheduled request -> update."""
     assert isinstance(pick, int)
-    driver.abort(_pick_id(pick, [seq.req_id for seq in plan.seqs], submitted))
-    check_pools(sched)
-    driver.record(sched.update(plan, sampled, driver.now))
+
+    def abort(plan: StepPlan) -> None:
+        driver.abort(_pick_id(pick, [seq.req_id for seq in plan.seqs], submitted))
+        check_pools(sched)
+
+    driver.step(between=abort)
