@@ -8,6 +8,8 @@ contributes one, a prefill chunk many. All are packed into one flat tensor.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .request import ExpiredLimit, FinishReason, RejectCause, SamplingParams
@@ -87,3 +89,19 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     message: str = ""
+
+
+def with_pending_tokens(plan: StepPlan, previous: Mapping[str, int]) -> StepPlan:
+    """``plan`` with each ``PENDING_TOKEN`` replaced by the token the previous
+    step sampled for that request (``previous``: req_id -> token), as a runner
+    that has that step's output on the host takes it. A pending token is only
+    ever a decode's one token. Returns ``plan`` itself when it has none."""
+    if not any(seq.token_ids == [PENDING_TOKEN] for seq in plan.seqs):
+        return plan
+    seqs = [
+        dataclasses.replace(seq, token_ids=[previous[seq.req_id]])
+        if seq.token_ids == [PENDING_TOKEN]
+        else seq
+        for seq in plan.seqs
+    ]
+    return dataclasses.replace(plan, seqs=seqs)

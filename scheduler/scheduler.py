@@ -183,13 +183,14 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
             self._cost_model.observe_plan(plan, step_s)
         return outputs
 
-    def discard(self, plan: StepPlan) -> None:
-        """Forgets ``plan``, whose step failed: no ``update`` follows. Its
-        requests must be ended by the caller (``abort_request``)."""
-        if self._ahead is not None and self._ahead[0].step == plan.step:
+    def discard(self, plan: StepPlan | None) -> None:
+        """Forgets ``plan``, whose step failed (None: every plan not yet
+        updated): no ``update`` follows. Its requests must be ended by the
+        caller (``abort_request``)."""
+        if self._ahead is not None and (plan is None or self._ahead[0].step == plan.step):
             self._ahead = None
             self._at_limit.clear()
-        if plan.step == self._in_flight_step:
+        if plan is None or plan.step == self._in_flight_step:
             self._in_flight_step = None
             self._in_flight = {}
 

@@ -123,7 +123,9 @@ def start_engines(opts: SloOptions) -> tuple[dict[str, Rig], CostModel]:
         own = CostModel(cost.coefficients)
         scheduler = Scheduler(config, cost_model=own)
         listeners: list[Callable[[StepPlan, float], None]] = []
-        engine = Engine(scheduler, parts.runner, parts.tokenizer, parts.info, listeners)
+        engine = Engine(
+            scheduler, parts.runner, parts.tokenizer, parts.info, listeners, parts.plan_ahead
+        )
         engine.start()
         rigs[policy] = Rig(engine, scheduler, own, parts.model, listeners)
     assert cost is not None

@@ -113,6 +113,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="on CUDA: run decode steps eagerly instead of replaying graphs captured at start-up",
     )
+    group.add_argument(
+        "--plan-ahead",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="plan and launch step N+1 while the device runs step N, so the host's "
+        "scheduling and publishing overlap the GPU (auto: on a GPU only)",
+    )
     group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
     group.add_argument(
         "--kv-memory",
@@ -158,6 +165,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         gpu_memory_fraction=args.gpu_memory_fraction,
         cuda_graphs=args.cuda_graphs,
+        plan_ahead={"auto": None, "on": True, "off": False}[args.plan_ahead],
     )
 
 

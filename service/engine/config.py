@@ -63,6 +63,9 @@ class EngineConfig:
     # pool, activations and graph pool may take; decode steps replay CUDA graphs.
     gpu_memory_fraction: float = 0.9
     cuda_graphs: bool = True
+    # Plan step N+1 while the device runs step N (engine.py); None: on a GPU
+    # only (on the CPU the host and the "device" are the same cores).
+    plan_ahead: bool | None = None
 
     def scheduler_config(
         self, num_device_blocks: int, num_host_blocks: int, max_model_len: int

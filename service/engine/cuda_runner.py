@@ -9,7 +9,8 @@ One step, in stream order (the compute stream unless said)::
     forward          decode-only: replay of the padded batch's CUDA graph;
                      else eager, through the Triton kernels
     sampling         on the device (kernels/device_sampling.py)
-    sampled ids      one device-to-host copy, then the step's only wait
+    sampled ids      one device-to-host copy; ``launch`` returns here, and
+                     the step's only wait is its handle's ``result()``
 
 The same code runs on the CPU (``device=cpu``, no pinning, no graphs, the
 Triton kernels under their interpreter), which is how its logic is tested
@@ -38,13 +39,14 @@ from slipstream.service.engine.cuda_graphs import (
 )
 from slipstream.service.engine.device import describe_device
 from slipstream.service.engine.events import PoolStats, StepOutOfMemory
-from slipstream.service.engine.runner import KVPool, StepResult
+from slipstream.service.engine.runner import DoneStep, KVPool, StepResult
 from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
 from slipstream.service.engine.staging import (
     StagedStep,
     StagingBuffers,
     StagingLayout,
     is_decode_only,
+    resolve_pending_tokens,
     stage_padding,
     stage_step,
 )
@@ -83,6 +85,32 @@ def move_model_to(model: LlamaModel, device: torch.device) -> None:
     model.lm_head = Linear(model.embed) if tied else linear(model.lm_head)
     model.rope_cos = model.rope_cos.to(device)
     model.rope_signed_sin = model.rope_signed_sin.to(device)
+
+
+class LaunchedStep:
+    """A step queued on the device; ``result()`` waits for its sampled ids
+    (the step's one synchronisation) and reads them, once."""
+
+    def __init__(
+        self,
+        done: torch.cuda.Event | None,
+        sampled: torch.Tensor | None,
+        req_ids: list[str],
+        num_tokens: int,
+    ) -> None:
+        self._done = done
+        self._sampled = sampled
+        self._req_ids = req_ids
+        self._num_tokens = num_tokens
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            if self._done is not None:
+                self._done.synchronize()
+            ids = [] if self._sampled is None else self._sampled.tolist()
+            self._result = StepResult(dict(zip(self._req_ids, ids, strict=True)), self._num_tokens)
+        return self._result
 
 
 class DeviceRunner:
@@ -139,7 +167,17 @@ class DeviceRunner:
         layout = StagingLayout.build(max_num_batched_tokens, max_num_seqs, max_blocks)
         self._staging = StagingBuffers(layout, device, pin)
         self._max_context = max_blocks * block_size
-        self._sampled_host = torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin)
+        # Two, used in turn: a step's ids land in one while the host may still
+        # read the previous step's out of the other.
+        self._sampled_host = [
+            torch.empty(max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
+        self._parity = 0
+        # The latest launch's sampled ids on the device and their rows by request.
+        self._previous_ids = torch.zeros(1, dtype=torch.int64, device=device)
+        self._previous_rows: dict[str, int] = {}
+        self._one_back: LaunchedStep | None = None
+        self._two_back: LaunchedStep | None = None
         self._pin = pin
         self._generator = torch.Generator(device=device).manual_seed(seed)
         # LlamaModel takes its attention callable from the backend name; the
@@ -168,9 +206,18 @@ class DeviceRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return PoolStats(int(total - free), int(free))
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
-        """Runs ``plan``; raises ``StepOutOfMemory`` when the device runs out."""
+        """Runs ``plan`` and waits for it; raises ``StepOutOfMemory`` when the
+        device runs out."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> DoneStep | LaunchedStep:
+        """Queues ``plan`` on the device and returns without waiting; the
+        handle's ``result()`` waits for its sampled ids. A ``PENDING_TOKEN`` of
+        the plan is the step launched before it's sample for that request,
+        taken on the device: planning and launching step N+1 need nothing
+        from step N but its place in the queue. Raises ``StepOutOfMemory``."""
         try:
             self._swapper.swap_out(plan.swap_out)
             self._swapper.swap_in(plan.swap_in)
@@ -181,7 +228,7 @@ class DeviceRunner:
             req_ids = [s.req_id for s in plan.seqs] + list(plan.preempted_req_ids)
             raise self._out_of_memory(exc, req_ids) from exc
         if not plan.seqs:
-            return StepResult({}, 0)
+            return DoneStep(StepResult({}, 0))
         try:
             return self._forward(plan)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
@@ -198,14 +245,25 @@ class DeviceRunner:
             torch.cuda.empty_cache()
         return StepOutOfMemory(req_ids, str(exc).splitlines()[0] if str(exc) else "")
 
-    def _forward(self, plan: StepPlan) -> StepResult:
+    def _forward(self, plan: StepPlan) -> LaunchedStep:
+        # Staging and sampled-id buffers come in pairs: the step two launches
+        # back must have landed before its buffers are reused (the engine has
+        # always read it by now; this keeps any caller right).
+        if self._two_back is not None:
+            self._two_back.result()
         bucket = None
         if self._graphs is not None and is_decode_only(plan):
             bucket = bucket_for(len(plan.seqs), self._graphs.sizes)
         vocab = self.model.config.vocab_size
-        staged = stage_step(plan, self._staging, self.block_size, vocab, pad_to=bucket)
+        staged = stage_step(
+            plan, self._staging, self.block_size, vocab, pad_to=bucket,
+            pending_rows=self._previous_rows,
+        )  # fmt: skip
         self._staging.upload(staged.num_rows)
         views = self._staging.device_views
+        resolve_pending_tokens(
+            views["token_ids"][: staged.num_tokens], self._previous_ids, staged.num_pending
+        )
         num_sampled = len(staged.sampled_req_ids)
         if bucket is not None and self._graphs is not None:
             logits = self._graphs.replay(bucket)
@@ -218,14 +276,21 @@ class DeviceRunner:
                 meta, views["sample_indices"][:num_sampled],
             )  # fmt: skip
         if not num_sampled:
-            self._synchronize()  # the staging buffer is rewritten by the next step
-            return StepResult({}, plan.num_tokens)
+            self._previous_rows = {}
+            return self._launched(LaunchedStep(self._record_done(), None, [], plan.num_tokens))
         batch = self._sampling_batch(staged, views)  # draws seeded noise while the GPU runs
-        sampled = self._sampled_host[:num_sampled]
-        sampled.copy_(sample_tensors(logits, batch, self._generator), non_blocking=True)
-        self._synchronize()
-        ids = sampled.tolist()
-        return StepResult(dict(zip(staged.sampled_req_ids, ids, strict=True)), plan.num_tokens)
+        ids = sample_tensors(logits, batch, self._generator)
+        self._previous_ids = ids  # the next plan's pending tokens, on the device
+        self._previous_rows = {req_id: row for row, req_id in enumerate(staged.sampled_req_ids)}
+        host = self._sampled_host[self._parity][:num_sampled]
+        self._parity ^= 1  # the step after this one copies into the other buffer
+        host.copy_(ids, non_blocking=True)
+        step = LaunchedStep(self._record_done(), host, staged.sampled_req_ids, plan.num_tokens)
+        return self._launched(step)
+
+    def _launched(self, step: LaunchedStep) -> LaunchedStep:
+        self._two_back, self._one_back = self._one_back, step
+        return step
 
     def _sampling_batch(self, staged: StagedStep, views: dict[str, torch.Tensor]) -> SamplingBatch:
         plan = staged.sampling
@@ -246,12 +311,13 @@ class DeviceRunner:
             seeded_noise=noise,
         )
 
-    def _synchronize(self) -> None:
-        """The step's one wait: for the device work queued so far (the sampled ids' copy)."""
-        if self._is_cuda:
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
+    def _record_done(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far (None off CUDA: it has run)."""
+        if not self._is_cuda:
+            return None
+        done = torch.cuda.Event()
+        done.record()
+        return done
 
     def _capture(self, max_batch: int) -> None:
         self._graphs = DecodeGraphs(graph_batch_sizes(max_batch))

@@ -8,6 +8,19 @@
 Callers on other threads ``submit`` (validated synchronously, under the lock
 that guards the scheduler) and ``abort`` (queued, applied before the next
 step, so an abort takes effect within one step).
+
+Planning ahead (``plan_ahead``, the default on a GPU): the host plans and
+launches step N+1 while the device runs step N, then takes N's results::
+
+    plan = scheduler.schedule(now, ahead=True)   # N taken as done, its tokens pending
+    handle = runner.launch(plan)                 # queued; pending tokens come from N
+    result = previous_handle.result()            # waits for N's sampled ids
+    outputs = scheduler.update(previous_plan, result.sampled, now)
+    publish(outputs)
+
+so the scheduling, the bookkeeping and the publishing of a step overlap the
+device's work instead of adding to it. EOS and stop sequences land a step
+late (a request's token from the step after its last is dropped).
 """
 
 from __future__ import annotations
@@ -46,9 +59,21 @@ log = structlog.get_logger(__name__)
 
 class Runner(Protocol):
     """Executes one plan: swaps and copies, one forward, sampling (runner.py,
-    cuda_runner.py). ``execute(plan).sampled`` maps req_id to its token."""
+    cuda_runner.py). ``execute(plan).sampled`` maps req_id to its token;
+    ``launch(plan).result()`` is the same, split where the host may go on."""
 
     def execute(self, plan: StepPlan) -> Any: ...
+
+    def launch(self, plan: StepPlan) -> Any: ...
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step launched ahead of its predecessor's results (``plan_ahead``)."""
+
+    plan: StepPlan
+    handle: Any  # .result() -> StepResult
+    started: float  # when it was planned
 
 
 @dataclass(slots=True)
@@ -79,6 +104,7 @@ class Engine:
     ``step_listeners`` are called on the engine thread with every step that ran
     and its measured seconds; keep them cheap. The list is read every step, so
     its owner may add and remove listeners while the engine runs.
+    ``plan_ahead``: plan step N+1 while step N runs (see the module).
     """
 
     def __init__(
@@ -88,8 +114,12 @@ class Engine:
         tokenizer: PreTrainedTokenizerBase,
         info: ModelInfo,
         step_listeners: Sequence[Callable[[StepPlan, float], None]] = (),
+        plan_ahead: bool = False,
     ) -> None:
         self._scheduler = scheduler
+        self.plan_ahead = plan_ahead
+        self._pending: _Launched | None = None  # launched, results not yet taken
+        self._last_settled = 0.0
         self._runner = runner
         self.tokenizer = tokenizer
         self.info = info
@@ -223,7 +253,7 @@ class Engine:
         while not self._stopping:
             self._apply_aborts()
             with self._lock:
-                has_work = self._scheduler.has_unfinished()
+                has_work = self._scheduler.has_unfinished() or self._pending is not None
                 s = self._scheduler
                 is_all_paused = has_work and s.num_paused >= (
                     s.num_waiting + s.num_running + s.num_swapped
@@ -237,11 +267,12 @@ class Engine:
                     self._observe_idle(time.monotonic() - idle_since)
                     continue
             try:
-                self._step()
+                if self.plan_ahead:
+                    self._step_ahead()
+                else:
+                    self._step()
             except StepOutOfMemory as exc:  # the server goes on; that step's requests end
-                log.warning("step_out_of_memory", requests=len(exc.req_ids), detail=str(exc))
-                for req_id in exc.req_ids:
-                    self._end(req_id, FinishReason.OUT_OF_MEMORY, str(exc))
+                self._out_of_memory(None, exc)
             except Exception:  # a broken step must not take the server down
                 log.exception("engine_step_failed")
                 self._fail_all("internal error during a model step")
@@ -269,16 +300,57 @@ class Engine:
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
             return
         result = self._runner.execute(plan)
+        self._settle(plan, result.sampled, started)
+
+    def _step_ahead(self) -> None:
+        """Plan and launch step N+1, then take step N's results (see the module).
+        The refit sees a step's time from the later of its planning and the
+        previous step's settling: the device's pace once the pipe is full."""
+        pending = self._pending
+        with self._lock:
+            started = time.monotonic()
+            plan = self._scheduler.schedule(started, ahead=pending is not None)
+        self._finish_planned(plan)
+        self._pending = None
+        if not plan.is_empty:
+            try:
+                self._pending = _Launched(plan, self._runner.launch(plan), started)
+            except StepOutOfMemory as exc:
+                self._out_of_memory(plan, exc)
+        if pending is not None:
+            try:
+                result = pending.handle.result()
+            except StepOutOfMemory as exc:
+                self._out_of_memory(pending.plan, exc)
+                return
+            self._settle(pending.plan, result.sampled, max(pending.started, self._last_settled))
+        elif self._pending is None:
+            self._observe(plan, [], started)
+            time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
+
+    def _settle(self, plan: StepPlan, sampled: dict[str, int], started: float) -> None:
+        """A step's results: the scheduler's update, then observers and callers."""
         with self._lock:
             now = time.monotonic()
             step_s = now - started + self._last_publish_s
-            outputs = self._scheduler.update(plan, result.sampled, now, step_s, self._is_stopped)
+            outputs = self._scheduler.update(plan, sampled, now, step_s, self._is_stopped)
+        self._last_settled = now
         self._observe(plan, outputs, started)
         published = time.monotonic()
         self._publish(plan, outputs)
         self._last_publish_s = time.monotonic() - published
         for listener in tuple(self._step_listeners):
             listener(plan, step_s)
+
+    def _out_of_memory(self, plan: StepPlan | None, exc: StepOutOfMemory) -> None:
+        """The server goes on; the step's requests end (``plan``: the step that
+        failed, forgotten by the scheduler: no update follows)."""
+        log.warning("step_out_of_memory", requests=len(exc.req_ids), detail=str(exc))
+        if plan is not None:
+            with self._lock:
+                self._scheduler.discard(plan)
+        for req_id in exc.req_ids:
+            self._end(req_id, FinishReason.OUT_OF_MEMORY, str(exc))
 
     def _finish_planned(self, plan: StepPlan) -> None:
         """Requests the scheduler ended while planning (limits, expiry, refusals)."""
@@ -332,6 +404,9 @@ class Engine:
             self._end(req_id, reason, message)
 
     def _fail_all(self, message: str) -> None:
+        self._pending = None
+        with self._lock:
+            self._scheduler.discard(None)
         for req_id in list(self._live):
             self._end(req_id, FinishReason.ERROR, message)
             # A step that failed after update() may leave requests the scheduler

@@ -61,6 +61,7 @@ class EngineParts:
     info: ModelInfo
     scheduler_config: SchedulerConfig
     cost_model: CostModel | None  # None: the policy needs none (not "deadline")
+    plan_ahead: bool = False  # plan step N+1 while the device runs step N
 
     def scheduler(self) -> Scheduler:
         return Scheduler(self.scheduler_config, cost_model=self.cost_model)
@@ -69,7 +70,9 @@ class EngineParts:
 def load_engine(config: EngineConfig, cpu: CpuFeatures | None = None) -> Engine:
     """``cpu`` overrides the detected CPU features (tests force either answer)."""
     parts = load_parts(config, cpu)
-    return Engine(parts.scheduler(), parts.runner, parts.tokenizer, parts.info)
+    return Engine(
+        parts.scheduler(), parts.runner, parts.tokenizer, parts.info, plan_ahead=parts.plan_ahead
+    )
 
 
 def load_parts(config: EngineConfig, cpu: CpuFeatures | None = None) -> EngineParts:
@@ -228,6 +231,8 @@ def _finish(
             else CostModel(CostCoefficients(), max_drift=None)  # a guess, not a calibration
         )
     scheduler_config = config.scheduler_config(num_device_blocks, num_host_blocks, max_model_len)
+    on_gpu = getattr(runner, "device", torch.device("cpu")).type == "cuda"
+    plan_ahead = on_gpu if config.plan_ahead is None else config.plan_ahead
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     info = ModelInfo(
         name=config.model,
@@ -254,8 +259,9 @@ def _finish(
         panel_linears=panel_linears,
         prefix_cache=config.prefix_cache,
         kv_memory="commit" if config.commit_kv_memory else "lazy",
+        plan_ahead=plan_ahead,
     )
-    return EngineParts(model, runner, tokenizer, info, scheduler_config, cost_model)
+    return EngineParts(model, runner, tokenizer, info, scheduler_config, cost_model, plan_ahead)
 
 
 def _max_model_len(config: EngineConfig, model: LlamaModel) -> int:

@@ -23,7 +23,7 @@ from slipstream.kernels.attention import build_attention_metadata
 from slipstream.kernels.backend import copy_blocks_for
 from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.kernels.sampling import sample
-from slipstream.scheduler.plan import StepPlan
+from slipstream.scheduler.plan import StepPlan, with_pending_tokens
 from slipstream.service.models.llama import LlamaModel
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
@@ -58,6 +58,16 @@ class StepResult:
     num_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class DoneStep:
+    """A launched step that already ran (``launch`` on the CPU): its result."""
+
+    step_result: StepResult
+
+    def result(self) -> StepResult:
+        return self.step_result
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -72,6 +82,15 @@ class ModelRunner:
         self.device_pool = allocate_pool(model, num_device_blocks, block_size, commit_kv_memory)
         self.host_pool = allocate_pool(model, num_host_blocks, block_size, commit_kv_memory)
         self._copy_blocks = copy_blocks_for(model.attention_backend)
+        self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
+
+    def launch(self, plan: StepPlan) -> DoneStep:
+        """Runs ``plan`` now (the CPU has nothing to overlap with), taking its
+        pending tokens from the step launched before it; see ``Engine``'s
+        ``plan_ahead``."""
+        result = self.execute(with_pending_tokens(plan, self._last_sampled))
+        self._last_sampled = result.sampled
+        return DoneStep(result)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

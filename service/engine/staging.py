@@ -20,13 +20,14 @@ Nothing here knows the device: the layout and the builder are tested on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from slipstream.kernels.device_sampling import SamplingPlan, plan_sampling
-from slipstream.scheduler.plan import StepPlan
+from slipstream.scheduler.plan import PENDING_TOKEN, StepPlan
 
 # (name, dtype, entries per sequence or per token); block_tables is sized apart.
 _PER_SEQ: tuple[tuple[str, torch.dtype], ...] = (
@@ -107,27 +108,52 @@ class StagingLayout:
 
 
 class StagingBuffers:
-    """The host buffer (pinned when ``pin_memory``), its device twin, and
-    typed views of both. ``upload`` is the step's one host-to-device copy."""
+    """The host buffers (pinned when ``pin_memory``), their device twin, and
+    typed views of both. ``upload`` is the step's one host-to-device copy.
 
-    def __init__(self, layout: StagingLayout, device: torch.device, pin_memory: bool) -> None:
+    There are two host buffers, used in turn: a step is staged into one while
+    the previous step's copy out of the other may still be queued (a plan
+    made ahead of its predecessor's results). ``host``, ``host_views`` and
+    ``host_arrays`` are the buffer the next step is staged into."""
+
+    def __init__(
+        self, layout: StagingLayout, device: torch.device, pin_memory: bool, num_host: int = 2
+    ) -> None:
         self.layout = layout
-        self.host = torch.zeros(layout.total_words, dtype=torch.int64, pin_memory=pin_memory)
-        self.device = torch.zeros(layout.total_words, dtype=torch.int64, device=device)
-        self.host_views = layout.views(self.host)
-        self.device_views = layout.views(self.device)
+        self._hosts = [
+            torch.zeros(layout.total_words, dtype=torch.int64, pin_memory=pin_memory)
+            for _ in range(num_host)
+        ]
+        self._host_views = [layout.views(host) for host in self._hosts]
         # numpy over the same memory: filling from Python lists without a tensor per field
-        self.host_arrays: dict[str, np.ndarray] = {
-            name: view.numpy() for name, view in self.host_views.items()
-        }
+        self._host_arrays: list[dict[str, np.ndarray]] = [
+            {name: view.numpy() for name, view in views.items()} for views in self._host_views
+        ]
+        self._current = 0
+        self.device = torch.zeros(layout.total_words, dtype=torch.int64, device=device)
+        self.device_views = layout.views(self.device)
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self._hosts[self._current]
+
+    @property
+    def host_views(self) -> dict[str, torch.Tensor]:
+        return self._host_views[self._current]
+
+    @property
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        return self._host_arrays[self._current]
 
     def upload(self, num_rows: int) -> None:
         """Copies the fields of a ``num_rows``-row step; non-blocking from pinned
-        memory, so the host goes on while the copy engine works. The host buffer
-        must not be rewritten before the copy has run (the runner's per-step
-        synchronisation on its sampled ids guarantees it)."""
+        memory, so the host goes on while the copy engine works, then turns to
+        the other host buffer. A buffer is staged into again two uploads later:
+        the runner must have waited for a step between (it waits for every
+        step's sampled ids before launching the step after next)."""
         end = self.layout.end(num_rows)
         self.device[:end].copy_(self.host[:end], non_blocking=True)
+        self._current = (self._current + 1) % len(self._hosts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +178,9 @@ class StagedStep:
     max_prefill_query_len: int
     sampled_req_ids: list[str]
     sampling: SamplingPlan
+    # Rows whose token is the previous step's sample, staged as -(its row + 1):
+    # the runner puts the token in on the device (``resolve_pending_tokens``).
+    num_pending: int = 0
 
     @property
     def is_decode_only(self) -> bool:
@@ -168,10 +197,13 @@ def stage_step(
     block_size: int,
     vocab_size: int,
     pad_to: int | None = None,
+    pending_rows: Mapping[str, int] | None = None,
 ) -> StagedStep:
     """Writes ``plan``'s batch into the host buffer. ``pad_to`` (decode-only
     steps) adds padding rows up to that many rows: token 0 at position 0,
-    slot -1 (the KV write skips it), length 1 over block 0 (read, never written)."""
+    slot -1 (the KV write skips it), length 1 over block 0 (read, never written).
+    ``pending_rows``: req_id -> row of the previous step's sampled ids, for
+    the plan's ``PENDING_TOKEN``s (a plan made ahead of that step's results)."""
     layout = buffers.layout
     arrays = buffers.host_arrays
     num_seqs = len(plan.seqs)
@@ -188,10 +220,15 @@ def stage_step(
     sample_indices: list[int] = []
     sampled = []
     table = arrays["block_tables"]
+    num_pending = 0
     for b, seq in enumerate(plan.seqs):
         num_new = len(seq.token_ids)
         end_pos = seq.start_pos + num_new
-        token_ids.extend(seq.token_ids)
+        if seq.token_ids == [PENDING_TOKEN]:
+            token_ids.append(-1 - _pending_row(pending_rows, seq.req_id))
+            num_pending += 1
+        else:
+            token_ids.extend(seq.token_ids)
         positions.extend(range(seq.start_pos, end_pos))
         blocks = seq.block_ids
         slots.extend(
@@ -251,7 +288,27 @@ def stage_step(
         max_prefill_query_len=max((query_lens[b] for b in prefill), default=0),
         sampled_req_ids=[s.req_id for s in sampled],
         sampling=sampling,
+        num_pending=num_pending,
     )
+
+
+def resolve_pending_tokens(
+    token_ids: torch.Tensor, previous: torch.Tensor, num_pending: int
+) -> None:
+    """Puts the previous step's sampled ids (``previous``, on the device) in
+    place of the staged ``-(row + 1)`` entries of ``token_ids``, in place,
+    without a host round trip. No-op when the step has no pending token."""
+    if num_pending == 0:
+        return
+    pending = token_ids < 0
+    rows = (-1 - token_ids).clamp_(0, max(previous.numel() - 1, 0))
+    token_ids.copy_(torch.where(pending, previous[rows], token_ids))
+
+
+def _pending_row(pending_rows: Mapping[str, int] | None, req_id: str) -> int:
+    if pending_rows is None or req_id not in pending_rows:
+        raise ValueError(f"{req_id}: a pending token, but the previous step sampled none for it")
+    return pending_rows[req_id]
 
 
 def stage_padding(buffers: StagingBuffers, num_rows: int) -> StagedStep:

@@ -11,7 +11,6 @@ read by several sequences; the runner checks that nobody writes one.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     StepPlan,
 )
-from slipstream.scheduler.plan import PENDING_TOKEN
+from slipstream.scheduler.plan import PENDING_TOKEN, with_pending_tokens
 from slipstream.scheduler.policy_base import FcfsPolicy
 
 VOCAB = 97
@@ -188,19 +187,6 @@ class SelfFirstPolicy(FcfsPolicy):
         return min(candidates, key=lambda r: self.urgency_key(r, now), default=None)
 
 
-def with_pending_tokens(plan: StepPlan, previous: dict[str, int]) -> StepPlan:
-    """``plan`` with each ``PENDING_TOKEN`` replaced by the token the previous
-    step sampled for that request, as a device runner takes it from that
-    step's output. A pending token is only ever a decode's one token."""
-    seqs = []
-    for seq in plan.seqs:
-        if PENDING_TOKEN in seq.token_ids:
-            assert seq.token_ids == [PENDING_TOKEN], seq
-            seq = dataclasses.replace(seq, token_ids=[previous[seq.req_id]])
-        seqs.append(seq)
-    return dataclasses.replace(plan, seqs=seqs)
-
-
 class Driver:
     """Runs schedule -> fake runner -> update and records every finish.
 
@@ -230,6 +216,8 @@ class Driver:
         check_plan_rules(plan)
         self._check_within_limits(plan)
         previous = {} if self._pending is None else self._pending[1]
+        for seq in plan.seqs:  # pending only as a decode's one token
+            assert PENDING_TOKEN not in seq.token_ids or seq.token_ids == [PENDING_TOKEN], seq
         sampled = self.runner.execute(with_pending_tokens(plan, previous))
         if between is not None:
             between(plan)

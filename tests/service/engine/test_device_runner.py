@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.kernels.block_copy import reference_copy_blocks
-from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.plan import PENDING_TOKEN, ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
 from slipstream.service.engine.runner import ModelRunner
@@ -71,6 +71,28 @@ def test_same_tokens_as_model_runner(models):
     assert runner.graph_stats.disabled_reason == "not a CUDA device"
     assert runner.info()["device"]["type"] == "cpu"
     assert _generate(runner, prompts, 4) == expected
+
+
+def test_launching_ahead_with_pending_tokens(models):
+    """Step N+1 launched before step N's ids are read, its decodes' tokens
+    pending: taken on the device from step N's samples, the same tokens."""
+    reference_model, staged_model = models
+    prompts = [[3, 17, 29, 4, 8], [7] * 20, [11, 12]]
+    expected = _generate(ModelRunner(reference_model, 32, 8, BLOCK), prompts, 4)
+    runner = _runner(staged_model)
+    blocks = [[i * 4 + j for j in range(4)] for i in range(len(prompts))]
+    positions = [len(p) for p in prompts]
+    handles = []
+    for step in range(4):
+        seqs = [
+            ScheduledSeq(f"r{i}", list(p) if step == 0 else [PENDING_TOKEN],
+                         0 if step == 0 else positions[i] + step - 1, blocks[i], True, step,
+                         SAMPLING[i % len(SAMPLING)])
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+        handles.append(runner.launch(StepPlan(step=step, seqs=seqs)))
+    got = [[h.result().sampled[f"r{i}"] for h in handles] for i in range(len(prompts))]
+    assert got == expected
 
 
 def test_step_without_sampling_and_empty_plan(models):

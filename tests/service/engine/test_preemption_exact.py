@@ -88,7 +88,7 @@ def workload(tiny_model_dir):
     return early, late, expected
 
 
-def _run_tight(tiny_model_dir, workload, num_host_blocks: int):
+def _run_tight(tiny_model_dir, workload, num_host_blocks: int, plan_ahead: bool = False):
     early, late, expected = workload
     tight = load_engine(
         EngineConfig(
@@ -98,8 +98,10 @@ def _run_tight(tiny_model_dir, workload, num_host_blocks: int):
             num_host_blocks=num_host_blocks,
             max_num_seqs=3,
             policy="deadline",
+            plan_ahead=plan_ahead,
         )
     )
+    assert tight.plan_ahead is plan_ahead
     try:
         got = _run(tight, early, late)
         stats = tight.stats()
@@ -122,3 +124,11 @@ def test_recomputed_requests_match_the_unpreempted_run(tiny_model_dir, workload)
     stats = _run_tight(tiny_model_dir, workload, num_host_blocks=0)
     assert stats.swap_preemptions == 0
     assert stats.recompute_preemptions >= 3, "the tiny pool must force recomputes"
+
+
+@pytest.mark.parametrize("num_host_blocks", [10, 0], ids=["swap", "recompute"])
+def test_planning_ahead_preempts_exactly(tiny_model_dir, workload, num_host_blocks):
+    """Step N+1 planned while step N runs, its decodes' tokens pending: the
+    same tokens through swaps and recomputes."""
+    stats = _run_tight(tiny_model_dir, workload, num_host_blocks, plan_ahead=True)
+    assert stats.swap_preemptions + stats.recompute_preemptions >= 3
