@@ -82,6 +82,7 @@ class OfflineOptions:
     prefix_cache: bool = True
     floor: bool = True
     device: str = "cpu"  # --device as given: cpu, cuda, cuda:N (auto resolved)
+    plan_ahead: bool | None = None  # None: the engine's default (on a GPU only)
     # Each peer's settings by peer name (``Peer.settings``), for the peers asked for.
     peers: Mapping[str, object] = field(default_factory=dict)
 
@@ -124,6 +125,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine.add_argument("--max-num-seqs", type=int)
     engine.add_argument(
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefix caching off"
+    )
+    engine.add_argument(
+        "--plan-ahead",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="plan step N+1 while the device runs step N (auto: on a GPU only)",
     )
     parser.add_argument(
         "--no-floor",
@@ -183,6 +190,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
+        plan_ahead={"auto": None, "on": True, "off": False}[args.plan_ahead],
         floor=args.floor and device == "cpu",  # the floor is a CPU roofline
         peers=peers,
     )
@@ -331,6 +339,7 @@ def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
         dtype=options.dtype,
         num_threads=options.num_threads,
         prefix_cache=options.prefix_cache,
+        plan_ahead=options.plan_ahead,
         **set_knobs,
     )
 
