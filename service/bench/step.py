@@ -272,6 +272,10 @@ def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -
         "kv_read_floor_ms": kv_floor,
         "step_over_weight_floor": step_ms / weight_floor,
     }
+    if options.device != "cpu":
+        launches, paces = t.time_launches(runner, plan, options.num_steps)
+        row["host_launch_ms"] = statistics.median(launches)
+        row["step_ms_planned_ahead"] = statistics.median(paces)
     if mode not in BREAKDOWN_MODES:
         row["breakdown_pass"] = None
         row["breakdown_skipped"] = "per-part hooks would split the compiled graph"

@@ -50,9 +50,15 @@ def format_table(report: Mapping[str, Any]) -> str:
         line += f"{r['step_over_weight_floor']:>6.1f} "
         line += f"{_num(r.get('step_over_linears_plus_kv_floor'), 1):>13}"
         lines.append(line)
+        if r.get("step_ms_planned_ahead") is not None:
+            lines.append(
+                f"{'':>5} {'':<8} planned ahead {r['step_ms_planned_ahead']:.2f} ms a step "
+                f"(host in launch {r['host_launch_ms']:.2f} ms)"
+            )
     lines.append(
         "attn/linears/other/host: ms from the hooked pass (its own medians; hooks add time); "
-        "floors: one buffer read of the weights / K+V"
+        "floors: one buffer read of the weights / K+V; planned ahead (a GPU): the step's pace "
+        "with each launch before the previous step's result, and the host's time in launch"
     )
     return "\n".join(lines)
 

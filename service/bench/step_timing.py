@@ -76,6 +76,28 @@ def time_plain(runner: ModelRunner, plan: StepPlan, num_steps: int, warmup: int)
     return times
 
 
+def time_launches(runner: Any, plan: StepPlan, num_steps: int) -> tuple[list[float], list[float]]:
+    """A device runner's step with the host one step ahead, as the engine
+    plans ahead: (milliseconds the host spends in each ``launch``,
+    milliseconds per step when each launch precedes the previous step's
+    ``result()``). The first is the host's share of a step, the second the
+    step's pace once the host is off the critical path."""
+    handle = runner.launch(plan)
+    handle.result()
+    handle = runner.launch(plan)
+    launches, paces = [], []
+    for _ in range(num_steps):
+        start = time.perf_counter_ns()
+        following = runner.launch(plan)
+        launched = time.perf_counter_ns()
+        handle.result()
+        launches.append((launched - start) / 1e6)
+        paces.append((time.perf_counter_ns() - start) / 1e6)
+        handle = following
+    handle.result()
+    return launches, paces
+
+
 class _Clock:
     """Nanoseconds per part, accumulated over one step's calls."""
 

@@ -171,3 +171,35 @@ def test_cuda_modes_and_devices_are_refused_where_they_cannot_run() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             step.options_from_args(parser.parse_args(["bench", "step", "--device", "cuda"]))
+
+
+def test_time_launches_keeps_the_host_one_step_ahead() -> None:
+    """Each timed launch comes before the previous step's result is taken."""
+    from slipstream.scheduler.plan import StepPlan
+    from slipstream.service.bench import step_timing
+
+    events: list[tuple[str, int]] = []
+
+    class Handle:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def result(self) -> None:
+            events.append(("result", self.index))
+
+    class Runner:
+        launched = 0
+
+        def launch(self, plan: StepPlan) -> Handle:
+            self.launched += 1
+            events.append(("launch", self.launched))
+            return Handle(self.launched)
+
+    launches, paces = step_timing.time_launches(Runner(), StepPlan(step=0), 3)
+    assert len(launches) == len(paces) == 3
+    assert all(0 <= launch <= pace for launch, pace in zip(launches, paces, strict=True))
+    assert events == [
+        ("launch", 1), ("result", 1), ("launch", 2),
+        ("launch", 3), ("result", 2), ("launch", 4), ("result", 3), ("launch", 5), ("result", 4),
+        ("result", 5),
+    ]  # fmt: skip
