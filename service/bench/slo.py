@@ -60,6 +60,7 @@ from slipstream.service.bench.slo_report import (
 )
 from slipstream.service.bench.slo_sim import run_sim_bench, run_sim_capacity
 from slipstream.service.engine.config import DTYPE_CHOICES
+from slipstream.service.engine.device import resolve_device
 
 # The engine replays in real time: a shorter sweep and fewer bisections.
 ENGINE_CAPACITY_SWEEP = (0.5, 1.0, 1.5, 2.0, 3.0)
@@ -124,6 +125,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--capacity-requests", type=int, default=None)
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument(
+        "--device", default="cpu", help="engine mode: cpu, cuda, cuda:N or auto (a GPU plans ahead)"
+    )
     # Defaults under bench-results/ (ignored by git), like the Makefile's benchmarks.
     parser.add_argument("--json", dest="json_path", default="bench-results/slo.json")
     parser.add_argument("--plot", dest="plot_path", default="bench-results/slo.png")
@@ -132,6 +136,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def options_from_args(args: argparse.Namespace) -> SloOptions:
     mode = "sim" if args.sim else "engine"
+    try:
+        device = str(resolve_device(args.device))
+    except ValueError as exc:
+        raise SystemExit(f"slipstream bench slo: {exc}") from exc
     opts = SloOptions(
         mode=mode,
         num_requests=args.requests or (10_000 if args.sim else 200),
@@ -145,7 +153,8 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
         reject_infeasible=not args.no_reject_infeasible,
         shed_under_overload=not args.no_overload_shedding,
         model=args.model,
-        dtype=resolved_dtype(args.dtype) if mode == "engine" else args.dtype,
+        dtype=resolved_dtype(args.dtype, device) if mode == "engine" else args.dtype,
+        device=device,
         json_path=args.json_path,
         plot_path=args.plot_path,
     )
@@ -198,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     report = _run(opts)
     if opts.mode == "engine":
-        report["hardware"] = hardware(args.dtype)
+        report["hardware"] = hardware(args.dtype, opts.device)
     for path in (opts.json_path, opts.plot_path):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -112,6 +112,7 @@ def start_engines(opts: SloOptions) -> tuple[dict[str, Rig], CostModel]:
                 max_num_seqs=opts.max_num_seqs,
                 max_num_batched_tokens=opts.max_num_batched_tokens,
                 policy=policy,
+                device=opts.device,
             )
         )
         if cost is None:

@@ -52,6 +52,7 @@ class SloOptions:
     capacity_sweep: tuple[float, ...] = SWEEP_LOADS
     capacity_bisections: int = 4
     repeats: int = 1  # engine mode: replays of every cell (the engine's own spread)
+    device: str = "cpu"  # engine mode: as resolved (cpu, cuda:N)
 
 
 def engine_shaped(opts: SloOptions) -> SloOptions:
