@@ -200,9 +200,11 @@ class DeviceRunner:
             "pinned_host_memory": self._pin,
         }
 
-    def memory(self) -> PoolStats:
+    def memory(self) -> PoolStats | None:
         """The GPU's memory in bytes, used (by this process and any other) and
-        free, as the driver reports it: for the metrics scrape."""
+        free, as the driver reports it: for the metrics scrape (None off CUDA)."""
+        if not self._is_cuda:
+            return None
         free, total = torch.cuda.mem_get_info(self.device)
         return PoolStats(int(total - free), int(free))
 
