@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from tokenizers import Tokenizer, decoders
 from tokenizers.models import WordLevel
 
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
-from slipstream.scheduler.plan import StepPlan
+from slipstream.scheduler.plan import PENDING_TOKEN, StepPlan
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.engine import Engine
@@ -172,3 +173,102 @@ def test_a_runner_with_device_memory_reports_it_in_the_stats() -> None:
     assert engine.stats().device_memory is None  # the CPU runner has none
     composed = Engine(scheduler, _GpuLike({}), engine.tokenizer, engine.info)
     assert composed.stats().device_memory == PoolStats(used=3, free=5)
+
+
+class _Deferred:
+    """A launched step: it runs when its result is asked for, as a GPU's step
+    lands after the host has moved on."""
+
+    def __init__(self, run: object) -> None:
+        self._run = run
+
+    def result(self) -> _Result:
+        return self._run()  # type: ignore[operator,no-any-return]
+
+
+class _AheadRunner(_ScriptedRunner):
+    """``launch`` returns at once; the step runs when its result is taken.
+    ``fail``: (req_id, where) — runs out of memory once, at ``launch`` or at
+    ``result``, on the first step that holds req_id."""
+
+    def __init__(self, scripts: dict[str, list[int]], fail: tuple[str, str] | None = None):
+        super().__init__(scripts)
+        self.fail = fail
+        self.launched: list[StepPlan] = []
+
+    def launch(self, plan: StepPlan) -> _Deferred:
+        self.launched.append(plan)
+        failing = self.fail is not None and self.fail[0] in {s.req_id for s in plan.seqs}
+        if failing and self.fail is not None and self.fail[1] == "launch":
+            self.fail = None
+            raise StepOutOfMemory([s.req_id for s in plan.seqs], "CUDA out of memory (launch)")
+        if failing:
+            self.fail = None
+
+            def fail() -> _Result:
+                raise StepOutOfMemory([s.req_id for s in plan.seqs], "CUDA out of memory (result)")
+
+            return _Deferred(fail)
+        return _Deferred(lambda: self.execute(plan))
+
+
+def _ahead(runner: _AheadRunner) -> tuple[Engine, Scheduler]:
+    engine, scheduler, _, _ = _engine({})
+    return Engine(scheduler, runner, engine.tokenizer, engine.info, plan_ahead=True), scheduler
+
+
+def test_planning_ahead_every_ending_lands_a_step_late_but_callers_see_the_same() -> None:
+    scripts = {
+        "limit": [1, 2, 3, 1, 2, 3],
+        "eos": [4, 5, EOS, 6, 6, 6],
+        "stop": [1, 4, 5, 6, 1, 1],
+    }
+    runner = _AheadRunner(scripts)
+    engine, scheduler = _ahead(runner)
+    requests = [
+        RequestSpec(req_id="limit", prompt_token_ids=[1, 2], max_new_tokens=4),
+        RequestSpec(req_id="eos", prompt_token_ids=[3], max_new_tokens=6),
+        RequestSpec(
+            req_id="stop", prompt_token_ids=[2, 2, 2], max_new_tokens=6, stop_sequences=("yz",)
+        ),
+    ]
+    try:
+        results = {r.req_id: r for r in engine.generate(requests)}
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert results["limit"].token_ids == [1, 2, 3, 1]
+    assert results["limit"].finish.reason is FinishReason.MAX_TOKENS
+    assert results["eos"].token_ids == [4, 5, EOS] and results["eos"].text == "xy"
+    assert results["stop"].token_ids == [1, 4, 5, 6] and results["stop"].text == "ax"
+    assert results["stop"].finish.reason is FinishReason.STOP_SEQUENCE
+    planned = {
+        req_id: sum(s.req_id == req_id for p in runner.launched for s in p.seqs)
+        for req_id in scripts
+    }
+    # A limit is known when planning: never planned past. EOS and a stop
+    # sequence are known from the results: one step more was already launched.
+    assert planned == {"limit": 4, "eos": 4, "stop": 5}
+    # Every launched step but the first was launched before the previous one's
+    # results were taken: the pending tokens of its decodes.
+    assert any(s.token_ids == [PENDING_TOKEN] for p in runner.launched for s in p.seqs)
+    assert stats.device_blocks.used == 0 and scheduler.num_aborts == 0
+
+
+@pytest.mark.parametrize("where", ["launch", "result"])
+def test_planning_ahead_a_step_out_of_memory_ends_its_requests_and_goes_on(where: str) -> None:
+    runner = _AheadRunner({"big": [1] * 8, "after": [2, 3, 1]}, fail=("big", where))
+    engine, _ = _ahead(runner)
+    try:
+        (big,) = engine.generate(
+            [RequestSpec(req_id="big", prompt_token_ids=[1] * 20, max_new_tokens=8)]
+        )
+        (after,) = engine.generate(
+            [RequestSpec(req_id="after", prompt_token_ids=[1, 2], max_new_tokens=3)]
+        )
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert big.finish.reason is FinishReason.OUT_OF_MEMORY and where in big.finish.message
+    assert after.finish.reason is FinishReason.MAX_TOKENS and after.token_ids == [2, 3, 1]
+    assert stats.device_blocks.used == 0 and stats.waiting == stats.running == 0
