@@ -10,11 +10,10 @@ are skipped.
 
 from __future__ import annotations
 
-import pytest
 import torch
+from gpu_marks import GPU_ONLY
 
 from slipstream.kernels.attention import reference_paged_attention
-from slipstream.kernels.backend import is_interpreting
 from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
@@ -23,14 +22,7 @@ from slipstream.service.engine.staged_attention import staged_metadata, staged_p
 from slipstream.service.engine.staging import StagingBuffers, StagingLayout, stage_step
 from slipstream.service.models.llama import LlamaModel
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and is_interpreting(),
-        reason="Triton interpreter on: run with TRITON_INTERPRET=0",
-    ),
-]
+pytestmark = GPU_ONLY
 
 BLOCK = 16
 CUDA = torch.device("cuda", 0)

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from gpu_marks import GPU_ONLY
 from server_thread import ServerThread
 from transformers import AutoModelForCausalLM
 
 from slipstream.clients import Client
-from slipstream.kernels.backend import is_interpreting
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine, FinishedResult, _Collector
@@ -26,14 +26,7 @@ from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine
 from slipstream.service.models.store import resolve_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and is_interpreting(),
-        reason="Triton interpreter on: run with TRITON_INTERPRET=0",
-    ),
-]
+pytestmark = GPU_ONLY
 
 NUM_PROMPTS = 12
 MAX_NEW = 24

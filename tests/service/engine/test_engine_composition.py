@@ -129,39 +129,6 @@ def test_a_step_listener_sees_each_step_with_its_seconds() -> None:
     assert all(seconds > 0 for _, seconds in seen)
 
 
-class _OutOfMemoryOnce(_ScriptedRunner):
-    """Runs out of device memory on the first step that holds ``victim``."""
-
-    def __init__(self, scripts: dict[str, list[int]], victim: str) -> None:
-        super().__init__(scripts)
-        self.victim: str | None = victim
-
-    def execute(self, plan: StepPlan) -> _Result:
-        if self.victim in {s.req_id for s in plan.seqs}:
-            self.victim = None
-            raise StepOutOfMemory([s.req_id for s in plan.seqs], "CUDA out of memory (simulated)")
-        return super().execute(plan)
-
-
-def test_a_step_out_of_memory_ends_its_requests_and_the_engine_goes_on() -> None:
-    engine, scheduler, _, _ = _engine({})
-    runner = _OutOfMemoryOnce({"big": [1] * 4, "after": [2, 3, 1]}, victim="big")
-    composed = Engine(scheduler, runner, engine.tokenizer, engine.info)
-    try:
-        (big,) = composed.generate(
-            [RequestSpec(req_id="big", prompt_token_ids=[1] * 20, max_new_tokens=4)]
-        )
-        (after,) = composed.generate(
-            [RequestSpec(req_id="after", prompt_token_ids=[1, 2], max_new_tokens=3)]
-        )
-        stats = composed.stats()
-    finally:
-        composed.shutdown()
-    assert big.finish.reason is FinishReason.OUT_OF_MEMORY and "out of memory" in big.finish.message
-    assert after.finish.reason is FinishReason.MAX_TOKENS and after.token_ids == [2, 3, 1]
-    assert stats.device_blocks.used == 0 and stats.waiting == stats.running == 0
-
-
 def test_a_runner_with_device_memory_reports_it_in_the_stats() -> None:
     from slipstream.service.engine.events import PoolStats
 
@@ -188,13 +155,24 @@ class _Deferred:
 
 class _AheadRunner(_ScriptedRunner):
     """``launch`` returns at once; the step runs when its result is taken.
-    ``fail``: (req_id, where) — runs out of memory once, at ``launch`` or at
-    ``result``, on the first step that holds req_id."""
+    ``fail``: (req_id, where) — runs out of memory once, in ``execute``
+    (planning behind), at ``launch`` or at ``result``, on the first step that
+    holds req_id."""
 
     def __init__(self, scripts: dict[str, list[int]], fail: tuple[str, str] | None = None):
         super().__init__(scripts)
         self.fail = fail
         self.launched: list[StepPlan] = []
+
+    def execute(self, plan: StepPlan) -> _Result:
+        if self.fail is not None and self.fail == (self._victim(plan), "execute"):
+            self.fail = None
+            raise StepOutOfMemory([s.req_id for s in plan.seqs], "CUDA out of memory (execute)")
+        return super().execute(plan)
+
+    def _victim(self, plan: StepPlan) -> str | None:
+        names = {s.req_id for s in plan.seqs}
+        return self.fail[0] if self.fail is not None and self.fail[0] in names else None
 
     def launch(self, plan: StepPlan) -> _Deferred:
         self.launched.append(plan)
@@ -212,9 +190,10 @@ class _AheadRunner(_ScriptedRunner):
         return _Deferred(lambda: self.execute(plan))
 
 
-def _ahead(runner: _AheadRunner) -> tuple[Engine, Scheduler]:
+def _ahead(runner: _AheadRunner, plan_ahead: bool = True) -> tuple[Engine, Scheduler]:
     engine, scheduler, _, _ = _engine({})
-    return Engine(scheduler, runner, engine.tokenizer, engine.info, plan_ahead=True), scheduler
+    composed = Engine(scheduler, runner, engine.tokenizer, engine.info, plan_ahead=plan_ahead)
+    return composed, scheduler
 
 
 def test_planning_ahead_every_ending_lands_a_step_late_but_callers_see_the_same() -> None:
@@ -255,10 +234,11 @@ def test_planning_ahead_every_ending_lands_a_step_late_but_callers_see_the_same(
     assert stats.device_blocks.used == 0 and scheduler.num_aborts == 0
 
 
-@pytest.mark.parametrize("where", ["launch", "result"])
-def test_planning_ahead_a_step_out_of_memory_ends_its_requests_and_goes_on(where: str) -> None:
+@pytest.mark.parametrize("where", ["execute", "launch", "result"])
+def test_a_step_out_of_memory_ends_its_requests_and_the_engine_goes_on(where: str) -> None:
+    """Planning behind (``execute``) or ahead (at ``launch`` or at ``result``)."""
     runner = _AheadRunner({"big": [1] * 8, "after": [2, 3, 1]}, fail=("big", where))
-    engine, _ = _ahead(runner)
+    engine, _ = _ahead(runner, plan_ahead=where != "execute")
     try:
         (big,) = engine.generate(
             [RequestSpec(req_id="big", prompt_token_ids=[1] * 20, max_new_tokens=8)]
