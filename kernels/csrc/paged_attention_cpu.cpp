@@ -15,7 +15,6 @@
 //   keys                  0..15       16..31       32..seq_len-1
 //
 //   for each key tile (<= 32 keys, never crossing a block):
-//     prefetch the head of the next tile's K and V slabs (another block, another page)
 //     K, V tile read in place (bf16 decodes: as even/odd lanes, see Bf16Rows),
 //       or converted to fp32 scratch once for the rows of a prefill tile
 //     for each row r = (query token, head of the GQA group):
@@ -23,11 +22,18 @@
 //       causal: row r sees keys <= its position
 //       online softmax in base 2: m_r, l_r, O_r (fp32) rescaled by 2^(m_old - m_new)
 //       O_r += p . V
+//     meanwhile, a few lines at a time: prefetch the next tile's K and V
+//       (another block, another page; the last tile: the thread's next task's first)
+//
+// With AVX512-BF16 (Bf16DotRows) a tile is taken in two passes instead:
+// the scores of every row, then p . V for all rows at once, each
+// interleaved pair of V rows shared by the rows (see attend_tile_dot).
 //
 // All G query heads of a kv head are rows of the same task, so each K/V tile
 // is read from memory once per task. Long key ranges are split over several
 // tasks ("split-K"); each split leaves (O, m, l) per row in a scratch buffer
-// and a second pass merges them. Tasks run on OpenMP threads, largest first.
+// and a second pass merges them. Tasks run on OpenMP threads, largest first,
+// each thread claiming its next task one ahead (run_plan).
 //
 // Instruction sets: the part below "per-variant code" is compiled three
 // times, by including this file into itself (the pattern of Google's
@@ -123,9 +129,11 @@ struct Problem {
 
 // Per-thread fp32 scratch, grown on demand and kept across calls.
 struct Scratch {
-  std::vector<float> q, o, m, l, k, v;
+  std::vector<float> q, o, m, l, k, v, alpha;
+  std::vector<uint32_t> p_pairs;  // Bf16DotRows: p as bf16 pairs, per row
+  std::vector<int> visible;       // Bf16DotRows: keys of the tile each row sees
   void reserve(int64_t rows, int64_t head_dim) {
-    auto grow = [](std::vector<float>& b, int64_t n) {
+    auto grow = [](auto& b, int64_t n) {
       if (int64_t(b.size()) < n) b.resize(n);
     };
     grow(q, rows * head_dim);
@@ -134,6 +142,9 @@ struct Scratch {
     grow(l, rows);
     grow(k, kKeyTile * head_dim);
     grow(v, kKeyTile * head_dim);
+    grow(alpha, rows);
+    grow(visible, rows);
+    grow(p_pairs, rows * kKeyTile / 2);
   }
 };
 
@@ -351,26 +362,35 @@ template <typename T>
 void run_plan(const Problem<T>& p, const Plan& plan, Isa isa, int64_t num_threads) {
   const int64_t num_tasks = int64_t(plan.tasks.size());
   const bool parallel = num_threads > 1 && num_tasks > 1 && plan.total_cost >= kSerialCost;
+  // Dynamic scheduling that claims one task ahead: a thread knows its next
+  // task while it runs the current one, and prefetches that task's first
+  // tile during its last (a task's first tile is in another block, on
+  // another page, where the hardware prefetcher does not follow).
+  std::atomic<int64_t> next_task{0};
 #pragma omp parallel num_threads(int(num_threads)) if (parallel)
   {
     thread_local Scratch scratch;
     scratch.reserve(plan.max_rows, p.head_dim);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) {
+    int64_t i = next_task.fetch_add(1);
+    while (i < num_tasks) {
+      const int64_t after = next_task.fetch_add(1);
+      const Task& task = plan.tasks[i];
+      const Task* upcoming = after < num_tasks ? &plan.tasks[after] : nullptr;
+      i = after;
 #if defined(__x86_64__)
       // fp32 K/V stay on the AVX2 code under AVX-512: its 16-lane build
       // measured 5-15 % slower (AMD EPYC Zen 5, 1 thread: fp32 decode reads
       // K/V at the core's L3/DRAM bandwidth either way).
       if (isa == Isa::kAvx512 && std::is_same_v<T, bf16_bits>) {
-        avx512::run_task(p, plan.tasks[i], scratch);
+        avx512::run_task(p, task, upcoming, scratch);
         continue;
       }
       if (isa != Isa::kPortable) {
-        avx2::run_task(p, plan.tasks[i], scratch);
+        avx2::run_task(p, task, upcoming, scratch);
         continue;
       }
 #endif
-      portable::run_task(p, plan.tasks[i], scratch);
+      portable::run_task(p, task, upcoming, scratch);
     }
   }
   const int64_t num_merges = int64_t(plan.merges.size());
@@ -596,22 +616,59 @@ SLIP_INLINE v8f reduce8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, 
 // 2^x for x <= 0; 0 below -125 (weights that small cannot move an fp32 sum).
 // Round-to-nearest splits x = n + f, |f| <= 1/2; 2^f by its degree-6 Taylor
 // polynomial (relative error < 2e-7); 2^n is added to the exponent bits.
-SLIP_INLINE v8f exp2_neg(v8f x) {
-  const v8f magic = splat(12582912.0f);  // 1.5 * 2^23: x + magic rounds x to an integer
-  const v8f xc = vmax(x, splat(-125.0f));
-  const v8f t = xc + magic;
-  const v8f f = xc - (t - magic);
-  const v8i n = (v8i)t - (v8i)magic;
-  v8f p = splat(1.5403530393381608e-4f);
-  p = p * f + splat(1.3333558146428443e-3f);
-  p = p * f + splat(9.6181291076284772e-3f);
-  p = p * f + splat(5.5504108664821580e-2f);
-  p = p * f + splat(2.4022650695910071e-1f);
-  p = p * f + splat(6.9314718055994531e-1f);
-  p = p * f + splat(1.0f);
-  const v8f r = (v8f)((v8i)p + (n << 23));
-  return x < splat(-125.0f) ? splat(0.0f) : r;
+template <typename V>
+SLIP_INLINE V exp2_neg(V x) {
+  typedef int32_t VI __attribute__((vector_size(sizeof(V))));
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: x + magic rounds x to an integer
+  const V xc = x > V{} - 125.0f ? x : V{} - 125.0f;
+  const V t = xc + magic;
+  const V f = xc - (t - magic);
+  const VI n = (VI)t - (VI)magic;
+  V p = V{} + 1.5403530393381608e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  const V r = (V)((VI)p + (n << 23));
+  return x < V{} - 125.0f ? V{} : r;
 }
+
+// Software prefetch of the next tile's K and V rows, spread over the work
+// on the current one: a few lines per step of the inner loops. Each tile is
+// in another block, likely another page, where the hardware prefetcher
+// stops, so every line is asked for. Spread, not issued at once: a burst of
+// the whole tile (128 lines for head_dim 64, block 32) queued behind the
+// core's few outstanding misses and stalled the loads of the tile being
+// worked on (AMD EPYC Zen 5, bf16 decode 64 x 300, 2 threads: 0.70 -> 0.55
+// ms per layer); aiming two tiles ahead measured slower.
+struct LinePrefetcher {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0;  // of K, and as many of V
+  int64_t done = 0;   // bytes asked for, K first, then V
+
+  SLIP_INLINE void aim(const void* k_rows, const void* v_rows, int64_t num_bytes) {
+    k = static_cast<const char*>(k_rows);
+    v = static_cast<const char*>(v_rows);
+    bytes = num_bytes;
+    done = 0;
+  }
+  SLIP_INLINE void step(int lines) {
+    for (int i = 0; i < lines && done < 2 * bytes; ++i, done += 64)
+      __builtin_prefetch(done < bytes ? k + done : v + (done - bytes));
+  }
+  SLIP_INLINE void finish() {
+    while (done < 2 * bytes) step(16);
+  }
+};
+
+// Lines asked for per step: per 16 keys of a row's scores, per key pair of p . V,
+// per row of the other paths.
+constexpr int kScoreLines = 8;
+constexpr int kPairLines = 4;
+constexpr int kRowLines = 16;
 
 // How the inner loops read K/V rows: kStep elements at a time, as kStep /
 // kLanes float vectors. Float rows (fp32 storage, or a bf16 tile converted
@@ -755,121 +812,235 @@ SLIP_INLINE void accumulate_row(float* o, const typename R::E* v, int64_t d, con
 // Bf16DotRows: q . k and p . V on vdpbf16ps, which multiplies 32 bf16 pairs
 // and adds each pair's two products into one fp32 lane (products exact,
 // sums in fp32). q stays in bf16 as given (the scale multiplies the scores,
-// not q). For p . V the pairs must run along the keys: rows t and t + 1 of
-// V are interleaved (vpunpck{l,h}wd) and multiplied by the pair (p_t,
-// p_t+1) rounded to bf16, as FlashAttention rounds P on tensor cores. The
-// interleave leaves each 32 columns of O in the order of DotOrder below,
-// undone once per row when the task writes it.
+// not q). A task takes one tile in two passes, both over rows of K and V
+// that stay in L1 while the task's rows (the query heads of a GQA group,
+// and a prefill tile's tokens) go over them:
+//
+//   1. scores: per row, 16 keys at a time: 16 fp32 partial-sum vectors
+//      (NC vdpbf16ps each), summed by one transpose-and-add tree (reduce16);
+//      then the online softmax over the tile, p rounded to bf16 pairs
+//      (p_t, p_t+1), as FlashAttention rounds P on tensor cores; l sums the
+//      unrounded p.
+//   2. p . V: the pairs must run along the keys, so rows t and t + 1 of V
+//      are interleaved (vpunpck{l,h}wd) once per key pair and used by every
+//      row of the chunk against its broadcast pair.
+//
+// The interleave leaves each 32 columns of O in the order of DotOrder
+// below, undone once per row when the task writes it. NC = head_dim / 32 is
+// fixed at compile time, so the loops unroll and the accumulators stay in
+// registers (a run-time head_dim loop kept them on the stack: measured 1.3x
+// slower).
 
-// NC = head_dim / 32 at compile time, so every loop unrolls and the eight
-// accumulators stay in registers (a run-time head_dim loop kept them on the
-// stack: a store-to-load chain per product, measured 1.3x slower).
+// Lane i of the result is the sum of the 16 lanes of a[i]: 45 shuffles and
+// adds for 16 keys, where a horizontal sum per key would take ~8 each.
+SLIP_INLINE __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], e[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit lane: [a_2i, a_2i+1, a_2i, a_2i+1], part sums
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane: [a_4i .. a_4i+3]
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes: [a_8i..8i+3 twice, a_8i+4..8i+7 twice]
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e[0], e[1], 0x88),
+                       _mm512_shuffle_f32x4(e[0], e[1], 0xDD));
+}
+
+// Unscaled scores of one row against the first `readable` (a multiple of 8,
+// at most kKeyTile) rows of k, 16 keys per vector; lanes past them are 0.
 template <int NC>
-SLIP_INLINE v8f dot8_bf16(const bf16_bits* q, const bf16_bits* k, int64_t d) {
+SLIP_INLINE void scores_row(__m512* s, const bf16_bits* q, const bf16_bits* k, int64_t d,
+                            int readable, LinePrefetcher& ahead) {
   __m512bh x[NC];
 #pragma GCC unroll 8
   for (int c = 0; c < NC; ++c) x[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-  vf a[8];
+  for (int g = 0; g < kKeyTile / 16; ++g) {
+    if (16 * g >= readable) {
+      s[g] = _mm512_setzero_ps();
+      continue;
+    }
+    ahead.step(kScoreLines);
+    const bf16_bits* kg = k + 16 * g * d;
+    const bool full = readable - 16 * g >= 16;
+    __m512 a[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      a[i] = _mm512_setzero_ps();
+      if (i < 8 || full) {
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    __m512 acc = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c)
-      acc = _mm512_dpbf16_ps(acc, x[c], (__m512bh)_mm512_loadu_si512(k + i * d + 32 * c));
-    a[i] = (vf)acc;
+        for (int c = 0; c < NC; ++c)
+          a[i] = _mm512_dpbf16_ps(a[i], x[c], (__m512bh)_mm512_loadu_si512(kg + i * d + 32 * c));
+      }
+    }
+    s[g] = reduce16(a);
   }
-  return SLIP_REDUCE8(a);
 }
 
+// Rows of the p . V pass kept in registers at once, for NC column chunks:
+// 2 NC accumulators per row, at most 12 in all.
 template <int NC>
-SLIP_INLINE void scores_bf16(v8f* s, const bf16_bits* q, const bf16_bits* k, int64_t d,
-                             int groups, float scale) {
-  for (int g = 0; g < groups; ++g) s[g] = dot8_bf16<NC>(q, k + g * 8 * d, d) * splat(scale);
-}
+constexpr int kPvRows = NC >= 4 ? 1 : 6 / NC;
 
-// o[0, 32 NC) = o * alpha + sum_t p[t] * v[t, 0 .. 32 NC), pp: p as bf16 pairs.
-// Key pairs alternate between two sets of accumulators (latency, as in
-// accumulate_pv); an odd last key pairs with zeros (its partner's weight is 0).
-template <int NC>
-SLIP_INLINE void accumulate_pv_bf16(float* o, const bf16_bits* v, int64_t d,
-                                    const uint32_t* pp, int n, float alpha) {
-  __m512 lo[2][NC], hi[2][NC];
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (int j = 0; j < NC; ++j) {
-    lo[0][j] = _mm512_mul_ps(_mm512_loadu_ps(o + 32 * j), a);
-    hi[0][j] = _mm512_mul_ps(_mm512_loadu_ps(o + 32 * j + 16), a);
-    lo[1][j] = _mm512_setzero_ps();
-    hi[1][j] = _mm512_setzero_ps();
+// R rows of O, 32 NC columns (row stride d): o = o * alpha + sum_t p_t v_t
+// over the first n rows of v, with p as bf16 pairs (row stride kKeyTile / 2).
+// With few accumulators (<= 8) key pairs alternate between two sets, so the
+// vdpbf16ps are not one dependent chain each; an odd last key pairs with
+// zeros (its partner's weight is 0, and rows past n are never read).
+template <int NC, int R>
+SLIP_INLINE void pv_rows(float* o, int64_t d, const bf16_bits* v, const uint32_t* pairs,
+                         const float* alpha, int n, LinePrefetcher& ahead) {
+  constexpr int kAcc = 2 * NC;
+  constexpr int kSets = R * kAcc <= 8 ? 2 : 1;
+  __m512 acc[kSets][R][kAcc];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 16
+    for (int i = 0; i < kAcc; ++i) {
+      acc[0][r][i] = _mm512_mul_ps(_mm512_loadu_ps(o + r * d + 16 * i), a);
+      if constexpr (kSets == 2) acc[1][r][i] = _mm512_setzero_ps();
+    }
   }
   auto pair = [&](int set, int t, bool has_second) SLIP_INLINE_LAMBDA {
-    const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pp[t / 2]));
+    ahead.step(kPairLines);
+    __m512i u[kAcc];
     const bf16_bits* row0 = v + t * d;
+#pragma GCC unroll 8
     for (int j = 0; j < NC; ++j) {
       const __m512i x0 = _mm512_loadu_si512(row0 + 32 * j);
-      const __m512i x1 = has_second ? _mm512_loadu_si512(row0 + d + 32 * j) : _mm512_setzero_si512();
-      lo[set][j] = _mm512_dpbf16_ps(lo[set][j], (__m512bh)_mm512_unpacklo_epi16(x0, x1), w);
-      hi[set][j] = _mm512_dpbf16_ps(hi[set][j], (__m512bh)_mm512_unpackhi_epi16(x0, x1), w);
+      const __m512i x1 =
+          has_second ? _mm512_loadu_si512(row0 + d + 32 * j) : _mm512_setzero_si512();
+      u[2 * j] = _mm512_unpacklo_epi16(x0, x1);
+      u[2 * j + 1] = _mm512_unpackhi_epi16(x0, x1);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pairs[r * (kKeyTile / 2) + t / 2]));
+#pragma GCC unroll 16
+      for (int i = 0; i < kAcc; ++i)
+        acc[set][r][i] = _mm512_dpbf16_ps(acc[set][r][i], (__m512bh)u[i], w);
     }
   };
   int t = 0;
-  for (; t + 4 <= n; t += 4) {
-    pair(0, t, true);
-    pair(1, t + 2, true);
+  if constexpr (kSets == 2) {
+    for (; t + 4 <= n; t += 4) {
+      pair(0, t, true);
+      pair(1, t + 2, true);
+    }
   }
-  if (t + 2 <= n) {
-    pair(0, t, true);
-    t += 2;
-  }
-  if (t < n) pair(1, t, false);
-  for (int j = 0; j < NC; ++j) {
-    _mm512_storeu_ps(o + 32 * j, _mm512_add_ps(lo[0][j], lo[1][j]));
-    _mm512_storeu_ps(o + 32 * j + 16, _mm512_add_ps(hi[0][j], hi[1][j]));
+  for (; t + 2 <= n; t += 2) pair(0, t, true);
+  if (t < n) pair(kSets - 1, t, false);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int i = 0; i < kAcc; ++i) {
+      __m512 sum = acc[0][r][i];
+      if constexpr (kSets == 2) sum = _mm512_add_ps(sum, acc[1][r][i]);
+      _mm512_storeu_ps(o + r * d + 16 * i, sum);
+    }
+}
+
+// `rows` (< kPvRows<NC> + 1) rows: R picked at compile time.
+template <int NC, int R = kPvRows<NC>>
+SLIP_INLINE void pv_rows_upto(int rows, float* o, int64_t d, const bf16_bits* v,
+                              const uint32_t* pairs, const float* alpha, int n,
+                              LinePrefetcher& ahead) {
+  if constexpr (R > 0) {
+    if (rows == R) return pv_rows<NC, R>(o, d, v, pairs, alpha, n, ahead);
+    pv_rows_upto<NC, R - 1>(rows, o, d, v, pairs, alpha, n, ahead);
   }
 }
 
-SLIP_INLINE void accumulate_row_bf16(float* o, const bf16_bits* v, int64_t d, const float* p,
-                                     int n, float alpha) {
-  alignas(64) uint32_t pp[kKeyTile / 2];
-  for (int i = 0; i < n; i += 16)  // round to nearest even; lanes past n are 0
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + i / 2),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i)));
-  int64_t c = 0;
-  for (; c + 128 <= d; c += 128) accumulate_pv_bf16<4>(o + c, v + c, d, pp, n, alpha);
-  switch ((d - c) / 32) {
-    case 3: accumulate_pv_bf16<3>(o + c, v + c, d, pp, n, alpha); break;
-    case 2: accumulate_pv_bf16<2>(o + c, v + c, d, pp, n, alpha); break;
-    case 1: accumulate_pv_bf16<1>(o + c, v + c, d, pp, n, alpha); break;
-    default: break;
+// p . V for every row of the task, 32 NC columns from column 0 of o and v.
+template <int NC>
+SLIP_INLINE void pv_all_rows(float* o, int64_t d, const bf16_bits* v, const uint32_t* pairs,
+                             const float* alpha, int64_t rows, int n, LinePrefetcher& ahead) {
+  constexpr int kRows = kPvRows<NC>;
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows)
+    pv_rows<NC, kRows>(o + r * d, d, v, pairs + r * (kKeyTile / 2), alpha + r, n, ahead);
+  if (r < rows)
+    pv_rows_upto<NC>(int(rows - r), o + r * d, d, v, pairs + r * (kKeyTile / 2), alpha + r, n,
+                     ahead);
+}
+
+// One tile of n keys (k readable to a multiple of 8 rows) against all rows
+// of a task: scores and softmax per row, then p . V in column chunks of at
+// most 128 (4 NC; 8 accumulators a row).
+template <int NC>
+SLIP_INLINE void attend_tile_dot(const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
+                                 int64_t d, int64_t rows, const int* visible, int n,
+                                 float scale, float* m, float* l, float* o, uint32_t* pairs,
+                                 float* alpha, LinePrefetcher& ahead) {
+  const int readable = (n + 7) / 8 * 8;
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  for (int64_t r = 0; r < rows; ++r) {
+    uint32_t* row_pairs = pairs + r * (kKeyTile / 2);
+    const int seen = visible[r];
+    if (seen <= 0) {  // causal: the row sees none of the tile
+      std::memset(row_pairs, 0, kKeyTile / 2 * sizeof(uint32_t));
+      alpha[r] = 1.0f;
+      continue;
+    }
+    __m512 s[kKeyTile / 16];
+    scores_row<NC>(s, q + r * d, k, d, readable, ahead);
+    __m512 top = neg_inf;
+    for (int g = 0; g < kKeyTile / 16; ++g) {  // keys past `seen` are -inf
+      const int in = std::clamp(seen - 16 * g, 0, 16);
+      const __mmask16 keep = __mmask16((1u << in) - 1);
+      s[g] = _mm512_mask_mul_ps(neg_inf, keep, s[g], _mm512_set1_ps(scale));
+      top = _mm512_max_ps(top, s[g]);
+    }
+    const float m_new = std::max(m[r], _mm512_reduce_max_ps(top));
+    // 0 on the row's first tile (m = -inf); in a vector: no libm call here.
+    const float a = exp2_neg(vf{} + (m[r] - m_new))[0];
+    __m512 sum = _mm512_setzero_ps();
+    for (int g = 0; g < kKeyTile / 16; ++g) {
+      s[g] = (__m512)exp2_neg((vf)_mm512_sub_ps(s[g], _mm512_set1_ps(m_new)));
+      sum = _mm512_add_ps(sum, s[g]);
+    }
+    static_assert(kKeyTile == 32, "one vector of bf16 pairs per row");
+    _mm512_storeu_si512(row_pairs, (__m512i)_mm512_cvtne2ps_pbh(s[1], s[0]));
+    l[r] = l[r] * a + _mm512_reduce_add_ps(sum);
+    m[r] = m_new;
+    alpha[r] = a;
+  }
+  int c = 0;
+  for (; c + 4 <= NC; c += 4)
+    pv_all_rows<4>(o + 32 * c, d, v + 32 * c, pairs, alpha, rows, n, ahead);
+  if constexpr (NC % 4 != 0)
+    pv_all_rows<NC % 4>(o + 32 * c, d, v + 32 * c, pairs, alpha, rows, n, ahead);
+}
+
+SLIP_INLINE void attend_tile_dot_any(const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
+                                     int64_t d, int64_t rows, const int* visible, int n,
+                                     float scale, float* m, float* l, float* o,
+                                     uint32_t* pairs, float* alpha, LinePrefetcher& ahead) {
+  switch (d / 32) {  // run_task admits head_dim 32, 64, .., 256 here
+#define SLIP_CASE(NC) \
+  case NC:          \
+    return attend_tile_dot<NC>(q, k, v, d, rows, visible, n, scale, m, l, o, pairs, alpha, ahead);
+    SLIP_CASE(1) SLIP_CASE(2) SLIP_CASE(3) SLIP_CASE(4)
+    SLIP_CASE(5) SLIP_CASE(6) SLIP_CASE(7)
+    default: SLIP_CASE(8)
+#undef SLIP_CASE
   }
 }
 #endif
 
 // One row against the first n keys of a tile whose k rows are readable up to
-// a multiple of 8: the online-softmax update of (m, l, o). `scale` multiplies
-// the scores of rows whose q is not pre-scaled (Bf16DotRows).
+// a multiple of 8: the online-softmax update of (m, l, o).
 template <typename R>
 SLIP_INLINE void attend_row(const typename R::Q* q, const typename R::E* k,
-                            const typename R::E* v, int64_t d, int n, float scale, float& m,
-                            float& l, float* o) {
+                            const typename R::E* v, int64_t d, int n, float& m, float& l,
+                            float* o) {
   const int groups = (n + 7) / 8;
   v8f s[kKeyTile / 8];
-#if SLIPSTREAM_BF16_DOT
-  if constexpr (kDot<R>) {
-    switch (d / 32) {  // run_task admits head_dim 32, 64, .., 256 here
-      case 1: scores_bf16<1>(s, q, k, d, groups, scale); break;
-      case 2: scores_bf16<2>(s, q, k, d, groups, scale); break;
-      case 3: scores_bf16<3>(s, q, k, d, groups, scale); break;
-      case 4: scores_bf16<4>(s, q, k, d, groups, scale); break;
-      case 5: scores_bf16<5>(s, q, k, d, groups, scale); break;
-      case 6: scores_bf16<6>(s, q, k, d, groups, scale); break;
-      case 7: scores_bf16<7>(s, q, k, d, groups, scale); break;
-      default: scores_bf16<8>(s, q, k, d, groups, scale); break;
-    }
-  } else
-#endif
-  {
-    for (int g = 0; g < groups; ++g) s[g] = dot8<R>(q, k + g * 8 * d, d);
-  }
+  for (int g = 0; g < groups; ++g) s[g] = dot8<R>(q, k + g * 8 * d, d);
   const int tail = n - (groups - 1) * 8;
   if (tail < 8) {  // keys past n: beyond the row's position or the task's range
     const v8i lane = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -886,17 +1057,9 @@ SLIP_INLINE void attend_row(const typename R::Q* q, const typename R::E* k,
     sum += e;
     store8(p + 8 * g, e);
   }
-  if constexpr (kDot<R>)  // pairs of 16 are read: zeros past the last group
-    for (int g = groups; g < (groups + 1) / 2 * 2; ++g) store8(p + 8 * g, splat(0.0f));
   l = l * alpha + hsum(sum);
   m = m_new;
-#if SLIPSTREAM_BF16_DOT
-  if constexpr (kDot<R>) {
-    accumulate_row_bf16(o, v, d, p, n, alpha);
-    return;
-  }
-#endif
-  if constexpr (!kDot<R>) accumulate_row<R>(o, v, d, p, n, alpha);
+  accumulate_row<R>(o, v, d, p, n, alpha);
 }
 
 // `rows` rows of a tile as fp32, of which `readable` exist in the block: in
@@ -916,13 +1079,31 @@ SLIP_INLINE const float* tile_f32(const T* src, int64_t rows, int64_t readable, 
   return buf;
 }
 
-// The first cache lines of a tile in another block: its page is likely not
-// the one being read, where the hardware prefetcher stops; these few lines
-// start it on the new page. (Prefetching whole tiles measured no faster.)
-SLIP_INLINE void prefetch_head(const void* p) {
-  const char* bytes = static_cast<const char*>(p);
-  for (int i = 0; i < 256; i += 64) __builtin_prefetch(bytes + i);
-}
+// Where a task's tiles lie in the K/V storage (head-major: the rows of one
+// block of one kv head are a contiguous [block_size, head_dim] slab).
+template <typename T>
+struct TileWalk {
+  const Problem<T>& p;
+  const int64_t* table;
+  int64_t head_base;
+  int64_t key_end;
+  TileWalk(const Problem<T>& problem, const Task& task)
+      : p(problem),
+        table(problem.block_tables + task.seq * problem.max_blocks),
+        head_base(task.kv_head * problem.num_blocks),
+        key_end(task.key_end) {}
+  SLIP_INLINE int64_t offset(int64_t key) const {  // element offset of key's row
+    return ((head_base + table[key / p.block_size]) * p.block_size + key % p.block_size) *
+           p.head_dim;
+  }
+  SLIP_INLINE int64_t length(int64_t key) const {  // keys from `key` to the end of its tile
+    return std::min<int64_t>({kKeyTile, p.block_size - key % p.block_size, key_end - key});
+  }
+  SLIP_INLINE void aim(LinePrefetcher& ahead, int64_t key) const {  // at the tile at `key`
+    const int64_t at = offset(key);
+    ahead.aim(p.k + at, p.v + at, length(key) * p.head_dim * int64_t(sizeof(T)));
+  }
+};
 
 // Row of q into the order and type R's loops expect (scaled unless R keeps bf16).
 template <typename R, typename T>
@@ -966,7 +1147,8 @@ SLIP_INLINE const float* natural_row(const float* o, int64_t d, float* tmp) {
 }
 
 template <typename T, typename R>
-SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& scratch) {
+SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, const Task* upcoming,
+                               Scratch& scratch) {
   using Q = typename R::Q;
   const int64_t d = p.head_dim, g = p.group;
   const int64_t rows = task.num_tokens * g;
@@ -975,7 +1157,6 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& s
   float* m = scratch.m.data();
   float* l = scratch.l.data();
   const float q_scale = kDot<R> ? 1.0f : p.qk_scale;  // folded into q, or into the scores
-  const float s_scale = kDot<R> ? p.qk_scale : 1.0f;
   // Rows are (token, head of the group), token-major.
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = p.q + (task.token0 + r / g) * p.q_stride + (task.kv_head * g + r % g) * d;
@@ -984,22 +1165,18 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& s
   std::fill(o, o + rows * d, 0.0f);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.0f);
+  int* visible = scratch.visible.data();
 
-  const int64_t* table = p.block_tables + task.seq * p.max_blocks;
-  const int64_t head_base = task.kv_head * p.num_blocks;
-  auto slab = [&](int64_t key) {  // element offset of key's row in the K/V storage
-    return ((head_base + table[key / p.block_size]) * p.block_size + key % p.block_size) * d;
-  };
-  auto tile_len = [&](int64_t key) {  // keys from `key` to the end of its tile
-    return std::min<int64_t>({kKeyTile, p.block_size - key % p.block_size, task.key_end - key});
-  };
+  const TileWalk<T> walk(p, task);
+  LinePrefetcher ahead;
   for (int64_t key = task.key_begin; key < task.key_end;) {
-    const int64_t n = tile_len(key), offset = slab(key);
+    const int64_t n = walk.length(key), offset = walk.offset(key);
     const int64_t next = key + n;
-    if (next < task.key_end) {
-      prefetch_head(p.k + slab(next));
-      prefetch_head(p.v + slab(next));
-    }
+    ahead.finish();  // what the last tile's steps left of this one
+    if (next < task.key_end)
+      walk.aim(ahead, next);
+    else if (upcoming != nullptr)
+      TileWalk<T>(p, *upcoming).aim(ahead, upcoming->key_begin);
     const typename R::E* kt;
     const typename R::E* vt;
     if constexpr (kPaired<R> || kDot<R>) {  // in place: run_task checked block_size % 8 == 0
@@ -1010,10 +1187,21 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& s
       kt = tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, d, scratch.k.data());
       vt = tile_f32(p.v + offset, n, readable, d, scratch.v.data());
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t visible = std::min(n, task.pos0 + r / g + 1 - key);  // causal
-      if (visible > 0)
-        attend_row<R>(q + r * d, kt, vt, d, int(visible), s_scale, m[r], l[r], o + r * d);
+#if SLIPSTREAM_BF16_DOT
+    if constexpr (kDot<R>) {
+      for (int64_t r = 0; r < rows; ++r)  // causal
+        visible[r] = int(std::min(n, task.pos0 + r / g + 1 - key));
+      attend_tile_dot_any(q, kt, vt, d, rows, visible, int(n), p.qk_scale, m, l, o,
+                          scratch.p_pairs.data(), scratch.alpha.data(), ahead);
+    }
+#endif
+    if constexpr (!kDot<R>) {
+      for (int64_t r = 0; r < rows; ++r) {
+        ahead.step(kRowLines);
+        const int64_t visible_keys = std::min(n, task.pos0 + r / g + 1 - key);  // causal
+        if (visible_keys > 0)
+          attend_row<R>(q + r * d, kt, vt, d, int(visible_keys), m[r], l[r], o + r * d);
+      }
     }
     key = next;
   }
@@ -1045,18 +1233,19 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, Scratch& s
 constexpr int64_t kMaxPairedRows = 16;
 
 template <typename T>
-__attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task, Scratch& scratch) {
+__attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task,
+                                        const Task* upcoming, Scratch& scratch) {
   if constexpr (std::is_same_v<T, bf16_bits>) {
     const bool readable = p.block_size % 8 == 0;
 #if SLIPSTREAM_BF16_DOT
     if (readable && p.head_dim % Bf16DotRows::kPairWidth == 0 && p.head_dim <= 256)
-      return run_task_rows<T, Bf16DotRows>(p, task, scratch);
+      return run_task_rows<T, Bf16DotRows>(p, task, upcoming, scratch);
 #endif
     if (readable && p.head_dim % Bf16Rows::kPairWidth == 0 &&
         task.num_tokens * p.group < kMaxPairedRows)
-      return run_task_rows<T, Bf16Rows>(p, task, scratch);
+      return run_task_rows<T, Bf16Rows>(p, task, upcoming, scratch);
   }
-  run_task_rows<T, FloatRows>(p, task, scratch);
+  run_task_rows<T, FloatRows>(p, task, upcoming, scratch);
 }
 
 #undef SLIP_INLINE
