@@ -160,6 +160,19 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 
 
 @pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_bf16_groups_whose_rows_fill_several_register_chunks(isa: str, head_dim: int) -> None:
+    """Under avx512 the p . V pass keeps up to 12 accumulators in registers:
+    6 rows at head_dim 32, 2 at 96, 1 per 128 columns at 256. A group of 7
+    query heads leaves a remainder chunk at each width, and the prefill rows
+    (7 per token) some that see none of a tile (causal)."""
+    q, batch, meta = _case(MIXED, 14, 2, head_dim, 32, torch.bfloat16, seed=5)
+    out = run_variant(isa, q, batch, meta, 0.15)
+    _assert_matches_dense(out, q, batch, 0.15)
+
+
+@pytest.mark.usefixtures("fused")
 def test_agrees_with_the_torch_path_after_write_kv() -> None:
     """A layer as the model runs it: write this step's K/V, then attend, through each backend."""
     generator = torch.Generator().manual_seed(4)
