@@ -1171,7 +1171,6 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, const Task
   std::fill(o, o + rows * d, 0.0f);
   std::fill(m, m + rows, kNegInf);
   std::fill(l, l + rows, 0.0f);
-  int* visible = scratch.visible.data();
   if constexpr (kDot<R>) std::fill_n(scratch.l_lanes.data(), rows * 16, 0.0f);
 
   const TileWalk<T> walk(p, task);
@@ -1196,6 +1195,7 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, const Task
     }
 #if SLIPSTREAM_BF16_DOT
     if constexpr (kDot<R>) {
+      int* visible = scratch.visible.data();
       for (int64_t r = 0; r < rows; ++r)  // causal
         visible[r] = int(std::min(n, task.pos0 + r / g + 1 - key));
       attend_tile_dot_any(q, kt, vt, d, rows, visible, int(n), p.qk_scale, m,
