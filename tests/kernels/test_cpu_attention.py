@@ -162,12 +162,16 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 @pytest.mark.usefixtures("fused")
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
-def test_bf16_groups_whose_rows_fill_several_register_chunks(isa: str, head_dim: int) -> None:
+@pytest.mark.parametrize("block_size", [8, 24, 32])
+def test_bf16_groups_whose_rows_fill_several_register_chunks(
+    isa: str, head_dim: int, block_size: int
+) -> None:
     """Under avx512 the p . V pass keeps up to 12 accumulators in registers:
     6 rows at head_dim 32, 2 at 96, 1 per 128 columns at 256. A group of 7
     query heads leaves a remainder chunk at each width, and the prefill rows
-    (7 per token) some that see none of a tile (causal)."""
-    q, batch, meta = _case(MIXED, 14, 2, head_dim, 32, torch.bfloat16, seed=5)
+    (7 per token) some that see none of a tile (causal). Blocks of 8 and 24
+    keys leave the second 16 keys of a tile's scores partly or wholly unread."""
+    q, batch, meta = _case(MIXED, 14, 2, head_dim, block_size, torch.bfloat16, seed=5)
     out = run_variant(isa, q, batch, meta, 0.15)
     _assert_matches_dense(out, q, batch, 0.15)
 
