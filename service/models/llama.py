@@ -197,6 +197,7 @@ class LlamaModel:
         self.scale = cfg.head_dim**-0.5
         self._q_size = cfg.num_heads * cfg.head_dim
         self._kv_size = cfg.num_kv_heads * cfg.head_dim
+        self._logits_buffer: torch.Tensor | None = None  # see _logits
 
     def _load_layer(self, weights: _Weights, i: int) -> _Layer:
         prefix = f"model.layers.{i}."
@@ -260,7 +261,7 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         x = self._rms_norm(x[sample_indices], self.norm)
-        return self.lm_head(x).float()
+        return self._logits(x)
 
     def _forward_fused(
         self,
@@ -298,4 +299,21 @@ class LlamaModel:
             else:
                 x.add_(mlp)
         x = fused_ops.rms_norm(x[sample_indices], self.norm, eps)
-        return self.lm_head(x).float()
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 logits of the sampled rows. On the CPU a low-precision
+        model's are widened into a buffer kept from step to step: valid until
+        the next ``forward``. A fresh one (50 MB for 256 rows of a 49k-token
+        vocabulary) is above glibc's largest mmap threshold, so it was mapped
+        and its every page faulted in each step."""
+        logits = self.lm_head(x)
+        if logits.dtype == torch.float32 or logits.device.type != "cpu":
+            return logits.float()
+        rows, vocab = logits.shape
+        buffer = self._logits_buffer
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != vocab:
+            buffer = self._logits_buffer = torch.empty(rows, vocab, dtype=torch.float32)
+        out = buffer[:rows]
+        out.copy_(logits)
+        return out
