@@ -9,6 +9,7 @@ which the caller sets once. Each run starts with a short untimed warm-up.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -28,17 +29,34 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, slots=True)
 class CBSettings:
-    """Knobs of transformers' continuous batching. The defaults beat its own
-    defaults on a 2-core CPU: a 256-token page and 8,192 tokens per step build
-    huge attention masks; ``sdpa`` is its fastest CPU attention; a flash
-    switch does not exist here. ``num_blocks`` of ``None`` sizes the cache to
-    hold every request of the workload at once (no eviction)."""
+    """Knobs of transformers' continuous batching; ``None`` is per device
+    (``for_device``). On a 2-core CPU a 64-token page and 512 tokens per step
+    beat its own defaults (a 256-token page and 8,192 tokens per step build
+    huge attention masks); ``sdpa`` is its fastest CPU attention; a flash
+    switch does not exist there. On a GPU its own page and step sizes, and its
+    CUDA graphs on (its heuristic leaves them off under ``sdpa``).
+    ``num_blocks`` of ``None`` sizes the cache to hold every request of the
+    workload at once (no eviction)."""
 
     attn_implementation: str = "sdpa"
-    page_size: int = 64
-    max_batch_tokens: int = 512
+    page_size: int | None = None
+    max_batch_tokens: int | None = None
     num_blocks: int | None = None
     max_requests_per_batch: int | None = None
+    use_cuda_graph: bool | None = None
+
+    def for_device(self, device: str) -> CBSettings:
+        """These settings with every ``None`` knob given its value on ``device``
+        (a page size or step size left ``None`` on a GPU: transformers' own)."""
+        if device.startswith("cuda"):
+            graphs = True if self.use_cuda_graph is None else self.use_cuda_graph
+            return dataclasses.replace(self, use_cuda_graph=graphs)
+        return dataclasses.replace(
+            self,
+            page_size=64 if self.page_size is None else self.page_size,
+            max_batch_tokens=512 if self.max_batch_tokens is None else self.max_batch_tokens,
+            use_cuda_graph=False,
+        )
 
 
 def load_hf_model(
@@ -100,7 +118,7 @@ def run_hf_cb(
 ) -> EngineRun:
     """Every request submitted at ``t0`` to one manager; latency is each
     request's in-engine finish stamp, TTFT its first token's stamp."""
-    settings = settings or CBSettings()
+    settings = (settings or CBSettings()).for_device(device)
     model = load_hf_model(model_dir, dtype, settings.attn_implementation, device)
     cb_config = _cb_config(settings, workload)
     manager = model.init_continuous_batching(
@@ -131,6 +149,7 @@ def run_hf_cb(
             "max_batch_tokens": resolved.max_batch_tokens,
             "num_blocks": resolved.num_blocks,
             "max_requests_per_batch": resolved.max_requests_per_batch,
+            "cuda_graphs": settings.use_cuda_graph,
             "eos": "disabled (eos_token_id=-1)",
         },
     )
@@ -229,13 +248,15 @@ def _collect_cb_results(manager: object, pending: set[str]) -> dict[str, object]
 def _cb_config(
     settings: CBSettings, workload: Sequence[WorkloadRequest]
 ) -> ContinuousBatchingConfig:
-    num_blocks = settings.num_blocks or _blocks_for(workload, settings.page_size)
+    page_size = settings.page_size or ContinuousBatchingConfig().page_size
+    num_blocks = settings.num_blocks or _blocks_for(workload, page_size)
     return ContinuousBatchingConfig(
-        page_size=settings.page_size,
+        page_size=page_size,
         max_batch_tokens=settings.max_batch_tokens,
         num_blocks=num_blocks,
         max_requests_per_batch=settings.max_requests_per_batch,
         auto_switch_to_flash=False,
+        use_cuda_graph=settings.use_cuda_graph,
         seed=0,
     )
 

@@ -107,8 +107,20 @@ class HfStatic(_InProcess):
         # The flags of both transformers peers, in one group.
         peers = parser.add_argument_group("peers")
         peers.add_argument("--hf-batch-size", type=int, default=16, help="static batch size")
-        peers.add_argument("--hf-cb-page-size", type=int, default=64)
-        peers.add_argument("--hf-cb-max-batch-tokens", type=int, default=512)
+        peers.add_argument(
+            "--hf-cb-page-size", type=int, help="unset: 64 on the CPU, transformers' own on a GPU"
+        )
+        peers.add_argument(
+            "--hf-cb-max-batch-tokens",
+            type=int,
+            help="unset: 512 on the CPU, transformers' own on a GPU",
+        )
+        peers.add_argument(
+            "--hf-cb-cuda-graphs",
+            default="auto",
+            choices=("auto", "on", "off"),
+            help="transformers' CUDA graphs (auto: on a GPU)",
+        )
 
     def settings(self, args: argparse.Namespace, environ: Mapping[str, str]) -> object:
         return args.hf_batch_size
@@ -137,7 +149,9 @@ class HfContinuous(_InProcess):
         from slipstream.service.bench.hf_peers import CBSettings
 
         return CBSettings(
-            page_size=args.hf_cb_page_size, max_batch_tokens=args.hf_cb_max_batch_tokens
+            page_size=args.hf_cb_page_size,
+            max_batch_tokens=args.hf_cb_max_batch_tokens,
+            use_cuda_graph={"auto": None, "on": True, "off": False}[args.hf_cb_cuda_graphs],
         )
 
     def run(

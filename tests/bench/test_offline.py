@@ -89,3 +89,16 @@ def test_the_report_carries_the_floor_of_this_cpu(tmp_path: Path, tiny_model_dir
     # Everything an engine does beyond matmuls and K/V reads is free in the floor.
     assert floor["slipstream_fraction"] < 1
     assert "floor" not in _bench(tmp_path, tiny_model_dir, "slipstream", "--no-floor")
+
+
+def test_transformers_continuous_batching_settings_follow_the_device() -> None:
+    """CPU-tuned page and step sizes on the CPU; on a GPU transformers' own
+    sizes with its CUDA graphs on (asked for, not its sdpa heuristic)."""
+    from slipstream.service.bench.hf_peers import CBSettings
+
+    cpu = CBSettings().for_device("cpu")
+    assert (cpu.page_size, cpu.max_batch_tokens, cpu.use_cuda_graph) == (64, 512, False)
+    gpu = CBSettings().for_device("cuda:0")
+    assert (gpu.page_size, gpu.max_batch_tokens, gpu.use_cuda_graph) == (None, None, True)
+    asked = CBSettings(page_size=32, use_cuda_graph=False).for_device("cuda")
+    assert (asked.page_size, asked.use_cuda_graph) == (32, False)
