@@ -24,7 +24,7 @@ from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine, FinishedResult, _Collector
 from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine
-from slipstream.service.models.store import resolve_model
+from slipstream.service.models.store import ModelUnavailable, resolve_model
 
 pytestmark = GPU_ONLY
 
@@ -151,6 +151,10 @@ def test_cancel_and_deadline_free_every_block(fp32_engine):
 
 @pytest.mark.parametrize("model", ["small", "smollm2"])
 def test_the_default_models_serve_over_grpc_on_the_gpu(model):
+    try:
+        resolve_model(model)
+    except ModelUnavailable as exc:  # smollm2's package may not travel to the GPU machine
+        pytest.skip(str(exc))
     engine = load_engine(EngineConfig(model=model, device="cuda", max_num_seqs=32))
     engine.start()
     server = ServerThread(engine)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# What a GPU must show for the GPU step loop (docs/gpu.md, "To verify on a
+# GPU"), in pieces that each fit one call of a lent machine (< 10 min).
+# Run on the GPU machine after the install recipe in docs/gpu.md:
+#
+#   ops/gpu-verify.sh tests     # the gpu-marked tests, Triton compiled
+#   ops/gpu-verify.sh step      # bench step: graphs / no graphs, planned ahead, floors
+#   ops/gpu-verify.sh offline   # bench offline against transformers' continuous batching
+#   ops/gpu-verify.sh ahead     # bench offline, planning ahead on / off
+#   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines
+#
+# MODEL (default smollm2-shape: SmolLM2's shape, random weights, built there)
+# and OUT (default bench-results) are read from the environment.
+set -euo pipefail
+py=${PYTHON:-python3}
+model=${MODEL:-smollm2-shape}
+out=${OUT:-bench-results}
+mkdir -p "$out"
+bench() { "$py" -m slipstream.service.cli bench "$@"; }
+
+case "${1:-}" in
+tests)
+    TRITON_INTERPRET=0 "$py" -m pytest -m gpu tests/gpu -q -rs 2>&1 | tee "$out/gpu-tests.txt"
+    ;;
+step)
+    bench step --device cuda --model "$model" --batch 1,8,64,256 --context 512 \
+        --json "$out/step-cuda.json" --plot "$out/step-cuda.png"
+    ;;
+offline)
+    for n in 64 256; do
+        bench offline --device cuda --model "$model" --requests "$n" --engines slipstream,hf_cb \
+            --json "$out/offline-cuda-$n.json" --plot "$out/offline-cuda-$n.png"
+    done
+    ;;
+ahead)
+    for mode in on off; do
+        bench offline --device cuda --model "$model" --requests 256 --engines slipstream \
+            --plan-ahead "$mode" --json "$out/offline-cuda-256-ahead-$mode.json"
+    done
+    ;;
+slo)
+    bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 \
+        --json "$out/slo-cuda.json" --plot "$out/slo-cuda.png"
+    ;;
+*)
+    echo "usage: $0 tests|step|offline|ahead|slo" >&2
+    exit 2
+    ;;
+esac
