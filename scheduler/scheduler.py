@@ -157,28 +157,24 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         with STOP_SEQUENCE unless EOS or a limit ended it first."""
         ahead = self._ahead
         if ahead is not None and plan.step == ahead[0].step:
-            return self._resolve(ahead[1], sampled, now, step_s, is_stopped, plan)
-        if ahead is not None:
+            # Taken as done when the next plan was made: what is still live.
+            current = [(seq, req) for seq, req in ahead[1] if self._requests.get(req.req_id) is req]
+            _check_sampled(current, sampled)
+            self._ahead = None
+            self._at_limit.clear()
+        elif ahead is not None:
             raise ValueError(f"plan {ahead[0].step} awaits its update before plan {plan.step}")
-        if plan.step != self._in_flight_step:
+        elif plan.step != self._in_flight_step:
             raise ValueError(f"plan {plan.step} is not the plan in flight")
-        in_flight = self._in_flight
-        current = []
-        for seq in plan.seqs:
-            req = in_flight.get(seq.req_id)
-            if req is not None and _is_current(seq, req):
-                current.append((seq, req))
-        missing = [seq.req_id for seq, _ in current if seq.sample and seq.req_id not in sampled]
-        if missing:
-            raise ValueError(f"no sampled token for {missing}")
-        self._in_flight_step = None
-        self._in_flight = {}
-        outputs = []
-        for seq, req in current:
-            self._advance(seq, req)
-            if seq.sample:
-                req.output_token_ids.append(sampled[seq.req_id])
-                outputs.append(self._took_token(req, sampled[seq.req_id], now, is_stopped))
+        else:
+            current = self._current_in_flight(plan)
+            _check_sampled(current, sampled)
+            self._take_as_done(current)
+        outputs = [
+            self._took_token(seq, req, sampled[seq.req_id], now, is_stopped)
+            for seq, req in current
+            if seq.sample
+        ]
         if step_s is not None and self._cost_model is not None:
             self._cost_model.observe_plan(plan, step_s)
         return outputs
@@ -197,67 +193,54 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
     # == planning ahead ===================================================
 
     def _advance_in_flight(self) -> None:
-        """Takes the plan in flight as done: computed tokens advanced, a
-        ``PENDING_TOKEN`` appended per sampled token (see ``schedule``)."""
+        """Takes the plan in flight as done (see ``schedule``)."""
         if self._ahead is not None:
             raise ValueError(f"plan {self._ahead[0].step} still awaits its update")
         plan = self._in_flight_plan
         if self._in_flight_step is None or plan is None or plan.step != self._in_flight_step:
             return
+        current = self._current_in_flight(plan)
+        self._take_as_done(current)
+        for seq, req in current:
+            if seq.sample and self._limit_reason(req) is not None:
+                self._at_limit.add(req.req_id)  # update() ends it: plan nothing past it
+        self._ahead = (plan, current)
+
+    # == one step's results ===============================================
+
+    def _current_in_flight(self, plan: StepPlan) -> list[tuple[ScheduledSeq, Request]]:
+        """The plan's sequences whose request is still exactly where it left them."""
         in_flight = self._in_flight
         current = []
         for seq in plan.seqs:
             req = in_flight.get(seq.req_id)
-            if req is None or not _is_current(seq, req):
-                continue
-            current.append((seq, req))
-            self._advance(seq, req)
-            if seq.sample:
-                req.output_token_ids.append(PENDING_TOKEN)
-                if self._limit_reason(req) is not None:
-                    self._at_limit.add(req.req_id)  # update() ends it: plan nothing past it
+            if req is not None and _is_current(seq, req):
+                current.append((seq, req))
+        return current
+
+    def _take_as_done(self, current: list[tuple[ScheduledSeq, Request]]) -> None:
+        """Computed tokens advanced (full blocks committed), a ``PENDING_TOKEN``
+        held per sampled token until ``_took_token`` puts the real one in."""
         self._in_flight_step = None
         self._in_flight = {}
-        self._ahead = (plan, current)
-
-    def _resolve(
-        self,
-        current: list[tuple[ScheduledSeq, Request]],
-        sampled: Mapping[str, int],
-        now: float,
-        step_s: float | None,
-        is_stopped: StopCheck | None,
-        plan: StepPlan,
-    ) -> list[RequestOutput]:
-        """``update`` of a plan taken as done: its pending tokens become the
-        sampled ones; requests that ended meanwhile are skipped."""
-        live = [(seq, req) for seq, req in current if self._requests.get(req.req_id) is req]
-        missing = [seq.req_id for seq, _ in live if seq.sample and seq.req_id not in sampled]
-        if missing:
-            raise ValueError(f"no sampled token for {missing}")
-        self._ahead = None
-        self._at_limit.clear()
-        outputs = []
-        for seq, req in live:
+        for seq, req in current:
+            req.num_computed_tokens += len(seq.token_ids)
+            if self._prefix_cache:
+                commit_computed_blocks(self.device_pool, req)
             if seq.sample:
-                token_id = sampled[seq.req_id]
-                req.output_token_ids[seq.output_index] = token_id
-                outputs.append(self._took_token(req, token_id, now, is_stopped))
-        if step_s is not None and self._cost_model is not None:
-            self._cost_model.observe_plan(plan, step_s)
-        return outputs
-
-    # == one sequence's results ===========================================
-
-    def _advance(self, seq: ScheduledSeq, req: Request) -> None:
-        req.num_computed_tokens += len(seq.token_ids)
-        if self._prefix_cache:
-            commit_computed_blocks(self.device_pool, req)
+                req.output_token_ids.append(PENDING_TOKEN)
 
     def _took_token(
-        self, req: Request, token_id: int, now: float, is_stopped: StopCheck | None
+        self,
+        seq: ScheduledSeq,
+        req: Request,
+        token_id: int,
+        now: float,
+        is_stopped: StopCheck | None,
     ) -> RequestOutput:
-        """Finishes ``req`` if its newest output ``token_id`` ends it."""
+        """Puts ``seq``'s sampled ``token_id`` in place of its pending token and
+        finishes ``req`` if that token ends it."""
+        req.output_token_ids[seq.output_index] = token_id
         if req.first_token_time is None:
             req.first_token_time = now
         hit_stop = is_stopped is not None and is_stopped(req.req_id, token_id)
@@ -280,6 +263,12 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         if req.num_tokens >= self.config.max_model_len:
             return FinishReason.MAX_TOKENS
         return None
+
+
+def _check_sampled(current: list[tuple[ScheduledSeq, Request]], sampled: Mapping[str, int]) -> None:
+    missing = [seq.req_id for seq, _ in current if seq.sample and seq.req_id not in sampled]
+    if missing:
+        raise ValueError(f"no sampled token for {missing}")
 
 
 def _is_current(seq: ScheduledSeq, req: Request) -> bool:
