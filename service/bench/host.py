@@ -55,8 +55,13 @@ def main(args: argparse.Namespace) -> int:
 def run_host_bench(
     batches: list[int], policies: list[str], context: int, model: str
 ) -> dict[str, Any]:
-    from slipstream.service.bench.report import hardware
+    from transformers import AutoTokenizer
 
+    from slipstream.service.bench.report import hardware
+    from slipstream.service.models.store import resolve_model
+
+    model_dir = resolve_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = []
     for policy in policies:
         for batch in batches:
@@ -67,7 +72,7 @@ def run_host_bench(
                     "policy": policy,
                     "schedule_ms": schedule_ms,
                     "update_ms": update_ms,
-                    "engine_step_ms": time_engine_step(batch, policy, context, model),
+                    "engine_step_ms": time_engine_step(batch, policy, context, tokenizer),
                 }
             )
     return {
@@ -144,18 +149,14 @@ class _InstantRunner:
         return DoneStep(self.execute(plan))
 
 
-def time_engine_step(batch: int, policy: str, context: int, model: str) -> float:
-    """Median ms of a whole engine step (plan, update, detokenise, publish to
-    a no-op callback) over the steps where all ``batch`` requests decode."""
-    from transformers import AutoTokenizer
-
+def time_engine_step(batch: int, policy: str, context: int, tokenizer: Any) -> float:
+    """Median ms of a whole engine step (plan, update, detokenise with
+    ``tokenizer``, publish to a no-op callback) over the steps where all
+    ``batch`` requests decode."""
     from slipstream.service.engine.engine import Engine
     from slipstream.service.engine.events import ModelInfo
-    from slipstream.service.models.store import resolve_model
 
-    model_dir = resolve_model(model)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    info = ModelInfo(name=model, path=str(model_dir), architecture="llama", max_model_len=0,
+    info = ModelInfo(name="", path="", architecture="llama", max_model_len=0,
                      vocab_size=len(tokenizer), block_size=16, eos_token_ids=[], dtype="",
                      attention_backend="")  # fmt: skip
     steps: list[float] = []

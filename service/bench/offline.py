@@ -45,7 +45,7 @@ from slipstream.service.bench.workload import (
     save_workload,
     workload_summary,
 )
-from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+from slipstream.service.engine.config import DTYPE_CHOICES, SWITCH_CHOICES, EngineConfig, switch
 from slipstream.service.engine.device import resolve_device
 from slipstream.service.engine.events import Event, FinishEvent, RequestSpec
 
@@ -129,7 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine.add_argument(
         "--plan-ahead",
         default="auto",
-        choices=("auto", "on", "off"),
+        choices=SWITCH_CHOICES,
         help="plan step N+1 while the device runs step N (auto: on a GPU only)",
     )
     parser.add_argument(
@@ -190,7 +190,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
-        plan_ahead={"auto": None, "on": True, "off": False}[args.plan_ahead],
+        plan_ahead=switch(args.plan_ahead),
         floor=args.floor and device == "cpu",  # the floor is a CPU roofline
         peers=peers,
     )

@@ -30,6 +30,7 @@ from slipstream.service.bench import llamacpp_peer, vllm_peer
 from slipstream.service.bench.peer_process import PeerError
 from slipstream.service.bench.report import EngineRun
 from slipstream.service.bench.workload import WorkloadRequest
+from slipstream.service.engine.config import SWITCH_CHOICES, switch
 
 if TYPE_CHECKING:
     from slipstream.service.bench.offline import OfflineOptions
@@ -118,7 +119,7 @@ class HfStatic(_InProcess):
         peers.add_argument(
             "--hf-cb-cuda-graphs",
             default="auto",
-            choices=("auto", "on", "off"),
+            choices=SWITCH_CHOICES,
             help="transformers' CUDA graphs (auto: on a GPU)",
         )
 
@@ -151,7 +152,7 @@ class HfContinuous(_InProcess):
         return CBSettings(
             page_size=args.hf_cb_page_size,
             max_batch_tokens=args.hf_cb_max_batch_tokens,
-            use_cuda_graph={"auto": None, "on": True, "off": False}[args.hf_cb_cuda_graphs],
+            use_cuda_graph=switch(args.hf_cb_cuda_graphs),
         )
 
     def run(

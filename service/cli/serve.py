@@ -12,7 +12,7 @@ from pathlib import Path
 
 from slipstream.scheduler.policy_registry import POLICY_NAMES
 from slipstream.service.cli.extras import require_server_extra
-from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+from slipstream.service.engine.config import DTYPE_CHOICES, SWITCH_CHOICES, EngineConfig, switch
 
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
@@ -116,7 +116,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--plan-ahead",
         default="auto",
-        choices=("auto", "on", "off"),
+        choices=SWITCH_CHOICES,
         help="plan and launch step N+1 while the device runs step N, so the host's "
         "scheduling and publishing overlap the GPU (auto: on a GPU only)",
     )
@@ -165,7 +165,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         gpu_memory_fraction=args.gpu_memory_fraction,
         cuda_graphs=args.cuda_graphs,
-        plan_ahead={"auto": None, "on": True, "off": False}[args.plan_ahead],
+        plan_ahead=switch(args.plan_ahead),
     )
 
 

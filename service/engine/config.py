@@ -10,6 +10,13 @@ from slipstream.scheduler.config import SchedulerConfig
 # "auto" resolves per CPU (kernels/cpu_features.py): bf16 with native bf16, else fp32.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
+# An auto|on|off flag: None (decided where it applies, e.g. per device), True, False.
+SWITCH_CHOICES = ("auto", "on", "off")
+
+
+def switch(value: str) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[value]
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:

@@ -231,7 +231,7 @@ def _finish(
             else CostModel(CostCoefficients(), max_drift=None)  # a guess, not a calibration
         )
     scheduler_config = config.scheduler_config(num_device_blocks, num_host_blocks, max_model_len)
-    on_gpu = getattr(runner, "device", torch.device("cpu")).type == "cuda"
+    on_gpu = facts["device"]["type"] == "cuda"
     plan_ahead = on_gpu if config.plan_ahead is None else config.plan_ahead
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     info = ModelInfo(
