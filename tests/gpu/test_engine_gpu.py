@@ -9,19 +9,18 @@ them as ``make test-gpu`` (``TRITON_INTERPRET=0``).
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from engine_checks import check_cancel_and_deadline_free_every_block
 from gpu_marks import GPU_ONLY
 from server_thread import ServerThread
 from transformers import AutoModelForCausalLM
 
 from slipstream.clients import Client
-from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.engine import Engine, FinishedResult, _Collector
+from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine
 from slipstream.service.models.store import ModelUnavailable, resolve_model
@@ -125,27 +124,7 @@ def test_swaps_and_recomputes_on_the_gpu_keep_the_tokens(fp32_engine):
 
 
 def test_cancel_and_deadline_free_every_block(fp32_engine):
-    engine = fp32_engine
-    long = RequestSpec(req_id="long", prompt_token_ids=[5, 6, 7], max_new_tokens=1000,
-                       ignore_eos=True)  # fmt: skip
-    timed = RequestSpec(req_id="timed", prompt_token_ids=[8, 9], max_new_tokens=1000,
-                        ignore_eos=True, expected_output_tokens=4,
-                        deadline=time.monotonic() + 0.5)  # fmt: skip
-    collectors = {"long": _Collector(), "timed": _Collector()}
-    engine.submit(timed, collectors["timed"].on_event)
-    engine.pause(["timed"])
-    engine.submit(long, collectors["long"].on_event)
-    give_up = time.monotonic() + 30.0
-    while len(collectors["long"].token_ids) < 5:
-        assert time.monotonic() < give_up
-        time.sleep(0.001)
-    engine.abort("long")
-    results: dict[str, FinishedResult] = {k: c.wait(k) for k, c in collectors.items()}
-    assert results["long"].finish.reason is FinishReason.CANCELLED
-    assert results["timed"].finish.reason is FinishReason.DEADLINE_EXCEEDED
-    assert engine.wait_idle(5.0)
-    stats = engine.stats()
-    assert (stats.device_blocks.used, stats.host_blocks.used) == (0, 0)
+    stats = check_cancel_and_deadline_free_every_block(fp32_engine)
     assert stats.device_memory is not None and stats.device_memory.free > 0
 
 

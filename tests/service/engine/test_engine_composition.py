@@ -16,7 +16,7 @@ from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.plan import PENDING_TOKEN, StepPlan
 from slipstream.scheduler.request import FinishReason
 from slipstream.scheduler.scheduler import Scheduler
-from slipstream.service.engine.engine import Engine
+from slipstream.service.engine.engine import Engine, FinishedResult
 from slipstream.service.engine.events import ModelInfo, RequestSpec, StepOutOfMemory
 
 WORDS = ["<eos>", "a", "b", "c", "x", "y", "z", "!"]
@@ -79,33 +79,42 @@ def _engine(
     return Engine(scheduler, runner, _Tokenizer(), info), scheduler, cost, runner  # type: ignore[arg-type]
 
 
-def test_every_ending_is_the_schedulers() -> None:
-    scripts = {
-        "limit": [1, 2, 3, 1, 2, 3],
-        "eos": [4, 5, EOS, 6, 6, 6],
-        "stop": [1, 4, 5, 6, 1, 1],  # "axyz...": stops at "yz"
-    }
-    engine, scheduler, cost, runner = _engine(scripts)
-    requests = [
-        RequestSpec(req_id="limit", prompt_token_ids=[1, 2], max_new_tokens=4),
-        RequestSpec(req_id="eos", prompt_token_ids=[3], max_new_tokens=6),
-        RequestSpec(
-            req_id="stop", prompt_token_ids=[2, 2, 2], max_new_tokens=6, stop_sequences=("yz",)
-        ),
-    ]
-    try:
-        results = {r.req_id: r for r in engine.generate(requests)}
-    finally:
-        engine.shutdown()
+# Three requests, each ended another way: its token limit, EOS, a stop sequence.
+ENDINGS_SCRIPTS = {
+    "limit": [1, 2, 3, 1, 2, 3],
+    "eos": [4, 5, EOS, 6, 6, 6],
+    "stop": [1, 4, 5, 6, 1, 1],  # "axyz...": stops at "yz"
+}
+ENDINGS = [
+    RequestSpec(req_id="limit", prompt_token_ids=[1, 2], max_new_tokens=4),
+    RequestSpec(req_id="eos", prompt_token_ids=[3], max_new_tokens=6),
+    RequestSpec(
+        req_id="stop", prompt_token_ids=[2, 2, 2], max_new_tokens=6, stop_sequences=("yz",)
+    ),
+]
+
+
+def _check_endings(results: dict[str, FinishedResult]) -> None:
+    """What callers see of ENDINGS: each ends its own way, with its text."""
     assert results["limit"].finish.reason is FinishReason.MAX_TOKENS
     assert results["limit"].token_ids == [1, 2, 3, 1] and results["limit"].text == "abca"
     assert results["eos"].finish.reason is FinishReason.EOS
     assert results["eos"].token_ids == [4, 5, EOS] and results["eos"].text == "xy"
-    # The stop sequence ends the request in update(), like EOS: no abort, no
-    # later step for it, and the text ends right before the stop string.
+    # The stop sequence ends the request in update(), like EOS, never through
+    # an abort, and the text ends right before the stop string.
     assert results["stop"].finish.reason is FinishReason.STOP_SEQUENCE
     assert results["stop"].token_ids == [1, 4, 5, 6] and results["stop"].text == "ax"
+
+
+def test_every_ending_is_the_schedulers() -> None:
+    engine, scheduler, cost, runner = _engine(ENDINGS_SCRIPTS)
+    try:
+        results = {r.req_id: r for r in engine.generate(ENDINGS)}
+    finally:
+        engine.shutdown()
+    _check_endings(results)
     assert scheduler.num_aborts == 0
+    # No step for "stop" after the one that ended it.
     assert sum(s.req_id == "stop" for p in runner.plans for s in p.seqs) == 4
     # The scheduler refit its cost model from every step that ran.
     assert cost.num_samples == len([p for p in runner.plans if p.seqs])
@@ -197,33 +206,17 @@ def _ahead(runner: _AheadRunner, plan_ahead: bool = True) -> tuple[Engine, Sched
 
 
 def test_planning_ahead_every_ending_lands_a_step_late_but_callers_see_the_same() -> None:
-    scripts = {
-        "limit": [1, 2, 3, 1, 2, 3],
-        "eos": [4, 5, EOS, 6, 6, 6],
-        "stop": [1, 4, 5, 6, 1, 1],
-    }
-    runner = _AheadRunner(scripts)
+    runner = _AheadRunner(ENDINGS_SCRIPTS)
     engine, scheduler = _ahead(runner)
-    requests = [
-        RequestSpec(req_id="limit", prompt_token_ids=[1, 2], max_new_tokens=4),
-        RequestSpec(req_id="eos", prompt_token_ids=[3], max_new_tokens=6),
-        RequestSpec(
-            req_id="stop", prompt_token_ids=[2, 2, 2], max_new_tokens=6, stop_sequences=("yz",)
-        ),
-    ]
     try:
-        results = {r.req_id: r for r in engine.generate(requests)}
+        results = {r.req_id: r for r in engine.generate(ENDINGS)}
         stats = engine.stats()
     finally:
         engine.shutdown()
-    assert results["limit"].token_ids == [1, 2, 3, 1]
-    assert results["limit"].finish.reason is FinishReason.MAX_TOKENS
-    assert results["eos"].token_ids == [4, 5, EOS] and results["eos"].text == "xy"
-    assert results["stop"].token_ids == [1, 4, 5, 6] and results["stop"].text == "ax"
-    assert results["stop"].finish.reason is FinishReason.STOP_SEQUENCE
+    _check_endings(results)
     planned = {
         req_id: sum(s.req_id == req_id for p in runner.launched for s in p.seqs)
-        for req_id in scripts
+        for req_id in ENDINGS_SCRIPTS
     }
     # A limit is known when planning: never planned past. EOS and a stop
     # sequence are known from the results: one step more was already launched.

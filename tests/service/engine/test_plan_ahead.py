@@ -5,13 +5,12 @@ what callers see), cancellation and deadlines freeing every block."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from engine_checks import check_cancel_and_deadline_free_every_block
 
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.engine import Engine, FinishedResult, _Collector
+from slipstream.service.engine.engine import Engine, FinishedResult
 from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine
 from slipstream.service.engine.runner import ModelRunner
@@ -78,36 +77,7 @@ def test_same_tokens_and_finishes_as_planning_behind(engines):
 
 
 def test_cancel_and_deadline_free_every_block(engines):
-    _, ahead = engines
-    encode = ahead.tokenizer.encode
-    long = RequestSpec(
-        req_id="long", prompt_token_ids=encode("tell me"), max_new_tokens=1000, ignore_eos=True
-    )
-    timed = RequestSpec(
-        req_id="timed",
-        prompt_token_ids=encode("and then"),
-        max_new_tokens=1000,
-        ignore_eos=True,
-        expected_output_tokens=4,  # feasible at the door; held below, it runs out
-        deadline=time.monotonic() + 0.5,
-    )
-    collectors = {r.req_id: _Collector() for r in (long, timed)}
-    ahead.submit(timed, collectors["timed"].on_event)
-    ahead.pause(["timed"])  # held, its deadline still runs: it cannot finish first
-    ahead.submit(long, collectors["long"].on_event)
-    give_up = time.monotonic() + 30.0
-    while len(collectors["long"].token_ids) < 5:
-        assert time.monotonic() < give_up
-        time.sleep(0.002)
-    ahead.abort("long")
-    cancelled = collectors["long"].wait("long")
-    expired = collectors["timed"].wait("timed")
-    assert cancelled.finish.reason is FinishReason.CANCELLED
-    assert cancelled.finish.num_output_tokens == len(cancelled.token_ids)
-    assert expired.finish.reason is FinishReason.DEADLINE_EXCEEDED
-    assert ahead.wait_idle(5.0)
-    stats = ahead.stats()
-    assert (stats.device_blocks.used, stats.host_blocks.used, stats.running) == (0, 0, 0)
+    check_cancel_and_deadline_free_every_block(engines[1])
 
 
 def test_the_cpu_plans_behind_unless_asked(tiny_model_dir):
