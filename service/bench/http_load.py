@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from slipstream.service.bench.serve_load import LoadShape, Trace, arrival_offsets
+from slipstream.service.bench.serve_load import LoadShape, Trace, run_paced
 
 if TYPE_CHECKING:
     import aiohttp
@@ -71,18 +71,10 @@ async def _run_phase(
     workload: Sequence[WorkloadRequest],
     shape: LoadShape,
 ) -> tuple[list[Trace], float]:
-    limit = asyncio.Semaphore(shape.concurrency or len(workload) or 1)
-    traces = [Trace() for _ in workload]
-    t0 = time.perf_counter()
+    async def send(i: int, trace: Trace) -> None:
+        await _one(session, url, model, workload[i], trace)
 
-    async def one(i: int, offset: float) -> None:
-        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-        async with limit:
-            await _one(session, url, model, workload[i], traces[i])
-
-    offsets = arrival_offsets(len(workload), shape)
-    await asyncio.gather(*(one(i, off) for i, off in enumerate(offsets)))
-    return traces, time.perf_counter() - t0
+    return await run_paced(workload, shape, send)
 
 
 async def _run_http(

@@ -11,7 +11,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +49,27 @@ def arrival_offsets(num_requests: int, shape: LoadShape) -> list[float]:
         offsets.append(t)
         t += rng.gammavariate(shape.burstiness, scale)
     return offsets
+
+
+async def run_paced(
+    workload: Sequence[WorkloadRequest],
+    shape: LoadShape,
+    send: Callable[[int, Trace], Awaitable[None]],
+) -> tuple[list[Trace], float]:
+    """Sends request ``i`` with ``send(i, its trace)`` at its arrival offset,
+    at most ``shape.concurrency`` at once; the traces and the wall seconds."""
+    limit = asyncio.Semaphore(shape.concurrency or len(workload) or 1)
+    traces = [Trace() for _ in workload]
+    t0 = time.perf_counter()
+
+    async def one(i: int, offset: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+        async with limit:
+            await send(i, traces[i])
+
+    offsets = arrival_offsets(len(workload), shape)
+    await asyncio.gather(*(one(i, off) for i, off in enumerate(offsets)))
+    return traces, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- metrics
@@ -106,33 +127,25 @@ async def _run_remote(
 
     async with AsyncClient(target) as client:
         streams = [client.stream() for _ in range(num_streams)]
-        limit = asyncio.Semaphore(shape.concurrency or len(workload) or 1)
-        traces = [Trace() for _ in workload]
-        t0 = time.perf_counter()
 
-        async def one(i: int, offset: float) -> None:
-            await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            async with limit:
-                trace = traces[i]
-                trace.sent = time.perf_counter()
-                prompt, max_tokens = workload[i].prompt_token_ids, workload[i].max_tokens
-                if per_request:  # a GenerateOne call each: a balancer places each one
-                    gen = await client.generate_one(
-                        prompt, request_id=f"b{i}", max_tokens=max_tokens, ignore_eos=True
-                    )
-                else:
-                    gen = await streams[i % num_streams].generate(
-                        prompt, max_tokens=max_tokens, ignore_eos=True
-                    )
-                async for chunk in gen:
-                    trace.chunk_times.append(time.perf_counter())
-                    trace.num_tokens += len(chunk.token_ids)
-                trace.finished = time.perf_counter()
-                trace.finish_reason = (await gen.result()).finish_reason
+        async def send(i: int, trace: Trace) -> None:
+            trace.sent = time.perf_counter()
+            prompt, max_tokens = workload[i].prompt_token_ids, workload[i].max_tokens
+            if per_request:  # a GenerateOne call each: a balancer places each one
+                gen = await client.generate_one(
+                    prompt, request_id=f"b{i}", max_tokens=max_tokens, ignore_eos=True
+                )
+            else:
+                gen = await streams[i % num_streams].generate(
+                    prompt, max_tokens=max_tokens, ignore_eos=True
+                )
+            async for chunk in gen:
+                trace.chunk_times.append(time.perf_counter())
+                trace.num_tokens += len(chunk.token_ids)
+            trace.finished = time.perf_counter()
+            trace.finish_reason = (await gen.result()).finish_reason
 
-        offsets = arrival_offsets(len(workload), shape)
-        await asyncio.gather(*(one(i, off) for i, off in enumerate(offsets)))
-        wall = time.perf_counter() - t0
+        traces, wall = await run_paced(workload, shape, send)
         for s in streams:
             await s.close()
     return traces, wall
