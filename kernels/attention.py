@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels.kv_layout import head_major
+from slipstream.kernels.kv_layout import cache_head_dim, dequantize_rows, head_major
 from slipstream.kernels.workspace import Workspace, default_workspace
 
 # Splitting a decode group costs one more gather + two matmuls + a softmax per
@@ -321,33 +321,46 @@ def _check_shapes(
         raise ValueError(f"bad shapes q {tuple(q.shape)}, k/v cache {tuple(k_cache.shape)}")
     if q.shape[0] != meta.num_tokens or k_cache.shape[1] != meta.block_size:
         raise ValueError("q rows / cache block size do not match the metadata")
-    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
+    if q.shape[1] % k_cache.shape[2] or q.shape[2] != cache_head_dim(k_cache):
         raise ValueError("num_heads must be a multiple of num_kv_heads, head dims equal")
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != torch.int8:
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
 
 
 def _gather_head_major(
-    storage: torch.Tensor, block_ids: torch.Tensor, role: str, workspace: Workspace
+    storage: torch.Tensor,
+    block_ids: torch.Tensor,
+    role: str,
+    workspace: Workspace,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """Blocks of a head-major cache into the workspace, viewed
-    ``[kv, len(block_ids) * block_size, d]``: one copy, matmul-ready."""
-    num_kv_heads, _, block_size, head_dim = storage.shape
-    shape = (num_kv_heads, block_ids.shape[0], block_size, head_dim)
+    ``[kv, len(block_ids) * block_size, d]``: one copy, matmul-ready (int8
+    rows are then dequantized to ``dtype``, q's)."""
+    num_kv_heads, _, block_size, width = storage.shape
+    shape = (num_kv_heads, block_ids.shape[0], block_size, width)
     buffer = workspace.view(role, shape, storage.dtype)
     torch.index_select(storage, 1, block_ids, out=buffer)
-    return buffer.view(num_kv_heads, -1, head_dim)
+    if storage.dtype == torch.int8:
+        buffer = dequantize_rows(buffer, dtype)
+    return buffer.view(num_kv_heads, -1, buffer.shape[-1])
 
 
 def _gather(
-    cache: torch.Tensor, block_ids: torch.Tensor, role: str, workspace: Workspace
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    role: str,
+    workspace: Workspace,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """``cache[block_ids]`` into the workspace, viewed ``[len(block_ids) * block_size, kv, d]``."""
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    shape = (block_ids.shape[0], block_size, num_kv_heads, head_dim)
+    _, block_size, num_kv_heads, width = cache.shape
+    shape = (block_ids.shape[0], block_size, num_kv_heads, width)
     buffer = workspace.view(role, shape, cache.dtype)
     torch.index_select(cache, 0, block_ids, out=buffer)
-    return buffer.view(-1, num_kv_heads, head_dim)
+    if cache.dtype == torch.int8:
+        buffer = dequantize_rows(buffer, dtype)
+    return buffer.view(-1, num_kv_heads, buffer.shape[-1])
 
 
 def _attend_decode(
@@ -371,8 +384,9 @@ def _attend_decode(
     if k_storage is not None and v_storage is not None:
         return _attend_decode_head_major(rows, k_storage, v_storage, group, scale, workspace)
     padded = group.num_blocks * k_cache.shape[1]
-    k = _gather(k_cache, group.block_ids, "k", workspace).view(n, padded, num_kv_heads, head_dim)
-    v = _gather(v_cache, group.block_ids, "v", workspace).view(n, padded, num_kv_heads, head_dim)
+    k = _gather(k_cache, group.block_ids, "k", workspace, q.dtype)
+    v = _gather(v_cache, group.block_ids, "v", workspace, q.dtype)
+    k, v = (t.view(n, padded, num_kv_heads, head_dim) for t in (k, v))
     k = k[:, : group.context_len].transpose(1, 2)
     v = v[:, : group.context_len].transpose(1, 2)
     out = F.scaled_dot_product_attention(rows, k, v, attn_mask=group.mask, scale=scale)
@@ -393,8 +407,8 @@ def _attend_decode_head_major(
     rounded to the cache dtype before the softmax, as transformers' eager
     attention does."""
     n, num_kv_heads, group_size, head_dim = rows.shape
-    k = _gather_head_major(k_storage, group.block_ids, "k", workspace)
-    v = _gather_head_major(v_storage, group.block_ids, "v", workspace)
+    k = _gather_head_major(k_storage, group.block_ids, "k", workspace, rows.dtype)
+    v = _gather_head_major(v_storage, group.block_ids, "v", workspace, rows.dtype)
     k = k.view(num_kv_heads, n, -1, head_dim)
     v = v.view(num_kv_heads, n, -1, head_dim)
     queries = rows.permute(1, 0, 2, 3) * scale  # [kv, n, group, d]; scaled here, the small side
@@ -417,11 +431,13 @@ def _attend_prefill(
     k_storage, v_storage = head_major(k_cache), head_major(v_cache)
     if k_storage is not None and v_storage is not None:
         # [kv, context, d] straight from the gather
-        k = _gather_head_major(k_storage, chunk.block_ids, "k", workspace)[:, : chunk.context_len]
-        v = _gather_head_major(v_storage, chunk.block_ids, "v", workspace)[:, : chunk.context_len]
+        k = _gather_head_major(k_storage, chunk.block_ids, "k", workspace, q.dtype)
+        v = _gather_head_major(v_storage, chunk.block_ids, "v", workspace, q.dtype)
+        k, v = k[:, : chunk.context_len], v[:, : chunk.context_len]
     else:
-        k = _gather(k_cache, chunk.block_ids, "k", workspace)[: chunk.context_len].transpose(0, 1)
-        v = _gather(v_cache, chunk.block_ids, "v", workspace)[: chunk.context_len].transpose(0, 1)
+        k = _gather(k_cache, chunk.block_ids, "k", workspace, q.dtype)
+        v = _gather(v_cache, chunk.block_ids, "v", workspace, q.dtype)
+        k, v = (t[: chunk.context_len].transpose(0, 1) for t in (k, v))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.unsqueeze(0),
@@ -444,6 +460,8 @@ def reference_paged_attention(
     """Per-sequence, per-head softmax(QK^T)V in float32 from the block tables alone."""
     group = q.shape[1] // k_cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if k_cache.dtype == torch.int8:  # rows with their scales: to float32 first
+        k_cache, v_cache = (dequantize_rows(c, torch.float32) for c in (k_cache, v_cache))
     k_flat = k_cache.reshape(-1, *k_cache.shape[2:]).float()
     v_flat = v_cache.reshape(-1, *v_cache.shape[2:]).float()
     for b, (query_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens, strict=True)):

@@ -125,10 +125,13 @@ def is_interpreting() -> bool:
 
 
 def write_kv_for(backend: str) -> WriteKV:
-    if backend in ("torch", "cpu"):
+    if backend == "torch":
         from slipstream.kernels.kv_write import write_kv
 
         return write_kv
+    if backend == "cpu":
+        _require_fused_cpu_kernel()
+        return cpu_attention.write_kv
     _require_triton(backend)
     from slipstream.kernels.triton_kv_write import triton_write_kv
 
@@ -141,10 +144,7 @@ def paged_attention_for(backend: str) -> PagedAttention:
 
         return paged_attention
     if backend == "cpu":
-        if not cpu_attention.is_available():  # loaded already when resolve_backend chose it
-            raise BackendUnavailable(
-                f"the fused CPU kernel is unavailable: {cpu_attention.failure()}"
-            )
+        _require_fused_cpu_kernel()
         return cpu_attention.paged_attention
     _require_triton(backend)
     return triton_paged_attention
@@ -159,6 +159,11 @@ def copy_blocks_for(backend: str) -> CopyBlocks:
     from slipstream.kernels.triton_block_copy import triton_copy_blocks
 
     return triton_copy_blocks
+
+
+def _require_fused_cpu_kernel() -> None:
+    if not cpu_attention.is_available():  # loaded already when resolve_backend chose it
+        raise BackendUnavailable(f"the fused CPU kernel is unavailable: {cpu_attention.failure()}")
 
 
 def _require_triton(backend: str) -> None:

@@ -3,7 +3,8 @@
     python -m slipstream.kernels.bench_cpu_attention [--threads 2] [--reps 30] [--home DIR]
         [--max-isa avx512|avx2|portable]
 
-8 query heads, 4 KV heads, head_dim 64, block_size 32, float32 and bfloat16:
+8 query heads, 4 KV heads, head_dim 64, block_size 32, float32 and bfloat16
+(each with its own K/V, then with int8 K/V rows, ``kv_layout``):
 decode batches of 1, 8, 64 and 256 sequences with contexts drawn from
 250..350 tokens, one decode at 2000 tokens (where the kernel splits the keys
 over threads), and a 512-token prefill chunk over a 512-token cached prefix.
@@ -28,11 +29,18 @@ import torch
 
 from slipstream.kernels import cpu_attention
 from slipstream.kernels.attention import build_attention_metadata, paged_attention
-from slipstream.kernels.kv_layout import allocate_kv_cache
+from slipstream.kernels.kv_layout import allocate_kv_cache, quantize_rows
 from slipstream.kernels.workspace import Workspace
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 32
 CPU = torch.device("cpu")
+# (q, K/V) dtypes
+PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.int8),
+    (torch.bfloat16, torch.int8),
+]
 # (label, query_lens, seq_lens) built from a seeded generator
 CASES = [
     ("decode", 1, 300),
@@ -51,7 +59,8 @@ def _lens(kind: str, size: int, context: int, rng: random.Random) -> tuple[list[
     return [1] * size, [rng.randint(context - spread, context + spread) for _ in range(size)]
 
 
-def _step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, rng: random.Random):  # type: ignore[no-untyped-def]
+def _step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype,  # type: ignore[no-untyped-def]
+          kv_dtype: torch.dtype, rng: random.Random):  # fmt: skip
     needed = [-(-n // BLOCK_SIZE) for n in seq_lens]
     blocks = list(range(sum(needed) + 16))
     rng.shuffle(blocks)
@@ -59,15 +68,16 @@ def _step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, rng: r
     for count in needed:
         tables.append(blocks[used : used + count])
         used += count
-    k_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
-    v_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
-    k_cache.copy_(torch.randn(k_cache.shape))
-    v_cache.copy_(torch.randn(v_cache.shape))
+    k_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
+    v_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
+    for cache in (k_cache, v_cache):
+        values = torch.randn((*cache.shape[:-1], HEAD_DIM))
+        cache.copy_(quantize_rows(values) if kv_dtype == torch.int8 else values)
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM).to(dtype)
     meta = build_attention_metadata(
         query_lens, seq_lens, tables, BLOCK_SIZE, CPU, dtype, workspace=Workspace(CPU)
     )
-    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * k_cache.element_size()
+    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * k_cache.shape[-1] * k_cache.element_size()
     return q, k_cache, v_cache, meta, kv_bytes
 
 
@@ -114,20 +124,21 @@ def main() -> None:
     print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}")
     print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print(f"{'dtype':>8} {'step':>8} {'size':>5} {'ctx':>5} {'torch ms':>9} {'fused ms':>9} "
-          f"{'speedup':>7} {'fused GB/s':>10}")  # fmt: skip
+    print(f"{'dtype':>8} {'kv':>8} {'step':>8} {'size':>5} {'ctx':>5} {'torch ms':>9} "
+          f"{'fused ms':>9} {'speedup':>7} {'fused GB/s':>10}")  # fmt: skip
     rng = random.Random(0)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, kv_dtype in PAIRS:
         for kind, size, context in CASES:
             query_lens, seq_lens = _lens(kind, size, context, rng)
-            q, k_cache, v_cache, meta, kv_bytes = _step(query_lens, seq_lens, dtype, rng)
+            q, k_cache, v_cache, meta, kv_bytes = _step(query_lens, seq_lens, dtype, kv_dtype, rng)
             inputs = (q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
             with torch.inference_mode():
                 torch_ms = _median_ms(paged_attention, inputs, args.reps)
                 fused_ms = _median_ms(cpu_attention.paged_attention, inputs, args.reps)
-            name = str(dtype).removeprefix("torch.")
-            print(f"{name:>8} {kind:>8} {size:>5} {context:>5} {torch_ms:>9.3f} {fused_ms:>9.3f} "
-                  f"{torch_ms / fused_ms:>6.1f}x {kv_bytes / fused_ms / 1e6:>10.1f}")  # fmt: skip
+            name, kv_name = (str(t).removeprefix("torch.") for t in (dtype, kv_dtype))
+            print(f"{name:>8} {kv_name:>8} {kind:>8} {size:>5} {context:>5} {torch_ms:>9.3f} "
+                  f"{fused_ms:>9.3f} {torch_ms / fused_ms:>6.1f}x "
+                  f"{kv_bytes / fused_ms / 1e6:>10.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 from slipstream.kernels import extensions
 from slipstream.kernels.attention import AttentionMetadata
 from slipstream.kernels.extensions import default_home
-from slipstream.kernels.kv_layout import head_major
+from slipstream.kernels.kv_layout import cache_head_dim, head_major
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 # -O3 for the vector loops; -fopenmp for the task loop (it links the libgomp
@@ -41,7 +41,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 _fake_registered = False
 
-__all__ = ["default_home", "failure", "is_available", "paged_attention"]
+__all__ = ["default_home", "failure", "is_available", "paged_attention", "write_kv"]
 
 
 def build_key(source: Path | None = None) -> str:
@@ -113,6 +113,30 @@ def paged_attention(
     )
 
 
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """``kv_write.write_kv`` in the same extension: each (token, kv head) row
+    copied, or quantized into an int8 cache (the bytes ``quantize_rows``
+    writes), in one call instead of a chain of torch ops per layer."""
+    k_storage, v_storage = head_major(k_cache), head_major(v_cache)
+    if k_storage is None or v_storage is None:
+        raise ValueError("the fused CPU kernel writes head-major KV caches (kv_layout)")
+    k, v = _packed_heads(k), _packed_heads(v)
+    torch.ops.slipstream.paged_kv_write(k, v, k_storage, v_storage, meta.slot_mapping)
+
+
+def _packed_heads(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its heads are packed (the model's split of a fused
+    projection: any token stride), else a contiguous copy."""
+    strides = x.stride()
+    return x if strides[-1] == 1 and strides[-2] == x.shape[-1] else x.contiguous()
+
+
 def _check(
     q: torch.Tensor, k_storage: torch.Tensor, v_storage: torch.Tensor, meta: AttentionMetadata
 ) -> None:
@@ -120,18 +144,18 @@ def _check(
     Written for a few microseconds per layer: each tensor attribute read costs."""
     if not (q.is_cpu and k_storage.is_cpu and v_storage.is_cpu):
         raise ValueError("the fused CPU kernel runs on CPU tensors")
-    dtype = q.dtype
-    if dtype not in DTYPES or k_storage.dtype != dtype or v_storage.dtype != dtype:
-        raise ValueError(f"q and caches must share float32 or bfloat16, got {dtype}, "
-                         f"{k_storage.dtype}")  # fmt: skip
+    dtype, kv_dtype = q.dtype, k_storage.dtype
+    if dtype not in DTYPES or kv_dtype not in (dtype, torch.int8) or v_storage.dtype != kv_dtype:
+        raise ValueError("q and caches must share float32 or bfloat16 (or caches hold int8), "
+                         f"got {dtype}, {kv_dtype}")  # fmt: skip
     shape, storage_shape = q.shape, k_storage.shape
     if len(shape) != 3 or storage_shape != v_storage.shape:
         raise ValueError(f"bad shapes q {tuple(shape)}, k/v {tuple(storage_shape)}")
     num_tokens, num_heads, head_dim = shape
-    num_kv_heads, _, block_size, cache_head_dim = storage_shape
+    num_kv_heads, _, block_size, _ = storage_shape
     if num_tokens != meta.num_tokens or block_size != meta.block_size:
         raise ValueError("q rows / cache block size do not match the metadata")
-    if num_heads % num_kv_heads or head_dim != cache_head_dim:
+    if num_heads % num_kv_heads or head_dim != cache_head_dim(k_storage):
         raise ValueError("num_heads must be a multiple of num_kv_heads, head dims equal")
     strides = q.stride()
     if strides[2] != 1 or strides[1] != head_dim:

@@ -11,6 +11,13 @@ so gathering a batch's blocks along dim 1 of the storage yields
 batched matmul over (kv head, sequence) reads directly. A plain contiguous
 logical tensor (token-major) is accepted everywhere too; kernels ask this
 module which one they hold.
+
+An int8 cache (``--kv-cache-dtype int8``) keeps each row's scale in the row:
+``head_dim`` int8 values, then the row's float32 scale as 4 bytes, so its
+last dim is ``head_dim + 4`` and a row is ``value = int8 * scale``, one
+scale per (token, kv head), symmetric (``scale = max |x| / 127``). Blocks of
+such a cache copy, swap and share like any other: nothing outside the
+writer and the readers knows the rows are quantized.
 """
 
 from __future__ import annotations
@@ -19,6 +26,42 @@ import math
 import mmap
 
 import torch
+
+INT8_SCALE_BYTES = 4  # the float32 scale after an int8 row's values
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one cache row: ``head_dim``, and the scale's 4 bytes for int8."""
+    if dtype == torch.int8:
+        if head_dim % INT8_SCALE_BYTES:
+            raise ValueError(f"an int8 KV cache needs head_dim % 4 == 0, got {head_dim}")
+        return head_dim + INT8_SCALE_BYTES
+    return head_dim
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """The head_dim a cache holds (its last dim, less an int8 row's scale)."""
+    width = cache.shape[-1]
+    return width - INT8_SCALE_BYTES if cache.dtype == torch.int8 else width
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., head_dim]`` floats as int8 rows ``[..., head_dim + 4]``: values
+    ``x * ((1 / amax) * 127)`` rounded half to even, then the float32 ``scale =
+    amax / 127``, with ``amax = max |x|`` (at least 1e-30). The native writer
+    (``cpu_attention.write_kv``) does the same float32 operations: both
+    store the same bytes."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    scaled = (x.float() * (torch.reciprocal(amax) * 127.0)).clamp_(-127.0, 127.0)
+    values = torch.round(scaled).to(torch.int8)
+    return torch.cat([values, (amax / 127.0).view(torch.int8)], dim=-1)
+
+
+def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Int8 rows ``[..., head_dim + 4]`` as ``[..., head_dim]`` of ``dtype``."""
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (rows[..., :head_dim].float() * scale).to(dtype)
 
 
 def allocate_kv_cache(
@@ -39,8 +82,9 @@ def allocate_kv_cache(
     start-up (``torch.zeros`` writes every byte first: seconds per GB on a
     busy machine) and its memory is committed as blocks are first written.
     ``commit`` faults every page in now instead (``commit_pages``), so the
-    process's memory is what it will be once every block has been used."""
-    shape = (num_kv_heads, num_blocks, block_size, head_dim)
+    process's memory is what it will be once every block has been used.
+    An int8 cache's rows are ``row_width`` wide (values and scale)."""
+    shape = (num_kv_heads, num_blocks, block_size, row_width(head_dim, dtype))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device).permute(1, 2, 0, 3)
     itemsize = torch.empty((), dtype=dtype).element_size()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.kernels.attention import AttentionMetadata
-from slipstream.kernels.kv_layout import slot_view
+from slipstream.kernels.kv_layout import cache_head_dim, quantize_rows, slot_view
 
 
 def write_kv(
@@ -19,9 +19,12 @@ def write_kv(
     v: torch.Tensor,
     meta: AttentionMetadata,
 ) -> None:
-    """``k``, ``v`` ``[T, num_kv_heads, head_dim]`` go to ``meta.slot_mapping`` (distinct slots)."""
+    """``k``, ``v`` ``[T, num_kv_heads, head_dim]`` go to ``meta.slot_mapping`` (distinct
+    slots); into an int8 cache as quantized rows (``kv_layout.quantize_rows``)."""
     _check(k_cache, v_cache, k, v, meta)
     for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache.dtype == torch.int8:
+            new = quantize_rows(new)
         slots, dim = slot_view(cache)
         slots.index_copy_(dim, meta.slot_mapping, new.transpose(0, 1) if dim == 1 else new)
 
@@ -34,6 +37,8 @@ def reference_write_kv(
     meta: AttentionMetadata,
 ) -> None:
     """Token by token, through block id and offset."""
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_rows(k), quantize_rows(v)
     for t, slot in enumerate(meta.slot_mapping.tolist()):
         block, offset = divmod(slot, meta.block_size)
         k_cache[block, offset] = k[t]
@@ -49,8 +54,8 @@ def _check(
 ) -> None:
     if k_cache.shape != v_cache.shape:
         raise ValueError("k_cache and v_cache must have one shape")
-    expected = (meta.num_tokens, k_cache.shape[2], k_cache.shape[3])
+    expected = (meta.num_tokens, k_cache.shape[2], cache_head_dim(k_cache))
     if tuple(k.shape) != expected or tuple(v.shape) != expected:
         raise ValueError(f"k, v must be {expected}, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    if k_cache.dtype != torch.int8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):
         raise ValueError(f"k/v dtype {k.dtype} does not match the cache's {k_cache.dtype}")

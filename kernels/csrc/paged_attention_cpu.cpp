@@ -59,6 +59,7 @@
 #endif
 
 #include <algorithm>
+#include <utility>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -81,6 +82,8 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 using bf16_bits = uint16_t;  // element type of bfloat16 tensors
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// An int8 K/V row: head_dim values, then the row's fp32 scale in 4 bytes.
+constexpr int64_t kInt8ScaleBytes = 4;
 constexpr int kKeyTile = 32;  // keys per tile; a multiple of 8
 
 // A unit of work: rows (token, head of the group) of one sequence and kv head
@@ -109,22 +112,39 @@ struct Merge {
   int32_t num_splits;
 };
 
-template <typename T>
+// T: q and the output (float or bf16_bits); KV: the cache, T or int8_t
+// rows, each head_dim values and the row's fp32 scale after them
+// (kv_layout.py: value = int8 * scale).
+template <typename T, typename KV = T>
 struct Problem {
   const T* q;
   int64_t q_stride;  // elements between tokens of q; heads are packed
-  const T* k;        // [kv_heads, num_blocks, block_size, head_dim]
-  const T* v;
+  const KV* k;       // [kv_heads, num_blocks, block_size, row_stride]
+  const KV* v;
   T* out;            // [tokens, num_heads, head_dim] contiguous
   const int64_t* block_tables;
   int64_t max_blocks;
   int64_t num_heads;
   int64_t group;     // query heads per kv head
   int64_t head_dim;
+  int64_t row_stride;  // elements between K/V rows: head_dim, + 4 for int8 rows
   int64_t block_size;
   int64_t num_blocks;
   float qk_scale;    // scale * log2(e): scores in base 2
   float* partials;
+};
+
+// A KV write (write_kv): rows (token, kv head) of k and v into their slots.
+template <typename T, typename KV>
+struct KvWrite {
+  const T* src[2];        // k, v [tokens, kv_heads, head_dim], heads packed
+  int64_t src_stride[2];  // elements between tokens
+  KV* dst[2];             // head-major storage
+  const int64_t* slots;
+  int64_t num_kv_heads;
+  int64_t num_slots;      // num_blocks * block_size
+  int64_t head_dim;
+  int64_t width;          // elements of a storage row
 };
 
 // Per-thread fp32 scratch, grown on demand and kept across calls.
@@ -178,11 +198,14 @@ inline void store_row(bf16_bits* dst, const float* src, float mul, int64_t n) {
 
 #define SLIPSTREAM_LANES 8
 #define SLIPSTREAM_BF16_DOT 0
+#define SLIPSTREAM_AVX2 0
 #define SLIPSTREAM_VARIANT portable
 #include __FILE__
 #undef SLIPSTREAM_VARIANT
 
 #if defined(__x86_64__)
+#undef SLIPSTREAM_AVX2
+#define SLIPSTREAM_AVX2 1
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #define SLIPSTREAM_VARIANT avx2
@@ -203,6 +226,7 @@ inline void store_row(bf16_bits* dst, const float* src, float mul, int64_t n) {
 #endif
 #undef SLIPSTREAM_LANES
 #undef SLIPSTREAM_BF16_DOT
+#undef SLIPSTREAM_AVX2
 
 namespace slipstream {
 namespace {
@@ -337,8 +361,8 @@ Plan make_plan(const int64_t* seq_lens, const int64_t* qsl, int64_t num_seqs,
 
 // Combines the split records of each row: weights 2^(m_s - max m), which is 0
 // for a split holding only keys the row cannot see (m_s = -inf).
-template <typename T>
-void run_merge(const Problem<T>& p, const Merge& merge) {
+template <typename T, typename KV>
+void run_merge(const Problem<T, KV>& p, const Merge& merge) {
   const int64_t d = p.head_dim, g = p.group;
   const int64_t rows = merge.num_tokens * g;
   const int64_t stride = rows * (d + 2);
@@ -360,8 +384,8 @@ void run_merge(const Problem<T>& p, const Merge& merge) {
   }
 }
 
-template <typename T>
-void run_plan(const Problem<T>& p, const Plan& plan, Isa isa, int64_t num_threads) {
+template <typename T, typename KV>
+void run_plan(const Problem<T, KV>& p, const Plan& plan, Isa isa, int64_t num_threads) {
   const int64_t num_tasks = int64_t(plan.tasks.size());
   const bool parallel = num_threads > 1 && num_tasks > 1 && plan.total_cost >= kSerialCost;
   // Dynamic scheduling that claims one task ahead: a thread knows its next
@@ -382,8 +406,9 @@ void run_plan(const Problem<T>& p, const Plan& plan, Isa isa, int64_t num_thread
 #if defined(__x86_64__)
       // fp32 K/V stay on the AVX2 code under AVX-512: its 16-lane build
       // measured 5-15 % slower (AMD EPYC Zen 5, 1 thread: fp32 decode reads
-      // K/V at the core's L3/DRAM bandwidth either way).
-      if (isa == Isa::kAvx512 && std::is_same_v<T, bf16_bits>) {
+      // K/V at the core's L3/DRAM bandwidth either way). Int8 K/V too (tiles
+      // are widened into fp32 scratch, as fp32 tasks read them).
+      if (isa == Isa::kAvx512 && std::is_same_v<KV, bf16_bits>) {
         avx512::run_task(p, task, upcoming, scratch);
         continue;
       }
@@ -440,12 +465,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_storage,
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "paged_attention: float32 or bfloat16, got ", dtype);
-  TORCH_CHECK(k_storage.scalar_type() == dtype && v_storage.scalar_type() == dtype,
-              "paged_attention: q and the K/V storage must share a dtype");
+  const auto kv_dtype = k_storage.scalar_type();
+  const bool int8_kv = kv_dtype == at::kChar;
+  TORCH_CHECK((kv_dtype == dtype || int8_kv) && v_storage.scalar_type() == kv_dtype,
+              "paged_attention: the K/V storage must be q's dtype or int8, got ", kv_dtype);
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_storage.size(0), num_blocks = k_storage.size(1);
   const int64_t block_size = k_storage.size(2);
-  TORCH_CHECK(k_storage.size(3) == head_dim && head_dim > 0, "paged_attention: head dims differ");
+  const int64_t row_stride = head_dim + (int8_kv ? kInt8ScaleBytes : 0);
+  TORCH_CHECK(k_storage.size(3) == row_stride && head_dim > 0,
+              "paged_attention: K/V rows of ", k_storage.size(3), " elements for head_dim ",
+              head_dim, int8_kv ? " (int8 rows hold head_dim values and a 4-byte scale)" : "");
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
               "paged_attention: num_heads must be a multiple of num_kv_heads");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
@@ -473,29 +503,90 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_storage,
   std::vector<float> partials(plan.partial_floats);
   const float qk_scale = float(scale * 1.4426950408889634);  // log2(e)
 
-  auto run = [&](auto element) {
+  auto run = [&](auto element, auto kv_element) {
     using T = decltype(element);
-    const Problem<T> p{static_cast<const T*>(q.data_ptr()),
-                       q.stride(0),
-                       static_cast<const T*>(k_storage.data_ptr()),
-                       static_cast<const T*>(v_storage.data_ptr()),
-                       static_cast<T*>(out.data_ptr()),
-                       tables,
-                       max_blocks,
-                       num_heads,
-                       group,
-                       head_dim,
-                       block_size,
-                       num_blocks,
-                       qk_scale,
-                       partials.data()};
+    using KV = decltype(kv_element);
+    const Problem<T, KV> p{static_cast<const T*>(q.data_ptr()),
+                           q.stride(0),
+                           static_cast<const KV*>(k_storage.data_ptr()),
+                           static_cast<const KV*>(v_storage.data_ptr()),
+                           static_cast<T*>(out.data_ptr()),
+                           tables,
+                           max_blocks,
+                           num_heads,
+                           group,
+                           head_dim,
+                           row_stride,
+                           block_size,
+                           num_blocks,
+                           qk_scale,
+                           partials.data()};
     run_plan(p, plan, isa, num_threads);
   };
   if (dtype == at::kFloat)
-    run(float{});
+    int8_kv ? run(float{}, int8_t{}) : run(float{}, float{});
   else
-    run(bf16_bits{});
+    int8_kv ? run(bf16_bits{}, int8_t{}) : run(bf16_bits{}, bf16_bits{});
   return out;
+}
+
+// ------------------------------------------------------------------ KV write
+
+// This step's keys and values ([tokens, kv_heads, head_dim], heads packed,
+// any token stride) into their slots (block * block_size + offset) of
+// head-major storage: copied as they are, or quantized into int8 rows.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_storage,
+              at::Tensor& v_storage, const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : {&k, &v, &slot_mapping, &std::as_const(k_storage),
+                              &std::as_const(v_storage)})
+    TORCH_CHECK(t->device().is_cpu(), "paged_kv_write: all tensors must be on the CPU");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_storage.dim() == 4 &&
+                  k_storage.sizes() == v_storage.sizes(),
+              "paged_kv_write: k, v [T, kv_heads, D]; storage [kv_heads, blocks, block_size, W]");
+  TORCH_CHECK(k_storage.is_contiguous() && v_storage.is_contiguous(),
+              "paged_kv_write: K/V storage must be contiguous (head-major)");
+  for (const at::Tensor* t : {&k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "paged_kv_write: k and v heads must be packed (strides [*, D, 1])");
+  const auto dtype = k.scalar_type(), kv_dtype = k_storage.scalar_type();
+  const bool int8_kv = kv_dtype == at::kChar;
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && v.scalar_type() == dtype &&
+                  (kv_dtype == dtype || int8_kv) && v_storage.scalar_type() == kv_dtype,
+              "paged_kv_write: k, v float32 or bfloat16; storage theirs or int8");
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t width = head_dim + (int8_kv ? kInt8ScaleBytes : 0);
+  TORCH_CHECK(k_storage.size(0) == num_kv_heads && k_storage.size(3) == width,
+              "paged_kv_write: storage rows of ", k_storage.size(3), " elements for ",
+              num_kv_heads, " kv heads of head_dim ", head_dim);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.dim() == 1 && slot_mapping.size(0) == num_tokens,
+              "paged_kv_write: slot_mapping: contiguous int64 [T]");
+  const int64_t num_slots = k_storage.size(1) * k_storage.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(0 <= slots[t] && slots[t] < num_slots, "paged_kv_write: slot ", slots[t],
+                " out of range [0, ", num_slots, ")");
+  const Isa isa = best_isa();
+  auto run = [&](auto element, auto kv_element) {
+    using T = decltype(element);
+    using KV = decltype(kv_element);
+    const KvWrite<T, KV> w{{static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr())},
+                           {k.stride(0), v.stride(0)},
+                           {static_cast<KV*>(k_storage.data_ptr()),
+                            static_cast<KV*>(v_storage.data_ptr())},
+                           slots, num_kv_heads, num_slots, head_dim, width};
+    // Rows are (token, kv head) pairs, K and V: a few hundred bytes each.
+    at::parallel_for(0, num_tokens * num_kv_heads, 256, [&](int64_t begin, int64_t end) {
+#if defined(__x86_64__)
+      if (isa != Isa::kPortable) return avx2::write_rows(w, begin, end);
+#endif
+      portable::write_rows(w, begin, end);
+    });
+  };
+  if (dtype == at::kFloat)
+    int8_kv ? run(float{}, int8_t{}) : run(float{}, float{});
+  else
+    int8_kv ? run(bf16_bits{}, int8_t{}) : run(bf16_bits{}, bf16_bits{});
 }
 
 // How a call would be cut into tasks, for tests: [tasks, split groups].
@@ -518,6 +609,9 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_storage, Tensor v_storage, Tensor block_tables, "
       "Tensor seq_lens, Tensor query_start_loc, float scale, str isa=\"auto\") -> Tensor");
+  m.def(
+      "paged_kv_write(Tensor k, Tensor v, Tensor(a!) k_storage, Tensor(b!) v_storage, "
+      "Tensor slot_mapping) -> ()");
   m.def("paged_attention_cpu_isa() -> str", &cpu_isa);
   m.def("paged_attention_set_max_isa(str isa) -> str", &set_max_isa);
   m.def(
@@ -526,7 +620,10 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
       &plan_summary);
 }
 
-TORCH_LIBRARY_IMPL(slipstream, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("paged_kv_write", &write_kv);
+}
 
 }  // namespace slipstream
 
@@ -561,6 +658,19 @@ SLIP_INLINE v8f load8(const bf16_bits* p) {
   v8h h;
   std::memcpy(&h, p, sizeof(h));
   return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
+// Eight int8 values widened to fp32: vpmovsxbd + vcvtdq2ps where the
+// variant has AVX2 (GCC turns a generic int8 -> float vector conversion into
+// scalar code); element by element in the baseline.
+SLIP_INLINE v8f load8(const int8_t* p) {
+#if SLIPSTREAM_AVX2
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (v8f)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+#else
+  return v8f{float(p[0]), float(p[1]), float(p[2]), float(p[3]),
+             float(p[4]), float(p[5]), float(p[6]), float(p[7])};
+#endif
 }
 
 SLIP_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
@@ -1068,46 +1178,62 @@ SLIP_INLINE void attend_row(const typename R::Q* q, const typename R::E* k,
   accumulate_row<R>(o, v, d, p, n, alpha);
 }
 
-// `rows` rows of a tile as fp32, of which `readable` exist in the block: in
-// place when already fp32 and all readable, else converted into buf (rows
-// past the block are zeros).
+// `rows` rows of a tile as fp32 [rows, d], of which `readable` exist in the
+// block: in place when already fp32 and all readable, else converted into
+// buf (rows past the block are zeros). Int8 rows (stride d + 4) are
+// multiplied by the scale each row carries after its values.
 template <typename T>
 SLIP_INLINE const float* tile_f32(const T* src, int64_t rows, int64_t readable, int64_t d,
                                   float* buf) {
   if constexpr (std::is_same_v<T, float>) {
     if (rows <= readable) return src;
   }
-  const int64_t n = std::min(rows, readable) * d;
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(buf + i, load8(src + i));
-  for (; i < n; ++i) buf[i] = to_float(src[i]);
-  std::fill(buf + n, buf + rows * d, 0.0f);
+  const int64_t filled = std::min(rows, readable);
+  if constexpr (std::is_same_v<T, int8_t>) {
+    const int64_t stride = d + kInt8ScaleBytes;
+    for (int64_t r = 0; r < filled; ++r) {
+      const int8_t* row = src + r * stride;
+      float* out = buf + r * d;
+      float scale;
+      std::memcpy(&scale, row + d, sizeof(scale));
+      const v8f s = splat(scale);
+      int64_t c = 0;
+      for (; c + 8 <= d; c += 8) store8(out + c, load8(row + c) * s);
+      for (; c < d; ++c) out[c] = float(row[c]) * scale;
+    }
+  } else {
+    const int64_t n = filled * d;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(buf + i, load8(src + i));
+    for (; i < n; ++i) buf[i] = to_float(src[i]);
+  }
+  std::fill(buf + filled * d, buf + rows * d, 0.0f);
   return buf;
 }
 
 // Where a task's tiles lie in the K/V storage (head-major: the rows of one
 // block of one kv head are a contiguous [block_size, head_dim] slab).
-template <typename T>
+template <typename T, typename KV>
 struct TileWalk {
-  const Problem<T>& p;
+  const Problem<T, KV>& p;
   const int64_t* table;
   int64_t head_base;
   int64_t key_end;
-  TileWalk(const Problem<T>& problem, const Task& task)
+  TileWalk(const Problem<T, KV>& problem, const Task& task)
       : p(problem),
         table(problem.block_tables + task.seq * problem.max_blocks),
         head_base(task.kv_head * problem.num_blocks),
         key_end(task.key_end) {}
   SLIP_INLINE int64_t offset(int64_t key) const {  // element offset of key's row
     return ((head_base + table[key / p.block_size]) * p.block_size + key % p.block_size) *
-           p.head_dim;
+           p.row_stride;
   }
   SLIP_INLINE int64_t length(int64_t key) const {  // keys from `key` to the end of its tile
     return std::min<int64_t>({kKeyTile, p.block_size - key % p.block_size, key_end - key});
   }
   SLIP_INLINE void aim(LinePrefetcher& ahead, int64_t key) const {  // at the tile at `key`
     const int64_t at = offset(key);
-    ahead.aim(p.k + at, p.v + at, length(key) * p.head_dim * int64_t(sizeof(T)));
+    ahead.aim(p.k + at, p.v + at, length(key) * p.row_stride * int64_t(sizeof(KV)));
   }
 };
 
@@ -1152,8 +1278,8 @@ SLIP_INLINE const float* natural_row(const float* o, int64_t d, float* tmp) {
   }
 }
 
-template <typename T, typename R>
-SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, const Task* upcoming,
+template <typename T, typename KV, typename R>
+SLIP_INLINE void run_task_rows(const Problem<T, KV>& p, const Task& task, const Task* upcoming,
                                Scratch& scratch) {
   using Q = typename R::Q;
   const int64_t d = p.head_dim, g = p.group;
@@ -1173,7 +1299,7 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, const Task
   std::fill(l, l + rows, 0.0f);
   if constexpr (kDot<R>) std::fill_n(scratch.l_lanes.data(), rows * 16, 0.0f);
 
-  const TileWalk<T> walk(p, task);
+  const TileWalk<T, KV> walk(p, task);
   LinePrefetcher ahead;
   for (int64_t key = task.key_begin; key < task.key_end;) {
     const int64_t n = walk.length(key), offset = walk.offset(key);
@@ -1182,7 +1308,7 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, const Task
     if (next < task.key_end)
       walk.aim(ahead, next);
     else if (upcoming != nullptr)
-      TileWalk<T>(p, *upcoming).aim(ahead, upcoming->key_begin);
+      TileWalk<T, KV>(p, *upcoming).aim(ahead, upcoming->key_begin);
     const typename R::E* kt;
     const typename R::E* vt;
     if constexpr (kPaired<R> || kDot<R>) {  // in place: run_task checked block_size % 8 == 0
@@ -1245,20 +1371,69 @@ SLIP_INLINE void run_task_rows(const Problem<T>& p, const Task& task, const Task
 // fp32 storage is read in place whenever the tile is readable (tile_f32).
 constexpr int64_t kMaxPairedRows = 16;
 
+// One int8 storage row from head_dim values: each rounded to x * ((1 /
+// amax) * 127), half to even (vcvtps2dq under the default rounding mode; nearbyint
+// in the baseline), then the fp32 scale = amax / 127 in the row's last 4
+// bytes; amax = max |x|, at least 1e-30. The arithmetic of
+// kv_layout.quantize_rows, operation for operation in fp32: both writers
+// store the same bytes.
 template <typename T>
-__attribute__((noinline)) void run_task(const Problem<T>& p, const Task& task,
+SLIP_INLINE void quantize_row(const T* src, int8_t* dst, int64_t d) {
+  float amax = 0.0f;
+  int64_t c = 0;
+#if SLIPSTREAM_AVX2
+  __m256 top = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (; c + 8 <= d; c += 8) top = _mm256_max_ps(top, _mm256_and_ps((__m256)load8(src + c), abs_mask));
+  amax = hmax((v8f)top);
+#endif
+  for (; c < d; ++c) amax = std::max(amax, std::fabs(to_float(src[c])));
+  amax = std::max(amax, 1e-30f);
+  const float inv = (1.0f / amax) * 127.0f, scale = amax / 127.0f;
+  c = 0;
+#if SLIPSTREAM_AVX2
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  for (; c + 8 <= d; c += 8) {
+    const __m256 x = _mm256_mul_ps((__m256)load8(src + c), _mm256_set1_ps(inv));
+    const __m256i n = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(x, lo), hi));
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + c), _mm_packs_epi16(words, words));
+  }
+#endif
+  for (; c < d; ++c)
+    dst[c] = int8_t(std::nearbyint(std::clamp(to_float(src[c]) * inv, -127.0f, 127.0f)));
+  std::memcpy(dst + d, &scale, sizeof(scale));
+}
+
+template <typename T, typename KV>
+__attribute__((noinline)) void write_rows(const KvWrite<T, KV>& w, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t t = i / w.num_kv_heads, h = i % w.num_kv_heads;
+    for (int s = 0; s < 2; ++s) {
+      const T* src = w.src[s] + t * w.src_stride[s] + h * w.head_dim;
+      KV* dst = w.dst[s] + (h * w.num_slots + w.slots[t]) * w.width;
+      if constexpr (std::is_same_v<KV, int8_t>)
+        quantize_row(src, dst, w.head_dim);
+      else
+        std::memcpy(dst, src, w.head_dim * sizeof(T));
+    }
+  }
+}
+
+template <typename T, typename KV>
+__attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& task,
                                         const Task* upcoming, Scratch& scratch) {
-  if constexpr (std::is_same_v<T, bf16_bits>) {
+  if constexpr (std::is_same_v<KV, bf16_bits>) {
     const bool readable = p.block_size % 8 == 0;
 #if SLIPSTREAM_BF16_DOT
     if (readable && p.head_dim % Bf16DotRows::kPairWidth == 0 && p.head_dim <= 256)
-      return run_task_rows<T, Bf16DotRows>(p, task, upcoming, scratch);
+      return run_task_rows<T, KV, Bf16DotRows>(p, task, upcoming, scratch);
 #endif
     if (readable && p.head_dim % Bf16Rows::kPairWidth == 0 &&
         task.num_tokens * p.group < kMaxPairedRows)
-      return run_task_rows<T, Bf16Rows>(p, task, upcoming, scratch);
+      return run_task_rows<T, KV, Bf16Rows>(p, task, upcoming, scratch);
   }
-  run_task_rows<T, FloatRows>(p, task, upcoming, scratch);
+  run_task_rows<T, KV, FloatRows>(p, task, upcoming, scratch);
 }
 
 #undef SLIP_INLINE

@@ -343,6 +343,7 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
         requested_dtype=info.requested_dtype,
         weights_packed=info.weights_packed,
         has_chat_template=info.has_chat_template,
+        kv_cache_dtype=info.kv_cache_dtype,
         cpu=pb.CpuInfo(
             model=str(info.cpu.get("model", "")),
             flags=list(info.cpu.get("flags", [])),  # type: ignore[call-overload]

@@ -45,7 +45,13 @@ from slipstream.service.bench.workload import (
     save_workload,
     workload_summary,
 )
-from slipstream.service.engine.config import DTYPE_CHOICES, SWITCH_CHOICES, EngineConfig, switch
+from slipstream.service.engine.config import (
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    SWITCH_CHOICES,
+    EngineConfig,
+    switch,
+)
 from slipstream.service.engine.device import resolve_device
 from slipstream.service.engine.events import Event, FinishEvent, RequestSpec
 
@@ -83,6 +89,7 @@ class OfflineOptions:
     floor: bool = True
     device: str = "cpu"  # --device as given: cpu, cuda, cuda:N (auto resolved)
     plan_ahead: bool | None = None  # None: the engine's default (on a GPU only)
+    kv_cache_dtype: str = "auto"  # Slipstream's KV cache (EngineConfig.kv_cache_dtype)
     # Each peer's settings by peer name (``Peer.settings``), for the peers asked for.
     peers: Mapping[str, object] = field(default_factory=dict)
 
@@ -131,6 +138,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default="auto",
         choices=SWITCH_CHOICES,
         help="plan step N+1 while the device runs step N (auto: on a GPU only)",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPE_CHOICES,
+        help="Slipstream's KV cache: the model's dtype, or int8 rows (the peers keep theirs)",
     )
     parser.add_argument(
         "--no-floor",
@@ -191,6 +204,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
         plan_ahead=switch(args.plan_ahead),
+        kv_cache_dtype=args.kv_cache_dtype,
         floor=args.floor and device == "cpu",  # the floor is a CPU roofline
         peers=peers,
     )
@@ -340,6 +354,7 @@ def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
         num_threads=options.num_threads,
         prefix_cache=options.prefix_cache,
         plan_ahead=options.plan_ahead,
+        kv_cache_dtype=options.kv_cache_dtype,
         **set_knobs,
     )
 
@@ -436,6 +451,7 @@ def _environment(options: OfflineOptions, model_dir: str) -> dict[str, object]:
         "model_dir": model_dir,
         **hardware(options.requested_dtype, options.device),
         "num_threads": options.num_threads,
+        "slipstream_kv_cache_dtype": options.kv_cache_dtype,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

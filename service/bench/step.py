@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slipstream.service.bench.report import hardware
-from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+from slipstream.service.engine.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 from slipstream.service.engine.device import resolve_device
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class StepOptions:
     num_threads: int
     block_size: int
     device: str = "cpu"  # as resolved: cpu, cuda:N
+    kv_cache_dtype: str = "auto"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -96,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES)
     parser.add_argument("--steps", type=int, default=20, dest="num_steps", help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=2, dest="num_threads")
@@ -143,6 +145,7 @@ def options_from_args(args: argparse.Namespace) -> StepOptions:
         num_threads=args.num_threads,
         block_size=args.block_size,
         device=str(device),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -192,6 +195,7 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
             "context": options.context,
             "requested_dtype": options.dtype,
             "dtype": dtype,
+            "kv_cache_dtype": options.kv_cache_dtype,
             "threads": options.num_threads,
             "steps": options.num_steps,
             "warmup_steps": options.warmup,
@@ -223,6 +227,7 @@ def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object])
     config = EngineConfig(
         model=options.model,
         dtype=dtype,
+        kv_cache_dtype=options.kv_cache_dtype,
         block_size=options.block_size,
         num_device_blocks=max_batch * blocks_per_seq(options.context, options.block_size),
         num_host_blocks=0,

@@ -19,7 +19,8 @@ def describe_run(report: Mapping[str, Any]) -> list[str]:
     flags = " ".join(f"{f}={'yes' if has else 'no'}" for f, has in cpu["has_flags"].items())
     return [
         f"cpu: {cpu['model']} | {flags} | torch {cpu['torch_capability']} | "
-        f"dtype {p['dtype']} (requested {p['requested_dtype']})",
+        f"dtype {p['dtype']} (requested {p['requested_dtype']}), "
+        f"KV cache {p.get('kv_cache_dtype', 'auto')}",
         f"model {p['model']}, context {p['context']}, block {p['block_size']}, "
         f"{p['threads']} threads; medians of {p['steps']} steps after {p['warmup_steps']} "
         f"warm-up; 1-min load average {load['load_avg_1m_start']:.1f} before (other work), "

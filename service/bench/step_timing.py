@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slipstream.kernels.kv_layout import cache_head_dim, quantize_rows, row_width
 from slipstream.scheduler.plan import StepPlan
 from slipstream.service.engine.calibration import synthetic_plan
 
@@ -59,8 +60,13 @@ def fill_kv(runner: ModelRunner, seed: int = 0) -> None:
     device = runner.device_pool[0][0].device
     generator = torch.Generator(device=device).manual_seed(seed)
     for k_cache, v_cache in runner.device_pool:
-        k_cache.normal_(generator=generator)
-        v_cache.normal_(generator=generator)
+        for cache in (k_cache, v_cache):
+            if cache.dtype == torch.int8:  # rows of values and their scales
+                shape = (*cache.shape[:-1], cache_head_dim(cache))
+                values = torch.randn(shape, generator=generator)
+                cache.copy_(quantize_rows(values))
+            else:
+                cache.normal_(generator=generator)
 
 
 def time_plain(runner: ModelRunner, plan: StepPlan, num_steps: int, warmup: int) -> list[float]:
@@ -215,8 +221,9 @@ def kv_read_bytes(model: LlamaModel, batch: int, seq_len: int) -> int:
     """Bytes of K and V that attention must read for ``batch`` sequences of
     ``seq_len`` tokens, over all layers."""
     cfg = model.config
-    element_size = torch.empty((), dtype=model.dtype).element_size()
-    return batch * seq_len * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * element_size
+    element_size = torch.empty((), dtype=model.kv_dtype).element_size()
+    row = row_width(cfg.head_dim, model.kv_dtype) * element_size
+    return batch * seq_len * cfg.num_layers * 2 * cfg.num_kv_heads * row
 
 
 def read_floor_ms(

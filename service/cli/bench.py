@@ -10,6 +10,7 @@ from slipstream.service.cli import register_subcommands
 BENCH_MODULES = (
     "slipstream.service.bench.calibrate",
     "slipstream.service.bench.host",
+    "slipstream.service.bench.kv_accuracy",
     "slipstream.service.bench.offline",
     "slipstream.service.bench.prefix",
     "slipstream.service.bench.serve",

@@ -10,6 +10,11 @@ from slipstream.scheduler.config import SchedulerConfig
 # "auto" resolves per CPU (kernels/cpu_features.py): bf16 with native bf16, else fp32.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
+# The KV cache's element type. "auto": the model's dtype; "int8": rows quantized
+# per (token, kv head) with their scale (kernels/kv_layout.py), a quarter of
+# float32's bytes, half of bfloat16's; on the CPU only.
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
+
 # An auto|on|off flag: None (decided where it applies, e.g. per device), True, False.
 SWITCH_CHOICES = ("auto", "on", "off")
 
@@ -30,6 +35,7 @@ class EngineConfig:
     model: str = "tiny"
     # "auto": bf16 where the CPU has native bf16 (AVX512-BF16/AMX), else fp32.
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPE_CHOICES
     block_size: int = 32
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None

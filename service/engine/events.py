@@ -92,6 +92,7 @@ class ModelInfo:
     has_chat_template: bool = False  # chat messages can be rendered (Submit.messages)
     cpu: dict[str, object] = field(default_factory=dict)  # CpuFeatures.describe()
     compiled: bool = False  # the step runs the fused native kernels (EngineConfig.compile)
+    kv_cache_dtype: str = ""  # the KV cache's element type: the model's dtype, or "int8"
     # Where the step runs: {"type": "cpu"}, or on CUDA the GPU's name and memory,
     # the capture time and memory of the decode graphs (DeviceRunner.info()).
     device: dict[str, Any] = field(default_factory=lambda: {"type": "cpu"})

@@ -99,6 +99,8 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_dir, backend, fused, panels = _model_and_kernels(config)
+    if config.kv_cache_dtype == "int8" and backend == "triton":
+        raise ValueError("--kv-cache-dtype int8 needs the cpu or torch attention backend")
     model = LlamaModel(
         model_dir,
         DTYPES[choice.dtype],
@@ -106,13 +108,17 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
         choice.pack_weights,
         fused=fused,
         panel_linears=panels,
+        kv_dtype=torch.int8 if config.kv_cache_dtype == "int8" else None,
     )
     max_model_len = _max_model_len(config, model)
     num_device_blocks, num_host_blocks = _pool_sizes(config, model, max_model_len)
     runner = ModelRunner(
         model, num_device_blocks, num_host_blocks, config.block_size, config.commit_kv_memory
     )
-    identity = _step_cost_identity(model_dir, choice, backend, fused, panels, cpu)
+    identity = {
+        **_step_cost_identity(model_dir, choice, backend, fused, panels, cpu),
+        "kv_cache_dtype": config.kv_cache_dtype,
+    }
     return _finish(
         config,
         model,
@@ -125,6 +131,7 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
             "requested_dtype": choice.requested,
             "weights_packed": choice.pack_weights,
             "attention_backend": backend,
+            "kv_cache_dtype": _dtype_name(model.kv_dtype),
             "cpu": cpu.describe(),
             "compiled": fused,
             "device": describe_device(torch.device("cpu")),
@@ -138,6 +145,11 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
     # Imported here: the CUDA runner's modules are needed on a GPU only.
     from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
 
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} runs on the CPU only; "
+            "on CUDA the KV cache takes the model's dtype (--kv-cache-dtype auto)"
+        )
     dtype_name = cuda_dtype_name(config.dtype, device)
     dtype = DTYPES[dtype_name]
     backend = resolve_backend(config.attention_backend, device, home=slipstream_home())
@@ -195,6 +207,7 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
             "requested_dtype": config.dtype,
             "weights_packed": False,
             "attention_backend": backend,
+            "kv_cache_dtype": dtype_name,
             "compiled": False,
             "device": {**describe_device(device), **runner.info()},
         },
@@ -255,6 +268,7 @@ def _finish(
         block_size=config.block_size,
         max_model_len=max_model_len,
         attention_backend=info.attention_backend,
+        kv_cache_dtype=info.kv_cache_dtype,
         compiled=info.compiled,
         panel_linears=panel_linears,
         prefix_cache=config.prefix_cache,
@@ -262,6 +276,10 @@ def _finish(
         plan_ahead=plan_ahead,
     )
     return EngineParts(model, runner, tokenizer, info, scheduler_config, cost_model, plan_ahead)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _max_model_len(config: EngineConfig, model: LlamaModel) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from slipstream.kernels.attention import build_attention_metadata
 from slipstream.kernels.backend import copy_blocks_for
-from slipstream.kernels.kv_layout import allocate_kv_cache
+from slipstream.kernels.kv_layout import allocate_kv_cache, row_width
 from slipstream.kernels.sampling import sample
 from slipstream.scheduler.plan import StepPlan, with_pending_tokens
 from slipstream.service.models.llama import LlamaModel
@@ -37,8 +37,8 @@ def allocate_pool(
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return [
         (
-            allocate_kv_cache(*shape, model.dtype, commit=commit),
-            allocate_kv_cache(*shape, model.dtype, commit=commit),
+            allocate_kv_cache(*shape, model.kv_dtype, commit=commit),
+            allocate_kv_cache(*shape, model.kv_dtype, commit=commit),
         )
         for _ in range(cfg.num_layers)
     ]
@@ -46,8 +46,9 @@ def allocate_pool(
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     cfg = model.config
-    element_size = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element_size
+    element_size = torch.empty((), dtype=model.kv_dtype).element_size()
+    row = row_width(cfg.head_dim, model.kv_dtype) * element_size
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * row
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,15 +162,19 @@ class LlamaModel:
         pack_weights: bool = False,
         fused: bool = False,
         panel_linears: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``pack_weights`` packs projections for oneDNN (only where the CPU
         can: see ``kernels/cpu_features.py``). ``fused`` runs the elementwise
         work between the projections in ``kernels.fused_ops`` (loaded by the
         caller); otherwise eager torch ops, the reference. ``panel_linears``
         runs float32 projections in the panel kernel (``kernels.linear``,
-        loaded by the caller) instead of oneDNN."""
+        loaded by the caller) instead of oneDNN. ``kv_dtype``: the KV cache's
+        element type, ``dtype`` by default; ``torch.int8`` keeps quantized rows
+        (``kernels/kv_layout.py``), which the torch and fused CPU attention read."""
         self.config = LlamaConfig.from_dir(model_dir)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.pack_weights = pack_weights
         self.fused = fused
         self.panel_linears = panel_linears

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from slipstream.kernels.kv_layout import dequantize_rows, quantize_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +81,22 @@ def dense_attention(q: torch.Tensor, batch: PagedBatch, scale: float) -> torch.T
         outputs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
         start += query_len
     return torch.cat(outputs)
+
+
+def quantized(batch: PagedBatch) -> PagedBatch:
+    """``batch`` with int8 caches (rows and scales, head-major) and, as its
+    dense twin, the values those rows stand for."""
+
+    def rows(cache: torch.Tensor) -> torch.Tensor:
+        return to_head_major(quantize_rows(cache))
+
+    def twin(seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [dequantize_rows(quantize_rows(x), torch.float64) for x in seqs]
+
+    return replace(
+        batch,
+        keys=twin(batch.keys),
+        values=twin(batch.values),
+        k_cache=rows(batch.k_cache),
+        v_cache=rows(batch.v_cache),
+    )

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from paged_fixtures import PagedBatch, dense_attention, make_paged_batch
+from paged_fixtures import PagedBatch, dense_attention, make_paged_batch, quantized
 
 from slipstream.kernels import attention, backend, cpu_attention, extensions
 from slipstream.kernels.attention import AttentionMetadata, build_attention_metadata
 from slipstream.kernels.block_copy import copy_blocks
-from slipstream.kernels.kv_layout import head_major
+from slipstream.kernels.kv_layout import allocate_kv_cache, head_major
 from slipstream.kernels.kv_write import write_kv
 from slipstream.kernels.workspace import Workspace
 
@@ -177,25 +177,104 @@ def test_bf16_groups_whose_rows_fill_several_register_chunks(
 
 
 @pytest.mark.usefixtures("fused")
-def test_agrees_with_the_torch_path_after_write_kv() -> None:
-    """A layer as the model runs it: write this step's K/V, then attend, through each backend."""
+@pytest.mark.parametrize("int8", [False, True], ids=["model-dtype", "int8"])
+def test_agrees_with_the_torch_path_after_write_kv(int8: bool) -> None:
+    """A layer as the model runs it: write this step's K/V, then attend, through
+    each backend; into an int8 cache, the write quantizes and both read the rows."""
     generator = torch.Generator().manual_seed(4)
     query_lens, seq_lens = MIXED
     batch = make_paged_batch(
         query_lens, seq_lens, 16, 2, 64, torch.float32, generator, head_major=True
     )
+    if int8:
+        batch = quantized(batch)
     meta = _meta(batch)
-    new_k = torch.cat([k[-n:] for k, n in zip(batch.keys, query_lens, strict=True)])
-    new_v = torch.cat([v[-n:] for v, n in zip(batch.values, query_lens, strict=True)])
+    new_k = torch.cat([k[-n:] for k, n in zip(batch.keys, query_lens, strict=True)]).float()
+    new_v = torch.cat([v[-n:] for v, n in zip(batch.values, query_lens, strict=True)]).float()
     q = torch.randn(sum(query_lens), 8, 64, generator=generator)
     outputs = []
     for name in ("torch", "cpu"):
         k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
-        k_cache.view(-1, 2, 64)[meta.slot_mapping] = 0.0  # stale until written
+        k_cache.view(-1, 2, k_cache.shape[-1])[meta.slot_mapping] = 0  # stale until written
         backend.write_kv_for(name)(k_cache, v_cache, new_k, new_v, meta)
         outputs.append(backend.paged_attention_for(name)(q, k_cache, v_cache, meta, 0.125))
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
     _assert_matches_dense(outputs[1], q, batch, 0.125)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", list(BATCHES))
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 32), (72, 16), (20, 12)])
+def test_int8_rows_match_attention_over_the_values_they_hold(
+    head_dim: int, block_size: int, kind: str, dtype: torch.dtype, isa: str
+) -> None:
+    """Int8 K/V rows (values, then the row's scale) under every variant, with
+    fp32 and bf16 queries, against float64 attention over the dequantized
+    rows: the kernel adds no error of its own to the quantization's. Head
+    dims 72 and 20 leave a tail past the 8-lane loop; blocks of 12 keys a
+    tile that is not a multiple of 8 rows."""
+    q, batch, _ = _case(BATCHES[kind], 9, 3, head_dim, block_size, torch.float32, seed=7)
+    batch = quantized(batch)
+    q = q.to(dtype)
+    out = run_variant(isa, q, batch, _meta(batch), head_dim**-0.5)
+    _assert_matches_dense(out, q, batch, head_dim**-0.5)
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+     (torch.float32, torch.int8), (torch.bfloat16, torch.int8)],
+    ids=["fp32", "bf16", "fp32-int8", "bf16-int8"],
+)  # fmt: skip
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_native_write_stores_the_bytes_of_the_torch_writer(
+    dtype: torch.dtype, kv_dtype: torch.dtype, isa: str
+) -> None:
+    """k and v as the model hands them over (views of one fused projection,
+    a token stride), one of them all zeros (an int8 row's scale then has a
+    floor); the vector rows and the baseline's scalar ones (AVX-512 CPUs
+    write with the AVX2 code)."""
+    picked = torch.ops.slipstream.paged_attention_set_max_isa(isa)
+    try:
+        if picked != isa:
+            pytest.skip(f"this CPU cannot run the {isa} variant (it runs {picked})")
+        _native_write_matches(dtype, kv_dtype)
+    finally:
+        extensions.cap_isa(cpu_attention.EXTENSION)
+
+
+def _native_write_matches(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(9)
+    query_lens, seq_lens = MIXED
+    batch = make_paged_batch(query_lens, seq_lens, 16, 3, 64, dtype, generator, head_major=True)
+    meta = _meta(batch)
+    fused_kv = torch.randn(meta.num_tokens, 5, 2, 64, generator=generator).to(dtype)
+    fused_kv[0, 1] = 0.0
+    k, v = fused_kv[:, 1:4, 0], fused_kv[:, 1:4, 1]
+    caches = []
+    for writer in (write_kv, cpu_attention.write_kv):
+        k_cache = allocate_kv_cache(batch.k_cache.shape[0], 16, 3, 64, kv_dtype)
+        v_cache = allocate_kv_cache(batch.k_cache.shape[0], 16, 3, 64, kv_dtype)
+        writer(k_cache, v_cache, k, v, meta)
+        caches.append((k_cache, v_cache))
+    (k_torch, v_torch), (k_native, v_native) = caches
+    assert torch.equal(k_native, k_torch) and torch.equal(v_native, v_torch)
+    assert k_native.abs().sum() > 0
+
+
+@pytest.mark.usefixtures("fused")
+def test_native_write_refuses_a_slot_outside_the_pool() -> None:
+    _, batch, meta = _case(([1], [40]), 4, 2, 32, 16, torch.float32)
+    slots = meta.slot_mapping.clone()
+    slots[0] = batch.k_cache.shape[0] * 16
+    k = torch.zeros(1, 2, 32)
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.slipstream.paged_kv_write(
+            k, k, head_major(batch.k_cache), head_major(batch.v_cache), slots
+        )
 
 
 @pytest.mark.usefixtures("fused")
@@ -277,7 +356,7 @@ def test_auto_on_the_cpu_picks_the_fused_kernel(home: Path) -> None:
     assert backend.resolve_backend("auto", CPU, home=home) == "cpu"
     assert backend.resolve_backend("cpu", CPU, home=home) == "cpu"
     assert backend.paged_attention_for("cpu") is cpu_attention.paged_attention
-    assert backend.write_kv_for("cpu") is write_kv
+    assert backend.write_kv_for("cpu") is cpu_attention.write_kv
     assert backend.copy_blocks_for("cpu") is copy_blocks
 
 

@@ -9,7 +9,15 @@ import time
 import pytest
 import torch
 
-from slipstream.kernels.kv_layout import allocate_kv_cache, head_major
+from slipstream.kernels.kv_layout import (
+    INT8_SCALE_BYTES,
+    allocate_kv_cache,
+    cache_head_dim,
+    dequantize_rows,
+    head_major,
+    quantize_rows,
+    row_width,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,3 +82,32 @@ def test_committing_falls_back_to_writing_zeros(monkeypatch: pytest.MonkeyPatch)
     cache = allocate_kv_cache(1024, 32, 4, 32, torch.float32, commit=True)  # 16 MiB
     assert _rss_bytes() - before > 14 * 2**20
     assert not cache.any()
+
+
+def test_int8_rows_hold_values_within_half_a_step_and_their_scale() -> None:
+    """Each row: head_dim int8 values, then its float32 scale (max |x| / 127,
+    with a floor);
+    dequantized, every value is within half a step of what was written, the
+    largest exactly at +-127 steps; a row of zeros stays zeros."""
+    x = (
+        torch.randn(5, 3, 64, dtype=torch.float64).float()
+        * torch.tensor([0.01, 1.0, 300.0])[:, None]
+    )
+    x[4, 2] = 0.0
+    rows = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == (5, 3, 64 + INT8_SCALE_BYTES)
+    scale = rows[..., 64:].contiguous().view(torch.float32)
+    torch.testing.assert_close(
+        scale[..., 0], x.abs().amax(-1).clamp_min(1e-30) / 127, rtol=1e-6, atol=0
+    )
+    back = dequantize_rows(rows, torch.float32)
+    assert ((back - x).abs() <= scale / 2 * (1 + 1e-6)).all()
+    assert rows[..., :64].abs().amax(-1)[:4].eq(127).all() and not back[4, 2].any()
+
+
+def test_an_int8_cache_has_rows_of_values_and_scale() -> None:
+    cache = allocate_kv_cache(7, 16, 3, 64, torch.int8)
+    assert cache.shape == (7, 16, 3, 68) and head_major(cache) is not None
+    assert cache_head_dim(cache) == 64 and row_width(64, torch.float32) == 64
+    with pytest.raises(ValueError, match="head_dim % 4"):
+        allocate_kv_cache(7, 16, 3, 66, torch.int8)

@@ -64,14 +64,14 @@ def _run(engine: Engine, early: list[RequestSpec], late: list[RequestSpec]) -> d
 COMMON = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=64)
 
 
-@pytest.fixture(scope="module")
-def workload(tiny_model_dir):
+def _workload(tiny_model_dir, kv_cache_dtype: str = "auto"):
     """The requests and the greedy tokens of an unpreempted run of them."""
     deadline = time.monotonic() + 600.0
     reference = load_engine(
         EngineConfig(
             model=str(tiny_model_dir),
             **COMMON,
+            kv_cache_dtype=kv_cache_dtype,
             num_device_blocks=256,
             num_host_blocks=0,
             policy="fcfs",
@@ -88,12 +88,24 @@ def workload(tiny_model_dir):
     return early, late, expected
 
 
-def _run_tight(tiny_model_dir, workload, num_host_blocks: int, plan_ahead: bool = False):
+@pytest.fixture(scope="module")
+def workload(tiny_model_dir):
+    return _workload(tiny_model_dir)
+
+
+def _run_tight(
+    tiny_model_dir,
+    workload,
+    num_host_blocks: int,
+    plan_ahead: bool = False,
+    kv_cache_dtype: str = "auto",
+):
     early, late, expected = workload
     tight = load_engine(
         EngineConfig(
             model=str(tiny_model_dir),
             **COMMON,
+            kv_cache_dtype=kv_cache_dtype,
             num_device_blocks=8,
             num_host_blocks=num_host_blocks,
             max_num_seqs=3,
@@ -132,3 +144,12 @@ def test_planning_ahead_preempts_exactly(tiny_model_dir, workload, num_host_bloc
     same tokens through swaps and recomputes."""
     stats = _run_tight(tiny_model_dir, workload, num_host_blocks, plan_ahead=True)
     assert stats.swap_preemptions + stats.recompute_preemptions >= 3
+
+
+def test_int8_kv_cache_preempts_exactly(tiny_model_dir):
+    """Quantized rows travel with their scales: swapped out and in, or
+    recomputed (and quantized again), they give the tokens of an unpreempted
+    run with the same int8 cache."""
+    workload = _workload(tiny_model_dir, "int8")
+    stats = _run_tight(tiny_model_dir, workload, num_host_blocks=6, kv_cache_dtype="int8")
+    assert stats.swap_preemptions >= 1 and stats.recompute_preemptions >= 1

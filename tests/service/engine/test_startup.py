@@ -100,3 +100,30 @@ def test_the_cpu_is_said_as_the_device() -> None:
     engine = load_engine(EngineConfig(model="tiny", num_device_blocks=16, device="cpu"))
     assert engine.info.device["type"] == "cpu" and engine.info.device["name"]
     engine.shutdown()
+
+
+def test_an_int8_kv_cache_is_said_and_holds_four_times_the_blocks() -> None:
+    """The pool is sized in bytes: int8 rows (values and a 4-byte scale) fit
+    about four times the float32 blocks; the choice is in the model info."""
+    from slipstream.service.models.llama import LlamaConfig
+
+    sizes = {}
+    for kv in ("auto", "int8"):
+        config = EngineConfig(
+            model="tiny", dtype="float32", kv_cache_dtype=kv, kv_cache_memory_gb=0.01
+        )
+        engine = load_engine(config)
+        sizes[kv] = engine.info.kv_bytes_per_block, engine.stats().device_blocks.free
+        head_dim = LlamaConfig.from_dir(Path(engine.info.path)).head_dim
+        assert engine.info.kv_cache_dtype == ("float32" if kv == "auto" else "int8")
+        assert len(_generate(engine)) == 4
+    (fp32_bytes, fp32_blocks), (int8_bytes, int8_blocks) = sizes["auto"], sizes["int8"]
+    assert int8_bytes * 4 * head_dim == fp32_bytes * (head_dim + 4)  # a row: 4 d vs d + 4 bytes
+    assert int8_blocks > 3 * fp32_blocks
+
+
+def test_an_int8_kv_cache_on_cuda_is_one_clear_error() -> None:
+    from slipstream.service.engine.loader import _load_on_cuda
+
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        _load_on_cuda(EngineConfig(kv_cache_dtype="int8"), torch.device("cuda"))
