@@ -17,6 +17,7 @@
 //   for each key tile (<= 32 keys, never crossing a block):
 //     K, V tile read in place (bf16 decodes: as even/odd lanes, see Bf16Rows),
 //       or converted to fp32 scratch once for the rows of a prefill tile
+//       (int8 rows, each with its scale after its values: always converted)
 //     for each row r = (query token, head of the GQA group):
 //       s = (q_r . K^T) * scale * log2(e)         8 keys per reduction
 //       causal: row r sees keys <= its position
@@ -38,10 +39,12 @@
 // Instruction sets: the part below "per-variant code" is compiled three
 // times, by including this file into itself (the pattern of Google's
 // Highway): for the baseline, under `#pragma GCC target("avx2,fma")`, and
-// under AVX-512 (F/BW/VL/DQ + BF16). The logic is one source; two macros set
+// under AVX-512 (F/BW/VL/DQ + BF16). The logic is one source; macros set
 // what differs: SLIPSTREAM_LANES, the float lanes of the head_dim vectors
-// (8: ymm or pairs of xmm; 16: zmm), and SLIPSTREAM_BF16_DOT, which lets a
-// bf16 task take its dot products on vdpbf16ps (Bf16DotRows below). The
+// (8: ymm or pairs of xmm; 16: zmm), SLIPSTREAM_BF16_DOT, which lets a
+// bf16 task take its dot products on vdpbf16ps (Bf16DotRows below), and
+// SLIPSTREAM_AVX2, where int8 widening and the KV write's rounding use
+// AVX2 instructions (element by element in the baseline). The
 // variant is picked at run time (CPUID, capped by set_max_isa, which the
 // Python side calls with what cpu_features.detect() allows), so the binary
 // does not depend on the build machine's CPU.
@@ -59,7 +62,6 @@
 #endif
 
 #include <algorithm>
-#include <utility>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -67,6 +69,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace slipstream {
