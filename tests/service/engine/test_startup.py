@@ -127,3 +127,14 @@ def test_an_int8_kv_cache_on_cuda_is_one_clear_error() -> None:
 
     with pytest.raises(ValueError, match="runs on the CPU only"):
         _load_on_cuda(EngineConfig(kv_cache_dtype="int8"), torch.device("cuda"))
+
+
+def test_serve_takes_the_kv_cache_dtype_flag() -> None:
+    from slipstream.service.cli import build_parser
+    from slipstream.service.cli.serve import engine_config
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).kv_cache_dtype == "auto"
+    assert engine_config(parse(["serve", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--kv-cache-dtype", "fp8"])
