@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 from slipstream.service.bench.report import hardware, resolved_dtype
@@ -59,6 +60,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.text.is_file():  # an installed wheel carries no README.md
+        print(f"slipstream: error: no text at {args.text}; pass --text FILE", file=sys.stderr)
+        return 2
     report = run(
         args.model,
         resolved_dtype(args.dtype),

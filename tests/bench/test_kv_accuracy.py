@@ -34,3 +34,9 @@ def test_reports_greedy_agreement_and_perplexity_under_both_caches(
 def test_first_difference_counts_the_equal_tokens_before_it() -> None:
     assert kv_accuracy._first_difference([1, 2, 3], [1, 2, 3]) is None
     assert kv_accuracy._first_difference([1, 2, 3], [1, 5, 3]) == 1
+
+
+def test_a_missing_text_is_one_error_line(tmp_path: Path, capsys) -> None:
+    argv = ["bench", "kv-accuracy", "--text", str(tmp_path / "none.txt")]
+    assert main(argv) == 2
+    assert "pass --text FILE" in capsys.readouterr().err
