@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels.kv_layout import cache_head_dim, dequantize_rows, head_major
+from slipstream.kernels.kv_layout import cache_head_dim, dequantize_rows, head_major, stores
 from slipstream.kernels.workspace import Workspace, default_workspace
 
 # Splitting a decode group costs one more gather + two matmuls + a softmax per
@@ -323,7 +323,7 @@ def _check_shapes(
         raise ValueError("q rows / cache block size do not match the metadata")
     if q.shape[1] % k_cache.shape[2] or q.shape[2] != cache_head_dim(k_cache):
         raise ValueError("num_heads must be a multiple of num_kv_heads, head dims equal")
-    if q.dtype != k_cache.dtype and k_cache.dtype != torch.int8:
+    if not stores(k_cache.dtype, q.dtype):
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}")
 
 

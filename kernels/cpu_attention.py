@@ -23,7 +23,7 @@ import torch
 from slipstream.kernels import extensions
 from slipstream.kernels.attention import AttentionMetadata
 from slipstream.kernels.extensions import default_home
-from slipstream.kernels.kv_layout import cache_head_dim, head_major
+from slipstream.kernels.kv_layout import cache_head_dim, head_major, stores
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
 # -O3 for the vector loops; -fopenmp for the task loop (it links the libgomp
@@ -145,7 +145,7 @@ def _check(
     if not (q.is_cpu and k_storage.is_cpu and v_storage.is_cpu):
         raise ValueError("the fused CPU kernel runs on CPU tensors")
     dtype, kv_dtype = q.dtype, k_storage.dtype
-    if dtype not in DTYPES or kv_dtype not in (dtype, torch.int8) or v_storage.dtype != kv_dtype:
+    if dtype not in DTYPES or not stores(kv_dtype, dtype) or v_storage.dtype != kv_dtype:
         raise ValueError("q and caches must share float32 or bfloat16 (or caches hold int8), "
                          f"got {dtype}, {kv_dtype}")  # fmt: skip
     shape, storage_shape = q.shape, k_storage.shape

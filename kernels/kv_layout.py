@@ -39,6 +39,12 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim
 
 
+def stores(cache_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether a cache of ``cache_dtype`` takes (and gives back) values of
+    ``dtype``: its own dtype, or any into int8 rows."""
+    return cache_dtype in (dtype, torch.int8)
+
+
 def cache_head_dim(cache: torch.Tensor) -> int:
     """The head_dim a cache holds (its last dim, less an int8 row's scale)."""
     width = cache.shape[-1]
@@ -51,8 +57,9 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     amax / 127``, with ``amax = max |x|`` (at least 1e-30). The native writer
     (``cpu_attention.write_kv``) does the same float32 operations: both
     store the same bytes."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
-    scaled = (x.float() * (torch.reciprocal(amax) * 127.0)).clamp_(-127.0, 127.0)
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    scaled = (x32 * (torch.reciprocal(amax) * 127.0)).clamp_(-127.0, 127.0)
     values = torch.round(scaled).to(torch.int8)
     return torch.cat([values, (amax / 127.0).view(torch.int8)], dim=-1)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.kernels.attention import AttentionMetadata
-from slipstream.kernels.kv_layout import cache_head_dim, quantize_rows, slot_view
+from slipstream.kernels.kv_layout import cache_head_dim, quantize_rows, slot_view, stores
 
 
 def write_kv(
@@ -57,5 +57,5 @@ def _check(
     expected = (meta.num_tokens, k_cache.shape[2], cache_head_dim(k_cache))
     if tuple(k.shape) != expected or tuple(v.shape) != expected:
         raise ValueError(f"k, v must be {expected}, got {tuple(k.shape)}, {tuple(v.shape)}")
-    if k_cache.dtype != torch.int8 and (k.dtype != k_cache.dtype or v.dtype != v_cache.dtype):
+    if not (stores(k_cache.dtype, k.dtype) and stores(v_cache.dtype, v.dtype)):
         raise ValueError(f"k/v dtype {k.dtype} does not match the cache's {k_cache.dtype}")

@@ -99,7 +99,8 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     model_dir, backend, fused, panels = _model_and_kernels(config)
-    if config.kv_cache_dtype == "int8" and backend == "triton":
+    int8_kv = config.kv_cache_dtype == "int8"
+    if int8_kv and backend == "triton":
         raise ValueError("--kv-cache-dtype int8 needs the cpu or torch attention backend")
     model = LlamaModel(
         model_dir,
@@ -108,7 +109,7 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
         choice.pack_weights,
         fused=fused,
         panel_linears=panels,
-        kv_dtype=torch.int8 if config.kv_cache_dtype == "int8" else None,
+        kv_dtype=torch.int8 if int8_kv else None,
     )
     max_model_len = _max_model_len(config, model)
     num_device_blocks, num_host_blocks = _pool_sizes(config, model, max_model_len)
@@ -131,7 +132,7 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
             "requested_dtype": choice.requested,
             "weights_packed": choice.pack_weights,
             "attention_backend": backend,
-            "kv_cache_dtype": _dtype_name(model.kv_dtype),
+            "kv_cache_dtype": "int8" if int8_kv else choice.dtype,
             "cpu": cpu.describe(),
             "compiled": fused,
             "device": describe_device(torch.device("cpu")),
@@ -276,10 +277,6 @@ def _finish(
         plan_ahead=plan_ahead,
     )
     return EngineParts(model, runner, tokenizer, info, scheduler_config, cost_model, plan_ahead)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _max_model_len(config: EngineConfig, model: LlamaModel) -> int:
