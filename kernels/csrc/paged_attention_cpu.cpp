@@ -26,7 +26,10 @@
 //     meanwhile, a few lines at a time: prefetch the next tile's K and V
 //       (another block, another page; the last tile: the thread's next task's first)
 //
-// With AVX512-BF16 (Bf16DotRows) a tile is taken in two passes instead:
+// Tasks of many rows (a prefill chunk's tokens x the group) take each tile
+// as two small matrix products instead, with the rows' softmax state in
+// vectors across rows (see run_task_tiles). With AVX512-BF16 (Bf16DotRows)
+// a bf16 tile is taken in two passes instead:
 // the scores of every row, then p . V for all rows at once, each
 // interleaved pair of V rows shared by the rows (see attend_tile_dot).
 //
@@ -156,10 +159,14 @@ struct Scratch {
   std::vector<uint32_t> p_pairs;  // Bf16DotRows: p as bf16 pairs, per row
   std::vector<int> visible;       // Bf16DotRows: keys of the tile each row sees
   std::vector<float> l_lanes;     // Bf16DotRows: l per row as 16 partial sums
+  std::vector<float> st, pos;     // tiled tasks: scores [keys][rows], row positions
   void reserve(int64_t rows, int64_t head_dim) {
     auto grow = [](auto& b, int64_t n) {
       if (int64_t(b.size()) < n) b.resize(n);
     };
+    rows += 16;  // tiled tasks pad rows to a multiple of the vector lanes
+    grow(st, kKeyTile * rows);
+    grow(pos, rows);
     grow(q, rows * head_dim);
     grow(o, rows * head_dim);
     grow(m, rows);
@@ -648,7 +655,18 @@ typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
 
 SLIP_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-SLIP_INLINE vf splatv(float x) { return vf{} + x; }
+// A broadcast load where the variant has one: `vf{} + x` keeps the add
+// (x + 0.0f is not x for x = -0.0f), from memory, then broadcasts from a
+// register (a shuffle); a lane-by-lane build inserts lane by lane.
+SLIP_INLINE vf splatv(float x) {
+#if SLIPSTREAM_AVX2 && SLIPSTREAM_LANES == 16
+  return (vf)_mm512_set1_ps(x);
+#elif SLIPSTREAM_AVX2
+  return (vf)_mm256_set1_ps(x);
+#else
+  return vf{} + x;
+#endif
+}
 
 SLIP_INLINE v8f load8(const float* p) {
   v8f v;
@@ -1364,6 +1382,189 @@ SLIP_INLINE void run_task_rows(const Problem<T, KV>& p, const Task& task, const 
   }
 }
 
+// ---- Tiled tasks: many rows (a prefill chunk's tokens x the GQA group).
+// Each tile becomes two small matrix products, with the rows' state held in
+// vectors across rows (rows padded to a multiple of kLanes):
+//
+//   qt [d][rows]     q, scaled and transposed once per task
+//   st [keys][rows]  scores: st[t] = sum_c k[t][c] * qt[c], k broadcast
+//   online softmax down the keys, per lane: m, l and alpha are vectors of
+//     rows; the causal mask compares each row's position with the key's
+//   ot [d][rows]     ot[c] = ot[c] * alpha + sum_t v[t][c] * p[t], v broadcast
+//
+// so the tile loop has no horizontal reduction and no per-row scalar work
+// (the row-at-a-time path spends a reduction tree per 8 keys and an exp2
+// per row). Each K or V element is broadcast once per kTileRowVecs row
+// vectors; each row vector of qt or p is loaded once per 4 keys or columns.
+// ot is transposed back once, when the task writes its rows.
+constexpr int kTileRowVecs = kNumRegs == 32 ? 4 : 2;  // 16 accumulators, or 8
+constexpr int kTileCols = 4;                          // keys, or columns, per block
+
+// Scores of the row vectors at qt (RV of them, row stride rs) against the
+// first `keys` rows of k (a multiple of 4, all readable), into st.
+template <int RV>
+SLIP_INLINE void tile_scores(const float* qt, int64_t rs, const float* k, int64_t d, int keys,
+                             float* st) {
+  for (int t = 0; t < keys; t += kTileCols) {
+    vf acc[kTileCols][RV] = {};
+    const float* kb = k + t * d;
+    for (int64_t c = 0; c < d; ++c) {
+      vf x[RV];
+      for (int j = 0; j < RV; ++j) x[j] = loadv(qt + c * rs + kLanes * j);
+      for (int u = 0; u < kTileCols; ++u) {
+        const vf b = splatv(kb[u * d + c]);
+        for (int j = 0; j < RV; ++j) acc[u][j] += b * x[j];
+      }
+    }
+    for (int u = 0; u < kTileCols; ++u)
+      for (int j = 0; j < RV; ++j) storev(st + (t + u) * rs + kLanes * j, acc[u][j]);
+  }
+}
+
+// Online softmax of one row vector over the tile's first n keys (key0 is
+// the first one's position): st's scores become p in place; m, l updated,
+// alpha = 2^(m_old - m_new). Rows that have seen no key keep m = -inf and
+// p = 0 (their alpha only ever scales zeros).
+SLIP_INLINE void tile_softmax(float* st, int64_t rs, int n, float key0, vf row_pos, float* m,
+                              float* l, float* alpha) {
+  const vf neg_inf = splatv(kNegInf);
+  vf top = neg_inf;
+  for (int t = 0; t < n; ++t) {
+    const vf s = loadv(st + t * rs);
+    const vf masked = splatv(key0 + float(t)) <= row_pos ? s : neg_inf;  // causal
+    storev(st + t * rs, masked);
+    top = top > masked ? top : masked;
+  }
+  const vf m_old = loadv(m);
+  const vf m_new = m_old > top ? m_old : top;
+  const vf base = m_new == neg_inf ? vf{} : m_new;
+  const vf a = exp2_neg(m_old - base);
+  vf sum = {};
+  for (int t = 0; t < n; ++t) {
+    const vf e = exp2_neg(loadv(st + t * rs) - base);
+    storev(st + t * rs, e);
+    sum += e;
+  }
+  storev(l, loadv(l) * a + sum);
+  storev(m, m_new);
+  storev(alpha, a);
+}
+
+// Columns c0 .. c0 + C of ot for RV row vectors: ot = ot * alpha + v^T p
+// over the first n keys (rows of v, stride d; p rows of stride rs).
+template <int RV, int C>
+SLIP_INLINE void tile_pv(float* ot, int64_t rs, const float* v, int64_t d, int64_t c0,
+                         const float* p, int n, const float* alpha) {
+  vf acc[C][RV];
+  for (int j = 0; j < RV; ++j) {
+    const vf a = loadv(alpha + kLanes * j);
+    for (int u = 0; u < C; ++u) acc[u][j] = loadv(ot + (c0 + u) * rs + kLanes * j) * a;
+  }
+  for (int t = 0; t < n; ++t) {
+    vf x[RV];
+    for (int j = 0; j < RV; ++j) x[j] = loadv(p + t * rs + kLanes * j);
+    for (int u = 0; u < C; ++u) {
+      const vf b = splatv(v[t * d + c0 + u]);
+      for (int j = 0; j < RV; ++j) acc[u][j] += b * x[j];
+    }
+  }
+  for (int u = 0; u < C; ++u)
+    for (int j = 0; j < RV; ++j) storev(ot + (c0 + u) * rs + kLanes * j, acc[u][j]);
+}
+
+// One tile of n keys at position key0 (k readable to a multiple of 8 rows)
+// against RV row vectors starting at row vector jb, whose last real row sits
+// at last_pos.
+template <int RV>
+SLIP_INLINE void tile_block(Scratch& sc, int64_t rs, int64_t jb, int64_t last_pos,
+                            const float* k, const float* v, int64_t d, int n, int64_t key0) {
+  const int seen = int(std::min<int64_t>(n, last_pos - key0 + 1));  // the block's most
+  if (seen <= 0) return;  // no row of the block sees the tile: nothing changes
+  const int64_t at = kLanes * jb;
+  float* st = sc.st.data() + at;
+  tile_scores<RV>(sc.q.data() + at, rs, k, d, (seen + kTileCols - 1) / kTileCols * kTileCols,
+                  st);
+  for (int j = 0; j < RV; ++j) {
+    const int64_t r = at + kLanes * j;
+    tile_softmax(st + kLanes * j, rs, seen, float(key0), loadv(sc.pos.data() + r),
+                 sc.m.data() + r, sc.l.data() + r, sc.alpha.data() + r);
+  }
+  const float* alpha = sc.alpha.data() + at;
+  float* ot = sc.o.data() + at;
+  int64_t c = 0;
+  for (; c + kTileCols <= d; c += kTileCols)
+    tile_pv<RV, kTileCols>(ot, rs, v, d, c, st, seen, alpha);
+  for (; c < d; ++c) tile_pv<RV, 1>(ot, rs, v, d, c, st, seen, alpha);
+}
+
+template <typename T, typename KV>
+SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const Task* upcoming,
+                                Scratch& sc) {
+  const int64_t d = p.head_dim, g = p.group;
+  const int64_t rows = task.num_tokens * g;
+  const int64_t vecs = (rows + kLanes - 1) / kLanes, rs = vecs * kLanes;
+  float* qt = sc.q.data();
+  float* ot = sc.o.data();
+  // Rows are (token, head of the group), token-major; padding rows see nothing.
+  for (int64_t r = 0; r < rs; ++r) {
+    if (r >= rows) {
+      for (int64_t c = 0; c < d; ++c) qt[c * rs + r] = 0.0f;
+      sc.pos[r] = -1.0f;
+      continue;
+    }
+    const T* src = p.q + (task.token0 + r / g) * p.q_stride + (task.kv_head * g + r % g) * d;
+    for (int64_t c = 0; c < d; ++c) qt[c * rs + r] = to_float(src[c]) * p.qk_scale;
+    sc.pos[r] = float(task.pos0 + r / g);
+  }
+  std::fill(ot, ot + d * rs, 0.0f);
+  std::fill(sc.m.data(), sc.m.data() + rs, kNegInf);
+  std::fill(sc.l.data(), sc.l.data() + rs, 0.0f);
+
+  const TileWalk<T, KV> walk(p, task);
+  LinePrefetcher ahead;
+  for (int64_t key = task.key_begin; key < task.key_end;) {
+    const int64_t n = walk.length(key), offset = walk.offset(key);
+    const int64_t next = key + n;
+    ahead.finish();
+    if (next < task.key_end)
+      walk.aim(ahead, next);
+    else if (upcoming != nullptr)
+      TileWalk<T, KV>(p, *upcoming).aim(ahead, upcoming->key_begin);
+    const int64_t readable = p.block_size - key % p.block_size;  // rows left in the block
+    const float* kt = tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, d, sc.k.data());
+    const float* vt = tile_f32(p.v + offset, n, readable, d, sc.v.data());
+    int64_t jb = 0;
+    auto last_pos = [&](int64_t vectors) {  // of the last real row of `vectors` from jb
+      return task.pos0 + (std::min(rows, kLanes * (jb + vectors)) - 1) / g;
+    };
+    for (; jb + kTileRowVecs <= vecs; jb += kTileRowVecs) {
+      ahead.step(kRowLines);
+      tile_block<kTileRowVecs>(sc, rs, jb, last_pos(kTileRowVecs), kt, vt, d, int(n), key);
+    }
+    for (; jb < vecs; ++jb) {
+      ahead.step(kRowLines);
+      tile_block<1>(sc, rs, jb, last_pos(1), kt, vt, d, int(n), key);
+    }
+    key = next;
+  }
+
+  float* record = task.partial < 0 ? nullptr : p.partials + task.partial;
+  float* row = sc.k.data();  // free by now
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < d; ++c) row[c] = ot[c * rs + r];
+    if (record == nullptr) {
+      const int64_t token = task.token0 + r / g, head = task.kv_head * g + r % g;
+      store_row(p.out + (token * p.num_heads + head) * d, row, 1.0f / sc.l[r], d);
+    } else {
+      std::copy(row, row + d, record + r * d);
+    }
+  }
+  if (record != nullptr) {
+    std::copy(sc.m.data(), sc.m.data() + rows, record + rows * d);
+    std::copy(sc.l.data(), sc.l.data() + rows, record + rows * d + rows);
+  }
+}
+
 // Bf16 rows are read in place when every tile is readable to a multiple of 8
 // rows and head_dim is a multiple of the layout's width. With AVX512-BF16
 // (Bf16DotRows) that is every task: no widening at all. Otherwise, as lane
@@ -1373,6 +1574,8 @@ SLIP_INLINE void run_task_rows(const Problem<T, KV>& p, const Task& task, const 
 // share it (measured, AVX2, one core, a 256-token chunk: 5.2 -> 4.5 ms).
 // fp32 storage is read in place whenever the tile is readable (tile_f32).
 constexpr int64_t kMaxPairedRows = 16;
+// Tasks of at least this many rows take the tiled path (run_task_tiles).
+constexpr int64_t kMinTiledRows = 16;
 
 // One int8 storage row from head_dim values: each rounded to x * ((1 /
 // amax) * 127), half to even (vcvtps2dq under the default rounding mode; nearbyint
@@ -1436,6 +1639,8 @@ __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& tas
         task.num_tokens * p.group < kMaxPairedRows)
       return run_task_rows<T, KV, Bf16Rows>(p, task, upcoming, scratch);
   }
+  if (task.num_tokens * p.group >= kMinTiledRows)
+    return run_task_tiles<T, KV>(p, task, upcoming, scratch);
   run_task_rows<T, KV, FloatRows>(p, task, upcoming, scratch);
 }
 
