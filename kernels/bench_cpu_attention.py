@@ -8,10 +8,12 @@
 decode batches of 1, 8, 64 and 256 sequences with contexts drawn from
 250..350 tokens, one decode at 2000 tokens (where the kernel splits the keys
 over threads), and a 512-token prefill chunk over a 512-token cached prefix.
-Prints the median ms per call of each path and the K/V bandwidth of the fused
-kernel: the bytes of K and V the step must read (each cached token once) over
-its median time. ``--max-isa`` caps the kernel's variant (as a forced
-``cpu_features.detect()`` answer would), to compare variants on one CPU.
+Prints the median ms per call of each path, the K/V bandwidth of the fused
+kernel (the bytes of K and V the step must read, each cached token once, over
+its median time) and its arithmetic rate (q . k and p . v over the keys each
+query token sees, 4 head_dim flops a key and head: what bounds a prefill).
+``--max-isa`` caps the kernel's variant (as a forced ``cpu_features.detect()``
+answer would), to compare variants on one CPU.
 """
 
 from __future__ import annotations
@@ -78,7 +80,11 @@ def _step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype,  # typ
         query_lens, seq_lens, tables, BLOCK_SIZE, CPU, dtype, workspace=Workspace(CPU)
     )
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * k_cache.shape[-1] * k_cache.element_size()
-    return q, k_cache, v_cache, meta, kv_bytes
+    keys_seen = sum(
+        seq - n + i + 1 for n, seq in zip(query_lens, seq_lens, strict=True) for i in range(n)
+    )
+    flops = 4 * HEAD_DIM * NUM_HEADS * keys_seen
+    return q, k_cache, v_cache, meta, kv_bytes, flops
 
 
 def _median_ms(attend: Callable[..., torch.Tensor], inputs: tuple[object, ...], reps: int) -> float:
@@ -125,12 +131,13 @@ def main() -> None:
     print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"{'dtype':>8} {'kv':>8} {'step':>8} {'size':>5} {'ctx':>5} {'torch ms':>9} "
-          f"{'fused ms':>9} {'speedup':>7} {'fused GB/s':>10}")  # fmt: skip
+          f"{'fused ms':>9} {'speedup':>7} {'fused GB/s':>10} {'GFLOP/s':>8}")  # fmt: skip
     rng = random.Random(0)
     for dtype, kv_dtype in PAIRS:
         for kind, size, context in CASES:
             query_lens, seq_lens = _lens(kind, size, context, rng)
-            q, k_cache, v_cache, meta, kv_bytes = _step(query_lens, seq_lens, dtype, kv_dtype, rng)
+            step = _step(query_lens, seq_lens, dtype, kv_dtype, rng)
+            q, k_cache, v_cache, meta, kv_bytes, flops = step
             inputs = (q, k_cache, v_cache, meta, HEAD_DIM**-0.5)
             with torch.inference_mode():
                 torch_ms = _median_ms(paged_attention, inputs, args.reps)
@@ -138,7 +145,7 @@ def main() -> None:
             name, kv_name = (str(t).removeprefix("torch.") for t in (dtype, kv_dtype))
             print(f"{name:>8} {kv_name:>8} {kind:>8} {size:>5} {context:>5} {torch_ms:>9.3f} "
                   f"{fused_ms:>9.3f} {torch_ms / fused_ms:>6.1f}x "
-                  f"{kv_bytes / fused_ms / 1e6:>10.1f}")  # fmt: skip
+                  f"{kv_bytes / fused_ms / 1e6:>10.1f} {flops / fused_ms / 1e6:>8.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
