@@ -46,11 +46,11 @@
 // what differs: SLIPSTREAM_LANES, the float lanes of the head_dim vectors
 // (8: ymm or pairs of xmm; 16: zmm), SLIPSTREAM_BF16_DOT, which lets a
 // bf16 task take its dot products on vdpbf16ps (Bf16DotRows below), and
-// SLIPSTREAM_AVX2, where int8 widening and the KV write's rounding use
-// AVX2 instructions (element by element in the baseline). The
-// variant is picked at run time (CPUID, capped by set_max_isa, which the
-// Python side calls with what cpu_features.detect() allows), so the binary
-// does not depend on the build machine's CPU.
+// SLIPSTREAM_AVX2, where int8 widening, broadcasts and the KV write's
+// rounding use AVX2 (or AVX-512) instructions (generic code in the
+// baseline). The variant is picked at run time (CPUID, capped by
+// set_max_isa, which the Python side calls with what cpu_features.detect()
+// allows), so the binary does not depend on the build machine's CPU.
 
 #ifndef SLIPSTREAM_VARIANT  // ============================== shared code, first pass
 
@@ -655,9 +655,9 @@ typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
 typedef uint16_t vh __attribute__((vector_size(2 * kLanes)));
 
 SLIP_INLINE v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
-// A broadcast load where the variant has one: `vf{} + x` keeps the add
-// (x + 0.0f is not x for x = -0.0f), from memory, then broadcasts from a
-// register (a shuffle); a lane-by-lane build inserts lane by lane.
+// One broadcast load where the variant has one. `vf{} + x` compiles to a
+// scalar add from memory (x + 0.0f is not x for x = -0.0f, so the add stays)
+// and a register broadcast; a lane-by-lane build, to a lane-by-lane insert.
 SLIP_INLINE vf splatv(float x) {
 #if SLIPSTREAM_AVX2 && SLIPSTREAM_LANES == 16
   return (vf)_mm512_set1_ps(x);
