@@ -107,6 +107,22 @@ def test_two_threads_split_long_contexts(kind: str) -> None:
 
 
 @pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_threads_split_a_long_prefill_chunk(kv_dtype: torch.dtype) -> None:
+    """A chunk at the end of a long prefix: its tasks (64 rows, the tiled path)
+    are cut over keys, their partial records merged."""
+    lens = ([64, 1], [2000, 300])
+    starts = torch.tensor([0, 64, 65])
+    assert torch.ops.slipstream.paged_attention_plan(
+        torch.tensor(lens[1]), starts, 2, 4, 64, 32, 2
+    )[1] > 0  # fmt: skip
+    q, batch, meta = _case(lens, 8, 2, 64, 32, kv_dtype, seed=3)
+    torch.set_num_threads(2)  # the autouse fixture restores 1
+    out = cpu_attention.paged_attention(q, batch.k_cache, batch.v_cache, meta, 0.125)
+    _assert_matches_dense(out, q, batch, 0.125)
+
+
+@pytest.mark.usefixtures("fused")
 def test_plan_splits_one_long_decode_but_not_a_big_batch() -> None:
     plan = torch.ops.slipstream.paged_attention_plan
 
