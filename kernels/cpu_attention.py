@@ -98,9 +98,7 @@ def paged_attention(
     """``attention.paged_attention`` on the fused kernel. ``k_cache``/``v_cache``
     are logical views of head-major storage; ``q [T, num_heads, head_dim]`` may
     have any token stride but packed heads. Needs ``is_available()`` first."""
-    k_storage, v_storage = head_major(k_cache), head_major(v_cache)
-    if k_storage is None or v_storage is None:
-        raise ValueError("the fused CPU kernel reads head-major KV caches (kv_layout)")
+    k_storage, v_storage = _storages(k_cache, v_cache, "reads")
     _check(q, k_storage, v_storage, meta)
     return torch.ops.slipstream.paged_attention(
         q,
@@ -123,11 +121,19 @@ def write_kv(
     """``kv_write.write_kv`` in the same extension: each (token, kv head) row
     copied, or quantized into an int8 cache (the bytes ``quantize_rows``
     writes), in one call instead of a chain of torch ops per layer."""
-    k_storage, v_storage = head_major(k_cache), head_major(v_cache)
-    if k_storage is None or v_storage is None:
-        raise ValueError("the fused CPU kernel writes head-major KV caches (kv_layout)")
+    k_storage, v_storage = _storages(k_cache, v_cache, "writes")
     k, v = _packed_heads(k), _packed_heads(v)
     torch.ops.slipstream.paged_kv_write(k, v, k_storage, v_storage, meta.slot_mapping)
+
+
+def _storages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, verb: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head-major storages behind both caches; the kernel knows no other layout."""
+    k_storage, v_storage = head_major(k_cache), head_major(v_cache)
+    if k_storage is None or v_storage is None:
+        raise ValueError(f"the fused CPU kernel {verb} head-major KV caches (kv_layout)")
+    return k_storage, v_storage
 
 
 def _packed_heads(x: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1258,6 +1259,60 @@ struct TileWalk {
   }
 };
 
+// Each tile of a task's key range in order: f(key, n, offset) for the n keys
+// from `key`, whose rows start at element `offset` of K and V. Meanwhile the
+// next tile's lines (after the last: the thread's next task's first) are
+// asked for, a few per step of f's loops (ahead.step).
+template <typename T, typename KV, typename F>
+SLIP_INLINE void for_each_tile(const Problem<T, KV>& p, const Task& task, const Task* upcoming,
+                               LinePrefetcher& ahead, F&& f) {
+  const TileWalk<T, KV> walk(p, task);
+  for (int64_t key = task.key_begin; key < task.key_end;) {
+    const int64_t n = walk.length(key), next = key + n;
+    ahead.finish();  // what the last tile's steps left of this one
+    if (next < task.key_end)
+      walk.aim(ahead, next);
+    else if (upcoming != nullptr)
+      TileWalk<T, KV>(p, *upcoming).aim(ahead, upcoming->key_begin);
+    f(key, n, walk.offset(key));
+    key = next;
+  }
+}
+
+// A tile's K (readable to a multiple of 8 rows) and V rows as fp32 (tile_f32).
+template <typename T, typename KV>
+SLIP_INLINE std::pair<const float*, const float*> float_tile(const Problem<T, KV>& p,
+                                                             int64_t key, int64_t n,
+                                                             int64_t offset, Scratch& scratch) {
+  const int64_t readable = p.block_size - key % p.block_size;  // rows left in the block
+  return {tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, p.head_dim, scratch.k.data()),
+          tile_f32(p.v + offset, n, readable, p.head_dim, scratch.v.data())};
+}
+
+// A task's result: row_at(r, tmp) gives row r's O in element order (tmp: d
+// floats it may use), divided by l[r] into the output; or, for a split task,
+// O, m and l into its record for run_merge.
+template <typename T, typename KV, typename RowAt>
+SLIP_INLINE void write_result(const Problem<T, KV>& p, const Task& task, RowAt row_at,
+                              const float* m, const float* l, float* tmp) {
+  const int64_t d = p.head_dim, g = p.group;
+  const int64_t rows = task.num_tokens * g;
+  float* record = task.partial < 0 ? nullptr : p.partials + task.partial;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = row_at(r, tmp);
+    if (record == nullptr) {
+      const int64_t token = task.token0 + r / g, head = task.kv_head * g + r % g;
+      store_row(p.out + (token * p.num_heads + head) * d, row, 1.0f / l[r], d);
+    } else {
+      std::copy(row, row + d, record + r * d);
+    }
+  }
+  if (record != nullptr) {
+    std::copy(m, m + rows, record + rows * d);
+    std::copy(l, l + rows, record + rows * d + rows);
+  }
+}
+
 // Row of q into the order and type R's loops expect (scaled unless R keeps bf16).
 template <typename R, typename T>
 SLIP_INLINE void load_q_row(typename R::Q* dst, const T* src, float scale, int64_t d) {
@@ -1320,25 +1375,15 @@ SLIP_INLINE void run_task_rows(const Problem<T, KV>& p, const Task& task, const 
   std::fill(l, l + rows, 0.0f);
   if constexpr (kDot<R>) std::fill_n(scratch.l_lanes.data(), rows * 16, 0.0f);
 
-  const TileWalk<T, KV> walk(p, task);
   LinePrefetcher ahead;
-  for (int64_t key = task.key_begin; key < task.key_end;) {
-    const int64_t n = walk.length(key), offset = walk.offset(key);
-    const int64_t next = key + n;
-    ahead.finish();  // what the last tile's steps left of this one
-    if (next < task.key_end)
-      walk.aim(ahead, next);
-    else if (upcoming != nullptr)
-      TileWalk<T, KV>(p, *upcoming).aim(ahead, upcoming->key_begin);
+  for_each_tile(p, task, upcoming, ahead, [&](int64_t key, int64_t n, int64_t offset) {
     const typename R::E* kt;
     const typename R::E* vt;
     if constexpr (kPaired<R> || kDot<R>) {  // in place: run_task checked block_size % 8 == 0
       kt = p.k + offset;
       vt = p.v + offset;
     } else {
-      const int64_t readable = p.block_size - key % p.block_size;  // rows left in the block
-      kt = tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, d, scratch.k.data());
-      vt = tile_f32(p.v + offset, n, readable, d, scratch.v.data());
+      std::tie(kt, vt) = float_tile(p, key, n, offset, scratch);
     }
 #if SLIPSTREAM_BF16_DOT
     if constexpr (kDot<R>) {
@@ -1358,28 +1403,15 @@ SLIP_INLINE void run_task_rows(const Problem<T, KV>& p, const Task& task, const 
           attend_row<R>(q + r * d, kt, vt, d, int(visible_keys), m[r], l[r], o + r * d);
       }
     }
-    key = next;
-  }
+  });
 
 #if SLIPSTREAM_BF16_DOT
   if constexpr (kDot<R>)
     for (int64_t r = 0; r < rows; ++r)
       l[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(scratch.l_lanes.data() + 16 * r));
 #endif
-  float* record = task.partial < 0 ? nullptr : p.partials + task.partial;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = natural_row<R>(o + r * d, d, scratch.k.data());  // k: free by now
-    if (record == nullptr) {
-      const int64_t token = task.token0 + r / g, head = task.kv_head * g + r % g;
-      store_row(p.out + (token * p.num_heads + head) * d, row, 1.0f / l[r], d);
-    } else {
-      std::copy(row, row + d, record + r * d);
-    }
-  }
-  if (record != nullptr) {
-    std::copy(m, m + rows, record + rows * d);
-    std::copy(l, l + rows, record + rows * d + rows);
-  }
+  auto row_at = [&](int64_t r, float* tmp) { return natural_row<R>(o + r * d, d, tmp); };
+  write_result(p, task, row_at, m, l, scratch.k.data());  // k: free by now
 }
 
 // ---- Tiled tasks: many rows (a prefill chunk's tokens x the GQA group).
@@ -1520,19 +1552,9 @@ SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const
   std::fill(sc.m.data(), sc.m.data() + rs, kNegInf);
   std::fill(sc.l.data(), sc.l.data() + rs, 0.0f);
 
-  const TileWalk<T, KV> walk(p, task);
   LinePrefetcher ahead;
-  for (int64_t key = task.key_begin; key < task.key_end;) {
-    const int64_t n = walk.length(key), offset = walk.offset(key);
-    const int64_t next = key + n;
-    ahead.finish();
-    if (next < task.key_end)
-      walk.aim(ahead, next);
-    else if (upcoming != nullptr)
-      TileWalk<T, KV>(p, *upcoming).aim(ahead, upcoming->key_begin);
-    const int64_t readable = p.block_size - key % p.block_size;  // rows left in the block
-    const float* kt = tile_f32(p.k + offset, (n + 7) / 8 * 8, readable, d, sc.k.data());
-    const float* vt = tile_f32(p.v + offset, n, readable, d, sc.v.data());
+  for_each_tile(p, task, upcoming, ahead, [&](int64_t key, int64_t n, int64_t offset) {
+    const auto [kt, vt] = float_tile(p, key, n, offset, sc);
     int64_t jb = 0;
     auto last_pos = [&](int64_t vectors) {  // of the last real row of `vectors` from jb
       return task.pos0 + (std::min(rows, kLanes * (jb + vectors)) - 1) / g;
@@ -1545,24 +1567,13 @@ SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const
       ahead.step(kRowLines);
       tile_block<1>(sc, rs, jb, last_pos(1), kt, vt, d, int(n), key);
     }
-    key = next;
-  }
+  });
 
-  float* record = task.partial < 0 ? nullptr : p.partials + task.partial;
-  float* row = sc.k.data();  // free by now
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < d; ++c) row[c] = ot[c * rs + r];
-    if (record == nullptr) {
-      const int64_t token = task.token0 + r / g, head = task.kv_head * g + r % g;
-      store_row(p.out + (token * p.num_heads + head) * d, row, 1.0f / sc.l[r], d);
-    } else {
-      std::copy(row, row + d, record + r * d);
-    }
-  }
-  if (record != nullptr) {
-    std::copy(sc.m.data(), sc.m.data() + rows, record + rows * d);
-    std::copy(sc.l.data(), sc.l.data() + rows, record + rows * d + rows);
-  }
+  auto row_at = [&](int64_t r, float* tmp) {  // column r of ot
+    for (int64_t c = 0; c < d; ++c) tmp[c] = ot[c * rs + r];
+    return static_cast<const float*>(tmp);
+  };
+  write_result(p, task, row_at, sc.m.data(), sc.l.data(), sc.k.data());  // k: free by now
 }
 
 // Bf16 rows are read in place when every tile is readable to a multiple of 8
