@@ -31,7 +31,7 @@ import torch
 
 from slipstream.kernels import cpu_attention
 from slipstream.kernels.attention import build_attention_metadata, paged_attention
-from slipstream.kernels.kv_layout import allocate_kv_cache, quantize_rows
+from slipstream.kernels.kv_layout import allocate_kv_cache, fill_normal_
 from slipstream.kernels.workspace import Workspace
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 4, 64, 32
@@ -72,9 +72,8 @@ def _step(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype,  # typ
         used += count
     k_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
     v_cache = allocate_kv_cache(len(blocks), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
-    for cache in (k_cache, v_cache):
-        values = torch.randn((*cache.shape[:-1], HEAD_DIM))
-        cache.copy_(quantize_rows(values) if kv_dtype == torch.int8 else values)
+    fill_normal_(k_cache)
+    fill_normal_(v_cache)
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM).to(dtype)
     meta = build_attention_metadata(
         query_lens, seq_lens, tables, BLOCK_SIZE, CPU, dtype, workspace=Workspace(CPU)

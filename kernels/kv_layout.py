@@ -71,6 +71,16 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (rows[..., :head_dim].float() * scale).to(dtype)
 
 
+def fill_normal_(cache: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """Standard normal keys or values in every row of ``cache`` (benchmarks'
+    stand-in for a filled cache); an int8 cache gets them as quantized rows."""
+    if cache.dtype != torch.int8:
+        cache.normal_(generator=generator)
+        return
+    shape = (*cache.shape[:-1], cache_head_dim(cache))
+    cache.copy_(quantize_rows(torch.randn(shape, generator=generator, device=cache.device)))
+
+
 def allocate_kv_cache(
     num_blocks: int,
     block_size: int,

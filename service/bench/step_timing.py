@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slipstream.kernels.kv_layout import cache_head_dim, quantize_rows, row_width
+from slipstream.kernels.kv_layout import fill_normal_
 from slipstream.scheduler.plan import StepPlan
 from slipstream.service.engine.calibration import synthetic_plan
+from slipstream.service.engine.runner import kv_bytes_per_block
 
 if TYPE_CHECKING:
     from slipstream.service.engine.runner import ModelRunner
@@ -60,13 +61,8 @@ def fill_kv(runner: ModelRunner, seed: int = 0) -> None:
     device = runner.device_pool[0][0].device
     generator = torch.Generator(device=device).manual_seed(seed)
     for k_cache, v_cache in runner.device_pool:
-        for cache in (k_cache, v_cache):
-            if cache.dtype == torch.int8:  # rows of values and their scales
-                shape = (*cache.shape[:-1], cache_head_dim(cache))
-                values = torch.randn(shape, generator=generator)
-                cache.copy_(quantize_rows(values))
-            else:
-                cache.normal_(generator=generator)
+        fill_normal_(k_cache, generator)
+        fill_normal_(v_cache, generator)
 
 
 def time_plain(runner: ModelRunner, plan: StepPlan, num_steps: int, warmup: int) -> list[float]:
@@ -220,10 +216,7 @@ def weight_read_bytes(model: LlamaModel) -> int:
 def kv_read_bytes(model: LlamaModel, batch: int, seq_len: int) -> int:
     """Bytes of K and V that attention must read for ``batch`` sequences of
     ``seq_len`` tokens, over all layers."""
-    cfg = model.config
-    element_size = torch.empty((), dtype=model.kv_dtype).element_size()
-    row = row_width(cfg.head_dim, model.kv_dtype) * element_size
-    return batch * seq_len * cfg.num_layers * 2 * cfg.num_kv_heads * row
+    return batch * seq_len * kv_bytes_per_block(model, block_size=1)
 
 
 def read_floor_ms(

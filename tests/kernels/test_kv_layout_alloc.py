@@ -14,6 +14,7 @@ from slipstream.kernels.kv_layout import (
     allocate_kv_cache,
     cache_head_dim,
     dequantize_rows,
+    fill_normal_,
     head_major,
     quantize_rows,
     row_width,
@@ -111,3 +112,14 @@ def test_an_int8_cache_has_rows_of_values_and_scale() -> None:
     assert cache_head_dim(cache) == 64 and row_width(64, torch.float32) == 64
     with pytest.raises(ValueError, match="head_dim % 4"):
         allocate_kv_cache(7, 16, 3, 66, torch.int8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_fill_normal_fills_every_row_with_standard_normal_values(dtype: torch.dtype) -> None:
+    cache = allocate_kv_cache(4, 16, 2, 64, dtype)
+    fill_normal_(cache, torch.Generator().manual_seed(0))
+    values = dequantize_rows(cache, torch.float32) if dtype == torch.int8 else cache
+    assert values.shape == (4, 16, 2, 64) and values.abs().amax(dim=-1).gt(0).all()
+    assert abs(values.mean().item()) < 0.05 and abs(values.std().item() - 1) < 0.05
+    if dtype == torch.int8:  # each row quantized on its own: its largest value at 127
+        assert cache[..., :64].abs().amax(dim=-1).eq(127).all()
