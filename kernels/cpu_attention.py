@@ -99,7 +99,7 @@ def paged_attention(
     are logical views of head-major storage; ``q [T, num_heads, head_dim]`` may
     have any token stride but packed heads. Needs ``is_available()`` first."""
     k_storage, v_storage = _storages(k_cache, v_cache, "reads")
-    _check(q, k_storage, v_storage, meta)
+    check(q, k_storage, v_storage, meta)
     return torch.ops.slipstream.paged_attention(
         q,
         k_storage,
@@ -136,6 +136,14 @@ def _storages(
     return k_storage, v_storage
 
 
+def storages_of(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's K and V head-major storages (what the ops take)."""
+    pairs = [_storages(k_cache, v_cache, "reads") for k_cache, v_cache in kv_caches]
+    return [k for k, _ in pairs], [v for _, v in pairs]
+
+
 def _packed_heads(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its heads are packed (the model's split of a fused
     projection: any token stride), else a contiguous copy."""
@@ -143,7 +151,7 @@ def _packed_heads(x: torch.Tensor) -> torch.Tensor:
     return x if strides[-1] == 1 and strides[-2] == x.shape[-1] else x.contiguous()
 
 
-def _check(
+def check(
     q: torch.Tensor, k_storage: torch.Tensor, v_storage: torch.Tensor, meta: AttentionMetadata
 ) -> None:
     """What the op needs, as ValueErrors (the op checks again, including the tables).

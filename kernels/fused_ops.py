@@ -11,11 +11,14 @@ to it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from slipstream.kernels import extensions
+from slipstream.kernels.attention import AttentionMetadata
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_ops_cpu.cpp"
 # -fno-math-errno lets the vector expf of libmvec replace expf; -ffp-contract=off
@@ -66,6 +69,59 @@ def rotary_neox_(
     """RoPE in place on ``qk [T, heads, head_dim]`` (heads packed, any token
     stride): ``x * cos + roll(x, D/2) * signed_sin`` at each token's position."""
     torch.ops.slipstream.rotary_neox_(qk, cos, signed_sin, positions)
+
+
+def decoder_weights(layers: Sequence[Any]) -> tuple[list[Any], ...]:
+    """What ``decoder_layers_`` takes of a model's layers (each with ``qkv``,
+    ``o_proj``, ``gate_up``, ``down`` projections and ``input_norm``,
+    ``post_norm`` weights): per projection its weight, panels, bias and
+    (packed, out_features, max_panel_rows) as ``linear.Linear`` holds them."""
+    weights: list[torch.Tensor] = []
+    panels: list[torch.Tensor | None] = []
+    biases: list[torch.Tensor | None] = []
+    info: list[int] = []
+    norms: list[torch.Tensor] = []
+    for layer in layers:
+        for proj in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            weights.append(proj.weight)
+            panels.append(proj.panels)
+            biases.append(proj.bias)
+            info += [int(proj.is_packed), proj.out_features, proj.max_panel_rows]
+        norms += [layer.input_norm, layer.post_norm]
+    return weights, panels, biases, info, norms
+
+
+def decoder_layers_(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    panels: list[torch.Tensor | None],
+    biases: list[torch.Tensor | None],
+    info: list[int],
+    norms: list[torch.Tensor],
+    k_storages: list[torch.Tensor],
+    v_storages: list[torch.Tensor],
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    positions: torch.Tensor,
+    meta: AttentionMetadata,
+    heads: tuple[int, int, int],
+    scale: float,
+    eps: float,
+) -> None:
+    """Every decoder layer over the residual stream ``x`` in place, in one
+    call: for each layer, input RMSNorm (the previous layer's residual add
+    folded in), qkv projection, RoPE, KV write, paged attention, o projection,
+    add + RMSNorm, gate_up, SiLU·mul, down — the fused forward's Python loop,
+    op for op. ``heads`` is (num_heads, num_kv_heads, head_dim); the weights
+    come from ``decoder_weights``, the storages are head-major (kv_layout).
+    The projections, KV write and attention are the panel, oneDNN and fused
+    attention kernels, which must be loaded."""
+    num_heads, num_kv_heads, head_dim = heads
+    torch.ops.slipstream.decoder_layers_(
+        x, weights, panels, biases, info, norms, k_storages, v_storages, cos, signed_sin,
+        positions, meta.block_tables, meta.seq_lens_t, meta.query_start_loc, meta.slot_mapping,
+        num_heads, num_kv_heads, head_dim, scale, eps,
+    )  # fmt: skip
 
 
 def _register_fakes() -> bool:

@@ -45,18 +45,24 @@ MODES: dict[str, dict[str, object]] = {
     # On a CUDA device: decode steps replayed from captured graphs, or launched eagerly.
     "graphs": {"cuda_graphs": True},
     "no-graphs": {"cuda_graphs": False},
+    # The compiled kernels with the layer loop run from Python, op by op,
+    # instead of in one native call (LlamaModel.native_layers).
+    "python-loop": {"compile": True},
 }
+# Model attributes a mode sets once its engine is loaded.
+MODEL_SWITCHES: dict[str, dict[str, object]] = {"python-loop": {"native_layers": False}}
 CUDA_MODES = frozenset({"graphs", "no-graphs"})
 DEFAULT_MODES = {"cpu": "eager,compiled", "cuda": "graphs,no-graphs"}
 # "compiled" runs the fused native kernels between the projections (no graph
 # to split), so both modes get the per-part split.
-BREAKDOWN_MODES = frozenset({"eager", "compiled"})
+BREAKDOWN_MODES = frozenset({"eager", "compiled", "python-loop"})
 PASSES = {
     "step_ms": "plain pass: median wall time of ModelRunner.execute(plan) over `steps` steps "
     "after `warmup_steps` untimed ones; step_ms_p10/p90 from the same steps",
     "modes": "eager: torch ops between the projections; compiled: fused native kernels "
-    "(kernels/fused_ops.py, EngineConfig.compile). Both use the fused attention kernel and "
-    "oneDNN linears where the CPU allows",
+    "(kernels/fused_ops.py, EngineConfig.compile), the layer loop in one native call; "
+    "python-loop: compiled with the layer loop run from Python. All use the fused attention "
+    "kernel and oneDNN linears where the CPU allows",
     "breakdown": "hooked pass: the same steps with perf_counter_ns hooks on paged "
     "attention, Linear.__call__, LlamaModel.forward and sampling; hooked_step_ms is its median "
     "step, each part its own median; other_ms = forward - attention - linears + sampling, "
@@ -184,6 +190,8 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
             rows += [_skipped(batch, mode, dtype, str(reason)) for batch in options.batches]
             continue
         engine = _engine(options, dtype, engine_options)
+        for name, value in MODEL_SWITCHES.get(mode, {}).items():
+            setattr(engine.model, name, value)
         rows += [_measure(engine, options, batch, mode) for batch in options.batches]
         del engine
         gc.collect()  # the next mode's pools are allocated with this one's freed
@@ -276,6 +284,7 @@ def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -
         "weight_read_floor_ms": weight_floor,
         "kv_read_floor_ms": kv_floor,
         "step_over_weight_floor": step_ms / weight_floor,
+        "layer_loop": "native" if getattr(model, "native_layers", False) else "python",
     }
     if options.device != "cpu":
         launches, paces = t.time_launches(runner, plan, options.num_steps)

@@ -30,13 +30,13 @@ def describe_run(report: Mapping[str, Any]) -> list[str]:
 
 def format_table(report: Mapping[str, Any]) -> str:
     header = (
-        f"{'batch':>5} {'mode':<8} {'step ms':>8} {'p10-p90':>13} {'tok/s':>7} | "
+        f"{'batch':>5} {'mode':<11} {'step ms':>8} {'p10-p90':>13} {'tok/s':>7} | "
         f"{'attn':>7} {'linears':>7} {'other':>6} {'host':>6} | "
         f"{'w-floor':>7} {'kv-floor':>8} | {'step/w':>6} {'step/(lin+kv)':>13}"
     )
     lines = [*describe_run(report), "", header, "-" * len(header)]
     for r in report["rows"]:
-        lead = f"{r['batch']:>5} {r['mode']:<8}"
+        lead = f"{r['batch']:>5} {r['mode']:<11}"
         if r["status"] != "ok":
             lines.append(f"{lead} skipped: {r['reason']}")
             continue

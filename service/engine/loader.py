@@ -119,6 +119,7 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
     identity = {
         **_step_cost_identity(model_dir, choice, backend, fused, panels, cpu),
         "kv_cache_dtype": config.kv_cache_dtype,
+        "native_layers": model.native_layers,
     }
     return _finish(
         config,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from slipstream.kernels import fused_ops
+from slipstream.kernels import cpu_attention, fused_ops
 from slipstream.kernels.attention import AttentionMetadata
 from slipstream.kernels.backend import paged_attention_for, write_kv_for
 from slipstream.kernels.linear import Linear
@@ -202,6 +202,12 @@ class LlamaModel:
         self._q_size = cfg.num_heads * cfg.head_dim
         self._kv_size = cfg.num_kv_heads * cfg.head_dim
         self._logits_buffer: torch.Tensor | None = None  # see _logits
+        # The fused forward's layer loop as one native call (fused_ops'
+        # decoder_layers_) where every op it makes is a CPU kernel; False
+        # runs the same ops from Python (bench step's per-part hooks do).
+        self.native_layers = fused and attention_backend == "cpu"
+        self._native_weights: tuple[list[Any], ...] | None = None
+        self._native_pool: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def _load_layer(self, weights: _Weights, i: int) -> _Layer:
         prefix = f"model.layers.{i}."
@@ -284,6 +290,9 @@ class LlamaModel:
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         layers = self.layers
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
+        if self.native_layers:
+            self._native_layers(x, positions, kv_caches, meta)
+            return self._logits(fused_ops.rms_norm(x[sample_indices], self.norm, eps))
         h = fused_ops.rms_norm(x, layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             qkv = layer.qkv(h)
@@ -304,6 +313,41 @@ class LlamaModel:
                 x.add_(mlp)
         x = fused_ops.rms_norm(x[sample_indices], self.norm, eps)
         return self._logits(x)
+
+    def _native_layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> None:
+        """The fused layer loop in one ``fused_ops.decoder_layers_`` call: the
+        same kernels in the same order, x updated in place. The weights'
+        lists are gathered once, the caches' head-major storages once per pool."""
+        cfg = self.config
+        if self._native_weights is None:
+            self._native_weights = fused_ops.decoder_weights(self.layers)
+        if self._native_pool is None or self._native_pool[0] is not kv_caches:
+            k_storages, v_storages = cpu_attention.storages_of(kv_caches)
+            self._native_pool = (kv_caches, k_storages, v_storages)
+        _, k_storages, v_storages = self._native_pool
+        # The attention op checks its inputs as well; this raises the same
+        # ValueErrors the per-layer path raises, once a step.
+        q = x.new_empty(x.shape[0], cfg.num_heads, cfg.head_dim)
+        cpu_attention.check(q, k_storages[0], v_storages[0], meta)
+        fused_ops.decoder_layers_(
+            x,
+            *self._native_weights,
+            k_storages,
+            v_storages,
+            self.rope_cos,
+            self.rope_signed_sin,
+            positions,
+            meta,
+            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            self.scale,
+            cfg.rms_norm_eps,
+        )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The fp32 logits of the sampled rows. On the CPU a low-precision

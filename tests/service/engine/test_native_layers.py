@@ -1,0 +1,121 @@
+"""The fused forward's layer loop as one native call (``fused_ops.decoder_layers_``)
+against the same loop run from Python: the same kernels in the same order,
+so the logits are identical, bit for bit, whatever each projection runs on
+(fp32 panels, oneDNN's packed weights, a plain linear, with or without a
+bias) and whatever the cache holds (fp32, bf16, int8 rows)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.kernels import cpu_attention, fused_ops, linear
+from slipstream.kernels.cpu_features import detect
+from slipstream.kernels.kv_layout import fill_normal_
+from slipstream.service.engine.calibration import synthetic_plan
+from slipstream.service.engine.runner import ModelRunner
+from slipstream.service.models.llama import LlamaModel
+
+BLOCK = 16
+NUM_BLOCKS = 96
+# Decodes at several contexts, then a step mixing prefill chunks (one from
+# position 0, one after a cached prefix) with a decode.
+PLANS = [[(40, 1), (7, 1), (63, 1)], [(0, 33), (50, 1), (20, 17)]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    home = Path(os.environ["SLIPSTREAM_HOME"])
+    for available in (fused_ops.is_available, cpu_attention.is_available, linear.panels_available):
+        assert available(home), "a native kernel library did not build"
+
+
+def _logits_both_ways(model: LlamaModel, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The step's logits with the native loop and with the Python loop, each
+    from the same cache contents."""
+    runner = ModelRunner(model, NUM_BLOCKS, 0, BLOCK)
+    plan = synthetic_plan(shapes, BLOCK, NUM_BLOCKS)
+    kept: list[torch.Tensor] = []
+    logits = model._logits
+
+    def keep(x: torch.Tensor) -> torch.Tensor:
+        out = logits(x)
+        kept.append(out.clone())
+        return out
+
+    model._logits = keep  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(0)
+    for native in (True, False):
+        model.native_layers = native
+        for k_cache, v_cache in runner.device_pool:
+            generator.manual_seed(1)  # the same prefix contents for both
+            fill_normal_(k_cache, generator)
+            fill_normal_(v_cache, generator)
+        runner.execute(plan)
+    del model._logits
+    return kept
+
+
+def _model(tiny_model_dir: Path, dtype: torch.dtype, **options: bool) -> LlamaModel:
+    return LlamaModel(tiny_model_dir, dtype, "cpu", fused=True, **options)
+
+
+@pytest.mark.parametrize("shapes", PLANS, ids=["decodes", "mixed"])
+@pytest.mark.parametrize(
+    ("dtype", "options"),
+    [
+        (torch.float32, {"panel_linears": True}),
+        (torch.float32, {"pack_weights": True}),
+        (torch.float32, {}),
+        (torch.bfloat16, {}),
+    ],
+    ids=["fp32-panels", "fp32-packed", "fp32-plain", "bf16-plain"],
+)
+def test_native_loop_gives_the_python_loops_logits(tiny_model_dir, shapes, dtype, options) -> None:
+    if options.get("pack_weights") and not detect().can_pack_fp32:
+        pytest.skip("oneDNN cannot pack fp32 weights on this CPU (as reported)")
+    model = _model(tiny_model_dir, dtype, **options)
+    assert model.native_layers  # the default where every op is a CPU kernel
+    native, python = _logits_both_ways(model, shapes)
+    assert torch.equal(native, python)
+
+
+def test_a_bias_and_an_int8_cache_take_the_same_path(tiny_model_dir) -> None:
+    model = LlamaModel(tiny_model_dir, torch.float32, "cpu", fused=True, panel_linears=True,
+                       kv_dtype=torch.int8)  # fmt: skip
+    generator = torch.Generator().manual_seed(3)
+    for layer in model.layers:
+        layer.qkv.bias = torch.randn(layer.qkv.out_features, generator=generator)
+    native, python = _logits_both_ways(model, PLANS[1])
+    assert torch.equal(native, python)
+    # The bias is applied: without it the logits differ.
+    for layer in model.layers:
+        layer.qkv.bias = None
+    model._native_weights = None
+    assert not torch.equal(_logits_both_ways(model, PLANS[1])[0], native)
+
+
+def test_the_native_loop_is_off_where_an_op_is_not_a_cpu_kernel(tiny_model_dir) -> None:
+    assert not LlamaModel(tiny_model_dir, torch.float32, "torch", fused=True).native_layers
+    assert not LlamaModel(tiny_model_dir, torch.float32, "cpu", fused=False).native_layers
+
+
+def test_a_bad_step_is_the_same_value_error(tiny_model_dir) -> None:
+    """The per-step check raises what the per-layer attention wrapper raises."""
+    model = _model(tiny_model_dir, torch.float32, panel_linears=True)
+    runner = ModelRunner(model, NUM_BLOCKS, 0, BLOCK)
+    plan = synthetic_plan(PLANS[0], BLOCK, NUM_BLOCKS)
+    model.native_layers = True
+    meta_block_size = runner.block_size
+    try:
+        runner.block_size = BLOCK * 2  # metadata built for another block size
+        with pytest.raises(ValueError, match="block size"):
+            runner.execute(plan)
+    finally:
+        runner.block_size = meta_block_size
