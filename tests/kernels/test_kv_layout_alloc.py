@@ -85,6 +85,32 @@ def test_committing_falls_back_to_writing_zeros(monkeypatch: pytest.MonkeyPatch)
     assert not cache.any()
 
 
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE here")
+def test_a_pool_asks_for_huge_pages_and_does_without_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every CPU pool is advised MADV_HUGEPAGE; a kernel that refuses the
+    advice leaves a working, zeroed, uncommitted pool."""
+    from slipstream.kernels import kv_layout
+
+    advised: list[int] = []
+
+    class RecordingMap(mmap.mmap):
+        def madvise(self, option: int, *args: int) -> None:
+            advised.append(option)
+            if option == mmap.MADV_HUGEPAGE:
+                raise OSError(22, "Invalid argument")
+            super().madvise(option, *args)
+
+    monkeypatch.setattr(kv_layout.mmap, "mmap", RecordingMap)
+    before = _rss_bytes()
+    cache = allocate_kv_cache(1024, 32, 4, 32, torch.float32)  # 16 MiB
+    assert advised == [mmap.MADV_HUGEPAGE]
+    assert _rss_bytes() - before < 4 * 2**20
+    cache[5].fill_(1.0)
+    assert cache[5].eq(1.0).all() and not cache[6].any()
+
+
 def test_int8_rows_hold_values_within_half_a_step_and_their_scale() -> None:
     """Each row: head_dim int8 values, then its float32 scale (max |x| / 127,
     with a floor);
