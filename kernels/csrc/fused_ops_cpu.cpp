@@ -341,19 +341,26 @@ struct Projection {
   int64_t packed, out_features, max_panel_rows;
 };
 
+using PanelFn = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                           int64_t);
+
+// Looked up on first use only: a model without panels runs where the panel
+// library did not load.
+const c10::TypedOperatorHandle<PanelFn>& panel_op(bool bf16) {
+  static const auto f32 = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("slipstream::panel_linear", "")
+                              .typed<PanelFn>();
+  if (!bf16) return f32;
+  static const auto b16 = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("slipstream::panel_linear_bf16", "")
+                              .typed<PanelFn>();
+  return b16;
+}
+
 at::Tensor project(const Projection& p, at::Tensor x) {
-  using PanelFn = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                             int64_t);
-  static const auto panel_f32 = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("slipstream::panel_linear", "")
-                                    .typed<PanelFn>();
-  static const auto panel_bf16 = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("slipstream::panel_linear_bf16", "")
-                                     .typed<PanelFn>();
   if (p.panels.has_value() && x.size(0) <= p.max_panel_rows) {
     if (x.stride(-1) != 1) x = x.contiguous();
-    const auto& op = x.scalar_type() == at::kFloat ? panel_f32 : panel_bf16;
-    return op.call(x, *p.panels, p.bias, p.out_features);
+    return panel_op(x.scalar_type() != at::kFloat).call(x, *p.panels, p.bias, p.out_features);
   }
   if (p.packed) {
     static const auto pointwise = c10::Dispatcher::singleton().findSchemaOrThrow(
