@@ -107,6 +107,7 @@ def decoder_layers_(
     heads: tuple[int, int, int],
     scale: float,
     eps: float,
+    part_ns: torch.Tensor | None = None,
 ) -> None:
     """Every decoder layer over the residual stream ``x`` in place, in one
     call: for each layer, input RMSNorm (the previous layer's residual add
@@ -115,12 +116,14 @@ def decoder_layers_(
     op for op. ``heads`` is (num_heads, num_kv_heads, head_dim); the weights
     come from ``decoder_weights``, the storages are head-major (kv_layout).
     The projections, KV write and attention are the panel, oneDNN and fused
-    attention kernels, which must be loaded."""
+    attention kernels, which must be loaded. ``part_ns``, an int64 [2]
+    tensor, gets the nanoseconds spent in attention and in the projections
+    added to it."""
     num_heads, num_kv_heads, head_dim = heads
     torch.ops.slipstream.decoder_layers_(
         x, weights, panels, biases, info, norms, k_storages, v_storages, cos, signed_sin,
         positions, meta.block_tables, meta.seq_lens_t, meta.query_start_loc, meta.slot_mapping,
-        num_heads, num_kv_heads, head_dim, scale, eps,
+        num_heads, num_kv_heads, head_dim, scale, eps, part_ns,
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -387,7 +388,7 @@ void decoder_layers_(at::Tensor x, at::TensorList weights,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& slot_mapping,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale,
-                     double eps) {
+                     double eps, const c10::optional<at::Tensor>& part_ns) {
   const int64_t layers = int64_t(k_storages.size());
   TORCH_CHECK(int64_t(v_storages.size()) == layers && int64_t(weights.size()) == 4 * layers &&
                   int64_t(panels.size()) == 4 * layers && int64_t(biases.size()) == 4 * layers &&
@@ -414,9 +415,30 @@ void decoder_layers_(at::Tensor x, at::TensorList weights,
     return Projection{weights[j], panel_of[j], bias_of[j], info[3 * j], info[3 * j + 1],
                       info[3 * j + 2]};
   };
+  // part_ns: where given, int64 [2] += nanoseconds in attention and in the
+  // projections (bench step's split; a clock read costs tens of ns).
+  int64_t* clock = nullptr;
+  if (part_ns.has_value()) {
+    TORCH_CHECK(part_ns->scalar_type() == at::kLong && part_ns->numel() == 2 &&
+                    part_ns->is_contiguous(),
+                "part_ns must be a contiguous int64 tensor of 2 elements");
+    clock = part_ns->data_ptr<int64_t>();
+  }
+  auto timed = [clock](int part, auto&& run) {
+    if (clock == nullptr) return run();
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor out = run();
+    clock[part] += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now() - start)
+                       .count();
+    return out;
+  };
+  auto project_timed = [&](int64_t j, const at::Tensor& in) {
+    return timed(1, [&] { return project(projection(j), in); });
+  };
   at::Tensor h = rms_norm(x, norms[0], eps);
   for (int64_t i = 0; i < layers; ++i) {
-    at::Tensor qkv = project(projection(4 * i), h);
+    at::Tensor qkv = project_timed(4 * i, h);
     at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim});
     rotary_neox_(qk, cos, ssin, positions);
     at::Tensor q = qk.narrow(1, 0, num_heads);
@@ -424,11 +446,13 @@ void decoder_layers_(at::Tensor x, at::TensorList weights,
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
     at::Tensor k_storage = k_storages[i], v_storage = v_storages[i];
     write.call(k, v, k_storage, v_storage, slot_mapping);
-    at::Tensor attn = attend.call(q, k_storage, v_storage, block_tables, seq_lens, query_start_loc,
-                                  scale, "auto");
-    at::Tensor o = project(projection(4 * i + 1), attn.view({tokens, q_size}));
+    at::Tensor attn = timed(0, [&] {
+      return attend.call(q, k_storage, v_storage, block_tables, seq_lens, query_start_loc, scale,
+                         "auto");
+    });
+    at::Tensor o = project_timed(4 * i + 1, attn.view({tokens, q_size}));
     h = add_rms_norm_(x, o, norms[2 * i + 1], eps);
-    at::Tensor mlp = project(projection(4 * i + 3), silu_and_mul(project(projection(4 * i + 2), h)));
+    at::Tensor mlp = project_timed(4 * i + 3, silu_and_mul(project_timed(4 * i + 2, h)));
     if (i + 1 < layers) {
       h = add_rms_norm_(x, mlp, norms[2 * i + 2], eps);
     } else {
@@ -464,7 +488,7 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
       "int[] info, Tensor[] norms, Tensor[] k_storages, Tensor[] v_storages, Tensor cos, "
       "Tensor signed_sin, Tensor positions, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor slot_mapping, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale, float eps) -> ()");
+      "int head_dim, float scale, float eps, Tensor(b!)? part_ns=None) -> ()");
   m.def("fused_ops_cpu_isa() -> str", &slipstream::fused_ops_isa);
   m.def("fused_ops_set_max_isa(str isa) -> str", &slipstream::fused_ops_set_max_isa);
 }

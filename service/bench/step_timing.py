@@ -18,10 +18,10 @@ Two passes over the same synthetic plan:
                └─ sample    (argmax over the logits)
 
   ``host`` and ``rest`` are residuals (execute minus what is hooked inside
-  it); the other parts are timed directly. The hooked pass runs the layer
-  loop from Python (``model.native_layers`` off: the native loop has no
-  per-part calls to hook), so its "rest" also holds the interpreter's share
-  of that loop, which the plain pass's native loop does not pay.
+  it); the other parts are timed directly. Where the layer loop is one
+  native call (``model.native_layers``), it times its own attention and
+  projection calls (``model.layer_part_ns``) and the hooks see the calls
+  made from Python (lm_head, sampling).
 """
 
 from __future__ import annotations
@@ -158,9 +158,20 @@ def _hooks(model: LlamaModel, clock: _Clock) -> Iterator[None]:
         _replaced(model, "_paged_attention", clock.timed("attention", model._paged_attention)),
         _replaced(model, "forward", forward_keeping_logits),
         _replaced(runner_module, "sample", clock.timed("sample", runner_module.sample)),
-        _replaced(model, "native_layers", False),
+        _replaced(model, "layer_part_ns", torch.zeros(2, dtype=torch.int64)),
     ):
         yield
+
+
+def _take_native_parts(model: LlamaModel, clock: _Clock) -> None:
+    """Moves what the native layer loop timed into the clock's parts."""
+    part_ns = model.layer_part_ns
+    if part_ns is None:
+        return
+    attention_ns, linears_ns = part_ns.tolist()
+    part_ns.zero_()
+    clock.ns["attention"] = clock.ns.get("attention", 0) + attention_ns
+    clock.ns["linears"] = clock.ns.get("linears", 0) + linears_ns
 
 
 BREAKDOWN_PARTS = ("attention_ms", "linears_ms", "other_ms", "host_ms")
@@ -183,6 +194,7 @@ def time_hooked(
             start = time.perf_counter_ns()
             runner.execute(plan)
             total = (time.perf_counter_ns() - start) / 1e6
+            _take_native_parts(runner.model, clock)
             forward, sampling = clock.take_ms("forward"), clock.take_ms("sample")
             attention, linears = clock.take_ms("attention"), clock.take_ms("linears")
             if i < warmup:

@@ -206,6 +206,9 @@ class LlamaModel:
         # decoder_layers_) where every op it makes is a CPU kernel; False
         # runs the same ops from Python (bench step's per-part hooks do).
         self.native_layers = fused and attention_backend == "cpu"
+        # Where set, int64 [2]: the native loop adds its nanoseconds in
+        # attention and in the projections (bench step's split).
+        self.layer_part_ns: torch.Tensor | None = None
         self._native_weights: tuple[list[Any], ...] | None = None
         self._native_pool: tuple[object, list[torch.Tensor], list[torch.Tensor]] | None = None
 
@@ -347,6 +350,7 @@ class LlamaModel:
             (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             self.scale,
             cfg.rms_norm_eps,
+            self.layer_part_ns,
         )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:

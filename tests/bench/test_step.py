@@ -111,6 +111,10 @@ def test_python_loop_rows_run_the_compiled_kernels_from_python(run: tuple[dict, 
         assert rows[("python-loop", batch)]["layer_loop"] == "python"
         assert rows[("eager", batch)]["layer_loop"] == "python"
         assert rows[("python-loop", batch)]["status"] == "ok"
+        # The native loop times its own attention and projections for the split.
+        native = rows[("compiled", batch)]
+        assert native["attention_ms"] > 0 and native["linears_ms"] > 0
+        assert native["attention_ms"] + native["linears_ms"] < native["hooked_step_ms"]
 
 
 def test_table_and_plot(run: tuple[dict, Path, str]) -> None:
@@ -151,6 +155,7 @@ def test_hooks_are_removed_after_the_hooked_pass(tiny_model_dir: Path) -> None:
     assert parts["linears_ms"] > 0
     assert (Linear.__call__, model._paged_attention, runner_module.sample) == before
     assert "forward" not in vars(model)
+    assert model.layer_part_ns is None
 
 
 def test_decode_plan_gives_each_sequence_its_own_blocks() -> None:
