@@ -74,12 +74,15 @@ def _model(tiny_model_dir: Path, dtype: torch.dtype, **options: bool) -> LlamaMo
         (torch.float32, {"pack_weights": True}),
         (torch.float32, {}),
         (torch.bfloat16, {}),
+        # AVX512-BF16: panels for calls of up to 4 rows (decodes), oneDNN above.
+        (torch.bfloat16, {"panel_linears": True, "pack_weights": True}),
     ],
-    ids=["fp32-panels", "fp32-packed", "fp32-plain", "bf16-plain"],
+    ids=["fp32-panels", "fp32-packed", "fp32-plain", "bf16-plain", "bf16-panels-packed"],
 )
 def test_native_loop_gives_the_python_loops_logits(tiny_model_dir, shapes, dtype, options) -> None:
-    if options.get("pack_weights") and not detect().can_pack_fp32:
-        pytest.skip("oneDNN cannot pack fp32 weights on this CPU (as reported)")
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    if options.get("pack_weights") and not getattr(detect(), f"can_pack_{name}"):
+        pytest.skip(f"oneDNN cannot pack {name} weights on this CPU (as reported)")
     model = _model(tiny_model_dir, dtype, **options)
     assert model.native_layers  # the default where every op is a CPU kernel
     native, python = _logits_both_ways(model, shapes)
