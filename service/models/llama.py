@@ -204,7 +204,7 @@ class LlamaModel:
         self._logits_buffer: torch.Tensor | None = None  # see _logits
         # The fused forward's layer loop as one native call (fused_ops'
         # decoder_layers_) where every op it makes is a CPU kernel; False
-        # runs the same ops from Python (bench step's per-part hooks do).
+        # runs the same ops from Python (bench step's python-loop mode).
         self.native_layers = fused and attention_backend == "cpu"
         # Where set, int64 [2]: the native loop adds its nanoseconds in
         # attention and in the projections (bench step's split).
