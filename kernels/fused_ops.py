@@ -141,5 +141,6 @@ def _register_fakes() -> bool:
         "slipstream::silu_and_mul", lambda gu: gu.new_empty(gu.shape[0], gu.shape[1] // 2)
     )
     torch.library.register_fake("slipstream::rotary_neox_", lambda qk, c, s, p: None)
+    torch.library.register_fake("slipstream::decoder_layers_", lambda *args: None)
     _fakes_registered = True
     return True
