@@ -284,7 +284,7 @@ def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -
         "weight_read_floor_ms": weight_floor,
         "kv_read_floor_ms": kv_floor,
         "step_over_weight_floor": step_ms / weight_floor,
-        "layer_loop": "native" if getattr(model, "native_layers", False) else "python",
+        "layer_loop": "native" if model.native_layers else "python",
     }
     if options.device != "cpu":
         launches, paces = t.time_launches(runner, plan, options.num_steps)

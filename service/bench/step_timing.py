@@ -110,13 +110,16 @@ class _Clock:
         self.ns: dict[str, int] = {}
         self.last_logits: torch.Tensor | None = None
 
+    def add(self, part: str, ns: int) -> None:
+        self.ns[part] = self.ns.get(part, 0) + ns
+
     def timed(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.ns[part] = self.ns.get(part, 0) + time.perf_counter_ns() - start
+                self.add(part, time.perf_counter_ns() - start)
 
         return wrapper
 
@@ -170,8 +173,8 @@ def _take_native_parts(model: LlamaModel, clock: _Clock) -> None:
         return
     attention_ns, linears_ns = part_ns.tolist()
     part_ns.zero_()
-    clock.ns["attention"] = clock.ns.get("attention", 0) + attention_ns
-    clock.ns["linears"] = clock.ns.get("linears", 0) + linears_ns
+    clock.add("attention", attention_ns)
+    clock.add("linears", linears_ns)
 
 
 BREAKDOWN_PARTS = ("attention_ms", "linears_ms", "other_ms", "host_ms")
