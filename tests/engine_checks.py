@@ -27,9 +27,14 @@ def check_cancel_and_deadline_free_every_block(engine: Any) -> Any:
     )
     collectors = {r.req_id: _Collector() for r in (long, timed)}
     engine.submit(timed, collectors["timed"].on_event)
+    give_up = time.monotonic() + 30.0
+    # Held only once it has run: held before its first step, it could be
+    # refused as infeasible (REJECTED) instead, which is not what this checks.
+    while not (collectors["timed"].token_ids or collectors["timed"].finish):
+        assert time.monotonic() < give_up
+        time.sleep(0.001)
     engine.pause(["timed"])  # held, its deadline still runs: it cannot finish first
     engine.submit(long, collectors["long"].on_event)
-    give_up = time.monotonic() + 30.0
     while len(collectors["long"].token_ids) < 5:
         assert time.monotonic() < give_up
         time.sleep(0.001)
@@ -38,7 +43,7 @@ def check_cancel_and_deadline_free_every_block(engine: Any) -> Any:
     expired = collectors["timed"].wait("timed")
     assert cancelled.finish.reason is FinishReason.CANCELLED
     assert cancelled.finish.num_output_tokens == len(cancelled.token_ids)
-    assert expired.finish.reason is FinishReason.DEADLINE_EXCEEDED
+    assert expired.finish.reason is FinishReason.DEADLINE_EXCEEDED, expired.finish
     assert engine.wait_idle(5.0)
     stats = engine.stats()
     assert (stats.device_blocks.used, stats.host_blocks.used, stats.running) == (0, 0, 0)
