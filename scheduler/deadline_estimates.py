@@ -195,7 +195,10 @@ class DeadlineEstimates:
 
     def _new_urgency(self, entry: _Entry, req: Request, now: float, signature: _Signature) -> None:
         computed, outputs, status, deadline, first_token_deadline, _, _, arrival_index = signature
-        if entry.progress != (computed, outputs, status):
+        # Only a time limit reads the estimate: work without one (most of a
+        # throughput batch) skips it, and ``_estimate`` makes it when asked.
+        has_limit = deadline is not None or first_token_deadline is not None
+        if has_limit and entry.progress != (computed, outputs, status):
             self._new_estimate(entry, req, (computed, outputs, status))
         effective = self.effective_class(req, now)
         hopeless, latest, limit = False, math.inf, ExpiredLimit.DEADLINE
