@@ -129,6 +129,11 @@ class StagingBuffers:
         self._host_arrays: list[dict[str, np.ndarray]] = [
             {name: view.numpy() for name, view in views.items()} for views in self._host_views
         ]
+        # Per host buffer, the block list each table row last had written
+        # (None: unknown): a row gets only the blocks it gained since.
+        self._table_rows: list[list[list[int] | None]] = [
+            [None] * layout.max_num_seqs for _ in range(num_host)
+        ]
         self._current = 0
         self.device = torch.zeros(layout.total_words, dtype=torch.int64, device=device)
         self.device_views = layout.views(self.device)
@@ -144,6 +149,32 @@ class StagingBuffers:
     @property
     def host_arrays(self) -> dict[str, np.ndarray]:
         return self._host_arrays[self._current]
+
+    def write_table_row(self, row: int, blocks: list[int]) -> None:
+        """Puts ``blocks`` at the start of block-table row ``row`` of the
+        buffer being staged. A decode's table grows by a block every
+        ``block_size`` tokens and keeps its row while the batch is unchanged,
+        so most steps find the row already holding it and write nothing;
+        anything else (another request, a table that changed) is written
+        whole. Table rows are written only through here (and
+        ``clear_table_rows``), or the record of what they hold goes stale."""
+        written = self._table_rows[self._current]
+        before = written[row]
+        n = 0 if before is None else len(before)
+        table = self._host_arrays[self._current]["block_tables"]
+        if before is not None and len(blocks) == n and blocks == before:
+            pass
+        elif before is not None and len(blocks) > n and blocks[:n] == before:
+            table[row, n : len(blocks)] = blocks[n:]
+        else:
+            table[row, : len(blocks)] = blocks
+        written[row] = blocks
+
+    def clear_table_rows(self, start: int, stop: int) -> None:
+        """Padding rows ``[start, stop)`` read block 0 only."""
+        self._host_arrays[self._current]["block_tables"][start:stop, 0] = 0
+        written = self._table_rows[self._current]
+        written[start:stop] = [None] * (stop - start)
 
     def upload(self, num_rows: int) -> None:
         """Copies the fields of a ``num_rows``-row step; non-blocking from pinned
@@ -219,31 +250,38 @@ def stage_step(
     starts = [0]
     sample_indices: list[int] = []
     sampled = []
-    table = arrays["block_tables"]
+    write_row = buffers.write_table_row
     num_pending = 0
+    end = 0  # tokens staged so far
     for b, seq in enumerate(plan.seqs):
-        num_new = len(seq.token_ids)
-        end_pos = seq.start_pos + num_new
-        if seq.token_ids == [PENDING_TOKEN]:
-            token_ids.append(-1 - _pending_row(pending_rows, seq.req_id))
-            num_pending += 1
+        tokens, start, blocks = seq.token_ids, seq.start_pos, seq.block_ids
+        num_new = len(tokens)
+        end_pos = start + num_new
+        if num_new == 1:  # a decode (or a one-token chunk): most rows of a large step
+            if tokens[0] == PENDING_TOKEN:
+                token_ids.append(-1 - _pending_row(pending_rows, seq.req_id))
+                num_pending += 1
+            else:
+                token_ids.append(tokens[0])
+            positions.append(start)
+            slots.append(blocks[start // block_size] * block_size + start % block_size)
         else:
-            token_ids.extend(seq.token_ids)
-        positions.extend(range(seq.start_pos, end_pos))
-        blocks = seq.block_ids
-        slots.extend(
-            blocks[pos // block_size] * block_size + pos % block_size
-            for pos in range(seq.start_pos, end_pos)
-        )
+            token_ids.extend(tokens)
+            positions.extend(range(start, end_pos))
+            slots.extend(
+                blocks[pos // block_size] * block_size + pos % block_size
+                for pos in range(start, end_pos)
+            )
         query_lens.append(num_new)
         seq_lens.append(end_pos)
-        starts.append(starts[-1] + num_new)
-        table[b, : len(blocks)] = blocks
+        end += num_new
+        starts.append(end)
+        write_row(b, blocks)
         if seq.sample:
-            sample_indices.append(starts[-1] - 1)
+            sample_indices.append(end - 1)
             sampled.append(seq)
     num_pad = num_rows - num_seqs
-    table[num_seqs:num_rows, 0] = 0
+    buffers.clear_table_rows(num_seqs, num_rows)
     token_ids.extend([0] * num_pad)
     positions.extend([0] * num_pad)
     slots.extend([-1] * num_pad)

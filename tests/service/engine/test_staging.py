@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -116,6 +117,34 @@ def test_padded_decode_step():
     assert views["decode_seq_ids"][:4].tolist() == [0, 1, 2, 3]
     assert views["block_tables"][2:4, 0].tolist() == [0, 0]
     assert step.sampled_req_ids == ["a", "b"] and step.num_prefills == 0
+
+
+def test_block_tables_hold_every_rows_blocks_across_changing_steps():
+    """Rows keep what the same buffer wrote two steps back and get only new
+    blocks; a row that changed hands, lost blocks, was padded or had a block
+    replaced is written whole. Every staged row must hold exactly its table."""
+    rng = random.Random(0)
+    buffers = _buffers(tokens=64, seqs=8, blocks=6)
+    tables = {f"r{i}": [rng.randrange(50)] for i in range(12)}
+    for step in range(400):
+        for req_id, blocks in tables.items():
+            move = rng.random()
+            if move < 0.3 and len(blocks) < 6:
+                blocks.append(rng.randrange(50))  # a decode crossed into a new block
+            elif move < 0.35:
+                tables[req_id] = [rng.randrange(50) for _ in range(rng.randint(1, 6))]  # requeued
+            elif move < 0.4:
+                blocks[rng.randrange(len(blocks))] = rng.randrange(50)  # copy-on-write
+        ids = rng.sample(sorted(tables), rng.randint(0, 6))
+        if step % 7 == 0:
+            ids.sort()  # the same rows as a recent step
+        seqs = [_seq(i, [1], 0, list(tables[i])) for i in ids]
+        staged = stage_step(StepPlan(step=step, seqs=seqs), buffers, BLOCK, 100, pad_to=8)
+        buffers.upload(staged.num_rows)
+        table = buffers.device_views["block_tables"]
+        for row, seq in enumerate(seqs):
+            assert table[row, : len(seq.block_ids)].tolist() == seq.block_ids, (step, row)
+        assert table[len(seqs) : 8, 0].tolist() == [0] * (8 - len(seqs))
 
 
 def test_padding_a_prefill_is_refused():
