@@ -226,19 +226,8 @@ class CostModel:
         if self._robust:
             seconds = min(predicted * OUTLIER_FACTOR, max(predicted / OUTLIER_FACTOR, seconds))
         x = _features(shape)
-        px = [sum(self._p[i][j] * x[j] for j in range(4)) for i in range(4)]
-        denom = self._forgetting + sum(x[i] * px[i] for i in range(4))
-        gain = [v / denom for v in px]
-        error = seconds - sum(t * xi for t, xi in zip(self._theta, x, strict=True))
-        # Projected onto the non-negative coefficients every update: a cost is
-        # never negative, and a fit left free to go there wanders along the
-        # directions that steps of one shape cannot tell apart (a decode-only
-        # step's base against its per-sequence cost), one coefficient far
-        # negative and another far positive, cancelling on the steps it sees
-        # and predicting shapes it does not see wildly (measured on a light
-        # mix: a 0.5 ms decode predicted at 70 ms within three minutes).
-        floor = 0.0 if self._robust else -math.inf
-        self._theta = [max(floor, t + g * error) for t, g in zip(self._theta, gain, strict=True)]
+        theta, px, denom = self._update(x, seconds)
+        self._theta = theta
         # P <- (P - P x xᵀ P / denom) / lam, written symmetric: the textbook
         # (P - gain pxᵀ) drifts from symmetric in rounding, and forgetting
         # grows the drift into a negative eigenvalue, after which the fit
@@ -250,6 +239,43 @@ class CostModel:
         self._bound_covariance()
         self._num_samples += 1
         self._refresh()
+
+    def _update(self, x: list[float], seconds: float) -> tuple[list[float], list[float], float]:
+        """One least-squares step toward ``seconds`` on features ``x``: the
+        new coefficients, ``P x`` and the denominator the covariance update
+        takes (of the features the step actually fit).
+
+        Every coefficient stays non-negative: a cost is never negative, and a
+        fit left free to go there wanders along the directions that steps of
+        one shape cannot tell apart (a decode-only step's base against its
+        per-sequence cost), one coefficient far negative and another far
+        positive, cancelling on the steps it sees and predicting shapes it
+        does not see wildly (measured on a light mix: a 0.5 ms decode
+        predicted at 70 ms within three minutes). Clipping the updated
+        coefficients at zero is not enough: a clipped coefficient raises the
+        prediction the update had just lowered, the next step lowers it again
+        through the others, and on steps of one shape the fit ran away
+        (measured: 8 ms decodes predicted at 5.5 s within 20 steps, the
+        coefficients at 1e17 within 200). So a coefficient the step would
+        take below zero is held at zero and the step is refit on the rest
+        (an active set): the prediction for the step's shape then always
+        moves toward the measurement, never past it."""
+        p = self._p
+        free = [True] * 4  # coefficients the step fits (the rest held at zero)
+        while True:
+            u = [xi if f else 0.0 for xi, f in zip(x, free, strict=True)]
+            px = [sum(p[i][j] * u[j] for j in range(4)) for i in range(4)]
+            denom = self._forgetting + sum(u[i] * px[i] for i in range(4))
+            base = [t if f else 0.0 for t, f in zip(self._theta, free, strict=True)]
+            error = seconds - sum(t * ui for t, ui in zip(base, u, strict=True))
+            theta = [
+                t + v / denom * error if f else 0.0 for t, v, f in zip(base, px, free, strict=True)
+            ]
+            below = [i for i in range(4) if free[i] and theta[i] < 0.0] if self._robust else []
+            if not below:
+                return theta, px, denom
+            for i in below:
+                free[i] = False
 
     def relax(self, idle_s: float) -> None:
         """The engine had nothing to run for ``idle_s``: the fit moves toward

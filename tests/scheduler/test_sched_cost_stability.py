@@ -50,3 +50,25 @@ def test_a_long_light_load_keeps_the_fit_near_the_truth() -> None:
             worst = max(worst, model.step_seconds(lone_decode) / truth)
     assert worst < 2.0, f"a lone decode was predicted at {worst:.1f}x its time"
     assert all(c >= 0 for c in model.coefficients.as_vector())
+
+
+def test_steps_of_one_shape_pull_the_prediction_to_their_time() -> None:
+    """From the built-in guesses, two large prefills and then decode steps of
+    one shape, each measured at 8 ms (the host-only engine of ``bench host``).
+    Clipping updated coefficients at zero ran this away: each clip raised the
+    prediction the update had lowered, and 8 ms steps came to be predicted at
+    5.5 s within 20 steps. The prediction must only ever move toward the
+    measurement, and end near it."""
+    model = CostModel(CostCoefficients())
+    model.observe(StepShape(num_prefill_tokens=34_500, num_context_tokens=34_500), 0.077)
+    model.observe(StepShape(42_274, 141, 42_415 + 115 * 300), 0.012)
+    previous = None
+    for k in range(300):
+        shape = StepShape(num_decode_seqs=256, num_context_tokens=256 * (301 + k))
+        predicted = model.step_seconds(shape)
+        if previous is not None:
+            assert abs(predicted - 0.008) <= abs(previous - 0.008) + 1e-12, k
+        model.observe(shape, 0.008)
+        previous = model.step_seconds(shape)
+    assert previous is not None and abs(previous / 0.008 - 1) < 0.05
+    assert all(0 <= c < 1 for c in model.coefficients.as_vector())
