@@ -6,8 +6,12 @@ hide under the device's step (docs/gpu.md); on the CPU it adds to the step.
 
 For each batch size and policy: ``batch`` requests of ``context`` prompt
 tokens decode together; the medians cover steps where all of them decode.
+With ``--deadlines`` each policy is timed again with every request carrying
+a deadline (an hour away, never binding) and an expected output length, as
+callers with latency promises send them: the deadline policy then keeps an
+estimate and a step ceiling per request.
 JSON: ``{"benchmark": "host", "hardware": {...}, "parameters": {...}, "rows":
-[{"batch", "policy", "schedule_ms", "update_ms", "engine_step_ms"}]}``.
+[{"batch", "policy", "deadlines", "schedule_ms", "update_ms", "engine_step_ms"}]}``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--context", type=int, default=300, help="prompt tokens per request")
     parser.add_argument("--policy", default="deadline,fcfs", help=f"subset of {POLICY_NAMES}")
     parser.add_argument("--model", default="tiny", help="whose tokenizer detokenises")
+    parser.add_argument(
+        "--deadlines", action="store_true", help="also time requests that carry deadlines"
+    )
     parser.add_argument("--json", dest="json_path", help="write the report here")
     parser.set_defaults(func=main)
 
@@ -45,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     if unknown or not batches or min(batches) < 1:
         print(f"slipstream bench host: bad --batch or --policy ({unknown})")
         return 2
-    report = run_host_bench(batches, policies, args.context, args.model)
+    report = run_host_bench(batches, policies, args.context, args.model, args.deadlines)
     print(format_table(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
@@ -53,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_host_bench(
-    batches: list[int], policies: list[str], context: int, model: str
+    batches: list[int], policies: list[str], context: int, model: str, deadlines: bool = False
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -64,40 +71,51 @@ def run_host_bench(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = []
     for policy in policies:
-        for batch in batches:
-            schedule_ms, update_ms = time_scheduler(batch, policy, context)
-            rows.append(
-                {
-                    "batch": batch,
-                    "policy": policy,
-                    "schedule_ms": schedule_ms,
-                    "update_ms": update_ms,
-                    "engine_step_ms": time_engine_step(batch, policy, context, tokenizer),
-                }
-            )
+        for limits in (False, True) if deadlines else (False,):
+            for batch in batches:
+                schedule_ms, update_ms = time_scheduler(batch, policy, context, limits)
+                step_ms = time_engine_step(batch, policy, context, tokenizer, limits)
+                rows.append(
+                    {
+                        "batch": batch,
+                        "policy": policy,
+                        "deadlines": limits,
+                        "schedule_ms": schedule_ms,
+                        "update_ms": update_ms,
+                        "engine_step_ms": step_ms,
+                    }
+                )
     return {
         "benchmark": "host",
         "hardware": hardware("float32"),
-        "parameters": {"context": context, "steps": NUM_STEPS, "model": model},
+        "parameters": {
+            "context": context,
+            "steps": NUM_STEPS,
+            "model": model,
+            "deadlines": deadlines,
+        },
         "rows": rows,
     }
 
 
-def _requests(batch: int, context: int, max_new: int) -> list[Any]:
+def _requests(batch: int, context: int, max_new: int, deadlines: bool) -> list[Any]:
     from slipstream.service.engine.events import RequestSpec
 
+    deadline = time.monotonic() + 3600.0 if deadlines else None
     return [
         RequestSpec(
             req_id=f"r{i}",
             prompt_token_ids=[5 + (i + j) % 1000 for j in range(context)],
             max_new_tokens=max_new,
             ignore_eos=True,
+            deadline=deadline,
+            expected_output_tokens=max_new if deadlines else None,
         )
         for i in range(batch)
     ]
 
 
-def _scheduler(batch: int, policy: str, context: int) -> Any:
+def _scheduler(batch: int, policy: str, context: int, cost_model: Any = None) -> Any:
     from slipstream.scheduler import Scheduler, SchedulerConfig
     from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 
@@ -111,27 +129,38 @@ def _scheduler(batch: int, policy: str, context: int) -> Any:
         num_host_blocks=0,
         policy=policy,
     )
-    return Scheduler(config, cost_model=CostModel(CostCoefficients()))
+    if cost_model is None:
+        cost_model = CostModel(CostCoefficients())
+    return Scheduler(config, cost_model=cost_model)
 
 
-def time_scheduler(batch: int, policy: str, context: int) -> tuple[float, float]:
-    """Median ms of ``schedule`` and of ``update`` over decode-only steps."""
+def time_scheduler(
+    batch: int, policy: str, context: int, deadlines: bool = False
+) -> tuple[float, float]:
+    """Median ms of ``schedule`` and of ``update`` over decode-only steps.
+    Each step is reported to have taken what the cost model predicted for
+    it: the refit runs, and the model stays where it started."""
+    from slipstream.scheduler.cost_model import CostCoefficients, CostModel
     from slipstream.scheduler.request import Request
 
-    scheduler = _scheduler(batch, policy, context)
-    for spec in _requests(batch, context, NUM_STEPS + WARMUP_STEPS + 2):
-        scheduler.add_request(Request.from_spec(spec, (), 0.0))
+    cost_model = CostModel(CostCoefficients())
+    scheduler = _scheduler(batch, policy, context, cost_model)
+    now = time.monotonic()
+    for spec in _requests(batch, context, NUM_STEPS + WARMUP_STEPS + 2, deadlines):
+        scheduler.add_request(Request.from_spec(spec, (), now))
     schedule_ms, update_ms = [], []
-    now = 0.0
     for step in range(NUM_STEPS + WARMUP_STEPS + 1):
-        now += 0.01
         start = time.perf_counter()
         plan = scheduler.schedule(now)
         planned = time.perf_counter()
-        scheduler.update(plan, {s.req_id: 7 for s in plan.seqs if s.sample}, now, 0.01)
+        step_s = cost_model.plan_seconds(plan)
+        now += step_s
+        sampled = {s.req_id: 7 for s in plan.seqs if s.sample}
+        resumed = time.perf_counter()
+        scheduler.update(plan, sampled, now, step_s)
         if step > WARMUP_STEPS:
             schedule_ms.append((planned - start) * 1e3)
-            update_ms.append((time.perf_counter() - planned) * 1e3)
+            update_ms.append((time.perf_counter() - resumed) * 1e3)
     return statistics.median(schedule_ms), statistics.median(update_ms)
 
 
@@ -149,7 +178,9 @@ class _InstantRunner:
         return DoneStep(self.execute(plan))
 
 
-def time_engine_step(batch: int, policy: str, context: int, tokenizer: Any) -> float:
+def time_engine_step(
+    batch: int, policy: str, context: int, tokenizer: Any, deadlines: bool = False
+) -> float:
     """Median ms of a whole engine step (plan, update, detokenise with
     ``tokenizer``, publish to a no-op callback) over the steps where all
     ``batch`` requests decode."""
@@ -168,7 +199,7 @@ def time_engine_step(batch: int, policy: str, context: int, tokenizer: Any) -> f
     engine = Engine(_scheduler(batch, policy, context), _InstantRunner(), tokenizer, info, [listen])
     engine.start()
     try:
-        for spec in _requests(batch, context, NUM_STEPS + WARMUP_STEPS + 2):
+        for spec in _requests(batch, context, NUM_STEPS + WARMUP_STEPS + 2, deadlines):
             engine.submit(spec, lambda event: None)
         engine.wait_idle(timeout=300)
     finally:
@@ -181,12 +212,13 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"host per decode step, {cpu['model']} ({', '.join(cpu['flags'])}), "
         f"context {report['parameters']['context']}, medians of {NUM_STEPS} steps (ms)",
-        f"{'policy':<9} {'batch':>5} {'schedule':>9} {'update':>7} {'engine step':>12}",
+        f"{'policy':<9} {'deadlines':>9} {'batch':>5} {'schedule':>9} {'update':>7} "
+        f"{'engine step':>12}",
     ]
     for r in report["rows"]:
         lines.append(
-            f"{r['policy']:<9} {r['batch']:>5} {r['schedule_ms']:>9.2f} {r['update_ms']:>7.2f} "
-            f"{r['engine_step_ms']:>12.2f}"
+            f"{r['policy']:<9} {'yes' if r.get('deadlines') else 'no':>9} {r['batch']:>5} "
+            f"{r['schedule_ms']:>9.2f} {r['update_ms']:>7.2f} {r['engine_step_ms']:>12.2f}"
         )
     lines.append("engine step: schedule + update + detokenise + publish, no model")
     return "\n".join(lines)

@@ -224,9 +224,10 @@ def test_time_launches_keeps_the_host_one_step_ahead() -> None:
 def test_bench_host_times_the_scheduler_and_the_engine_step(tiny_model_dir: Path) -> None:
     from slipstream.service.bench import host
 
-    report = host.run_host_bench([4], ["fcfs"], 16, str(tiny_model_dir))
-    (row,) = report["rows"]
-    assert row["batch"] == 4 and row["policy"] == "fcfs"
-    assert 0 < row["schedule_ms"] < 1000 and 0 < row["update_ms"] < 1000
-    assert 0 < row["engine_step_ms"] < 1000
+    report = host.run_host_bench([4], ["deadline"], 16, str(tiny_model_dir), deadlines=True)
+    assert [row["deadlines"] for row in report["rows"]] == [False, True]
+    for row in report["rows"]:
+        assert row["batch"] == 4 and row["policy"] == "deadline"
+        assert 0 < row["schedule_ms"] < 1000 and 0 < row["update_ms"] < 1000
+        assert 0 < row["engine_step_ms"] < 1000
     assert "engine step" in host.format_table(report)
