@@ -1,8 +1,9 @@
 """``slipstream bench host``: what the host spends per decode step outside
-the model — the scheduler's ``schedule`` and ``update``, and the whole engine
-step (planning, bookkeeping, detokenising, publishing) with a runner that
-returns its tokens at once. On a GPU this is the budget planning ahead must
-hide under the device's step (docs/gpu.md); on the CPU it adds to the step.
+the model — the scheduler's ``schedule`` and ``update``, staging a step's
+metadata for a GPU, and the whole engine step (planning, bookkeeping,
+detokenising, publishing) with a runner that returns its tokens at once.
+On a GPU this is the budget planning ahead must hide under the device's
+step (docs/gpu.md); on the CPU it adds to the step.
 
 For each batch size and policy: ``batch`` requests of ``context`` prompt
 tokens decode together; the medians cover steps where all of them decode.
@@ -11,7 +12,8 @@ a deadline (an hour away, never binding) and an expected output length, as
 callers with latency promises send them: the deadline policy then keeps an
 estimate and a step ceiling per request.
 JSON: ``{"benchmark": "host", "hardware": {...}, "parameters": {...}, "rows":
-[{"batch", "policy", "deadlines", "schedule_ms", "update_ms", "engine_step_ms"}]}``.
+[{"batch", "policy", "deadlines", "schedule_ms", "update_ms", "stage_ms",
+"engine_step_ms"}]}``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from slipstream.scheduler.policy_registry import POLICY_NAMES
 
 NUM_STEPS = 200  # timed steps per row (after WARMUP_STEPS)
 WARMUP_STEPS = 20
+VOCAB_SIZE = 49_152  # SmolLM2's, for staging the sampling rows
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -73,7 +76,7 @@ def run_host_bench(
     for policy in policies:
         for limits in (False, True) if deadlines else (False,):
             for batch in batches:
-                schedule_ms, update_ms = time_scheduler(batch, policy, context, limits)
+                schedule_ms, update_ms, stage_ms = time_scheduler(batch, policy, context, limits)
                 step_ms = time_engine_step(batch, policy, context, tokenizer, limits)
                 rows.append(
                     {
@@ -82,6 +85,7 @@ def run_host_bench(
                         "deadlines": limits,
                         "schedule_ms": schedule_ms,
                         "update_ms": update_ms,
+                        "stage_ms": stage_ms,
                         "engine_step_ms": step_ms,
                     }
                 )
@@ -136,23 +140,35 @@ def _scheduler(batch: int, policy: str, context: int, cost_model: Any = None) ->
 
 def time_scheduler(
     batch: int, policy: str, context: int, deadlines: bool = False
-) -> tuple[float, float]:
-    """Median ms of ``schedule`` and of ``update`` over decode-only steps.
+) -> tuple[float, float, float]:
+    """Median ms of ``schedule``, of ``update`` and of staging the plan's
+    metadata for a device (``staging.stage_step``, host buffers only: the
+    part of a GPU step's launch the host pays for) over decode-only steps.
     Each step is reported to have taken what the cost model predicted for
     it: the refit runs, and the model stays where it started."""
+    import torch
+
     from slipstream.scheduler.cost_model import CostCoefficients, CostModel
     from slipstream.scheduler.request import Request
+    from slipstream.service.engine.staging import StagingBuffers, StagingLayout, stage_step
 
     cost_model = CostModel(CostCoefficients())
     scheduler = _scheduler(batch, policy, context, cost_model)
+    config = scheduler.config
+    max_blocks = -(-config.max_model_len // config.block_size)
+    layout = StagingLayout.build(config.max_num_batched_tokens, batch, max_blocks)
+    staging = StagingBuffers(layout, torch.device("cpu"), pin_memory=False)
     now = time.monotonic()
     for spec in _requests(batch, context, NUM_STEPS + WARMUP_STEPS + 2, deadlines):
         scheduler.add_request(Request.from_spec(spec, (), now))
-    schedule_ms, update_ms = [], []
+    schedule_ms, update_ms, stage_ms = [], [], []
     for step in range(NUM_STEPS + WARMUP_STEPS + 1):
         start = time.perf_counter()
         plan = scheduler.schedule(now)
         planned = time.perf_counter()
+        stage_step(plan, staging, config.block_size, VOCAB_SIZE)
+        staged = time.perf_counter()
+        staging.upload(len(plan.seqs))  # turns to the other host buffer, as a runner does
         step_s = cost_model.plan_seconds(plan)
         now += step_s
         sampled = {s.req_id: 7 for s in plan.seqs if s.sample}
@@ -161,7 +177,8 @@ def time_scheduler(
         if step > WARMUP_STEPS:
             schedule_ms.append((planned - start) * 1e3)
             update_ms.append((time.perf_counter() - resumed) * 1e3)
-    return statistics.median(schedule_ms), statistics.median(update_ms)
+            stage_ms.append((staged - planned) * 1e3)
+    return statistics.median(schedule_ms), statistics.median(update_ms), statistics.median(stage_ms)
 
 
 class _InstantRunner:
@@ -213,12 +230,14 @@ def format_table(report: dict[str, Any]) -> str:
         f"host per decode step, {cpu['model']} ({', '.join(cpu['flags'])}), "
         f"context {report['parameters']['context']}, medians of {NUM_STEPS} steps (ms)",
         f"{'policy':<9} {'deadlines':>9} {'batch':>5} {'schedule':>9} {'update':>7} "
-        f"{'engine step':>12}",
+        f"{'stage':>6} {'engine step':>12}",
     ]
     for r in report["rows"]:
         lines.append(
-            f"{r['policy']:<9} {'yes' if r.get('deadlines') else 'no':>9} {r['batch']:>5} "
-            f"{r['schedule_ms']:>9.2f} {r['update_ms']:>7.2f} {r['engine_step_ms']:>12.2f}"
+            f"{r['policy']:<9} {'yes' if r['deadlines'] else 'no':>9} {r['batch']:>5} "
+            f"{r['schedule_ms']:>9.2f} {r['update_ms']:>7.2f} {r['stage_ms']:>6.2f} "
+            f"{r['engine_step_ms']:>12.2f}"
         )
     lines.append("engine step: schedule + update + detokenise + publish, no model")
+    lines.append("stage: a GPU step's metadata written on the host (not part of the engine step)")
     return "\n".join(lines)
