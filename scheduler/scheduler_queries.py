@@ -101,6 +101,17 @@ class SchedulerQueries(SchedulerState):
         return self.policy.overload_estimate()
 
     @property
+    def step_time_pace(self) -> float | None:
+        """Measured over predicted step time, as the cost model averages it
+        (``CostModel.pace``); None without a cost model or before its first
+        measured step. Far below 1, the model predicts steps slower than they
+        run, and every deadline estimate with it."""
+        model = self._cost_model
+        if model is None or model.num_samples == 0:
+            return None
+        return model.pace
+
+    @property
     def num_held_back(self) -> int:
         """Times batch shaping held a request's tokens out of a step."""
         return self._num_held_back

@@ -207,6 +207,7 @@ class Engine:
                 recompute_preemptions=s.num_recompute_preemptions,
                 capacity_refusals=dict(s.num_refused_for_capacity),
                 overload_estimate=s.overload_estimate,
+                step_time_pace=s.step_time_pace,
                 device_memory=self._device_memory(),
             )
 

@@ -141,5 +141,7 @@ class EngineStats:
     # Arrivals refused at the door for capacity, by (priority class, reason).
     capacity_refusals: dict[tuple[int, str], int] = field(default_factory=dict)
     overload_estimate: float | None = None  # offered over served work; None before any
+    # Measured over predicted step time, a moving average; None before any step.
+    step_time_pace: float | None = None
     # On a GPU: its memory in bytes (used, free); None on the CPU.
     device_memory: PoolStats | None = None

@@ -207,6 +207,14 @@ def _capacity_metrics(stats: EngineStats) -> Iterator[Metric]:
             "Offered work over the work the engine serves (at most 1 while its batch has room)",
             value=estimate,
         )
+    if stats.step_time_pace is not None:
+        yield GaugeMetricFamily(
+            "slipstream_step_time_pace",
+            "Measured over predicted engine step time, a moving average, kept within [0.1, 10] "
+            "(near 1: the step-time model deadlines are judged with is right; well below 1: "
+            "it predicts steps slower than they run and refuses work that would fit)",
+            value=stats.step_time_pace,
+        )
 
 
 def _prefix_cache_metrics(stats: PrefixCacheStats) -> Iterator[Metric]:

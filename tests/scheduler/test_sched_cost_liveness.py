@@ -99,3 +99,22 @@ def test_an_engine_that_refused_everything_lets_work_in_after_idling() -> None:
     sched.add_request(urgent("admitted"))  # type: ignore[arg-type]
     plan = sched.schedule(driver.now)
     assert [seq.req_id for seq in plan.seqs] == ["admitted"], plan.finished
+
+
+def test_the_step_time_pace_is_reported_once_steps_are_measured() -> None:
+    """``step_time_pace`` (a gauge operators watch): None before any measured
+    step, then above 1 while steps run slower than predicted."""
+    model = CostModel(START)
+    sched = Scheduler(
+        SchedulerConfig(num_device_blocks=64, block_size=16, max_model_len=256), cost_model=model
+    )
+    assert sched.step_time_pace is None
+    assert Scheduler(SchedulerConfig(64, 16, 256)).step_time_pace is None  # no cost model
+    sched.add_request(make_request("a", 8, 4, arrival=0.0))
+    driver = Driver(sched)
+    for _ in range(3):
+        plan = sched.schedule(driver.now)
+        step_s = 3.0 * model.plan_seconds(plan)
+        driver.record(sched.update(plan, driver.runner.execute(plan), driver.now, step_s))
+    pace = sched.step_time_pace
+    assert pace is not None and 1.0 < pace <= 3.0

@@ -236,6 +236,7 @@ def test_overload_refusals_are_counted_by_class() -> None:
                 overload_refused={2: 3, 1: 1},
                 capacity_refusals={(2, "overloaded"): 3, (3, "queue_full"): 2},
                 overload_estimate=1.25,
+                step_time_pace=0.95,
             )  # fmt: skip
 
     metrics = ServerMetrics()
@@ -249,6 +250,7 @@ def test_overload_refusals_are_counted_by_class() -> None:
     assert sample(refusals, {"priority": "3", "reason": "queue_full"}) == 2
     assert sample(refusals, {"priority": "2", "reason": "queue_full"}) is None
     assert sample("slipstream_overload_estimate") == 1.25
+    assert sample("slipstream_step_time_pace") == 0.95
 
 
 def test_device_memory_is_a_gauge_on_a_gpu_only() -> None:
