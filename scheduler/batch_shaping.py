@@ -185,11 +185,9 @@ class BatchShaper:
             self._ceilings[req.priority] = ceiling
 
     def _cost(self, req: Request, num_new: int) -> float:
-        # Once per candidate per step: ``_is_decode`` inlined.
         computed = req.num_computed_tokens
         context = self._context_s * (computed + num_new)
-        outputs = len(req.output_token_ids)
-        if num_new == 1 and outputs and len(req.prompt_token_ids) + outputs - computed == 1:
+        if _is_decode(req, num_new):
             return self._decode_s + context
         return self._prefill_s * num_new + context
 
