@@ -175,6 +175,14 @@ class _EngineCollector(Collector):
             overload.add_metric([str(priority)], count)
         yield overload
         yield from _capacity_metrics(stats)
+        if stats.step_time_pace is not None:
+            yield GaugeMetricFamily(
+                "slipstream_step_time_pace",
+                "Measured over predicted engine step time, a moving average, kept within "
+                "[0.1, 10] (near 1: the step-time model deadlines are judged with is right; well "
+                "below 1: it predicts steps slower than they run and refuses work that would fit)",
+                value=stats.step_time_pace,
+            )
         if stats.device_memory is not None:
             memory = GaugeMetricFamily(
                 "slipstream_device_memory_bytes",
@@ -206,14 +214,6 @@ def _capacity_metrics(stats: EngineStats) -> Iterator[Metric]:
             "slipstream_overload_estimate",
             "Offered work over the work the engine serves (at most 1 while its batch has room)",
             value=estimate,
-        )
-    if stats.step_time_pace is not None:
-        yield GaugeMetricFamily(
-            "slipstream_step_time_pace",
-            "Measured over predicted engine step time, a moving average, kept within [0.1, 10] "
-            "(near 1: the step-time model deadlines are judged with is right; well below 1: "
-            "it predicts steps slower than they run and refuses work that would fit)",
-            value=stats.step_time_pace,
         )
 
 
