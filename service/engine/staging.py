@@ -150,31 +150,26 @@ class StagingBuffers:
     def host_arrays(self) -> dict[str, np.ndarray]:
         return self._host_arrays[self._current]
 
-    def write_table_row(self, row: int, blocks: list[int]) -> None:
-        """Puts ``blocks`` at the start of block-table row ``row`` of the
-        buffer being staged. A decode's table grows by a block every
-        ``block_size`` tokens and keeps its row while the batch is unchanged,
-        so most steps find the row already holding it and write nothing;
-        anything else (another request, a table that changed) is written
-        whole. Table rows are written only through here (and
-        ``clear_table_rows``), or the record of what they hold goes stale."""
-        written = self._table_rows[self._current]
-        before = written[row]
-        n = 0 if before is None else len(before)
+    def write_block_tables(self, tables: list[list[int]], num_rows: int) -> None:
+        """Puts ``tables[b]`` at the start of block-table row ``b`` of the
+        buffer being staged, and block 0 in each padding row up to
+        ``num_rows``. A decode's table grows by a block every ``block_size``
+        tokens and keeps its row while the batch is unchanged, so most rows
+        already hold their table in this buffer and get nothing written, or
+        only the blocks they gained; any other row is written whole. The
+        tables are written only through here, or the record of what each
+        row holds goes stale."""
         table = self._host_arrays[self._current]["block_tables"]
-        if before is not None and len(blocks) == n and blocks == before:
-            pass
-        elif before is not None and len(blocks) > n and blocks[:n] == before:
-            table[row, n : len(blocks)] = blocks[n:]
-        else:
-            table[row, : len(blocks)] = blocks
-        written[row] = blocks
-
-    def clear_table_rows(self, start: int, stop: int) -> None:
-        """Padding rows ``[start, stop)`` read block 0 only."""
-        self._host_arrays[self._current]["block_tables"][start:stop, 0] = 0
         written = self._table_rows[self._current]
-        written[start:stop] = [None] * (stop - start)
+        for row, blocks in enumerate(tables):
+            before = written[row]
+            if before is None or blocks[: len(before)] != before:
+                table[row, : len(blocks)] = blocks
+            elif len(blocks) > len(before):
+                table[row, len(before) : len(blocks)] = blocks[len(before) :]
+            written[row] = blocks
+        table[len(tables) : num_rows, 0] = 0
+        written[len(tables) : num_rows] = [None] * (num_rows - len(tables))
 
     def upload(self, num_rows: int) -> None:
         """Copies the fields of a ``num_rows``-row step; non-blocking from pinned
@@ -250,10 +245,9 @@ def stage_step(
     starts = [0]
     sample_indices: list[int] = []
     sampled = []
-    write_row = buffers.write_table_row
     num_pending = 0
     end = 0  # tokens staged so far
-    for b, seq in enumerate(plan.seqs):
+    for seq in plan.seqs:
         tokens, start, blocks = seq.token_ids, seq.start_pos, seq.block_ids
         num_new = len(tokens)
         end_pos = start + num_new
@@ -276,12 +270,11 @@ def stage_step(
         seq_lens.append(end_pos)
         end += num_new
         starts.append(end)
-        write_row(b, blocks)
         if seq.sample:
             sample_indices.append(end - 1)
             sampled.append(seq)
+    buffers.write_block_tables([seq.block_ids for seq in plan.seqs], num_rows)
     num_pad = num_rows - num_seqs
-    buffers.clear_table_rows(num_seqs, num_rows)
     token_ids.extend([0] * num_pad)
     positions.extend([0] * num_pad)
     slots.extend([-1] * num_pad)
