@@ -19,6 +19,8 @@ On the CPU the same code runs without streams or events (tests use it).
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -162,27 +164,44 @@ def allocate_host_pool(
     pin_memory: bool,
 ) -> KVPool:
     """A head-major host pool (``kv_layout``); pinned when ``pin_memory``, by
-    registering ordinary memory with CUDA: torch's pinned allocator rounds
+    registering memory of its own with CUDA: torch's pinned allocator rounds
     every allocation up to a power of two, up to twice a large pool."""
     shape = (num_kv_heads, num_blocks, block_size, head_dim)
 
     def cache() -> torch.Tensor:
-        storage = torch.zeros(shape, dtype=dtype)
-        if pin_memory:
-            storage = _pinned(storage)
+        storage = _registered(shape, dtype) if pin_memory else torch.zeros(shape, dtype=dtype)
         return storage.permute(1, 2, 0, 3)
 
     return [(cache(), cache()) for _ in range(num_layers)]
 
 
-def _pinned(storage: torch.Tensor) -> torch.Tensor:
-    """``storage`` page-locked in place (``cudaHostRegister``), or a pinned copy
-    where registering fails. Registered memory stays registered for the life
-    of the process: the pool lives as long as the runner."""
-    num_bytes = storage.numel() * storage.element_size()
+class _RegisteredMap(mmap.mmap):
+    """An anonymous map page-locked with ``cudaHostRegister`` and unregistered
+    when the last tensor over it goes, before it is unmapped: an address range
+    left registered after ``free`` would make CUDA treat whatever is allocated
+    there next as pinned memory it no longer is (copies from it then fail with
+    "invalid argument", registering it with "already mapped")."""
+
+    address = 0
+
+    def __del__(self) -> None:
+        if self.address:
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+
+
+def _registered(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed ``shape`` memory, page-locked in place, or pinned by torch where
+    registering fails."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = _RegisteredMap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    storage = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+    if int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), num_bytes, 0)) == 0:
+        buffer.address = storage.data_ptr()
         return storage
-    result = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), num_bytes, 0)
-    if int(result) == 0 and storage.is_pinned():
-        return storage
-    return storage.pin_memory()
+    # The failed call left its error as CUDA's last error, which the next
+    # kernel launch check would report as its own: take it here.
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda")
+    return torch.zeros(shape, dtype=dtype, pin_memory=True)
