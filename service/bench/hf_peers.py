@@ -145,7 +145,7 @@ def run_hf_cb(
             "num_threads": torch.get_num_threads(),
             "device": device,
             "attn_implementation": settings.attn_implementation,
-            "page_size": resolved.page_size,
+            "page_size": getattr(resolved, _PAGE_FIELD),
             "max_batch_tokens": resolved.max_batch_tokens,
             "num_blocks": resolved.num_blocks,
             "max_requests_per_batch": resolved.max_requests_per_batch,
@@ -245,20 +245,26 @@ def _collect_cb_results(manager: object, pending: set[str]) -> dict[str, object]
     return results
 
 
+# transformers up to 5.17 names a KV page ``block_size``, later ``page_size``.
+_CB_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+_PAGE_FIELD = "page_size" if "page_size" in _CB_FIELDS else "block_size"
+
+
 def _cb_config(
     settings: CBSettings, workload: Sequence[WorkloadRequest]
 ) -> ContinuousBatchingConfig:
-    page_size = settings.page_size or ContinuousBatchingConfig().page_size
+    page_size = settings.page_size or getattr(ContinuousBatchingConfig(), _PAGE_FIELD)
     num_blocks = settings.num_blocks or _blocks_for(workload, page_size)
-    return ContinuousBatchingConfig(
-        page_size=page_size,
-        max_batch_tokens=settings.max_batch_tokens,
-        num_blocks=num_blocks,
-        max_requests_per_batch=settings.max_requests_per_batch,
-        auto_switch_to_flash=False,
-        use_cuda_graph=settings.use_cuda_graph,
-        seed=0,
-    )
+    options = {
+        _PAGE_FIELD: page_size,
+        "max_batch_tokens": settings.max_batch_tokens,
+        "num_blocks": num_blocks,
+        "max_requests_per_batch": settings.max_requests_per_batch,
+        "auto_switch_to_flash": False,  # not in every version: dropped where absent
+        "use_cuda_graph": settings.use_cuda_graph,
+        "seed": 0,
+    }
+    return ContinuousBatchingConfig(**{k: v for k, v in options.items() if k in _CB_FIELDS})
 
 
 def _blocks_for(workload: Sequence[WorkloadRequest], page_size: int) -> int:

@@ -310,7 +310,12 @@ def _run_engine(
 ) -> EngineRun:
     if name == "slipstream":
         return run_slipstream(model_dir, workload, options)
-    return PEERS[name].run(model_dir, workload, options)
+    try:
+        return PEERS[name].run(model_dir, workload, options)
+    except PeerError:
+        raise
+    except Exception as exc:  # an in-process peer's own error (say, another transformers)
+        raise PeerError(f"{type(exc).__name__}: {exc}") from exc
 
 
 def run_slipstream(
