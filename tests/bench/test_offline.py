@@ -75,6 +75,20 @@ def test_slipstream_against_peers(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert set(report["ratios"]) == {"slipstream/hf_static", "slipstream/hf_cb"}
 
 
+def test_a_peer_that_raises_fails_alone(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    """transformers' API moves between versions: a peer's own error is its
+    report entry, and the other engines' figures are still measured."""
+    from slipstream.service.bench import hf_peers
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise AttributeError("'ContinuousBatchingConfig' object has no attribute 'page_size'")
+
+    monkeypatch.setattr(hf_peers, "run_hf_cb", broken)
+    report = _bench(tmp_path, tiny_model_dir, "hf_cb,hf_static")
+    assert "page_size" in report["engines"]["hf_cb"]["error"]
+    assert report["engines"]["hf_static"]["output_tokens_per_s"] > 0
+
+
 def test_the_report_carries_the_floor_of_this_cpu(tmp_path: Path, tiny_model_dir: Path) -> None:
     report = _bench(tmp_path, tiny_model_dir, "slipstream")
     floor = report["floor"]
