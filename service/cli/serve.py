@@ -45,7 +45,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-host-blocks", type=int, default=None)
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     group.add_argument(
-        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="tokens a step may run (default: 512 on the CPU, 8192 on a GPU)",
     )
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)

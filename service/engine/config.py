@@ -17,6 +17,8 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
 # An auto|on|off flag: None (decided where it applies, e.g. per device), True, False.
 SWITCH_CHOICES = ("auto", "on", "off")
+CPU_STEP_TOKENS = 512
+GPU_STEP_TOKENS = 8192
 
 
 def switch(value: str) -> bool | None:
@@ -40,7 +42,10 @@ class EngineConfig:
     num_device_blocks: int | None = None
     num_host_blocks: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
+    # Tokens one step may run; None: 512 on the CPU, 8192 on a GPU, where a
+    # step that is not a graphed decode costs ~10 ms of kernel launches
+    # whatever its size, so fewer, larger prefill steps pay (docs/gpu.md).
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     max_queue_len: int = 4096
     policy: str = "deadline"
@@ -80,6 +85,12 @@ class EngineConfig:
     # only (on the CPU the host and the "device" are the same cores).
     plan_ahead: bool | None = None
 
+    def step_token_budget(self, *, on_gpu: bool) -> int:
+        """``max_num_batched_tokens``, or the device's default where unset."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return GPU_STEP_TOKENS if on_gpu else CPU_STEP_TOKENS
+
     def scheduler_config(
         self, num_device_blocks: int, num_host_blocks: int, max_model_len: int
     ) -> SchedulerConfig:
@@ -89,7 +100,8 @@ class EngineConfig:
             block_size=self.block_size,
             max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            # load_parts sets the device's budget; unset here means the CPU's
+            max_num_batched_tokens=self.step_token_budget(on_gpu=False),
             num_host_blocks=num_host_blocks,
             max_queue_len=self.max_queue_len,
             policy=self.policy,

@@ -12,6 +12,7 @@ the runner or their own scheduler take the parts and compose them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ def load_engine(config: EngineConfig, cpu: CpuFeatures | None = None) -> Engine:
 def load_parts(config: EngineConfig, cpu: CpuFeatures | None = None) -> EngineParts:
     device = resolve_device(config.device)
     log.info("device", line=device_log_line(describe_device(device)))
+    budget = config.step_token_budget(on_gpu=device.type == "cuda")
+    config = dataclasses.replace(config, max_num_batched_tokens=budget)
     if device.type == "cuda":
         return _load_on_cuda(config, device)
     return _load_on_cpu(config, cpu or detect())

@@ -130,3 +130,23 @@ def test_module_reads_cuda_at_call_time(gpus):
     assert device_mod._cuda_count() == 1
     gpus(0)
     assert device_mod._cuda_count() == 0
+
+
+def test_the_step_token_budget_follows_the_device():
+    """Unset, a step may run 512 tokens on the CPU and 8192 on a GPU, where a
+    step that is not a graphed decode costs ~10 ms of launches whatever its
+    size (docs/gpu.md); a set budget holds on either."""
+    from slipstream.service.engine.config import EngineConfig
+
+    assert EngineConfig().step_token_budget(on_gpu=False) == 512
+    assert EngineConfig().step_token_budget(on_gpu=True) == 8192
+    assert EngineConfig(max_num_batched_tokens=1024).step_token_budget(on_gpu=True) == 1024
+    assert EngineConfig().scheduler_config(64, 8, 256).max_num_batched_tokens == 512
+
+
+def test_loading_on_the_cpu_sets_the_cpus_budget(tiny_model_dir):
+    from slipstream.service.engine.config import EngineConfig
+    from slipstream.service.engine.loader import load_parts
+
+    parts = load_parts(EngineConfig(model=str(tiny_model_dir), device="cpu", policy="fcfs"))
+    assert parts.scheduler_config.max_num_batched_tokens == 512
