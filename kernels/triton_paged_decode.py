@@ -63,7 +63,9 @@ def attention_dot(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
-@triton.jit
+# tiles_per_split varies with the context: not specialized on (== 1, % 16),
+# so a new context length never compiles a variant in the middle of serving.
+@triton.jit(do_not_specialize=["tiles_per_split"])
 def _decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -190,6 +192,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int
     if limit < 2:
         return 1
     return 1 << (limit.bit_length() - 1)
+
+
+def possible_num_splits(max_seq_len: int) -> list[int]:
+    """Every split count ``choose_num_splits`` may pick for contexts up to
+    ``max_seq_len``, ascending: each is a compiled variant of the kernel."""
+    limit = min(max_seq_len // _MIN_SPLIT_TOKENS, _MAX_SPLITS)
+    counts = [1]
+    while counts[-1] * 2 <= limit:
+        counts.append(counts[-1] * 2)
+    return counts
 
 
 def paged_decode(

@@ -29,6 +29,7 @@ import torch
 from slipstream.kernels.device_sampling import SamplingBatch, sample_tensors, seeded_noise
 from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.kernels.linear import Linear
+from slipstream.kernels.triton_paged_decode import paged_decode, possible_num_splits
 from slipstream.scheduler.plan import StepPlan
 from slipstream.service.engine.cuda_graphs import (
     DecodeGraphs,
@@ -189,7 +190,9 @@ class DeviceRunner:
         self.graph_stats = GraphStats(enabled=False, disabled_reason="turned off")
         if use_cuda_graphs and not self._is_cuda:
             self.graph_stats = GraphStats(enabled=False, disabled_reason="not a CUDA device")
-        elif use_cuda_graphs:
+        if self._is_cuda:
+            self._compile_decode_splits()
+        if use_cuda_graphs and self._is_cuda:
             self._capture(min(max_num_seqs, max_num_batched_tokens))
 
     def info(self) -> dict[str, Any]:
@@ -320,6 +323,31 @@ class DeviceRunner:
         done = torch.cuda.Event()
         done.record()
         return done
+
+    def _compile_decode_splits(self) -> None:
+        """Launches the decode kernel once with each split count a step may
+        pick (``possible_num_splits`` of the longest context), so that Triton
+        compiles every variant at start-up: a variant first met while serving
+        costs its step a compile, about a second on a GPU machine's host."""
+        cfg = self.model.config
+        step = stage_padding(self._staging, 1)
+        self._staging.upload(1)
+        meta = staged_metadata(step, self._staging.device_views, self.block_size)
+        seq_ids, token_ids = meta.triton.decode_seq_ids, meta.triton.decode_token_ids
+        assert seq_ids is not None and token_ids is not None  # a padding row decodes
+        # q as the model hands it over: the query heads of a [tokens, q+k heads, dim] tensor
+        qk = torch.zeros(1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
+                         dtype=self.model.dtype, device=self.device)  # fmt: skip
+        q = qk[:, : cfg.num_heads]
+        out = torch.empty(q.shape, dtype=q.dtype, device=self.device)
+        k_cache, v_cache = self.device_pool[0]
+        for splits in possible_num_splits(self._max_context):
+            paged_decode(
+                q, k_cache, v_cache, meta.block_tables, meta.triton.seq_lens, seq_ids, token_ids,
+                self._max_context, self.model.scale, out, num_splits=splits,
+            )  # fmt: skip
+        if self._is_cuda:
+            torch.cuda.synchronize(self.device)
 
     def _capture(self, max_batch: int) -> None:
         self._graphs = DecodeGraphs(graph_batch_sizes(max_batch))

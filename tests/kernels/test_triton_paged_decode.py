@@ -106,6 +106,19 @@ def test_choose_num_splits(decode):
     assert choose(256, 4, 4096) == 1  # the batch alone fills the GPU
 
 
+def test_possible_num_splits_hold_every_choice(decode):
+    """The GPU runner compiles these variants at start-up: any split count a
+    step can pick must be among them, or that step pays a compile."""
+    rng = random.Random(0)
+    for max_len in (1, 255, 256, 512, 1000, 4096, 8192, 32768):
+        possible = decode.possible_num_splits(max_len)
+        assert possible == sorted(set(possible)) and possible[0] == 1
+        for _ in range(200):
+            num_seqs, kv_heads = rng.randint(1, 300), rng.choice([1, 2, 3, 4, 8])
+            assert decode.choose_num_splits(num_seqs, kv_heads, rng.randint(1, max_len)) in possible
+    assert decode.possible_num_splits(4096) == [1, 2, 4, 8, 16]
+
+
 def test_decode_rejects_mismatched_inputs(decode):
     case = make_case([1], [10], 16, 2, 2, 64, torch.float32, seed=0)
     ids = torch.zeros(1, dtype=torch.int32)
