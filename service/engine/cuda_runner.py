@@ -15,8 +15,7 @@ One step, in stream order (the compute stream unless said)::
 The same code runs on the CPU (``device=cpu``, no pinning, no graphs, the
 Triton kernels under their interpreter), which is how its logic is tested
 against ``ModelRunner``. The CUDA-only parts (streams, events, pinned memory,
-graph capture) are written to the CUDA programming model but have no test
-that runs here; ``tests/gpu`` holds the ones a GPU runs.
+graph capture) are tested by ``tests/gpu`` on a GPU (``make test-gpu``).
 """
 
 from __future__ import annotations
