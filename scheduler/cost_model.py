@@ -1,14 +1,21 @@
 """Step-cost model: how long one engine step takes, as a function of its shape.
 
-A step's time is modelled as linear in four features::
+A step's time is modelled as linear in five features::
 
     seconds = base + per_prefill_token * prefill_tokens
                    + per_decode_seq    * decode_seqs
                    + per_context_token * context_tokens
+                   + per_prefill_step  * (1 if prefill_tokens else 0)
 
 where ``context_tokens`` is the sum over scheduled sequences of the tokens
 their attention reads (``start_pos + len(token_ids)``). Moving one KV block
 between the device and host pools costs ``swap_s_per_block`` (per direction).
+
+``per_prefill_step`` is what a step pays once for holding any prefill: on a
+GPU a decode-only step replays a CUDA graph and a step with a prefill chunk
+runs eagerly, ~10 ms of kernel launches on an H100 whatever its size, against
+1.6-3.2 ms for a graphed decode; without the term the fit averaged the two
+(base 4.2 ms) and predicted neither. On the CPU it fits near zero.
 
 Coefficients come from outside: the engine times a few synthetic steps at
 start-up (``slipstream.service.engine.calibration.calibrate``) and then feeds every
@@ -47,8 +54,10 @@ from dataclasses import dataclass
 from .plan import StepPlan
 
 # Features are scaled to similar magnitudes so one initial covariance suits
-# all four: [1, prefill tokens / 100, decode seqs / 10, context tokens / 1000].
-_SCALES = (1.0, 100.0, 10.0, 1000.0)
+# all five: [1, prefill tokens / 100, decode seqs / 10, context tokens / 1000,
+# 1 if any prefill].
+_SCALES = (1.0, 100.0, 10.0, 1000.0, 1.0)
+_N = len(_SCALES)
 _MIN_STEP_S = 1e-6
 # Weight of the newest step in the average overrun; the overrun a margin is
 # built from never exceeds MAX_OVERRUN (a start-up guess far off is refit in
@@ -101,6 +110,7 @@ class CostCoefficients:
     per_decode_seq_s: float = 0.0015
     per_context_token_s: float = 0.000002
     swap_s_per_block: float = 0.00005
+    per_prefill_step_s: float = 0.0  # once per step holding any prefill (module docstring)
 
     def __post_init__(self) -> None:
         for name in self.__slots__:
@@ -108,8 +118,15 @@ class CostCoefficients:
                 raise ValueError(f"{name} must be >= 0")
 
     def as_vector(self) -> list[float]:
-        raw = (self.base_s, self.per_prefill_token_s, self.per_decode_seq_s)
-        return [c * s for c, s in zip((*raw, self.per_context_token_s), _SCALES, strict=True)]
+        """The regression coefficients (swap cost apart), in ``_features`` order, scaled."""
+        raw = (
+            self.base_s,
+            self.per_prefill_token_s,
+            self.per_decode_seq_s,
+            self.per_context_token_s,
+            self.per_prefill_step_s,
+        )
+        return [c * s for c, s in zip(raw, _SCALES, strict=True)]
 
 
 class CostModel:
@@ -128,6 +145,7 @@ class CostModel:
         overrun: float = 0.0,
         max_drift: float | None = MAX_DRIFT,
         robust: bool = True,
+        fit_prefill_step: bool = True,
     ) -> None:
         """``overrun`` starts the model with a margin measured elsewhere (a
         simulated twin planning with the margin its engine held); it is
@@ -139,7 +157,9 @@ class CostModel:
         coefficients kept non-negative, as a fit online must be; off for the
         start-up calibration, whose timed steps are fit as measured (clipped
         against the built-in guess they could only halve it per sample: a
-        0.3 ms step of ``tiny`` came out at 8 ms)."""
+        0.3 ms step of ``tiny`` came out at 8 ms). ``fit_prefill_step``
+        False holds ``per_prefill_step_s`` where it starts (a calibration
+        whose steps want it below zero refits without it)."""
         if max_drift is not None and max_drift < 1.0:
             raise ValueError(f"max_drift must be >= 1, got {max_drift}")
         if not 0.0 < forgetting <= 1.0:
@@ -155,7 +175,9 @@ class CostModel:
         # Covariance of the estimate; a small prior weight lets the first
         # measured samples dominate the start-up guess.
         self._prior_variance = 1.0 / prior_weight
-        self._p = [[self._prior_variance if i == j else 0.0 for j in range(4)] for i in range(4)]
+        self._p = [[self._prior_variance if i == j else 0.0 for j in range(_N)] for i in range(_N)]
+        if not fit_prefill_step:
+            self._p[_N - 1][_N - 1] = 0.0  # no variance: no update ever moves it
         self._forgetting = forgetting
         self._robust = robust
         self._num_samples = 0
@@ -173,13 +195,18 @@ class CostModel:
             t > self._max_drift * s for t, s in zip(self._clamped, self._start_theta, strict=True)
         )
         c = [t / s for t, s in zip(self._clamped, _SCALES, strict=True)]
-        self._coefficients = CostCoefficients(c[0], c[1], c[2], c[3], self._swap_s_per_block)
+        self._coefficients = CostCoefficients(c[0], c[1], c[2], c[3], self._swap_s_per_block, c[4])
 
     # -- coefficients ----------------------------------------------------
 
     @property
     def coefficients(self) -> CostCoefficients:
         return self._coefficients
+
+    @property
+    def fitted_prefill_step_s(self) -> float:
+        """``per_prefill_step_s`` as fitted, before predictions clamp it at zero."""
+        return self._theta[_N - 1] / _SCALES[_N - 1]
 
     @property
     def num_samples(self) -> int:
@@ -210,7 +237,7 @@ class CostModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """One measured step (forward only: swap time excluded). Exponentially
-        weighted recursive least squares; O(16) float operations."""
+        weighted recursive least squares; O(25) float operations."""
         if seconds <= 0 or seconds != seconds:
             return  # a clock glitch, not information
         predicted = max(
@@ -234,7 +261,7 @@ class CostModel:
         # diverges (seen after ~10^5 light-load steps).
         lam = self._forgetting
         self._p = [
-            [(self._p[i][j] - px[i] * px[j] / denom) / lam for j in range(4)] for i in range(4)
+            [(self._p[i][j] - px[i] * px[j] / denom) / lam for j in range(_N)] for i in range(_N)
         ]
         self._bound_covariance()
         self._num_samples += 1
@@ -261,17 +288,17 @@ class CostModel:
         (an active set): the prediction for the step's shape then always
         moves toward the measurement, never past it."""
         p = self._p
-        free = [True] * 4  # coefficients the step fits (the rest held at zero)
+        free = [True] * _N  # coefficients the step fits (the rest held at zero)
         while True:
             u = [xi if f else 0.0 for xi, f in zip(x, free, strict=True)]
-            px = [sum(p[i][j] * u[j] for j in range(4)) for i in range(4)]
-            denom = self._forgetting + sum(u[i] * px[i] for i in range(4))
+            px = [sum(p[i][j] * u[j] for j in range(_N)) for i in range(_N)]
+            denom = self._forgetting + sum(u[i] * px[i] for i in range(_N))
             base = [t if f else 0.0 for t, f in zip(self._theta, free, strict=True)]
             error = seconds - sum(t * ui for t, ui in zip(base, u, strict=True))
             theta = [
                 t + v / denom * error if f else 0.0 for t, v, f in zip(base, px, free, strict=True)
             ]
-            below = [i for i in range(4) if free[i] and theta[i] < 0.0] if self._robust else []
+            below = [i for i in range(_N) if free[i] and theta[i] < 0.0] if self._robust else []
             if not below:
                 return theta, px, denom
             for i in below:
@@ -292,7 +319,7 @@ class CostModel:
         """Scales the covariance down when a variance has grown past the
         prior's (windup; see the module docstring). Scaling keeps it
         symmetric positive definite and its directions as they are."""
-        largest = max(self._p[i][i] for i in range(4))
+        largest = max(self._p[i][i] for i in range(_N))
         if largest > self._prior_variance:
             k = self._prior_variance / largest
             self._p = [[v * k for v in row] for row in self._p]
@@ -326,13 +353,26 @@ class CostModel:
         """The clamped dot product of ``_features``, unrolled in the same
         order (so bit-identical), within ``MAX_DRIFT`` of the start-up
         prediction: the hot path of every estimate."""
-        t0, t1, t2, t3 = self._clamped
-        s0, s1, s2, s3 = _SCALES
-        fit = t0 * (1.0 / s0) + t1 * (prefill / s1) + t2 * (decodes / s2) + t3 * (context / s3)
+        t0, t1, t2, t3, t4 = self._clamped
+        s0, s1, s2, s3, s4 = _SCALES
+        step = 1.0 if prefill else 0.0
+        fit = (
+            t0 * (1.0 / s0)
+            + t1 * (prefill / s1)
+            + t2 * (decodes / s2)
+            + t3 * (context / s3)
+            + t4 * (step / s4)
+        )
         if not self._may_drift_past:
             return fit
-        u0, u1, u2, u3 = self._start_theta
-        start = u0 * (1.0 / s0) + u1 * (prefill / s1) + u2 * (decodes / s2) + u3 * (context / s3)
+        u0, u1, u2, u3, u4 = self._start_theta
+        start = (
+            u0 * (1.0 / s0)
+            + u1 * (prefill / s1)
+            + u2 * (decodes / s2)
+            + u3 * (context / s3)
+            + u4 * (step / s4)
+        )
         return min(fit, self._max_drift * start)
 
     def plan_seconds(self, plan: StepPlan) -> float:
@@ -416,7 +456,8 @@ def _decode_total(c: CostCoefficients, context: int, num_tokens: int) -> float:
 
 
 def _features(shape: StepShape) -> list[float]:
-    raw = (1.0, shape.num_prefill_tokens, shape.num_decode_seqs, shape.num_context_tokens)
+    prefill = shape.num_prefill_tokens
+    raw = (1.0, prefill, shape.num_decode_seqs, shape.num_context_tokens, 1.0 if prefill else 0.0)
     return [v / s for v, s in zip(raw, _SCALES, strict=True)]
 
 

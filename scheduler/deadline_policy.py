@@ -308,7 +308,11 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
 
     def batch_shaper(self, now: float) -> BatchShaper:
         return BatchShaper(
-            self.cost_model, now, self.step_ceiling, self.arrival_reserve.ceiling_s(now)
+            self.cost_model,
+            now,
+            self.step_ceiling,
+            self.arrival_reserve.ceiling_s(now),
+            self.steps_to_limit,
         )
 
     def observe_arrival(self, req: Request, now: float) -> None:
@@ -335,6 +339,10 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
             steps = entry.first_token_steps + CEILING_MARGIN_STEPS
             ceiling = min(ceiling, (req.first_token_deadline - now) / steps)
         return ceiling / (1.0 + self.cost_model.overrun)
+
+    def steps_to_limit(self, req: Request) -> float:
+        """The steps ``step_ceiling`` divides ``req``'s time by (its deadline's)."""
+        return self._estimate(req).num_steps + CEILING_MARGIN_STEPS
 
     @property
     def is_urgency_driven(self) -> bool:

@@ -20,7 +20,7 @@ A simulated *twin* of a live engine starts where the engine's policy stood:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .batch_shaping import ArrivalReserve
@@ -119,9 +119,15 @@ class Simulator:
         cost_model: CostModel,
         policy: SchedulingPolicy | None = None,
         max_steps: int = 10_000_000,
+        step_seconds: Callable[[StepPlan], float] | None = None,
     ) -> None:
+        """``step_seconds``: what a step really takes on the simulated device
+        (None: the cost model's prediction). Given, the scheduler's cost model
+        refits online from those times, as the engine's does from measured
+        steps: a device whose steps the model cannot express."""
         self.config = config
         self.cost_model = cost_model
+        self._step_seconds = step_seconds
         self.scheduler = Scheduler(config, policy, cost_model)
         self._max_steps = max_steps
         self._tracks: dict[str, _Track] = {}
@@ -194,13 +200,15 @@ class Simulator:
             tick = self.cost_model.idle_seconds()
             self.now = self.now + tick if next_arrival is None else max(self.now, next_arrival)
             return
-        seconds = self.cost_model.plan_seconds(plan)
+        truth = self._step_seconds
+        seconds = self.cost_model.plan_seconds(plan) if truth is None else truth(plan)
         self._charge(plan, seconds)
         self.now += seconds
         self._busy_s += seconds
         self._swapped_out += len(plan.swap_out)
         sampled = {seq.req_id: _TOKEN for seq in plan.seqs if seq.sample}
-        self._record(self.scheduler.update(plan, sampled, self.now))
+        measured = None if truth is None else seconds
+        self._record(self.scheduler.update(plan, sampled, self.now, step_s=measured))
 
     def _charge(self, plan: StepPlan, seconds: float) -> None:
         num_tokens = plan.num_tokens
@@ -246,9 +254,11 @@ def simulate(
     config: SchedulerConfig,
     cost_model: CostModel,
     policy: SchedulingPolicy | None = None,
+    step_seconds: Callable[[StepPlan], float] | None = None,
 ) -> SimResult:
-    """One run of ``requests`` (ids unique) under ``config.policy`` (or ``policy``)."""
-    return Simulator(config, cost_model, policy).run(requests)
+    """One run of ``requests`` (ids unique) under ``config.policy`` (or
+    ``policy``); ``step_seconds`` as for ``Simulator``."""
+    return Simulator(config, cost_model, policy, step_seconds=step_seconds).run(requests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,7 @@ def main(args: argparse.Namespace) -> int:
     print(
         f"wrote {args.out}: base {1000 * c['base_s']:.2f} ms, "
         f"{1e6 * c['per_prefill_token_s']:.1f} us/prefill token, "
+        f"{1000 * c['per_prefill_step_s']:.2f} ms/step with a prefill, "
         f"{1000 * c['per_decode_seq_s']:.3f} ms/decode, "
         f"{1e9 * c['per_context_token_s']:.0f} ns/context token "
         f"({report['num_refit_steps']} measured steps, {report['capacity_rps']:.2f} req/s)"

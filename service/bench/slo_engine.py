@@ -170,6 +170,7 @@ def deadline_yardstick(
         per_decode_seq_s=c.per_decode_seq_s * scale,
         per_context_token_s=c.per_context_token_s * scale,
         swap_s_per_block=c.swap_s_per_block,
+        per_prefill_step_s=c.per_prefill_step_s * scale,
     )
     return CostModel(scaled), scale
 

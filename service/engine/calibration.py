@@ -50,7 +50,8 @@ _TOKEN = 5
 # Bump when the plans or the fit change: older cached results no longer apply.
 # 2: the fit takes the timed steps as measured (1 clipped them against the
 # built-in guess and came out up to 20x slow on a fast machine): re-measure.
-CALIBRATION_VERSION = 2
+# 3: a fifth coefficient, the fixed cost of a step holding a prefill.
+CALIBRATION_VERSION = 3
 
 
 def calibrate(
@@ -75,18 +76,37 @@ def calibrate(
             runner.block_size, num_blocks, max_num_batched_tokens, max_num_seqs, quick
         )
     )
-    fit = CostModel(
-        CostCoefficients(), forgetting=1.0, prior_weight=1e-3, max_drift=None, robust=False
-    )
     if quick:
         repeats = 2
+    timed = []
     for plan in plans:
         if not quick:
             runner.execute(plan)  # this shape's one-off set-up stays out of the fit
-        fit.observe_plan(plan, min(_timed(runner, plan) for _ in range(repeats)))
-    model = CostModel(fit.coefficients)
+        timed.append((plan, min(_timed(runner, plan) for _ in range(repeats))))
+    model = CostModel(fit_steps(timed))
     model.set_swap_cost(measure_swap_seconds_per_block(runner))
     return model
+
+
+def fit_steps(timed: list[tuple[StepPlan, float]]) -> CostCoefficients:
+    """Least squares over the timed steps, as measured. The fixed cost of a
+    step holding a prefill is fitted where the steps show one (a GPU's eager
+    step against a graphed decode); where they would put it below zero (a
+    CPU's), it is held at zero and the rest refitted without it."""
+    for fit_step in (True, False):
+        fit = CostModel(
+            CostCoefficients(),
+            forgetting=1.0,
+            prior_weight=1e-3,
+            max_drift=None,
+            robust=False,
+            fit_prefill_step=fit_step,
+        )
+        for plan, seconds in timed:
+            fit.observe_plan(plan, seconds)
+        if fit.fitted_prefill_step_s >= 0:
+            break
+    return fit.coefficients
 
 
 def calibrate_cached(

@@ -104,3 +104,34 @@ def test_the_calibration_fits_the_steps_as_measured(runner: object) -> None:
         times.append(time.perf_counter() - started)
     predicted = model.plan_seconds(plan)
     assert predicted < 4 * min(times) + 0.002, (predicted, min(times))
+
+
+def test_the_fit_keeps_a_prefill_step_cost_only_where_the_steps_show_one():
+    """A GPU's eager step against its graphed decode shows a fixed cost of
+    holding a prefill; steps whose prefill chunks grow faster than linearly
+    would put it below zero, and are fitted without it instead."""
+    from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+    from slipstream.service.engine.calibration import fit_steps, synthetic_plan
+
+    prefills = [synthetic_plan([(0, n)], 16, 4096) for n in (16, 128, 512)]
+    decodes = [synthetic_plan([(300, 1)] * b, 16, 4096) for b in (1, 16, 64)]
+
+    def timed(prefill_s, decode_s):
+        return [(p, prefill_s(len(p.seqs[0].token_ids))) for p in prefills] + [
+            (d, decode_s(len(d.seqs))) for d in decodes
+        ]
+
+    gpu = fit_steps(timed(lambda n: 0.010 + 15e-6 * n, lambda b: 0.0016 + 6.4e-6 * b))
+    assert gpu.per_prefill_step_s == pytest.approx(0.0084, rel=0.05)
+    convex = timed(lambda n: 0.002 + 4e-4 * n + 4e-7 * n * n, lambda b: 0.002 + 1e-3 * b)
+    cpu = fit_steps(convex)
+    assert cpu.per_prefill_step_s == 0.0
+    # The four other coefficients as a fit without the term makes them (the
+    # fit before the term existed), not held up by a clamped negative one.
+    four = CostModel(
+        CostCoefficients(), forgetting=1.0, prior_weight=1e-3, max_drift=None, robust=False,
+        fit_prefill_step=False,
+    )  # fmt: skip
+    for plan, seconds in convex:
+        four.observe_plan(plan, seconds)
+    assert cpu == four.coefficients
