@@ -8,6 +8,8 @@
 #   ops/gpu-verify.sh offline   # bench offline against transformers' continuous batching
 #   ops/gpu-verify.sh ahead     # bench offline, planning ahead on / off
 #   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines
+#   ops/gpu-verify.sh cpu       # the host's CPU (an AVX-512/AMX Xeon on the H100
+#                               # machines lent so far): bench step on 2 threads, bf16
 #
 # MODEL (default smollm2-shape: SmolLM2's shape, random weights, built there)
 # and OUT (default bench-results) are read from the environment.
@@ -42,8 +44,14 @@ slo)
     bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 \
         --json "$out/slo-cuda.json" --plot "$out/slo-cuda.png"
     ;;
+cpu)
+    grep -m1 "model name" /proc/cpuinfo
+    grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16" /proc/cpuinfo | sort | uniq -c
+    bench step --device cpu --threads 2 --model "$model" --batch 1,64,256 --context 300 \
+        --modes compiled,python-loop --json "$out/step-cpu.json" --plot "$out/step-cpu.png"
+    ;;
 *)
-    echo "usage: $0 tests|step|offline|ahead|slo" >&2
+    echo "usage: $0 tests|step|offline|ahead|slo|cpu" >&2
     exit 2
     ;;
 esac
