@@ -43,6 +43,7 @@ from pathlib import Path
 
 from slipstream.scheduler.cost_model import CostCoefficients
 from slipstream.scheduler.policy_registry import POLICY_NAMES
+from slipstream.service.bench.device_steps import DEVICE_STEPS, calibrated_on, device_steps
 from slipstream.service.bench.report import hardware, resolved_dtype
 from slipstream.service.bench.slo_options import (
     CVS,
@@ -104,6 +105,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="deadline: give work up by urgency only, never refuse the heaviest at arrival",
     )
     parser.add_argument("--coefficients", type=Path, help="cost-model JSON (sim mode)")
+    parser.add_argument(
+        "--device-steps",
+        choices=sorted(DEVICE_STEPS),
+        help="sim mode: steps take what they took on this device, the model calibrated on it "
+        "and refit online (h100: a graphed decode against an eager step with a prefill)",
+    )
     parser.add_argument(
         "--calibration",
         type=Path,
@@ -186,6 +193,14 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
         from slipstream.service.bench.calibrate import load_calibration
 
         opts = replace(opts, coefficients=load_calibration(args.calibration))
+    if args.device_steps:
+        if mode != "sim":
+            raise SystemExit("--device-steps simulates a device: it takes --sim")
+        steps = device_steps(args.device_steps, opts.max_num_seqs)
+        coeffs = calibrated_on(
+            steps, opts.max_num_batched_tokens, opts.max_num_seqs, opts.block_size
+        )
+        opts = replace(opts, device_steps=args.device_steps, coefficients=coeffs)
     if args.capacity:
         engine = mode == "engine"
         opts = replace(

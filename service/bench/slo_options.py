@@ -53,6 +53,8 @@ class SloOptions:
     capacity_bisections: int = 4
     repeats: int = 1  # engine mode: replays of every cell (the engine's own spread)
     device: str = "cpu"  # engine mode: as resolved (cpu, cuda:N)
+    # sim mode: the device's steps (device_steps.DEVICE_STEPS), not the cost model's
+    device_steps: str | None = None
 
 
 def engine_shaped(opts: SloOptions) -> SloOptions:

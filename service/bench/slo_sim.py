@@ -6,12 +6,14 @@ model. Also the simulated twins of the engine mode's runs
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from slipstream.scheduler.cost_model import CostModel
+from slipstream.scheduler.plan import StepPlan
 from slipstream.scheduler.policy_registry import make_policy
 from slipstream.scheduler.simulator import SimRequest, SimResult, resume_policy, simulate
+from slipstream.service.bench.device_steps import device_steps
 from slipstream.service.bench.slo_capacity import (
     Capacity,
     capacity_report,
@@ -44,8 +46,15 @@ def sim_capacity(opts: SloOptions, cost: CostModel | None = None) -> Capacity:
     config = replace(
         scheduler_config(opts, "fcfs"), max_queue_len=max(opts.max_queue_len, len(batch))
     )
-    result = simulate(batch, config, cost)
+    result = simulate(batch, config, cost, step_seconds=simulated_device(opts))
     return Capacity.of(batch, result.makespan_s)
+
+
+def simulated_device(opts: SloOptions) -> Callable[[StepPlan], float] | None:
+    """The simulated device's step time (None: the cost model's prediction)."""
+    if opts.device_steps is None:
+        return None
+    return device_steps(opts.device_steps, opts.max_num_seqs)
 
 
 def run_sim_bench(opts: SloOptions) -> dict[str, object]:
@@ -82,7 +91,9 @@ def simulate_workload(
     scheduling = make_policy(policy, config, cost)
     if carried is not None:
         resume_policy(scheduling, carried)
-    result = simulate(as_scheduled(requests, deadlines), config, cost, scheduling)
+    result = simulate(
+        as_scheduled(requests, deadlines), config, cost, scheduling, simulated_device(opts)
+    )
     return result, scored_metrics(result.outcomes, requests)
 
 

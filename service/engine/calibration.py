@@ -72,7 +72,7 @@ def calibrate(
     the full cost. The engine's online refit corrects what it misses."""
     num_blocks = runner.device_pool[0][0].shape[0]
     plans = list(
-        _calibration_plans(
+        calibration_plans(
             runner.block_size, num_blocks, max_num_batched_tokens, max_num_seqs, quick
         )
     )
@@ -194,9 +194,11 @@ def measure_swap_seconds_per_block(runner: ModelRunner, num_blocks: int = 32) ->
     return fastest / num_blocks
 
 
-def _calibration_plans(
+def calibration_plans(
     block_size: int, num_blocks: int, budget: int, max_seqs: int, quick: bool = False
 ) -> Iterator[StepPlan]:
+    """The synthetic steps ``calibrate`` times: prefills alone of a few sizes,
+    decode batches of a few sizes at a short and a long context."""
     prefills = {16, budget // 4, budget} if quick else {16, budget // 4, budget // 2, budget}
     for n in sorted(prefills):
         if n >= 1:

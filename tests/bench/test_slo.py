@@ -172,6 +172,32 @@ def test_cli_single_run_writes_json_and_plot(tmp_path) -> None:
     assert png.stat().st_size > 1000
 
 
+def test_sim_on_an_h100s_steps_calibrates_on_them(tmp_path) -> None:
+    """--device-steps h100: the model is calibrated on the device's steps
+    (the fixed cost of an eager step comes out of the fit) and the runs take
+    the device's times, not the model's."""
+    from slipstream.service.bench.device_steps import H100_EAGER_S, H100_GRAPHED_S
+
+    parser = argparse.ArgumentParser()
+    slo.add_parser(parser.add_subparsers())
+    out = tmp_path / "slo.json"
+    argv = ["slo", "--sim", "--device-steps", "h100", "--requests", "150", "--load", "1.5"]
+    argv += ["--cv", "1", "--slack", "4", "8", "16", "--policy", "fcfs", "--policy", "deadline"]
+    args = parser.parse_args(
+        [*argv, "--capacity-requests", "100", "--json", str(out), "--plot", ""]
+    )
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    step = report["options"]["coefficients"]["per_prefill_step_s"]
+    assert step == pytest.approx(H100_EAGER_S - H100_GRAPHED_S, rel=0.05)
+    runs = {r["policy"]: r for r in report["runs"] if r["deadlines"] == "enforced"}
+    assert runs["deadline"]["classes"]["0"]["attainment"] >= 0.95
+    assert runs["fcfs"]["classes"]["0"]["attainment"] < 0.9  # the deadlines bind
+    with pytest.raises(SystemExit, match="takes --sim"):
+        bad = parser.parse_args(["slo", "--device-steps", "h100"])
+        slo.options_from_args(bad)
+
+
 def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, tmp_path) -> None:
     opts = replace(
         slo.options_from_args(

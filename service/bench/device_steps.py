@@ -1,0 +1,54 @@
+"""Step times of a real device for ``bench slo --sim --device-steps NAME``:
+the simulator's device then is this function, not the cost model, and the
+model is calibrated on it as the engine calibrates on its runner
+(``calibration.fit_steps`` over ``calibration``'s shapes) and refits online
+from its steps. What a device's steps look like that a linear model does not
+say: on a GPU, a decode-only step replays a CUDA graph and any prefill makes
+the step eager.
+
+``h100``: SmolLM2-135M's shape in bf16 on one H100 (docs/gpu.md, "Measured on
+an H100"): a graphed decode step 1.6 ms + 6.4 µs a sequence (1.60 / 3.24 ms
+at 1 / 256, ``bench step``), an eager step ~10 ms of kernel launches + 15 µs
+a prefill token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+from slipstream.scheduler.cost_model import CostCoefficients, StepShape
+from slipstream.scheduler.plan import StepPlan
+from slipstream.service.engine.calibration import calibration_plans, fit_steps
+
+H100_GRAPHED_S = 1.6e-3
+H100_PER_SEQ_S = 6.4e-6
+H100_EAGER_S = 10e-3
+H100_PER_PREFILL_TOKEN_S = 15e-6
+H100_PER_CONTEXT_TOKEN_S = 2e-9
+
+
+def h100_step(plan: StepPlan, max_graphed: int) -> float:
+    """Seconds an H100 took for ``plan`` (graphs captured up to ``max_graphed`` sequences)."""
+    shape = StepShape.of(plan)
+    rest = (
+        H100_PER_SEQ_S * shape.num_decode_seqs + H100_PER_CONTEXT_TOKEN_S * shape.num_context_tokens
+    )
+    if shape.num_prefill_tokens == 0 and shape.num_decode_seqs <= max_graphed:
+        return H100_GRAPHED_S + rest
+    return H100_EAGER_S + H100_PER_PREFILL_TOKEN_S * shape.num_prefill_tokens + rest
+
+
+DEVICE_STEPS: dict[str, Callable[[StepPlan, int], float]] = {"h100": h100_step}
+
+
+def device_steps(name: str, max_num_seqs: int) -> Callable[[StepPlan], float]:
+    return partial(DEVICE_STEPS[name], max_graphed=max_num_seqs)
+
+
+def calibrated_on(
+    steps: Callable[[StepPlan], float], token_budget: int, max_num_seqs: int, block_size: int
+) -> CostCoefficients:
+    """The start-up calibration's coefficients, had its steps run on ``steps``."""
+    plans = calibration_plans(block_size, 1 << 20, token_budget, max_num_seqs)
+    return fit_steps([(plan, steps(plan)) for plan in plans])
