@@ -342,6 +342,9 @@ def run_slipstream(
     finally:
         engine.shutdown()
     settings = {**asdict(config), "engine_info": asdict(engine.info)}
+    # The budget the engine ran with (unset, the device's: config.step_token_budget).
+    on_gpu = engine.info.device.get("type") == "cuda"
+    settings["max_num_batched_tokens"] = config.step_token_budget(on_gpu=on_gpu)
     return EngineRun("slipstream", wall_s, timings, settings)
 
 

@@ -72,6 +72,7 @@ def test_slipstream_against_peers(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert engines["slipstream"]["num_output_tokens"] == engines["hf_cb"]["num_output_tokens"]
     assert set(engines["slipstream"]) >= ENGINE_KEYS
     assert engines["slipstream"]["settings"]["block_size"] == 16
+    assert engines["slipstream"]["settings"]["max_num_batched_tokens"] == 512  # the CPU's budget
     assert set(report["ratios"]) == {"slipstream/hf_static", "slipstream/hf_cb"}
 
 

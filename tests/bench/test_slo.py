@@ -198,6 +198,19 @@ def test_sim_on_an_h100s_steps_calibrates_on_them(tmp_path) -> None:
         slo.options_from_args(bad)
 
 
+def test_engine_mode_on_a_gpu_takes_the_gpus_step_budget(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(slo, "resolve_device", lambda name: torch.device("cuda", 0))
+    monkeypatch.setattr(slo, "resolved_dtype", lambda dtype, device: "bfloat16")
+    parser = argparse.ArgumentParser()
+    slo.add_parser(parser.add_subparsers())
+    opts = slo.options_from_args(parser.parse_args(["slo", "--device", "cuda"]))
+    assert opts.device == "cuda:0" and opts.max_num_batched_tokens == 8192
+    sim = slo.options_from_args(parser.parse_args(["slo", "--sim", "--device", "cuda"]))
+    assert sim.max_num_batched_tokens == 512
+
+
 def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, tmp_path) -> None:
     opts = replace(
         slo.options_from_args(
