@@ -26,6 +26,7 @@ tests)
     ;;
 step)
     bench step --device cuda --model "$model" --batch 1,8,64,256 --context 512 \
+        --modes graphs,no-graphs,graphs-torch-ops,no-graphs-torch-ops \
         --json "$out/step-cuda.json" --plot "$out/step-cuda.png"
     ;;
 offline)

@@ -45,13 +45,16 @@ MODES: dict[str, dict[str, object]] = {
     # On a CUDA device: decode steps replayed from captured graphs, or launched eagerly.
     "graphs": {"cuda_graphs": True},
     "no-graphs": {"cuda_graphs": False},
+    # The same with the elementwise stages as eager torch ops, not one Triton kernel each.
+    "graphs-torch-ops": {"cuda_graphs": True, "gpu_fused_elementwise": False},
+    "no-graphs-torch-ops": {"cuda_graphs": False, "gpu_fused_elementwise": False},
     # The compiled kernels with the layer loop run from Python, op by op,
     # instead of in one native call (LlamaModel.native_layers).
     "python-loop": {"compile": True},
 }
 # Model attributes a mode sets once its engine is loaded.
 MODEL_SWITCHES: dict[str, dict[str, object]] = {"python-loop": {"native_layers": False}}
-CUDA_MODES = frozenset({"graphs", "no-graphs"})
+CUDA_MODES = frozenset({"graphs", "no-graphs", "graphs-torch-ops", "no-graphs-torch-ops"})
 DEFAULT_MODES = {"cpu": "eager,compiled", "cuda": "graphs,no-graphs"}
 # "compiled" runs the fused native kernels between the projections (no graph
 # to split), so both modes get the per-part split.

@@ -81,6 +81,9 @@ class EngineConfig:
     # pool, activations and graph pool may take; decode steps replay CUDA graphs.
     gpu_memory_fraction: float = 0.9
     cuda_graphs: bool = True
+    # On a GPU, the elementwise stages between projections as one Triton
+    # kernel each (kernels/triton_elementwise.py); False: eager torch ops.
+    gpu_fused_elementwise: bool = True
     # Plan step N+1 while the device runs step N (engine.py); None: on a GPU
     # only (on the CPU the host and the "device" are the same cores).
     plan_ahead: bool | None = None

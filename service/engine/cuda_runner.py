@@ -121,8 +121,9 @@ class DeviceRunner:
     step as the scheduler does; they size the staging buffers. ``pin_memory``
     (default: on CUDA) pins the host pool and staging. ``use_cuda_graphs``
     captures decode graphs at construction (CUDA only; ``graph_stats`` says
-    what was captured, or why not). ``seed`` seeds the device generator of
-    unseeded sampling rows.
+    what was captured, or why not). ``fused_elementwise`` runs the stages
+    between projections as one Triton kernel each (else eager torch ops).
+    ``seed`` seeds the device generator of unseeded sampling rows.
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class DeviceRunner:
         max_num_batched_tokens: int,
         max_model_len: int,
         use_cuda_graphs: bool = True,
+        fused_elementwise: bool = True,
         pin_memory: bool | None = None,
         seed: int = 0,
     ) -> None:
@@ -183,6 +185,7 @@ class DeviceRunner:
         # LlamaModel takes its attention callable from the backend name; the
         # staged one reads the staging views instead of building tensors per step.
         model._paged_attention = staged_paged_attention
+        model.triton_elementwise = fused_elementwise  # one Triton kernel per elementwise stage
         self._graph_rows = torch.arange(max_num_seqs, dtype=torch.int64, device=device)
         self._capture_steps: dict[int, StagedStep] = {}
         self._graphs: DecodeGraphs | None = None

@@ -191,6 +191,7 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_model_len,
         use_cuda_graphs=config.cuda_graphs,
+        fused_elementwise=config.gpu_fused_elementwise,
         seed=config.seed,
     )
     identity = {

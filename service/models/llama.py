@@ -206,6 +206,9 @@ class LlamaModel:
         # decoder_layers_) where every op it makes is a CPU kernel; False
         # runs the same ops from Python (bench step's python-loop mode).
         self.native_layers = fused and attention_backend == "cpu"
+        # The same fused stages as Triton kernels (kernels/triton_elementwise),
+        # for a model on a GPU: set by the device runner.
+        self.triton_elementwise = False
         # Where set, int64 [2]: the native loop adds its nanoseconds in
         # attention and in the projections (bench step's split).
         self.layer_part_ns: torch.Tensor | None = None
@@ -251,7 +254,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Returns float32 logits ``[len(sample_indices), vocab]`` for the
         packed tokens ``input_ids`` at ``positions``."""
-        if self.fused:
+        if self.fused or self.triton_elementwise:
             return self._forward_fused(input_ids, positions, kv_caches, meta, sample_indices)
         cfg = self.config
         num_tokens = input_ids.shape[0]
@@ -286,7 +289,11 @@ class LlamaModel:
     ) -> torch.Tensor:
         """``forward`` with one fused kernel per elementwise stage: RoPE in
         place on the projection's output, the residual add folded into the
-        next RMSNorm, SiLU and multiply in one pass."""
+        next RMSNorm, SiLU and multiply in one pass (the CPU's ``fused_ops``,
+        or on a GPU their Triton twins)."""
+        ops: Any = fused_ops
+        if self.triton_elementwise:  # imported here: a CPU install may have no Triton
+            from slipstream.kernels import triton_elementwise as ops
         cfg = self.config
         eps = cfg.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -296,11 +303,11 @@ class LlamaModel:
         if self.native_layers:
             self._native_layers(x, positions, kv_caches, meta)
             return self._logits(fused_ops.rms_norm(x[sample_indices], self.norm, eps))
-        h = fused_ops.rms_norm(x, layers[0].input_norm, eps)
+        h = ops.rms_norm(x, layers[0].input_norm, eps)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
             qkv = layer.qkv(h)
             qk = qkv[:, : self._q_size + self._kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
-            fused_ops.rotary_neox_(qk, self.rope_cos, self.rope_signed_sin, positions)
+            ops.rotary_neox_(qk, self.rope_cos, self.rope_signed_sin, positions)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, self._q_size + self._kv_size :].view(
                 num_tokens, cfg.num_kv_heads, cfg.head_dim
@@ -308,13 +315,13 @@ class LlamaModel:
             self._write_kv(k_cache, v_cache, k, v, meta)
             attn = self._paged_attention(q, k_cache, v_cache, meta, self.scale)
             o = layer.o_proj(attn.reshape(num_tokens, self._q_size))
-            h = fused_ops.add_rms_norm_(x, o, layer.post_norm, eps)
-            mlp = layer.down(fused_ops.silu_and_mul(layer.gate_up(h)))
+            h = ops.add_rms_norm_(x, o, layer.post_norm, eps)
+            mlp = layer.down(ops.silu_and_mul(layer.gate_up(h)))
             if i + 1 < len(layers):
-                h = fused_ops.add_rms_norm_(x, mlp, layers[i + 1].input_norm, eps)
+                h = ops.add_rms_norm_(x, mlp, layers[i + 1].input_norm, eps)
             else:
                 x.add_(mlp)
-        x = fused_ops.rms_norm(x[sample_indices], self.norm, eps)
+        x = ops.rms_norm(x[sample_indices], self.norm, eps)
         return self._logits(x)
 
     def _native_layers(

@@ -70,7 +70,14 @@ def test_same_tokens_as_model_runner(models):
     assert not runner.graph_stats.enabled
     assert runner.graph_stats.disabled_reason == "not a CUDA device"
     assert runner.info()["device"]["type"] == "cpu"
+    assert staged_model.triton_elementwise  # the stages between projections in Triton
     assert _generate(runner, prompts, 4) == expected
+    eager_ops = DeviceRunner(
+        staged_model, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
+        max_model_len=128, fused_elementwise=False, pin_memory=False,
+    )  # fmt: skip
+    assert not staged_model.triton_elementwise
+    assert _generate(eager_ops, prompts, 4) == expected
 
 
 def test_launching_ahead_with_pending_tokens(models):
