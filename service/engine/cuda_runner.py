@@ -21,6 +21,7 @@ graph capture) are tested by ``tests/gpu`` on a GPU (``make test-gpu``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -52,6 +53,8 @@ from slipstream.service.engine.staging import (
 )
 from slipstream.service.engine.swap import BlockSwapper, allocate_host_pool
 from slipstream.service.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
 
 
 def move_model_to(model: LlamaModel, device: torch.device) -> None:
@@ -186,6 +189,9 @@ class DeviceRunner:
         # staged one reads the staging views instead of building tensors per step.
         model._paged_attention = staged_paged_attention
         model.triton_elementwise = fused_elementwise  # one Triton kernel per elementwise stage
+        self.fused_elementwise_error = ""
+        if fused_elementwise and self._is_cuda:
+            self._probe_fused_elementwise()
         self._graph_rows = torch.arange(max_num_seqs, dtype=torch.int64, device=device)
         self._capture_steps: dict[int, StagedStep] = {}
         self._graphs: DecodeGraphs | None = None
@@ -203,6 +209,8 @@ class DeviceRunner:
             "device": describe_device(self.device),
             "cuda_graphs": self.graph_stats.as_dict(),
             "pinned_host_memory": self._pin,
+            "fused_elementwise": self.model.triton_elementwise,
+            "fused_elementwise_error": self.fused_elementwise_error,
         }
 
     def memory(self) -> PoolStats | None:
@@ -325,6 +333,30 @@ class DeviceRunner:
         done = torch.cuda.Event()
         done.record()
         return done
+
+    def _probe_fused_elementwise(self) -> None:
+        """Runs each fused elementwise kernel once on this GPU. One that does
+        not compile or run here leaves the model on the eager torch ops, said
+        in the log and ``info()``, rather than failing every step."""
+        from slipstream.kernels import triton_elementwise as ops
+
+        cfg, dtype, device = self.model.config, self.model.dtype, self.device
+        try:
+            x = torch.ones(1, cfg.hidden_size, dtype=dtype, device=device)
+            ops.add_rms_norm_(x, x.clone(), self.model.norm, cfg.rms_norm_eps)
+            ops.rms_norm(x, self.model.norm, cfg.rms_norm_eps)
+            ops.silu_and_mul(torch.ones(1, 2 * cfg.intermediate_size, dtype=dtype, device=device))
+            heads = cfg.num_heads + cfg.num_kv_heads
+            qk = torch.ones(1, heads, cfg.head_dim, dtype=dtype, device=device)
+            positions = torch.zeros(1, dtype=torch.int64, device=device)
+            ops.rotary_neox_(qk, self.model.rope_cos, self.model.rope_signed_sin, positions)
+            if self._is_cuda:
+                torch.cuda.synchronize(device)
+        except Exception as exc:  # a compiler's or driver's error, whatever its type
+            self.model.triton_elementwise = False
+            self.fused_elementwise_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            log.warning("fused elementwise kernels unavailable, eager torch ops instead: %s",
+                        self.fused_elementwise_error)  # fmt: skip
 
     def _compile_decode_splits(self) -> None:
         """Launches the decode kernel once with each split count a step may

@@ -58,6 +58,7 @@ def _greedy(runner: DeviceRunner, prompts: list[list[int]], num_steps: int) -> l
 def test_greedy_tokens_with_and_without_graphs(tiny_model_dir):
     prompts = [[3 + i, 17, 29 + i, 4] * (1 + i) for i in range(11)]
     graphed = _runner(tiny_model_dir, use_cuda_graphs=True)
+    assert graphed.info()["fused_elementwise"], graphed.fused_elementwise_error
     stats = graphed.graph_stats
     assert stats.enabled, stats.disabled_reason
     assert stats.batch_sizes == [1, 2, 4, 8, 16] and stats.capture_seconds > 0

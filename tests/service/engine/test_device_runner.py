@@ -123,6 +123,25 @@ def test_compiling_every_decode_split_leaves_the_runner_as_it_was(models):
     assert _generate(runner, prompts, 4) == expected
 
 
+def test_fused_elementwise_kernels_that_fail_leave_the_eager_ops(models, monkeypatch):
+    """Made at start-up on a GPU: a kernel that does not compile or run there
+    falls back to the eager torch ops, said in ``info()``."""
+    from slipstream.kernels import triton_elementwise
+
+    _, staged = models
+    runner = _runner(staged)
+    runner._probe_fused_elementwise()  # under the interpreter here: they run
+    assert runner.info()["fused_elementwise"] and not runner.info()["fused_elementwise_error"]
+
+    def broken(gate_up):
+        raise RuntimeError("PTX compile failed\nmore detail")
+
+    monkeypatch.setattr(triton_elementwise, "silu_and_mul", broken)
+    runner._probe_fused_elementwise()
+    assert not staged.triton_elementwise
+    assert runner.info()["fused_elementwise_error"] == "RuntimeError: PTX compile failed"
+
+
 def test_model_must_be_on_the_device(tiny_model_dir):
     model = LlamaModel(tiny_model_dir, torch.float32, attention_backend="torch")
     with pytest.raises(ValueError, match="triton"):
