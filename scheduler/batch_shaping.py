@@ -36,7 +36,20 @@ too cost class 0 1.6 points at 0.8x load). The reserve never empties a step
 (the first candidate is admitted as if there were none) and it is dropped
 where no step could meet it.
 
-Pure arithmetic on the cost model's coefficients: O(1) per candidate.
+A step holding any prefill may cost more than its tokens: on a GPU it runs
+eagerly (~10 ms of launches) where a decode-only step replays a graph
+(1.6-3.2 ms); the cost model's ``per_prefill_step_s``. That cost is paid
+from slack, not pace: the step's first prefill is admitted only while every
+more urgent admitted request, at the current step's time for each of its
+remaining steps, still has ``PREFILL_STEP_SLACK`` times that cost to spare.
+A request's per-step ceiling spreads its time evenly over its steps, so
+held to its ceiling one eager step would never fit, and prefills would
+wait behind every class-0 request (measured in simulation: class 0 held,
+everything else starved).
+
+Pure arithmetic on the cost model's coefficients: O(1) per candidate, and
+for prefill candidates O(admitted) until the step holds a prefill or one is
+turned away (the rest of that class and below are then turned away at once).
 """
 
 from __future__ import annotations
@@ -61,9 +74,10 @@ RESERVE_MIN_HORIZON_S = 1.0
 # A step's fixed cost of holding a prefill (``per_prefill_step_s``: on a GPU,
 # an eager step against a graphed decode) is paid from a constraining
 # request's slack only while that slack holds this many of it: the rest keeps
-# the request clear of the estimates that abandon hopeless work. In a
-# simulation of an H100's steps at 1.5x load: 1 held class 0 at 32-61 %,
-# 2 at 95-100 %, 3 at 100 % (scheduler tests, test_sched_slo).
+# the request clear of the estimates that abandon hopeless work. Simulated
+# on an H100's steps at 1.5x load, tight deadlines (as in
+# tests/scheduler/test_sched_bimodal_steps.py; 300 requests, 3 seeds): 1 held
+# class 0 at 32-61 %, 2 at 95-100 %, 3 at 100 %.
 PREFILL_STEP_SLACK = 3.0
 
 
@@ -113,6 +127,7 @@ class BatchShaper:
         "_now",
         "_num_admitted",
         "_prefill_s",
+        "_prefill_step_refused",
         "_prefill_step_s",
         "_reserve_s",
         "_step_s",
@@ -133,6 +148,9 @@ class BatchShaper:
         self._context_s = c.per_context_token_s
         self._prefill_step_s = c.per_prefill_step_s  # paid once, by the step's first prefill
         self._has_prefill = False
+        # The most urgent class whose prefill the step's fixed cost was refused
+        # for: the constraints only grow, so every class from it down is refused.
+        self._prefill_step_refused = math.inf
         self._step_s = c.base_s  # predicted forward time of what is admitted so far
         self._num_admitted = 0
         # A reserve no step can meet (below one decode) protects nobody.
@@ -217,11 +235,16 @@ class BatchShaper:
         of its slack, should ``req`` be the step's first prefill."""
         if self._has_prefill or self._prefill_step_s <= 0 or _is_decode(req, num_new):
             return True
+        if req.priority >= self._prefill_step_refused:
+            return False
         step, needed = self._step_s, PREFILL_STEP_SLACK * self._prefill_step_s
-        return not any(
+        refused = any(
             (cls < req.priority or cls == req.priority == 0) and budget - steps * step < needed
             for cls, budget, steps in self._budgets
         )
+        if refused:
+            self._prefill_step_refused = req.priority
+        return not refused
 
     def _cost(self, req: Request, num_new: int) -> float:
         computed = req.num_computed_tokens
