@@ -194,7 +194,7 @@ class BatchShaper:
         limit = self._ceiling_above(req.priority)
         if req.priority > 0 and self._num_admitted:  # never the first candidate
             limit = min(limit, self._reserve_s)
-        if not self._affords_prefill_step(req, num_new):
+        if self._prefill_step_s > 0 and not self._affords_prefill_step(req, num_new):
             return 0
         spare = limit - self._step_s
         if spare == math.inf:
@@ -220,20 +220,21 @@ class BatchShaper:
             cost = self._cost(req, num_new)
         self._step_s += cost
         self._num_admitted += 1
-        if not _is_decode(req, num_new):
-            self._has_prefill = True
         ceiling = self._ceiling_of(req, self._now)
         if ceiling >= self._step_s and ceiling < self._ceilings.get(req.priority, math.inf):
             self._ceilings[req.priority] = ceiling
-        if self._steps_of is not None and self._step_s <= ceiling < math.inf:
-            steps = self._steps_of(req)
-            self._budgets.append((req.priority, ceiling * steps, steps))
+        if self._prefill_step_s > 0:  # kept only where a step has such a cost
+            if not self._has_prefill and not _is_decode(req, num_new):
+                self._has_prefill = True
+            if self._steps_of is not None and self._step_s <= ceiling < math.inf:
+                steps = self._steps_of(req)
+                self._budgets.append((req.priority, ceiling * steps, steps))
 
     def _affords_prefill_step(self, req: Request, num_new: int) -> bool:
         """Whether the admitted work of a more urgent class (class 0: of
         class 0 too) can pay the step's fixed cost of holding a prefill out
         of its slack, should ``req`` be the step's first prefill."""
-        if self._has_prefill or self._prefill_step_s <= 0 or _is_decode(req, num_new):
+        if self._has_prefill or _is_decode(req, num_new):
             return True
         if req.priority >= self._prefill_step_refused:
             return False

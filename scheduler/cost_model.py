@@ -355,24 +355,15 @@ class CostModel:
         prediction: the hot path of every estimate."""
         t0, t1, t2, t3, t4 = self._clamped
         s0, s1, s2, s3, s4 = _SCALES
-        step = 1.0 if prefill else 0.0
-        fit = (
-            t0 * (1.0 / s0)
-            + t1 * (prefill / s1)
-            + t2 * (decodes / s2)
-            + t3 * (context / s3)
-            + t4 * (step / s4)
-        )
+        fit = t0 * (1.0 / s0) + t1 * (prefill / s1) + t2 * (decodes / s2) + t3 * (context / s3)
+        if prefill:  # the fifth feature is 1 (a step holding a prefill), else 0
+            fit += t4 * (1.0 / s4)
         if not self._may_drift_past:
             return fit
         u0, u1, u2, u3, u4 = self._start_theta
-        start = (
-            u0 * (1.0 / s0)
-            + u1 * (prefill / s1)
-            + u2 * (decodes / s2)
-            + u3 * (context / s3)
-            + u4 * (step / s4)
-        )
+        start = u0 * (1.0 / s0) + u1 * (prefill / s1) + u2 * (decodes / s2) + u3 * (context / s3)
+        if prefill:
+            start += u4 * (1.0 / s4)
         return min(fit, self._max_drift * start)
 
     def plan_seconds(self, plan: StepPlan) -> float:
