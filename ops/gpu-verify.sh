@@ -10,6 +10,8 @@
 #   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines
 #   ops/gpu-verify.sh cpu       # the host's CPU (an AVX-512/AMX Xeon on the H100
 #                               # machines lent so far): bench step on 2 threads, bf16
+#   ops/gpu-verify.sh all       # each of the above in turn, in one call: BUDGET
+#                               # seconds in all (default 540), past any failure
 #
 # MODEL (default smollm2-shape: SmolLM2's shape, random weights, built there)
 # and OUT (default bench-results) are read from the environment.
@@ -51,8 +53,25 @@ cpu)
     bench step --device cpu --threads 2 --model "$model" --batch 1,64,256 --context 300 \
         --modes compiled,python-loop --json "$out/step-cpu.json" --plot "$out/step-cpu.png"
     ;;
+all)
+    # Most wanted first; each phase with its own limit, within the budget.
+    budget=${BUDGET:-540}
+    start=$SECONDS
+    for spec in tests:150 slo:120 step:90 offline:150 cpu:120 ahead:90; do
+        phase=${spec%%:*}
+        limit=${spec##*:}
+        left=$((budget - (SECONDS - start)))
+        if ((left < 30)); then
+            echo "== $phase skipped: the budget is spent"
+            continue
+        fi
+        ((limit > left)) && limit=$left
+        echo "== $phase (limit ${limit} s) at $((SECONDS - start)) s"
+        timeout -k 5 "$limit" bash "$0" "$phase" || echo "== $phase ended with status $?"
+    done 2>&1 | tee "$out/all.txt"
+    ;;
 *)
-    echo "usage: $0 tests|step|offline|ahead|slo|cpu" >&2
+    echo "usage: $0 tests|step|offline|ahead|slo|cpu|all" >&2
     exit 2
     ;;
 esac
