@@ -60,7 +60,7 @@ from slipstream.service.bench.slo_report import (
     plot_capacity,
 )
 from slipstream.service.bench.slo_sim import run_sim_bench, run_sim_capacity
-from slipstream.service.engine.config import DTYPE_CHOICES, GPU_STEP_TOKENS
+from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 from slipstream.service.engine.device import resolve_device
 
 # The engine replays in real time: a shorter sweep and fewer bisections.
@@ -171,8 +171,9 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
             capacity_requests=96,  # 3x max_num_seqs: saturated, not ramp-dominated
             aging_s=10.0,
         )
-        if device.startswith("cuda"):  # the step budget serve runs with there
-            opts = replace(opts, max_num_batched_tokens=GPU_STEP_TOKENS)
+        # The step budget serve runs with on this device.
+        budget = EngineConfig().step_token_budget(on_gpu=device.startswith("cuda"))
+        opts = replace(opts, max_num_batched_tokens=budget)
     if args.repeats < 1 or (args.repeats > 1 and (mode == "sim" or args.capacity)):
         raise SystemExit(
             "--repeats takes N >= 1, and more than 1 only in engine mode without --capacity"
