@@ -244,13 +244,16 @@ def triton_attention_for_step(
     meta: AttentionMetadata,
     step: TritonStep,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``triton_paged_attention`` with the step's Triton metadata already built
-    (by ``triton_step``, or staged on the device by the GPU runner)."""
+    (by ``triton_step``, or staged on the device by the GPU runner); into
+    ``out`` (q's shape and dtype) where given."""
     from slipstream.kernels.triton_paged_decode import paged_decode
     from slipstream.kernels.triton_paged_prefill import paged_prefill
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if step.decode_seq_ids is not None and step.decode_token_ids is not None:
         paged_decode(
             q, k_cache, v_cache, meta.block_tables, step.seq_lens,

@@ -8,6 +8,9 @@
 #   ops/gpu-verify.sh offline   # bench offline against transformers' continuous batching
 #   ops/gpu-verify.sh ahead     # bench offline, planning ahead on / off
 #   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines
+#   ops/gpu-verify.sh pieces    # steps with a prefill through per-layer graphs
+#                               # (--prefill-graph-tokens): bench offline on / off at
+#                               # the 512-token budget, bench slo (deadline) with them
 #   ops/gpu-verify.sh cpu       # the host's CPU (an AVX-512/AMX Xeon on the H100
 #                               # machines lent so far): bench step on 2 threads, bf16
 #   ops/gpu-verify.sh all       # each of the above in turn, in one call: BUDGET
@@ -47,6 +50,15 @@ slo)
     bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 \
         --json "$out/slo-cuda.json" --plot "$out/slo-cuda.png"
     ;;
+pieces)
+    for tokens in 512 0; do
+        bench offline --device cuda --model "$model" --requests 256 --engines slipstream \
+            --max-num-batched-tokens 512 --prefill-graph-tokens "$tokens" \
+            --json "$out/offline-cuda-256-pieces-$tokens.json"
+    done
+    bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 --policy deadline \
+        --prefill-graph-tokens 512 --json "$out/slo-cuda-pieces.json" --plot "$out/slo-cuda-pieces.png"
+    ;;
 cpu)
     grep -m1 "model name" /proc/cpuinfo
     grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16" /proc/cpuinfo | sort | uniq -c
@@ -57,7 +69,7 @@ all)
     # Most wanted first; each phase with its own limit, within the budget.
     budget=${BUDGET:-540}
     start=$SECONDS
-    for spec in tests:150 slo:120 step:90 offline:150 cpu:120 ahead:90; do
+    for spec in tests:150 slo:120 pieces:150 step:90 offline:150 cpu:120 ahead:90; do
         phase=${spec%%:*}
         limit=${spec##*:}
         left=$((budget - (SECONDS - start)))
@@ -71,7 +83,7 @@ all)
     done 2>&1 | tee "$out/all.txt"
     ;;
 *)
-    echo "usage: $0 tests|step|offline|ahead|slo|cpu|all" >&2
+    echo "usage: $0 tests|step|offline|ahead|slo|pieces|cpu|all" >&2
     exit 2
     ;;
 esac

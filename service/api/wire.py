@@ -356,6 +356,8 @@ def model_info(info: ModelInfo) -> pb.ModelInfo:
 
 def _device_info(device: dict[str, Any]) -> pb.DeviceInfo:
     graphs = device.get("cuda_graphs") or {}
+    layer = device.get("layer_graphs") or {}
+    layer_on = bool(layer.get("enabled", False))
     return pb.DeviceInfo(
         type=str(device.get("type", "")),
         name=str(device.get("name", "")),
@@ -367,6 +369,10 @@ def _device_info(device: dict[str, Any]) -> pb.DeviceInfo:
         graph_batch_sizes=list(graphs.get("batch_sizes", [])),
         graph_capture_seconds=float(graphs.get("capture_seconds", 0.0)),
         graph_memory_bytes=int(graphs.get("memory_bytes", 0)),
+        prefill_graph_token_sizes=list(layer.get("batch_sizes", [])) if layer_on else [],
+        prefill_graph_capture_seconds=float(layer.get("capture_seconds", 0.0)),
+        prefill_graph_memory_bytes=int(layer.get("memory_bytes", 0)),
+        prefill_graphs_disabled_reason=str(layer.get("disabled_reason", "")),
     )
 
 

@@ -89,6 +89,7 @@ class OfflineOptions:
     floor: bool = True
     device: str = "cpu"  # --device as given: cpu, cuda, cuda:N (auto resolved)
     plan_ahead: bool | None = None  # None: the engine's default (on a GPU only)
+    prefill_graph_tokens: int = 0  # EngineConfig.prefill_graph_tokens
     kv_cache_dtype: str = "auto"  # Slipstream's KV cache (EngineConfig.kv_cache_dtype)
     # Each peer's settings by peer name (``Peer.settings``), for the peers asked for.
     peers: Mapping[str, object] = field(default_factory=dict)
@@ -138,6 +139,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default="auto",
         choices=SWITCH_CHOICES,
         help="plan step N+1 while the device runs step N (auto: on a GPU only)",
+    )
+    engine.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=0,
+        help="on CUDA: steps with a prefill of up to N tokens replay per-layer graphs (0: off)",
     )
     engine.add_argument(
         "--kv-cache-dtype",
@@ -204,6 +211,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         max_num_seqs=args.max_num_seqs,
         prefix_cache=args.prefix_cache,
         plan_ahead=switch(args.plan_ahead),
+        prefill_graph_tokens=args.prefill_graph_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
         floor=args.floor and device == "cpu",  # the floor is a CPU roofline
         peers=peers,
@@ -362,6 +370,7 @@ def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
         num_threads=options.num_threads,
         prefix_cache=options.prefix_cache,
         plan_ahead=options.plan_ahead,
+        prefill_graph_tokens=options.prefill_graph_tokens,
         kv_cache_dtype=options.kv_cache_dtype,
         **set_knobs,
     )

@@ -135,6 +135,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument(
         "--device", default="cpu", help="engine mode: cpu, cuda, cuda:N or auto (a GPU plans ahead)"
     )
+    parser.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=0,
+        help="engine mode on CUDA: steps with a prefill of up to N tokens replay per-layer graphs",
+    )
     # Defaults under bench-results/ (ignored by git), like the Makefile's benchmarks.
     parser.add_argument("--json", dest="json_path", default="bench-results/slo.json")
     parser.add_argument("--plot", dest="plot_path", default="bench-results/slo.png")
@@ -162,6 +168,7 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
         model=args.model,
         dtype=resolved_dtype(args.dtype, device) if mode == "engine" else args.dtype,
         device=device,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         json_path=args.json_path,
         plot_path=args.plot_path,
     )

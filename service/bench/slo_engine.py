@@ -113,6 +113,7 @@ def start_engines(opts: SloOptions) -> tuple[dict[str, Rig], CostModel]:
                 max_num_batched_tokens=opts.max_num_batched_tokens,
                 policy=policy,
                 device=opts.device,
+                prefill_graph_tokens=opts.prefill_graph_tokens,
             )
         )
         if cost is None:

@@ -55,6 +55,8 @@ class SloOptions:
     device: str = "cpu"  # engine mode: as resolved (cpu, cuda:N)
     # sim mode: the device's steps (device_steps.DEVICE_STEPS), not the cost model's
     device_steps: str | None = None
+    # engine mode on CUDA: EngineConfig.prefill_graph_tokens (0: steps with a prefill run eagerly)
+    prefill_graph_tokens: int = 0
 
 
 def engine_shaped(opts: SloOptions) -> SloOptions:

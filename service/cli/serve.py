@@ -123,6 +123,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on CUDA: run decode steps eagerly instead of replaying graphs captured at start-up",
     )
     group.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=defaults.prefill_graph_tokens,
+        help="on CUDA: steps with a prefill of up to N tokens replay a CUDA graph per layer "
+        "around their attention instead of launching each op (0: off)",
+    )
+    group.add_argument(
         "--plan-ahead",
         default="auto",
         choices=SWITCH_CHOICES,
@@ -183,6 +190,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         gpu_memory_fraction=args.gpu_memory_fraction,
         cuda_graphs=args.cuda_graphs,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         plan_ahead=switch(args.plan_ahead),
     )
 

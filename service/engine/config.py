@@ -81,6 +81,10 @@ class EngineConfig:
     # pool, activations and graph pool may take; decode steps replay CUDA graphs.
     gpu_memory_fraction: float = 0.9
     cuda_graphs: bool = True
+    # On CUDA, with cuda_graphs: a step with a prefill of up to this many
+    # tokens replays a graph per layer around its eagerly launched attention
+    # (layer_graphs.py) instead of ~10 launches a layer; 0: such steps run eagerly.
+    prefill_graph_tokens: int = 0
     # On a GPU, the elementwise stages between projections as one Triton
     # kernel each (kernels/triton_elementwise.py); False: eager torch ops.
     gpu_fused_elementwise: bool = True

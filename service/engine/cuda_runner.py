@@ -7,6 +7,8 @@ One step, in stream order (the compute stream unless said)::
     swaps            copy stream, events (swap.py)
     staging upload   one non-blocking copy of the step's metadata (staging.py)
     forward          decode-only: replay of the padded batch's CUDA graph;
+                     with a prefill, up to prefill_graph_tokens tokens: a graph
+                     per layer around eager attention (layer_graphs.py);
                      else eager, through the Triton kernels
     sampling         on the device (kernels/device_sampling.py)
     sampled ids      one device-to-host copy; ``launch`` returns here, and
@@ -40,6 +42,7 @@ from slipstream.service.engine.cuda_graphs import (
 )
 from slipstream.service.engine.device import describe_device
 from slipstream.service.engine.events import PoolStats, StepOutOfMemory
+from slipstream.service.engine.layer_graphs import LayerGraphs
 from slipstream.service.engine.runner import DoneStep, KVPool, StepResult
 from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
 from slipstream.service.engine.staging import (
@@ -126,6 +129,9 @@ class DeviceRunner:
     captures decode graphs at construction (CUDA only; ``graph_stats`` says
     what was captured, or why not). ``fused_elementwise`` runs the stages
     between projections as one Triton kernel each (else eager torch ops).
+    ``prefill_graph_tokens`` > 0: steps that are not a captured decode, of
+    up to that many tokens, run padded through ``LayerGraphs`` (captured
+    with the decode graphs on CUDA; eager pieces elsewhere, for tests).
     ``seed`` seeds the device generator of unseeded sampling rows.
     """
 
@@ -142,6 +148,7 @@ class DeviceRunner:
         max_model_len: int,
         use_cuda_graphs: bool = True,
         fused_elementwise: bool = True,
+        prefill_graph_tokens: int = 0,
         pin_memory: bool | None = None,
         seed: int = 0,
     ) -> None:
@@ -202,12 +209,27 @@ class DeviceRunner:
             self._compile_decode_splits()
         if use_cuda_graphs and self._is_cuda:
             self._capture(min(max_num_seqs, max_num_batched_tokens))
+        self._layer_graphs: LayerGraphs | None = None
+        self.layer_graph_stats = GraphStats(enabled=False, disabled_reason="turned off")
+        if prefill_graph_tokens > 0 and (use_cuda_graphs or not self._is_cuda):
+            self._layer_graphs = LayerGraphs(
+                model, self.device_pool, self._staging.device_views,
+                min(prefill_graph_tokens, max_num_batched_tokens),
+            )  # fmt: skip
+            if self._is_cuda:
+                with torch.inference_mode():
+                    self.layer_graph_stats = self._layer_graphs.capture(self._prepare_layer_graphs)
+                if not self.layer_graph_stats.enabled:
+                    self._layer_graphs = None  # padded eager pieces would only cost more
+            else:
+                self.layer_graph_stats = self._layer_graphs.stats
 
     def info(self) -> dict[str, Any]:
         """For the start-up log and ``GetModelInfo``."""
         return {
             "device": describe_device(self.device),
             "cuda_graphs": self.graph_stats.as_dict(),
+            "layer_graphs": self.layer_graph_stats.as_dict(),
             "pinned_host_memory": self._pin,
             "fused_elementwise": self.model.triton_elementwise,
             "fused_elementwise_error": self.fused_elementwise_error,
@@ -269,10 +291,13 @@ class DeviceRunner:
         bucket = None
         if self._graphs is not None and is_decode_only(plan):
             bucket = bucket_for(len(plan.seqs), self._graphs.sizes)
+        token_bucket = None
+        if bucket is None and self._layer_graphs is not None:
+            token_bucket = self._layer_graphs.bucket(plan.num_tokens)
         vocab = self.model.config.vocab_size
         staged = stage_step(
             plan, self._staging, self.block_size, vocab, pad_to=bucket,
-            pending_rows=self._previous_rows,
+            pending_rows=self._previous_rows, pad_tokens_to=token_bucket,
         )  # fmt: skip
         self._staging.upload(staged.num_rows)
         views = self._staging.device_views
@@ -283,6 +308,11 @@ class DeviceRunner:
         if bucket is not None and self._graphs is not None:
             logits = self._graphs.replay(bucket)
             logits = logits.index_select(0, views["sample_indices"][:num_sampled])
+        elif token_bucket is not None and self._layer_graphs is not None:
+            meta = staged_metadata(staged, views, self.block_size)
+            logits = self._layer_graphs.forward(
+                token_bucket, meta, views["sample_indices"][:num_sampled]
+            )
         else:
             meta = staged_metadata(staged, views, self.block_size)
             tokens = staged.num_tokens
@@ -390,6 +420,10 @@ class DeviceRunner:
         self.graph_stats = stats
         if not stats.enabled:
             self._graphs = None
+
+    def _prepare_layer_graphs(self, num_tokens: int) -> None:
+        stage_step(StepPlan(step=-1), self._staging, 1, 1, pad_tokens_to=num_tokens)
+        self._staging.upload(0)
 
     def _prepare_graph(self, size: int) -> None:
         self._capture_steps[size] = stage_padding(self._staging, size)

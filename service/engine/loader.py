@@ -149,6 +149,7 @@ def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:
 def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
     # Imported here: the CUDA runner's modules are needed on a GPU only.
     from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
+    from slipstream.service.engine.layer_graphs import layer_graph_bytes
 
     if config.kv_cache_dtype != "auto":
         raise ValueError(
@@ -172,7 +173,7 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
         config.max_num_batched_tokens,
         config.max_num_seqs,
         torch.empty((), dtype=dtype).element_size(),
-    )
+    ) + layer_graph_bytes(model, min(config.prefill_graph_tokens, config.max_num_batched_tokens))
     device_blocks = config.num_device_blocks or kv_blocks_for_gpu_memory(
         free_bytes, config.gpu_memory_fraction, per_block, reserve
     )
@@ -192,6 +193,7 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
         max_model_len=max_model_len,
         use_cuda_graphs=config.cuda_graphs,
         fused_elementwise=config.gpu_fused_elementwise,
+        prefill_graph_tokens=config.prefill_graph_tokens,
         seed=config.seed,
     )
     identity = {

@@ -207,6 +207,9 @@ class StagedStep:
     # Rows whose token is the previous step's sample, staged as -(its row + 1):
     # the runner puts the token in on the device (``resolve_pending_tokens``).
     num_pending: int = 0
+    # Tokens staged: num_tokens, then padding tokens no row owns up to this
+    # many (token 0 at position 0, slot -1), for a step run at a padded size.
+    padded_tokens: int = 0
 
     @property
     def is_decode_only(self) -> bool:
@@ -224,19 +227,25 @@ def stage_step(
     vocab_size: int,
     pad_to: int | None = None,
     pending_rows: Mapping[str, int] | None = None,
+    pad_tokens_to: int | None = None,
 ) -> StagedStep:
     """Writes ``plan``'s batch into the host buffer. ``pad_to`` (decode-only
     steps) adds padding rows up to that many rows: token 0 at position 0,
     slot -1 (the KV write skips it), length 1 over block 0 (read, never written).
+    ``pad_tokens_to`` (any step, not with ``pad_to``) adds padding tokens up
+    to that many tokens, owned by no row: token 0 at position 0, slot -1;
+    the attention never reads them as queries.
     ``pending_rows``: req_id -> row of the previous step's sampled ids, for
     the plan's ``PENDING_TOKEN``s (a plan made ahead of that step's results)."""
     layout = buffers.layout
     arrays = buffers.host_arrays
     num_seqs = len(plan.seqs)
     num_rows = num_seqs if pad_to is None else pad_to
-    _check_capacity(plan, layout, block_size, num_rows)
+    _check_capacity(plan, layout, block_size, num_rows, pad_tokens_to or 0)
     if pad_to is not None and not is_decode_only(plan):
         raise ValueError("only decode-only steps are padded")
+    if pad_to is not None and pad_tokens_to is not None:
+        raise ValueError("a step is padded by rows or by tokens, not both")
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -281,6 +290,11 @@ def stage_step(
     starts.extend(range(starts[-1] + 1, starts[-1] + 1 + num_pad))
     all_lens = seq_lens + [1] * num_pad
     num_tokens = starts[-1]
+    padded_tokens = max(num_tokens, pad_tokens_to or 0)
+    token_pad = padded_tokens - num_tokens
+    token_ids.extend([0] * token_pad)
+    positions.extend([0] * token_pad)
+    slots.extend([-1] * token_pad)
     decode = [b for b in range(num_rows) if b >= num_seqs or query_lens[b] == 1]
     prefill = [b for b in range(num_seqs) if query_lens[b] > 1]
     _put(arrays, "token_ids", token_ids)
@@ -320,6 +334,7 @@ def stage_step(
         sampled_req_ids=[s.req_id for s in sampled],
         sampling=sampling,
         num_pending=num_pending,
+        padded_tokens=padded_tokens,
     )
 
 
@@ -351,13 +366,15 @@ def _put(arrays: dict[str, np.ndarray], name: str, values: list[int] | list[floa
     arrays[name][: len(values)] = values
 
 
-def _check_capacity(plan: StepPlan, layout: StagingLayout, block_size: int, num_rows: int) -> None:
+def _check_capacity(
+    plan: StepPlan, layout: StagingLayout, block_size: int, num_rows: int, pad_tokens_to: int
+) -> None:
     if num_rows < len(plan.seqs) or num_rows > layout.max_num_seqs:
         raise ValueError(
             f"a step of {len(plan.seqs)} sequences padded to {num_rows} rows does not fit "
             f"{layout.max_num_seqs} staged rows"
         )
-    num_tokens = plan.num_tokens + num_rows - len(plan.seqs)
+    num_tokens = max(plan.num_tokens + num_rows - len(plan.seqs), pad_tokens_to)
     if num_tokens > layout.max_num_tokens:
         raise ValueError(f"{num_tokens} tokens exceed the {layout.max_num_tokens} staged")
     for seq in plan.seqs:

@@ -291,38 +291,64 @@ class LlamaModel:
         place on the projection's output, the residual add folded into the
         next RMSNorm, SiLU and multiply in one pass (the CPU's ``fused_ops``,
         or on a GPU their Triton twins)."""
-        ops: Any = fused_ops
-        if self.triton_elementwise:  # imported here: a CPU install may have no Triton
-            from slipstream.kernels import triton_elementwise as ops
-        cfg = self.config
-        eps = cfg.rms_norm_eps
-        num_tokens = input_ids.shape[0]
-        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        ops = self.fused_elementwise_ops()
+        eps = self.config.rms_norm_eps
         layers = self.layers
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         if self.native_layers:
             self._native_layers(x, positions, kv_caches, meta)
-            return self._logits(fused_ops.rms_norm(x[sample_indices], self.norm, eps))
+            return self.sampled_logits(x, sample_indices, fused_ops)
         h = ops.rms_norm(x, layers[0].input_norm, eps)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
-            qkv = layer.qkv(h)
-            qk = qkv[:, : self._q_size + self._kv_size].view(num_tokens, num_qk_heads, cfg.head_dim)
-            ops.rotary_neox_(qk, self.rope_cos, self.rope_signed_sin, positions)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = qkv[:, self._q_size + self._kv_size :].view(
-                num_tokens, cfg.num_kv_heads, cfg.head_dim
-            )
+        for i, (k_cache, v_cache) in enumerate(kv_caches):
+            q, k, v = self.attention_inputs(i, h, positions, ops)
             self._write_kv(k_cache, v_cache, k, v, meta)
             attn = self._paged_attention(q, k_cache, v_cache, meta, self.scale)
-            o = layer.o_proj(attn.reshape(num_tokens, self._q_size))
-            h = ops.add_rms_norm_(x, o, layer.post_norm, eps)
-            mlp = layer.down(ops.silu_and_mul(layer.gate_up(h)))
-            if i + 1 < len(layers):
-                h = ops.add_rms_norm_(x, mlp, layers[i + 1].input_norm, eps)
-            else:
-                x.add_(mlp)
-        x = ops.rms_norm(x[sample_indices], self.norm, eps)
-        return self._logits(x)
+            h = self.after_attention(i, x, attn, ops)
+        return self.sampled_logits(x, sample_indices, ops)
+
+    def sampled_logits(
+        self, x: torch.Tensor, sample_indices: torch.Tensor, ops: Any
+    ) -> torch.Tensor:
+        """The fused forward's end: the final norm and the LM head over the
+        rows ``sample_indices`` of the residual stream ``x``."""
+        return self._logits(ops.rms_norm(x[sample_indices], self.norm, self.config.rms_norm_eps))
+
+    def fused_elementwise_ops(self) -> Any:
+        """The module of fused elementwise ops the fused forward calls."""
+        if self.triton_elementwise:  # imported here: a CPU install may have no Triton
+            from slipstream.kernels import triton_elementwise
+
+            return triton_elementwise
+        return fused_ops
+
+    def attention_inputs(
+        self, i: int, h: torch.Tensor, positions: torch.Tensor, ops: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i`` of the fused forward up to its attention: q, k, v
+        ``[tokens, heads, head_dim]`` of the normed stream ``h``, RoPE applied."""
+        cfg = self.config
+        num_tokens = h.shape[0]
+        qkv = self.layers[i].qkv(h)
+        qk_size = self._q_size + self._kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        ops.rotary_neox_(qk, self.rope_cos, self.rope_signed_sin, positions)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        return q, k, v
+
+    def after_attention(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, ops: Any
+    ) -> torch.Tensor:
+        """Layer ``i`` of the fused forward after its attention: the output
+        projection and the MLP added to the residual stream ``x`` in place.
+        Returns layer ``i + 1``'s normed input (the last layer: ``x``)."""
+        layers, eps = self.layers, self.config.rms_norm_eps
+        o = layers[i].o_proj(attn.reshape(x.shape[0], self._q_size))
+        h = ops.add_rms_norm_(x, o, layers[i].post_norm, eps)
+        mlp = layers[i].down(ops.silu_and_mul(layers[i].gate_up(h)))
+        if i + 1 < len(layers):
+            return ops.add_rms_norm_(x, mlp, layers[i + 1].input_norm, eps)
+        return x.add_(mlp)
 
     def _native_layers(
         self,

@@ -28,12 +28,15 @@ BLOCK = 16
 CUDA = torch.device("cuda", 0)
 
 
-def _runner(model_dir, use_cuda_graphs: bool, dtype=torch.float32) -> DeviceRunner:
+def _runner(
+    model_dir, use_cuda_graphs: bool, dtype=torch.float32, prefill_graph_tokens: int = 0
+) -> DeviceRunner:
     model = LlamaModel(model_dir, dtype, attention_backend="triton")
     move_model_to(model, CUDA)
     return DeviceRunner(
         model, 256, 64, BLOCK, device=CUDA, max_num_seqs=16, max_num_batched_tokens=512,
         max_model_len=512, use_cuda_graphs=use_cuda_graphs,
+        prefill_graph_tokens=prefill_graph_tokens,
     )  # fmt: skip
 
 
@@ -65,6 +68,22 @@ def test_greedy_tokens_with_and_without_graphs(tiny_model_dir):
     with_graphs = _greedy(graphed, prompts, 12)
     eager = _greedy(_runner(tiny_model_dir, use_cuda_graphs=False), prompts, 12)
     assert with_graphs == eager
+
+
+def test_greedy_tokens_with_layer_graphs_equal_eager(tiny_model_dir):
+    """Steps with a prefill replaying a graph per layer around eager attention
+    give the eager steps' tokens: prompts of 4-44 tokens, first together
+    (bucket 256), then decodes (decode graphs) as rows drop out and rejoin."""
+    prompts = [[3 + i, 17, 29 + i, 4] * (1 + i) for i in range(11)]
+    pieces = _runner(tiny_model_dir, use_cuda_graphs=True, prefill_graph_tokens=256)
+    stats = pieces.info()["layer_graphs"]
+    assert stats["enabled"], stats["disabled_reason"]
+    assert stats["batch_sizes"] == [16, 32, 64, 128, 256]
+    eager = _greedy(_runner(tiny_model_dir, use_cuda_graphs=False), prompts, 12)
+    assert _greedy(pieces, prompts, 12) == eager
+    # one prompt at a time: steps of 8-44 tokens, each at its own bucket
+    for prompt in prompts[1::3]:
+        assert _greedy(pieces, [prompt], 4) == eager[prompts.index(prompt)][:4]
 
 
 def test_swap_out_and_in_is_bit_exact(tiny_model_dir):

@@ -98,7 +98,9 @@ def test_bf16_greedy_tokens_stay_close_to_transformers():
     assert agreeing >= 10, (agreeing, got, want)
 
 
-@pytest.mark.parametrize("options", [{"plan_ahead": False}, {"cuda_graphs": False}])
+@pytest.mark.parametrize(
+    "options", [{"plan_ahead": False}, {"cuda_graphs": False}, {"prefill_graph_tokens": 512}]
+)
 def test_planning_behind_and_eager_steps_give_the_same_tokens(fp32_engine, options):
     prompts = _prompts(fp32_engine.info.vocab_size)
     other = _engine("float32", **options)

@@ -150,3 +150,19 @@ def test_loading_on_the_cpu_sets_the_cpus_budget(tiny_model_dir):
 
     parts = load_parts(EngineConfig(model=str(tiny_model_dir), device="cpu", policy="fcfs"))
     assert parts.scheduler_config.max_num_batched_tokens == 512
+
+
+def test_device_info_on_the_wire_says_which_graphs_were_captured():
+    from slipstream.service.api.wire import _device_info
+    from slipstream.service.engine.cuda_graphs import GraphStats
+
+    decode = GraphStats(True, [1, 2, 4], 1.5, 3 << 20).as_dict()
+    pieces = GraphStats(True, [16, 32], 0.5, 1 << 20).as_dict()
+    info = _device_info({"type": "cuda", "cuda_graphs": decode, "layer_graphs": pieces})
+    assert (info.cuda_graphs, list(info.graph_batch_sizes)) == (True, [1, 2, 4])
+    assert list(info.prefill_graph_token_sizes) == [16, 32]
+    assert info.prefill_graph_memory_bytes == 1 << 20 and not info.prefill_graphs_disabled_reason
+    failed = GraphStats(False, disabled_reason="capture failed: OutOfMemoryError").as_dict()
+    info = _device_info({"type": "cuda", "cuda_graphs": decode, "layer_graphs": failed})
+    assert not info.prefill_graph_token_sizes
+    assert info.prefill_graphs_disabled_reason.startswith("capture failed")

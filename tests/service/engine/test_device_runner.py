@@ -11,6 +11,7 @@ from slipstream.kernels.block_copy import reference_copy_blocks
 from slipstream.scheduler.plan import PENDING_TOKEN, ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
+from slipstream.service.engine.layer_graphs import layer_graph_bytes, token_buckets
 from slipstream.service.engine.runner import ModelRunner
 from slipstream.service.engine.swap import BlockSwapper, allocate_host_pool
 from slipstream.service.models.llama import LlamaModel
@@ -78,6 +79,57 @@ def test_same_tokens_as_model_runner(models):
     )  # fmt: skip
     assert not staged_model.triton_elementwise
     assert _generate(eager_ops, prompts, 4) == expected
+
+
+def test_token_buckets():
+    assert token_buckets(64) == [16, 32, 64]
+    assert token_buckets(100) == [16, 32, 64, 100]
+    assert token_buckets(8) == [8]
+    with pytest.raises(ValueError):
+        token_buckets(0)
+
+
+def test_steps_through_layer_pieces_give_the_model_runners_tokens(models):
+    """Steps with a prefill (and, with no decode graphs here, decodes) run
+    padded to a token bucket through the per-layer pieces a GPU captures as
+    graphs, eagerly here: the same tokens, and the padding tokens write no
+    KV (the blocks no sequence holds stay zero)."""
+    reference_model, staged_model = models
+    prompts = [[3, 17, 29, 4, 8], [7] * 20, [11, 12]]  # 27 tokens: bucket 32, decodes: 16
+    expected = _generate(ModelRunner(reference_model, 32, 8, BLOCK), prompts, 4)
+    runner = DeviceRunner(
+        staged_model, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
+        max_model_len=128, prefill_graph_tokens=32, pin_memory=False,
+    )  # fmt: skip
+    assert runner._layer_graphs is not None and runner._layer_graphs.sizes == [16, 32]
+    assert runner.info()["layer_graphs"]["disabled_reason"] == "not captured"
+    assert _generate(runner, prompts, 4) == expected
+    for k_cache, v_cache in runner.device_pool:
+        assert not k_cache[12:].any() and not v_cache[12:].any()  # blocks 0-11 are the prompts'
+    longer = [[5] * 25, [6] * 15]  # 40 tokens: above the largest bucket, eager
+    assert _generate(runner, longer, 2) == _generate(
+        ModelRunner(reference_model, 32, 8, BLOCK), longer, 2
+    )
+
+
+def test_layer_graph_memory_bound_covers_what_the_pieces_keep(models):
+    """``layer_graph_bytes`` (set aside before the KV pool is sized) bounds
+    the buffers and every bucket's held q outputs that a capture keeps."""
+    _, staged = models
+    runner = DeviceRunner(
+        staged, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
+        max_model_len=128, prefill_graph_tokens=64, pin_memory=False,
+    )  # fmt: skip
+    graphs = runner._layer_graphs
+    assert graphs is not None
+    kept = graphs._x.nbytes + graphs._attn.nbytes
+    for size in graphs.sizes:
+        runner._prepare_layer_graphs(size)
+        for i in range(len(staged.layers) + 1):
+            q = graphs._piece(i, size)
+            kept += 0 if q is None else q.untyped_storage().nbytes()
+    assert kept <= layer_graph_bytes(staged, 64) < 2 * kept
+    assert layer_graph_bytes(staged, 0) == 0
 
 
 def test_launching_ahead_with_pending_tokens(models):

@@ -147,6 +147,31 @@ def test_block_tables_hold_every_rows_blocks_across_changing_steps():
         assert table[len(seqs) : 8, 0].tolist() == [0] * (8 - len(seqs))
 
 
+def test_a_step_padded_by_tokens():
+    """Padding tokens (a step run at a layer-graph bucket) follow the plan's
+    tokens and belong to no row: token 0 at position 0, slot -1, rows and
+    their metadata as without padding."""
+    buffers = _buffers()
+    plain = stage_step(_mixed_plan(), buffers, BLOCK, 100)
+    plain_views = {k: v.clone() for k, v in buffers.host_views.items()}
+    step = stage_step(_mixed_plan(), buffers, BLOCK, 100, pad_tokens_to=16)
+    views = buffers.host_views
+    assert (step.num_rows, step.num_tokens, step.padded_tokens) == (3, 6, 16)
+    assert plain.padded_tokens == 6
+    assert views["token_ids"][:16].tolist() == [5, 9, 8, 7, 11, 12] + [0] * 10
+    assert views["positions"][6:16].tolist() == [0] * 10
+    slots = plain_views["slot_mapping"][:6].tolist()
+    assert views["slot_mapping"][:16].tolist() == slots + [-1] * 10
+    for name in ("query_start_loc", "seq_lens", "decode_seq_ids", "prefill_seq_ids"):
+        assert views[name][:4].tolist() == plain_views[name][:4].tolist(), name
+    assert (step.num_decodes, step.num_prefills, step.sampled_req_ids) == (1, 2, ["a", "c"])
+    with pytest.raises(ValueError, match="tokens exceed"):
+        stage_step(_mixed_plan(), buffers, BLOCK, 100, pad_tokens_to=65)
+    decode = StepPlan(step=2, seqs=[_seq("a", [5], 6, [3, 1])])
+    with pytest.raises(ValueError, match="not both"):
+        stage_step(decode, buffers, BLOCK, 100, pad_to=2, pad_tokens_to=16)
+
+
 def test_padding_a_prefill_is_refused():
     with pytest.raises(ValueError, match="decode-only"):
         stage_step(_mixed_plan(), _buffers(), BLOCK, 100, pad_to=4)

@@ -1,0 +1,183 @@
+"""CUDA graphs for steps with a prefill: the forward cut at each layer's attention.
+
+A decode-only step replays one graph of the whole forward (``cuda_graphs.py``).
+A step with a prefill chunk cannot: its attention's launch grid follows the
+chunks' lengths, which only the host knows, step by step. Everything else in
+a layer depends on the number of tokens alone, so the forward is cut at the
+attention into ``L + 1`` pieces, each captured once per padded token count
+(``token_buckets``) and replayed around attention kernels launched eagerly::
+
+    piece 0      embed -> x; RMSNorm; qkv; RoPE; KV write            (layer 0)
+    attention 0  eager: the decode and prefill kernels -> attn
+    piece i      o_proj; add+RMSNorm; MLP; add+RMSNorm   (layer i-1),
+                 qkv; RoPE; KV write                                 (layer i)
+    ...
+    piece L      o_proj; add+RMSNorm; MLP; add                  (last layer)
+    tail         eager: the final norm of the sampled rows, the LM head
+
+An eager step is ~10 launches a layer, each costing the host more than the
+GPU takes to run it; here it is one graph and the attention's one or two.
+
+A step of n tokens runs at the smallest bucket ``T >= n``: tokens ``n .. T``
+are padding (token 0, position 0, slot -1: the KV write skips them, no
+attention reads them as queries, and a projection's or a norm's output row
+depends on its own input row only). What crosses a piece boundary lives at
+a fixed address: the residual stream ``x`` and the attention output in
+buffers of the largest bucket, each piece's q in its captured output, held
+as long as the graphs. Pieces are captured in the order they replay, into
+one memory pool, so a piece's scratch may reuse an earlier piece's, never
+something a later piece still reads.
+
+Without graphs (off CUDA, or a capture that failed) the same pieces run
+eagerly at the padded size: how the padding and the buffers are tested on
+the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.kernels.backend import triton_attention_for_step
+from slipstream.kernels.triton_kv_write import write_kv_slots
+from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for
+from slipstream.service.engine.staged_attention import StagedAttentionMetadata
+from slipstream.service.models.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+KVPool = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """``smallest``, doubling while below ``max_tokens``, then ``max_tokens``:
+    a step pads to at most twice its tokens (or to ``smallest``)."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    sizes = []
+    size = smallest
+    while size < max_tokens:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_tokens]
+
+
+def layer_graph_bytes(model: LlamaModel, max_tokens: int) -> int:
+    """A bound on the memory ``LayerGraphs`` of ``max_tokens`` keeps: the two
+    fixed buffers, every bucket's held qkv outputs (the buckets double, so
+    their tokens sum to under twice the largest) and the largest piece's
+    scratch (normed input, gate/up and its product). 0 for ``max_tokens`` 0."""
+    if max_tokens <= 0:
+        return 0
+    cfg = model.config
+    element = model.embed.element_size()
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    buffers = max_tokens * (cfg.hidden_size + cfg.num_heads * cfg.head_dim)
+    held = 2 * max_tokens * cfg.num_layers * qkv
+    scratch = max_tokens * (2 * cfg.hidden_size + 3 * cfg.intermediate_size)
+    return (buffers + held + scratch) * element
+
+
+class LayerGraphs:
+    """The pieces of ``model``'s fused forward over the staged device views
+    ``views`` (token ids, positions, slot mapping: regions that never move),
+    for steps of up to ``max_tokens`` tokens; ``capture()`` records them as
+    CUDA graphs, ``forward()`` runs a step through them."""
+
+    def __init__(
+        self, model: LlamaModel, kv_caches: KVPool, views: dict[str, torch.Tensor], max_tokens: int
+    ) -> None:
+        cfg, device = model.config, model.embed.device
+        self.model = model
+        self.sizes = token_buckets(max_tokens)
+        self.stats = GraphStats(enabled=False, disabled_reason="not captured")
+        self._kv = kv_caches
+        self._views = views
+        self._x = torch.zeros(max_tokens, cfg.hidden_size, dtype=model.dtype, device=device)
+        self._attn = torch.zeros(
+            max_tokens, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=device
+        )
+        # Per bucket, per piece: the graph and the q it leaves (None: the last piece).
+        self._graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]]] = {}
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The padded size a step of ``num_tokens`` runs at; None above the largest."""
+        return bucket_for(num_tokens, self.sizes)
+
+    def forward(
+        self, size: int, meta: StagedAttentionMetadata, sample_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """A step staged with its tokens padded to ``size`` (a bucket): the
+        logits of ``sample_indices``, as ``LlamaModel.forward`` gives them."""
+        model = self.model
+        num_tokens = meta.num_tokens
+        graphs = self._graphs.get(size)
+        for i in range(len(model.layers) + 1):
+            if graphs is not None:
+                graph, q = graphs[i]
+                graph.replay()
+            else:
+                q = self._piece(i, size)
+            if q is not None:
+                k_cache, v_cache = self._kv[i]
+                triton_attention_for_step(
+                    q[:num_tokens], k_cache, v_cache, meta, meta.triton, model.scale,
+                    out=self._attn[:num_tokens],
+                )  # fmt: skip
+        return model.sampled_logits(self._x[:size], sample_indices, model.fused_elementwise_ops())
+
+    def _piece(self, i: int, size: int) -> torch.Tensor | None:
+        """Piece ``i`` at ``size`` tokens; returns layer i's q (None: the last piece)."""
+        model, views = self.model, self._views
+        ops = model.fused_elementwise_ops()
+        x = self._x[:size]
+        if i == 0:
+            x.copy_(F.embedding(views["token_ids"][:size], model.embed))
+            h = ops.rms_norm(x, model.layers[0].input_norm, model.config.rms_norm_eps)
+        else:
+            h = model.after_attention(i - 1, x, self._attn[:size], ops)
+        if i == len(model.layers):
+            return None
+        q, k, v = model.attention_inputs(i, h, views["positions"][:size], ops)
+        k_cache, v_cache = self._kv[i]
+        write_kv_slots(k_cache, v_cache, k, v, views["slot_mapping"][:size])
+        return q
+
+    def capture(self, prepare: Callable[[int], None]) -> GraphStats:
+        """Captures every piece at every bucket, largest first; ``prepare(T)``
+        stages and uploads a step of T padding tokens. On any failure drops
+        them all and says why in the stats (such steps then run eagerly)."""
+        device = self.model.embed.device
+        torch.cuda.synchronize(device)
+        free_before = torch.cuda.mem_get_info(device)[0]
+        start = time.perf_counter()
+        pool = None
+        try:
+            for size in reversed(self.sizes):
+                prepare(size)
+                pieces = []
+                for i in range(len(self.model.layers) + 1):
+                    self._piece(i, size)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    torch.cuda.synchronize(device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        q = self._piece(i, size)
+                    if pool is None:
+                        pool = graph.pool()
+                    pieces.append((graph, q))
+                self._graphs[size] = pieces
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # an allocator's, a driver's or a capture's error
+            self._graphs.clear()
+            torch.cuda.empty_cache()
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            log.warning("layer graph capture failed; steps with a prefill run eagerly: %s", reason)
+            self.stats = GraphStats(enabled=False, disabled_reason=f"capture failed: {reason}")
+            return self.stats
+        used = max(free_before - torch.cuda.mem_get_info(device)[0], 0)
+        self.stats = GraphStats(True, list(self.sizes), time.perf_counter() - start, used)
+        return self.stats
