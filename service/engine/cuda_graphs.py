@@ -20,11 +20,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
 log = logging.getLogger(__name__)
+
+_Out = TypeVar("_Out")
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -103,13 +106,7 @@ class DecodeGraphs:
         try:
             for size in reversed(self.sizes):
                 prepare(size)
-                body(size)  # warm-up
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = body(size)
-                if pool is None:
-                    pool = graph.pool()
+                graph, logits, pool = capture_graph(partial(body, size), device, pool)
                 self._graphs[size] = (graph, logits)
             torch.cuda.synchronize(device)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
@@ -132,6 +129,21 @@ class DecodeGraphs:
 
     def __contains__(self, size: int) -> bool:
         return size in self._graphs
+
+
+def capture_graph(
+    body: Callable[[], _Out], device: torch.device, pool: Any
+) -> tuple[torch.cuda.CUDAGraph, _Out, Any]:
+    """Runs ``body`` once eagerly (Triton compiles, cuBLAS picks its kernels
+    outside the capture), then captures it into ``pool`` (None: a new one).
+    Returns the graph, what the captured run returned (rewritten by each
+    replay) and the pool, for the next capture to share."""
+    body()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out, graph.pool() if pool is None else pool
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -38,13 +38,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from slipstream.kernels.backend import triton_attention_for_step
 from slipstream.kernels.triton_kv_write import write_kv_slots
-from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for
+from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for, capture_graph
 from slipstream.service.engine.staged_attention import StagedAttentionMetadata
 from slipstream.service.models.llama import LlamaModel
 
@@ -161,13 +162,7 @@ class LayerGraphs:
                 prepare(size)
                 pieces = []
                 for i in range(len(self.model.layers) + 1):
-                    self._piece(i, size)  # warm-up: Triton compiles, cuBLAS picks its kernels
-                    torch.cuda.synchronize(device)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        q = self._piece(i, size)
-                    if pool is None:
-                        pool = graph.pool()
+                    graph, q, pool = capture_graph(partial(self._piece, i, size), device, pool)
                     pieces.append((graph, q))
                 self._graphs[size] = pieces
             torch.cuda.synchronize(device)
