@@ -3,7 +3,8 @@ costs, where the time goes, and how far it is from the memory it must read.
 
 For each batch size and mode: ``batch`` sequences with ``context`` tokens in
 the paged KV cache (seeded random K/V) decode one greedy token each through
-``ModelRunner.execute``. ``step_ms`` is the median of the plain pass; the
+``ModelRunner.execute`` (with ``--prefill N``, the first of them is a prefill
+chunk of N tokens instead: a mixed step). ``step_ms`` is the median of the plain pass; the
 attention / linears / other / host split comes from a second, hooked pass
 (``step_timing.py``). Two floors are measured in the same run with the same
 threads: reading a buffer as large as the weights a step reads, and one as
@@ -48,13 +49,16 @@ MODES: dict[str, dict[str, object]] = {
     # The same with the elementwise stages as eager torch ops, not one Triton kernel each.
     "graphs-torch-ops": {"cuda_graphs": True, "gpu_fused_elementwise": False},
     "no-graphs-torch-ops": {"cuda_graphs": False, "gpu_fused_elementwise": False},
+    # Decode graphs, and a step with a prefill through a graph per layer
+    # (capped at the bench's step budget); with --prefill, against "graphs".
+    "pieces": {"cuda_graphs": True, "prefill_graph_tokens": 1 << 20},
     # The compiled kernels with the layer loop run from Python, op by op,
     # instead of in one native call (LlamaModel.native_layers).
     "python-loop": {"compile": True},
 }
 # Model attributes a mode sets once its engine is loaded.
 MODEL_SWITCHES: dict[str, dict[str, object]] = {"python-loop": {"native_layers": False}}
-CUDA_MODES = frozenset({"graphs", "no-graphs", "graphs-torch-ops", "no-graphs-torch-ops"})
+CUDA_MODES = frozenset({"graphs", "no-graphs", "graphs-torch-ops", "no-graphs-torch-ops", "pieces"})
 DEFAULT_MODES = {"cpu": "eager,compiled", "cuda": "graphs,no-graphs"}
 # "compiled" runs the fused native kernels between the projections (no graph
 # to split), so both modes get the per-part split.
@@ -89,6 +93,7 @@ class StepOptions:
     block_size: int
     device: str = "cpu"  # as resolved: cpu, cuda:N
     kv_cache_dtype: str = "auto"
+    prefill: int = 0  # tokens of sequence 0's prefill chunk; 0: decodes only
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -98,6 +103,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--model", default="small", help="model name (tiny, small) or path")
     parser.add_argument("--batch", default="1,8,64,256", help="comma-separated batch sizes")
     parser.add_argument("--context", type=int, default=300, help="tokens cached per sequence")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="sequence 0 of each batch is a prefill chunk of N tokens (<= context + 1) "
+        "instead of a decode: a mixed step",
+    )
     parser.add_argument(
         "--modes",
         default=None,
@@ -143,6 +155,8 @@ def options_from_args(args: argparse.Namespace) -> StepOptions:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
+    if not 0 <= args.prefill <= args.context + 1:
+        raise ValueError(f"--prefill takes 0 .. context + 1 tokens, got {args.prefill}")
     return StepOptions(
         model=args.model,
         batches=batches,
@@ -155,6 +169,7 @@ def options_from_args(args: argparse.Namespace) -> StepOptions:
         block_size=args.block_size,
         device=str(device),
         kv_cache_dtype=args.kv_cache_dtype,
+        prefill=args.prefill,
     )
 
 
@@ -204,6 +219,7 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
         "parameters": {
             "model": options.model,
             "context": options.context,
+            "prefill": options.prefill,
             "requested_dtype": options.dtype,
             "dtype": dtype,
             "kv_cache_dtype": options.kv_cache_dtype,
@@ -244,7 +260,7 @@ def _engine(options: StepOptions, dtype: str, engine_options: dict[str, object])
         num_host_blocks=0,
         max_model_len=options.context + 1,
         max_num_seqs=max_batch,
-        max_num_batched_tokens=max(512, max_batch),
+        max_num_batched_tokens=max(512, max_batch + options.prefill),
         policy="fcfs",
         num_threads=options.num_threads,
         device=options.device,
@@ -265,7 +281,7 @@ def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -
     from slipstream.service.bench import step_timing as t
 
     runner, model = engine.runner, engine.model
-    plan = t.decode_plan(batch, options.context, options.block_size)
+    plan = t.decode_plan(batch, options.context, options.block_size, options.prefill)
     times = t.time_plain(runner, plan, options.num_steps, options.warmup)
     step_ms = statistics.median(times)
     deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [step_ms] * 9
@@ -288,6 +304,7 @@ def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -
         "kv_read_floor_ms": kv_floor,
         "step_over_weight_floor": step_ms / weight_floor,
         "layer_loop": "native" if model.native_layers else "python",
+        "prefill_tokens": options.prefill,
     }
     if options.device != "cpu":
         launches, paces = t.time_launches(runner, plan, options.num_steps)

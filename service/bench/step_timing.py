@@ -51,10 +51,16 @@ def blocks_per_seq(context: int, block_size: int) -> int:
     return -(-(context + 1) // block_size)
 
 
-def decode_plan(batch: int, context: int, block_size: int) -> StepPlan:
+def decode_plan(batch: int, context: int, block_size: int, prefill: int = 0) -> StepPlan:
     """``batch`` greedy decodes, each with ``context`` tokens cached in its own
-    blocks (sequence i owns blocks ``i*n .. i*n + n - 1``)."""
+    blocks (sequence i owns blocks ``i*n .. i*n + n - 1``). ``prefill`` > 0:
+    sequence 0 is instead a prefill chunk of that many tokens ending where its
+    decode would (at ``context``), so the step is a mixed one."""
+    if not 0 <= prefill <= context + 1:
+        raise ValueError(f"a prefill chunk of {prefill} tokens does not fit a context of {context}")
     shapes = [(context, 1)] * batch
+    if prefill:
+        shapes[0] = (context + 1 - prefill, prefill)
     return synthetic_plan(shapes, block_size, batch * blocks_per_seq(context, block_size))
 
 

@@ -166,7 +166,34 @@ def test_decode_plan_gives_each_sequence_its_own_blocks() -> None:
     assert all(s.sample and s.sampling.is_greedy for s in plan.seqs)
 
 
-@pytest.mark.parametrize("flags", [["--modes", "eager,jit"], ["--batch", "0"], ["--steps", "0"]])
+def test_a_prefill_chunk_makes_sequence_0_a_mixed_steps_chunk(tiny_model_dir: Path) -> None:
+    plan = step_timing.decode_plan(3, CONTEXT, 16, prefill=9)
+    assert [(s.start_pos, len(s.token_ids)) for s in plan.seqs] == [(CONTEXT - 8, 9)] + [
+        (CONTEXT, 1)
+    ] * 2
+    assert plan.seqs[0].block_ids == step_timing.decode_plan(3, CONTEXT, 16).seqs[0].block_ids
+    with pytest.raises(ValueError, match="does not fit"):
+        step_timing.decode_plan(1, CONTEXT, 16, prefill=CONTEXT + 2)
+    argv = ["bench", "step", "--model", str(tiny_model_dir), "--batch", "2", "--prefill", "9",
+            "--context", str(CONTEXT), "--steps", "3", "--warmup", "1", "--threads", "1",
+            "--block-size", "16", "--modes", "compiled"]  # fmt: skip
+    report = step.run_step_bench(step.options_from_args(_parse(argv)))
+    assert report["parameters"]["prefill"] == 9
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["prefill_tokens"] == 9
+    assert row["step_ms"] > 0 and row["attention_ms"] > 0
+
+
+def _parse(argv: list[str]):
+    from slipstream.service.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--modes", "eager,jit"], ["--batch", "0"], ["--steps", "0"], ["--prefill", "302"]],
+)
 def test_bad_flags_are_usage_errors(flags: list[str], tiny_model_dir: Path) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "step", "--model", str(tiny_model_dir), *flags])
