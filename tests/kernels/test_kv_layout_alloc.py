@@ -64,8 +64,10 @@ def test_a_committed_pool_is_resident_at_once_and_zero() -> None:
     assert after_lazy - before < pool_bytes // 8
     assert after_commit - after_lazy > pool_bytes * 9 // 10
     assert not committed.any() and lazy.shape == committed.shape
-    # Now reading every page costs nothing more: it is all resident already.
-    assert _rss_bytes() - after_commit < pool_bytes // 8
+    # Now reading every page costs nothing more: it is all resident already
+    # (a lazy pool would add its 64 MiB; the margin is for what the rest of a
+    # busy test process allocates meanwhile: 8.8 MB was seen once).
+    assert _rss_bytes() - after_commit < pool_bytes // 4
 
 
 def test_committing_falls_back_to_writing_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
