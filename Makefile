@@ -17,7 +17,7 @@ PORT ?= 50051
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run kernels test unit-other-cpu test-gpu test-slow fuzz lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step bench-soak fleet-test fleet-up fleet-down haproxy clean
+.PHONY: run kernels test unit-other-cpu unit-avx512-emulated test-gpu test-slow fuzz lint typecheck unit protos bench-offline bench-prefix bench-serve bench-slo bench-step bench-soak fleet-test fleet-up fleet-down haproxy clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,7 +64,17 @@ OTHER_CPU = $(shell $(BIN)/python -c "from slipstream.kernels.cpu_features impor
 unit-other-cpu: $(STAMP) protos
 	SLIPSTREAM_CPU=$(OTHER_CPU) $(BIN)/python -m pytest -m "not slow" $(CPU_TESTS)
 
-test: lint typecheck unit unit-other-cpu
+# The native kernels' tests once more as an AVX-512 CPU with AVX512-BF16 whose
+# kernels are a test build emulating those instructions on AVX2
+# (kernels/csrc/avx512_emulation.h): the AVX-512 variants' logic is checked
+# on every machine, not only where such a CPU runs them.
+EMULATED_TESTS := tests/kernels tests/service/engine/test_native_layers.py \
+	--ignore-glob='tests/kernels/test_triton_*'
+
+unit-avx512-emulated: $(STAMP) protos
+	SLIPSTREAM_CPU=avx512-emulated $(BIN)/python -m pytest -m "not slow" $(EMULATED_TESTS)
+
+test: lint typecheck unit unit-other-cpu unit-avx512-emulated
 
 # The GPU tests (marked gpu, skipped where torch sees no CUDA device), with
 # Triton compiling for the GPU instead of running under its interpreter.

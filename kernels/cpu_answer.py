@@ -8,6 +8,11 @@ CPU-dependent tests once per answer).
   is float32); torch's own kernels dispatch at AVX2 and oneDNN is capped at
   AVX2, through their environment variables, which they read when torch loads.
 - ``bare``: as ``avx2``, and no oneDNN weight packing (a torch build without it).
+- ``avx512-emulated``: a CPU with AVX-512 and AVX512-BF16 whose native
+  kernels are a test build (``-DSLIPSTREAM_EMULATE_AVX512``) running their
+  AVX-512 variants with those instructions emulated on AVX2
+  (``kernels/csrc/avx512_emulation.h``): the variants' logic checked on any
+  AVX2 machine. torch and oneDNN are capped at AVX2 as for ``avx2``.
 
 The entry points (the ``slipstream`` command, the test suite) read
 ``$SLIPSTREAM_CPU`` and call ``prepare_environment`` before torch is imported,
@@ -18,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import MutableMapping
 
-CPU_ANSWERS = ("native", "avx2", "bare")
+CPU_ANSWERS = ("native", "avx2", "bare", "avx512-emulated")
+EMULATED_AVX512 = "avx512-emulated"
 ENV_VAR = "SLIPSTREAM_CPU"
 
 # Read by torch (ATen's kernel dispatch) and oneDNN when torch is first imported.

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.kernels.cpu_answer import CPU_ANSWERS
+from slipstream.kernels.cpu_answer import CPU_ANSWERS, EMULATED_AVX512
 
 # Flags every benchmark prints; the first two decide native bf16.
 REPORTED_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
@@ -107,16 +107,19 @@ def native() -> CpuFeatures:
 
 def answer_as(answer: str, cpu: CpuFeatures) -> CpuFeatures:
     """``cpu`` seen as a CPU of kind ``answer``: ``avx2`` drops AVX-512 and native
-    bf16 (and bf16 packing, which needs them); ``bare`` also drops oneDNN packing.
-    ValueError where ``cpu`` cannot execute that kind (no AVX2)."""
+    bf16 (and bf16 packing, which needs them); ``bare`` also drops oneDNN packing;
+    ``avx512-emulated`` reports AVX-512 with AVX512-BF16 (the native kernels'
+    emulating test build runs them) and no bf16 packing (oneDNN is capped at
+    AVX2). ValueError where ``cpu`` cannot execute that kind (no AVX2)."""
     if answer == "native":
         return cpu
     if "avx2" not in cpu.flags:
         raise ValueError(f"this CPU cannot answer as {answer!r}: it has no avx2")
+    flags = ("avx512_bf16", "avx512f", "avx2") if answer == EMULATED_AVX512 else ("avx2",)
     return replace(
         cpu,
         model_name=f"{cpu.model_name} (as {answer})",
-        flags=("avx2",),
+        flags=flags,
         can_pack_bf16=False,
         can_pack_fp32=cpu.can_pack_fp32 and answer != "bare",
     )

@@ -5,8 +5,10 @@ cached, one library per source file::
         <name>-<key>/      build.ninja, *.o, slipstream_<name>.so
         .<name>-<key>.lock held while one process builds
 
-``<key>`` hashes the source, the compiler flags, the torch version and the
-machine architecture. No CPU feature flags: each library holds several
+``<key>`` hashes the source, the headers beside it, the compiler flags, the
+torch version and the machine architecture. Under the ``avx512-emulated``
+CPU answer (``cpu_answer.py``) every library is the emulating test build:
+one more flag, so another key. No CPU feature flags: each library holds several
 instruction-set variants (AVX-512, AVX2+FMA, baseline) and picks one at run
 time, so one build serves every x86-64 CPU. The library checks CPUID; before
 it is probed, Python caps its choice at ``max_isa(cpu_features.detect())``,
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 
 from slipstream.kernels import cpu_features
+from slipstream.kernels.cpu_answer import EMULATED_AVX512
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +67,24 @@ def default_home() -> Path:
     return Path.home() / ".cache" / "slipstream"
 
 
+EMULATE_AVX512_FLAG = "-DSLIPSTREAM_EMULATE_AVX512"
+
+
+def cflags(ext: Extension) -> tuple[str, ...]:
+    """``ext``'s compiler flags, and the emulating test build's under the
+    ``avx512-emulated`` CPU answer."""
+    if cpu_features.forced() == EMULATED_AVX512:
+        return (*ext.cflags, EMULATE_AVX512_FLAG)
+    return ext.cflags
+
+
 def build_key(ext: Extension, source: Path) -> str:
-    """Changes whenever the built library could: source, flags, torch, architecture."""
+    """Changes whenever the built library could: source and the headers
+    beside it, flags, torch, architecture."""
     digest = hashlib.sha256(source.read_bytes())
-    for part in (*ext.cflags, *ext.ldflags, torch.__version__, platform.machine()):
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    for part in (*cflags(ext), *ext.ldflags, torch.__version__, platform.machine()):
         digest.update(b"\0" + part.encode())
     return f"{ext.name}-{digest.hexdigest()[:16]}"
 
@@ -98,7 +115,7 @@ def _build(ext: Extension, build_dir: Path, source: Path) -> None:
     cpp_extension.load(
         name=ext.library_name,
         sources=[str(source)],
-        extra_cflags=list(ext.cflags),
+        extra_cflags=list(cflags(ext)),
         extra_ldflags=list(ext.ldflags),
         build_directory=str(build_dir),
         is_python_module=False,

@@ -158,6 +158,9 @@ int cpu_variant() {
   static const int best = [] {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return int(kBase);
+#if defined(SLIPSTREAM_EMULATE_AVX512)
+    return int(kAvx512);  // compiled for AVX2 in this test build (avx512_emulation.h)
+#endif
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
       return int(kAvx512);
@@ -175,8 +178,12 @@ int variant() { return std::min(cpu_variant(), g_max_variant.load(std::memory_or
 
 #if defined(__x86_64__)
 #define SLIPSTREAM_AVX2 __attribute__((target("avx2,fma")))
+#if defined(SLIPSTREAM_EMULATE_AVX512)  // a test build: the same code for AVX2
+#define SLIPSTREAM_AVX512 __attribute__((target("avx2,fma")))
+#else
 #define SLIPSTREAM_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")))
+#endif
 #else
 #define SLIPSTREAM_AVX2
 #define SLIPSTREAM_AVX512

@@ -163,8 +163,16 @@ void run_panels_portable(const float* x, int64_t ldx, int64_t m, const float* pa
 
 // ------------------------------------------------------------------ AVX-512 bf16
 
+#if defined(SLIPSTREAM_EMULATE_AVX512)  // a test build: see avx512_emulation.h
+#define SLIPSTREAM_AVX512_BF16 __attribute__((target("avx2,fma")))
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "avx512_emulation.h"
+#pragma GCC pop_options
+#else
 #define SLIPSTREAM_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+#endif
 
 constexpr int kBf16TileRows = 8;  // rows of x per register tile
 
@@ -280,6 +288,9 @@ int cpu_isa() {
   static const int best = [] {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return int(kPortable);
+#if defined(SLIPSTREAM_EMULATE_AVX512)
+    return int(kAvx512);  // its AVX-512 instructions emulated with AVX2
+#endif
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512bf16"))

@@ -50,7 +50,10 @@
 // rounding use AVX2 (or AVX-512) instructions (generic code in the
 // baseline). The variant is picked at run time (CPUID, capped by
 // set_max_isa, which the Python side calls with what cpu_features.detect()
-// allows), so the binary does not depend on the build machine's CPU.
+// allows), so the binary does not depend on the build machine's CPU. A test
+// build (-DSLIPSTREAM_EMULATE_AVX512) compiles the AVX-512 variant for AVX2
+// with its intrinsics emulated (avx512_emulation.h) and runs it on any
+// AVX2 CPU, so its logic is tested where no AVX-512 CPU is at hand.
 
 #ifndef SLIPSTREAM_VARIANT  // ============================== shared code, first pass
 
@@ -229,7 +232,11 @@ inline void store_row(bf16_bits* dst, const float* src, float mul, int64_t n) {
 #define SLIPSTREAM_LANES 16
 #define SLIPSTREAM_BF16_DOT 1
 #pragma GCC push_options
+#if defined(SLIPSTREAM_EMULATE_AVX512)  // a test build: see avx512_emulation.h
+#pragma GCC target("avx2,fma")
+#else
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
+#endif
 #define SLIPSTREAM_VARIANT avx512
 #include __FILE__
 #undef SLIPSTREAM_VARIANT
@@ -251,6 +258,9 @@ Isa cpu_best_isa() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return Isa::kPortable;
+#if defined(SLIPSTREAM_EMULATE_AVX512)
+  return Isa::kAvx512;  // its AVX-512 instructions emulated with AVX2
+#endif
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512bf16"))
@@ -646,6 +656,10 @@ namespace SLIPSTREAM_VARIANT {
 
 #define SLIP_INLINE inline __attribute__((always_inline))
 #define SLIP_INLINE_LAMBDA __attribute__((always_inline))
+
+#if SLIPSTREAM_LANES == 16 && defined(SLIPSTREAM_EMULATE_AVX512)
+#include "avx512_emulation.h"
+#endif
 
 // Scores are handled 8 keys at a time (v8f) in every variant; head_dim is
 // walked kLanes floats at a time (vf): 8 in the baseline and AVX2 variants,

@@ -125,6 +125,29 @@ def test_forced_answers_drop_what_the_other_kind_lacks() -> None:
     assert answer_as("native", AMX) is AMX
 
 
+def test_the_emulated_avx512_answer_reports_avx512_bf16_and_builds_the_emulation() -> None:
+    """avx512-emulated: AVX-512 and AVX512-BF16 reported (the kernels' test
+    build runs those variants on AVX2), no bf16 packing (oneDNN is capped at
+    AVX2); every native library takes the emulating flag, so another key."""
+    from slipstream.kernels import cpu_attention, extensions
+
+    as_emulated = answer_as("avx512-emulated", AVX2)
+    assert as_emulated.flags == ("avx512_bf16", "avx512f", "avx2")
+    assert as_emulated.has_native_bf16 and not as_emulated.can_pack_bf16
+    assert extensions.max_isa(as_emulated) == "avx512"
+    ext, source = cpu_attention.EXTENSION, cpu_attention.SOURCE
+    previous = forced()
+    try:
+        force("native")
+        plain_key = extensions.build_key(ext, source)
+        assert extensions.EMULATE_AVX512_FLAG not in extensions.cflags(ext)
+        force("avx512-emulated")
+        assert extensions.cflags(ext) == (*ext.cflags, extensions.EMULATE_AVX512_FLAG)
+        assert extensions.build_key(ext, source) != plain_key
+    finally:
+        force(previous)
+
+
 def test_an_answer_the_cpu_cannot_execute_is_refused() -> None:
     no_avx2 = CpuFeatures("old (forced)", (), "DEFAULT", False, True)
     with pytest.raises(ValueError, match="no avx2"):
@@ -153,6 +176,6 @@ def test_the_environment_asks_torch_and_onednn_for_the_forced_isa() -> None:
     assert prepare_environment(env) == "avx2"
     assert env["ATEN_CPU_CAPABILITY"] == "avx2" and env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     assert prepare_environment({}) == "native"
-    assert set(CPU_ANSWERS) == {"native", "avx2", "bare"}
+    assert set(CPU_ANSWERS) == {"native", "avx2", "bare", "avx512-emulated"}
     with pytest.raises(ValueError, match="SLIPSTREAM_CPU"):
         answer_from({"SLIPSTREAM_CPU": "fast"})

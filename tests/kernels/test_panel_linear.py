@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.kernels import extensions, linear
-from slipstream.kernels.cpu_features import CpuFeatures
+from slipstream.kernels.cpu_features import CpuFeatures, detect
 from slipstream.kernels.linear import Linear, pack_bf16_panels, pack_panels
 
 
@@ -131,6 +131,8 @@ def test_bf16_panels_match_float64(rows: int, out_features: int, in_features: in
 
 @pytest.mark.usefixtures("bf16_panels")
 def test_bf16_calls_of_few_rows_take_the_panels_and_the_rest_onednn() -> None:
+    if not detect().can_pack_bf16:
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU (as reported)")
     x, w, b = _bf16_case(linear.MAX_BF16_PANEL_ROWS + 1, 48, 64, 3)
     layer = Linear(w, b, pack=True, panels=True)
     plain = Linear(w, b, pack=True)
