@@ -1,7 +1,7 @@
 """Micro-benchmark: the fused CPU kernel against the torch path, one layer call.
 
     python -m slipstream.kernels.bench_cpu_attention [--threads 2] [--reps 30] [--home DIR]
-        [--max-isa avx512|avx2|portable]
+        [--max-isa avx512|avx2|portable] [--bf16-prefill dot|tiles] [--kind decode|prefill]
 
 8 query heads, 4 KV heads, head_dim 64, block_size 32, float32 and bfloat16
 (each with its own K/V, then with int8 K/V rows, ``kv_layout``):
@@ -13,7 +13,8 @@ kernel (the bytes of K and V the step must read, each cached token once, over
 its median time) and its arithmetic rate (q . k and p . v over the keys each
 query token sees, 4 head_dim flops a key and head: what bounds a prefill).
 ``--max-isa`` caps the kernel's variant (as a forced ``cpu_features.detect()``
-answer would), to compare variants on one CPU.
+answer would), to compare variants on one CPU; ``--bf16-prefill`` how the
+AVX512-BF16 variant runs bf16 prefill chunks (``cpu_attention.set_bf16_prefill``).
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=None, help="extension cache root")
     parser.add_argument("--max-isa", choices=("avx512", "avx2", "portable"), default=None,
                         help="cap the kernel's variant (default: the CPU's)")  # fmt: skip
+    parser.add_argument("--bf16-prefill", choices=("dot", "tiles"), default="dot",
+                        help="AVX512-BF16: bf16 prefill as dot rows or fp32 tiles")  # fmt: skip
+    parser.add_argument("--kind", choices=("decode", "prefill"), default=None,
+                        help="only the decode or the prefill cases")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not cpu_attention.is_available(args.home):
@@ -126,7 +131,9 @@ def main() -> None:
     isa = torch.ops.slipstream.paged_attention_cpu_isa()
     if args.max_isa is not None:
         isa = torch.ops.slipstream.paged_attention_set_max_isa(args.max_isa)
-    print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}")
+    bf16_prefill = cpu_attention.set_bf16_prefill(args.bf16_prefill)
+    print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}; "
+          f"bf16 prefill {bf16_prefill}")  # fmt: skip
     print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(f"{'dtype':>8} {'kv':>8} {'step':>8} {'size':>5} {'ctx':>5} {'torch ms':>9} "
@@ -134,6 +141,8 @@ def main() -> None:
     rng = random.Random(0)
     for dtype, kv_dtype in PAIRS:
         for kind, size, context in CASES:
+            if args.kind is not None and kind != args.kind:
+                continue
             query_lens, seq_lens = _lens(kind, size, context, rng)
             step = _step(query_lens, seq_lens, dtype, kv_dtype, rng)
             q, k_cache, v_cache, meta, kv_bytes, flops = step

@@ -111,6 +111,15 @@ def paged_attention(
     )
 
 
+def set_bf16_prefill(mode: str) -> str:
+    """How bf16 prefill tasks run on an AVX512-BF16 CPU: ``"dot"`` (dot
+    product rows, the default) or ``"tiles"`` (tiles over fp32 copies of K/V,
+    as below AVX512-BF16). Process-wide; returns the mode in force. For
+    comparing the two (``bench_cpu_attention --bf16-prefill``); elsewhere
+    nothing changes. Needs ``is_available()`` first."""
+    return str(torch.ops.slipstream.paged_attention_set_bf16_prefill(mode))
+
+
 def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

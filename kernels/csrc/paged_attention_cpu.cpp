@@ -200,6 +200,12 @@ inline bf16_bits to_bf16(float f) {
   return bf16_bits((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
 }
 
+// bf16 K/V tasks of many rows (prefill chunks) on AVX512-BF16: the dot
+// product rows (Bf16DotRows, false: the default) or the tiles over fp32
+// copies of K/V (run_task_tiles, true). paged_attention_set_bf16_prefill
+// switches it, to compare the two on such a CPU.
+std::atomic<bool> g_bf16_prefill_tiles{false};
+
 inline void store_row(float* dst, const float* src, float mul, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
 }
@@ -299,6 +305,14 @@ std::string cpu_isa() { return kIsaNames[int(best_isa())]; }
 std::string set_max_isa(c10::string_view name) {
   g_max_isa.store(int(isa_named(name)));
   return cpu_isa();
+}
+
+// "dot" or "tiles" (see g_bf16_prefill_tiles); returns the mode now in force.
+std::string set_bf16_prefill(c10::string_view mode) {
+  TORCH_CHECK(mode == "dot" || mode == "tiles",
+              "paged_attention_set_bf16_prefill: dot or tiles, got ", mode);
+  g_bf16_prefill_tiles.store(mode == "tiles");
+  return g_bf16_prefill_tiles.load() ? "tiles" : "dot";
 }
 
 // ------------------------------------------------------------------ work split
@@ -635,6 +649,7 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
       "Tensor slot_mapping) -> ()");
   m.def("paged_attention_cpu_isa() -> str", &cpu_isa);
   m.def("paged_attention_set_max_isa(str isa) -> str", &set_max_isa);
+  m.def("paged_attention_set_bf16_prefill(str mode) -> str", &set_bf16_prefill);
   m.def(
       "paged_attention_plan(Tensor seq_lens, Tensor query_start_loc, int num_kv_heads, "
       "int group, int head_dim, int block_size, int num_threads) -> int[]",
@@ -1657,7 +1672,9 @@ __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& tas
   if constexpr (std::is_same_v<KV, bf16_bits>) {
     const bool readable = p.block_size % 8 == 0;
 #if SLIPSTREAM_BF16_DOT
-    if (readable && p.head_dim % Bf16DotRows::kPairWidth == 0 && p.head_dim <= 256)
+    const bool tiled = g_bf16_prefill_tiles.load(std::memory_order_relaxed) &&
+                       task.num_tokens * p.group >= kMinTiledRows;
+    if (!tiled && readable && p.head_dim % Bf16DotRows::kPairWidth == 0 && p.head_dim <= 256)
       return run_task_rows<T, KV, Bf16DotRows>(p, task, upcoming, scratch);
 #endif
     if (readable && p.head_dim % Bf16Rows::kPairWidth == 0 &&

@@ -176,6 +176,31 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 
 
 @pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_bf16_prefill_as_tiles_on_the_avx512_variant(head_dim: int) -> None:
+    """set_bf16_prefill("tiles"): bf16 prefill chunks of the AVX512-BF16
+    variant take the fp32 tiles instead of the dot product rows; decodes keep
+    the rows. Both against float64, and the two differ (P is rounded to bf16
+    in the rows), so the switch reaches the kernel."""
+    q, batch, meta = _case(MIXED, 8, 2, head_dim, 16, torch.bfloat16, seed=7)
+    dot = run_variant("avx512", q, batch, meta, 0.1)
+    try:
+        assert cpu_attention.set_bf16_prefill("tiles") == "tiles"
+        tiles = run_variant("avx512", q, batch, meta, 0.1)
+    finally:
+        assert cpu_attention.set_bf16_prefill("dot") == "dot"
+    _assert_matches_dense(tiles, q, batch, 0.1)
+    _assert_matches_dense(dot, q, batch, 0.1)
+    assert not torch.equal(tiles, dot)
+    decodes = [i for i, n in enumerate(MIXED[0]) if n == 1]
+    starts = meta.query_start_loc.tolist()
+    for i in decodes:
+        assert torch.equal(tiles[starts[i]], dot[starts[i]])
+    with pytest.raises(RuntimeError, match="dot or tiles"):
+        cpu_attention.set_bf16_prefill("rows")
+
+
+@pytest.mark.usefixtures("fused")
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 @pytest.mark.parametrize("block_size", [8, 24, 32])
