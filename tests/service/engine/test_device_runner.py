@@ -28,10 +28,11 @@ def models(tiny_model_dir):
     return reference, staged
 
 
-def _runner(model: LlamaModel) -> DeviceRunner:
+def _runner(model: LlamaModel, prefill_graph_tokens: int = 0) -> DeviceRunner:
     return DeviceRunner(
         model, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
         max_model_len=128, use_cuda_graphs=True, pin_memory=False,
+        prefill_graph_tokens=prefill_graph_tokens,
     )  # fmt: skip
 
 
@@ -132,13 +133,15 @@ def test_layer_graph_memory_bound_covers_what_the_pieces_keep(models):
     assert layer_graph_bytes(staged, 0) == 0
 
 
-def test_launching_ahead_with_pending_tokens(models):
+@pytest.mark.parametrize("prefill_graph_tokens", [0, 32], ids=["eager", "layer-pieces"])
+def test_launching_ahead_with_pending_tokens(models, prefill_graph_tokens):
     """Step N+1 launched before step N's ids are read, its decodes' tokens
-    pending: taken on the device from step N's samples, the same tokens."""
+    pending: taken on the device from step N's samples, the same tokens (also
+    with the steps padded by tokens for the per-layer pieces)."""
     reference_model, staged_model = models
     prompts = [[3, 17, 29, 4, 8], [7] * 20, [11, 12]]
     expected = _generate(ModelRunner(reference_model, 32, 8, BLOCK), prompts, 4)
-    runner = _runner(staged_model)
+    runner = _runner(staged_model, prefill_graph_tokens)
     blocks = [[i * 4 + j for j in range(4)] for i in range(len(prompts))]
     positions = [len(p) for p in prompts]
     handles = []
