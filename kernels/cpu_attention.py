@@ -113,10 +113,11 @@ def paged_attention(
 
 def set_bf16_prefill(mode: str) -> str:
     """How bf16 prefill tasks run on an AVX512-BF16 CPU: ``"dot"`` (dot
-    product rows, the default) or ``"tiles"`` (tiles over fp32 copies of K/V,
-    as below AVX512-BF16). Process-wide; returns the mode in force. For
-    comparing the two (``bench_cpu_attention --bf16-prefill``); elsewhere
-    nothing changes. Needs ``is_available()`` first."""
+    product rows, the default), ``"tiles"`` (tiles over fp32 copies of K/V, as
+    below AVX512-BF16) or ``"dot-tiles"`` (tiles on vdpbf16ps over K/V in
+    place). Process-wide; returns the mode in force. For comparing them
+    (``bench_cpu_attention --bf16-prefill``); elsewhere nothing changes.
+    Needs ``is_available()`` first."""
     return str(torch.ops.slipstream.paged_attention_set_bf16_prefill(mode))
 
 

@@ -14,7 +14,7 @@
 #                               # the 512-token budget, bench slo (deadline) with them
 #   ops/gpu-verify.sh cpu       # the host's CPU (an AVX-512/AMX Xeon on the H100
 #                               # machines lent so far): bench step on 2 threads, bf16;
-#                               # bf16 prefill attention as dot rows / fp32 tiles
+#                               # bf16 prefill attention: dot rows / fp32 / dot tiles
 #   ops/gpu-verify.sh all       # each of the above in turn, in one call: BUDGET
 #                               # seconds in all (default 540), past any failure
 #
@@ -69,8 +69,8 @@ cpu)
     grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16" /proc/cpuinfo | sort | uniq -c
     bench step --device cpu --threads 2 --model "$model" --batch 1,64,256 --context 300 \
         --modes compiled,python-loop --json "$out/step-cpu.json" --plot "$out/step-cpu.png"
-    # bf16 prefill on AVX512-BF16: dot product rows (the default) against fp32 tiles
-    for mode in dot tiles; do
+    # bf16 prefill on AVX512-BF16: dot product rows (the default), fp32 tiles, vdpbf16ps tiles
+    for mode in dot tiles dot-tiles; do
         "$py" -m slipstream.kernels.bench_cpu_attention --threads 2 --reps 10 --kind prefill \
             --bf16-prefill "$mode"
     done

@@ -161,6 +161,7 @@ struct KvWrite {
 struct Scratch {
   std::vector<float> q, o, m, l, k, v, alpha;
   std::vector<uint32_t> p_pairs;  // Bf16DotRows: p as bf16 pairs, per row
+  std::vector<uint32_t> v_pairs;  // bf16 dot tiles: V's rows t, t + 1 paired, per column
   std::vector<int> visible;       // Bf16DotRows: keys of the tile each row sees
   std::vector<float> l_lanes;     // Bf16DotRows: l per row as 16 partial sums
   std::vector<float> st, pos;     // tiled tasks: scores [keys][rows], row positions
@@ -181,6 +182,7 @@ struct Scratch {
     grow(visible, rows);
     grow(l_lanes, rows * 16);
     grow(p_pairs, rows * kKeyTile / 2);
+    grow(v_pairs, head_dim * kKeyTile / 2);
   }
 };
 
@@ -201,10 +203,13 @@ inline bf16_bits to_bf16(float f) {
 }
 
 // bf16 K/V tasks of many rows (prefill chunks) on AVX512-BF16: the dot
-// product rows (Bf16DotRows, false: the default) or the tiles over fp32
-// copies of K/V (run_task_tiles, true). paged_attention_set_bf16_prefill
-// switches it, to compare the two on such a CPU.
-std::atomic<bool> g_bf16_prefill_tiles{false};
+// product rows (Bf16DotRows: the default), the tiles over fp32 copies of K/V
+// (run_task_tiles), or the tiles on vdpbf16ps over K/V in place (run_task_tiles
+// with kDotTiles). paged_attention_set_bf16_prefill switches it, to compare
+// them on such a CPU.
+enum Bf16Prefill : int { kDotRows, kFloatTiles, kDotTiles };
+constexpr const char* kBf16PrefillNames[] = {"dot", "tiles", "dot-tiles"};
+std::atomic<int> g_bf16_prefill{kDotRows};
 
 inline void store_row(float* dst, const float* src, float mul, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
@@ -307,12 +312,14 @@ std::string set_max_isa(c10::string_view name) {
   return cpu_isa();
 }
 
-// "dot" or "tiles" (see g_bf16_prefill_tiles); returns the mode now in force.
+// "dot", "tiles" or "dot-tiles" (see g_bf16_prefill); returns the mode now in force.
 std::string set_bf16_prefill(c10::string_view mode) {
-  TORCH_CHECK(mode == "dot" || mode == "tiles",
-              "paged_attention_set_bf16_prefill: dot or tiles, got ", mode);
-  g_bf16_prefill_tiles.store(mode == "tiles");
-  return g_bf16_prefill_tiles.load() ? "tiles" : "dot";
+  int chosen = -1;
+  for (int i = 0; i < 3; ++i)
+    if (mode == kBf16PrefillNames[i]) chosen = i;
+  TORCH_CHECK(chosen >= 0, "paged_attention_set_bf16_prefill: dot, tiles or dot-tiles, got ", mode);
+  g_bf16_prefill.store(chosen);
+  return kBf16PrefillNames[g_bf16_prefill.load()];
 }
 
 // ------------------------------------------------------------------ work split
@@ -1558,7 +1565,116 @@ SLIP_INLINE void tile_block(Scratch& sc, int64_t rs, int64_t jb, int64_t last_po
   for (; c < d; ++c) tile_pv<RV, 1>(ot, rs, v, d, c, st, seen, alpha);
 }
 
-template <typename T, typename KV>
+// Two adjacent bf16 values as one 32-bit pair (the first in the low half).
+SLIP_INLINE uint32_t load_pair(const bf16_bits* at) {
+  uint32_t pair;
+  std::memcpy(&pair, at, sizeof(pair));
+  return pair;
+}
+
+#if SLIPSTREAM_BF16_DOT
+// ---- Tiles on vdpbf16ps (bf16 q and K/V, AVX512-BF16): the same two
+// products with channel pairs, K read in place and q kept in bf16:
+//
+//   q2 [d/2][rows]   (q[r][2i], q[r][2i+1]) as one 32-bit pair per row, unscaled
+//   st[t] = scale * sum_i q2[i] . (k[t][2i], k[t][2i+1])     (k pair broadcast)
+//   p2 [n/2][rows]   (p[2u][r], p[2u+1][r]) rounded to bf16 (l sums p unrounded)
+//   ot[c] = ot[c] * alpha + sum_u p2[u] . (v[2u][c], v[2u+1][c])
+//
+// V's pairs are interleaved once per tile (v_pairs [d][kKeyTile/2]), shared
+// by every row of the task. The products of bf16 pairs are exact in fp32.
+
+template <int RV>
+SLIP_INLINE void tile_scores_dot(const uint32_t* q2, int64_t rs, const bf16_bits* k, int64_t d,
+                                 int keys, float scale, float* st) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int t = 0; t < keys; t += kTileCols) {
+    __m512 acc[kTileCols][RV];
+    for (int u = 0; u < kTileCols; ++u)
+      for (int j = 0; j < RV; ++j) acc[u][j] = _mm512_setzero_ps();
+    const bf16_bits* kb = k + t * d;
+    for (int64_t i = 0; i < d / 2; ++i) {
+      __m512bh x[RV];
+      for (int j = 0; j < RV; ++j) x[j] = (__m512bh)_mm512_loadu_si512(q2 + i * rs + 16 * j);
+      for (int u = 0; u < kTileCols; ++u) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(int(load_pair(kb + u * d + 2 * i)));
+        for (int j = 0; j < RV; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], x[j], b);
+      }
+    }
+    for (int u = 0; u < kTileCols; ++u)
+      for (int j = 0; j < RV; ++j)
+        _mm512_storeu_ps(st + (t + u) * rs + 16 * j, _mm512_mul_ps(acc[u][j], s));
+  }
+}
+
+// Columns c0 .. c0 + C of ot for RV row vectors: ot = ot * alpha + V^T p over
+// n2 key pairs (p2: pairs of p, row stride rs; vp: V's pairs, kKeyTile/2 a column).
+template <int RV, int C>
+SLIP_INLINE void tile_pv_dot(float* ot, int64_t rs, const uint32_t* vp, int64_t c0,
+                             const uint32_t* p2, int n2, const float* alpha) {
+  __m512 acc[C][RV];
+  for (int j = 0; j < RV; ++j) {
+    const __m512 a = _mm512_loadu_ps(alpha + 16 * j);
+    for (int u = 0; u < C; ++u)
+      acc[u][j] = _mm512_mul_ps(_mm512_loadu_ps(ot + (c0 + u) * rs + 16 * j), a);
+  }
+  for (int t2 = 0; t2 < n2; ++t2) {
+    __m512bh x[RV];
+    for (int j = 0; j < RV; ++j) x[j] = (__m512bh)_mm512_loadu_si512(p2 + t2 * rs + 16 * j);
+    for (int u = 0; u < C; ++u) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(int(vp[(c0 + u) * (kKeyTile / 2) + t2]));
+      for (int j = 0; j < RV; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], x[j], b);
+    }
+  }
+  for (int u = 0; u < C; ++u)
+    for (int j = 0; j < RV; ++j) _mm512_storeu_ps(ot + (c0 + u) * rs + 16 * j, acc[u][j]);
+}
+
+// V's first n rows (stride d) as pairs of rows per column; an odd last row
+// pairs with zero (p's pair there is zero too, and 0 * a NaN would not be).
+SLIP_INLINE void pair_v_rows(const bf16_bits* v, int64_t d, int n, uint32_t* vp) {
+  for (int64_t c = 0; c < d; ++c)
+    for (int t = 0; t < n; t += 2) {
+      const uint32_t hi = t + 1 < n ? uint32_t(v[(t + 1) * d + c]) : 0u;
+      vp[c * (kKeyTile / 2) + t / 2] = uint32_t(v[t * d + c]) | (hi << 16);
+    }
+}
+
+// tile_block on vdpbf16ps: k and v in place (bf16), q2 in sc.q's memory.
+template <int RV>
+SLIP_INLINE void tile_block_dot(Scratch& sc, int64_t rs, int64_t jb, int64_t last_pos,
+                                const bf16_bits* k, int64_t d, int n, int64_t key0, float scale) {
+  const int seen = int(std::min<int64_t>(n, last_pos - key0 + 1));
+  if (seen <= 0) return;
+  const int64_t at = 16 * jb;
+  float* st = sc.st.data() + at;
+  const uint32_t* q2 = reinterpret_cast<const uint32_t*>(sc.q.data()) + at;
+  tile_scores_dot<RV>(q2, rs, k, d, (seen + kTileCols - 1) / kTileCols * kTileCols, scale, st);
+  for (int j = 0; j < RV; ++j) {
+    const int64_t r = at + 16 * j;
+    tile_softmax(st + 16 * j, rs, seen, float(key0), loadv(sc.pos.data() + r),
+                 sc.m.data() + r, sc.l.data() + r, sc.alpha.data() + r);
+  }
+  // p as bf16 pairs of keys, per row; an odd last key pairs with zero
+  uint32_t* p2 = sc.p_pairs.data() + at;
+  const int n2 = (seen + 1) / 2;
+  for (int t2 = 0; t2 < n2; ++t2)
+    for (int64_t r = 0; r < 16 * RV; ++r) {
+      const uint32_t lo = to_bf16(st[2 * t2 * rs + r]);
+      const uint32_t hi = 2 * t2 + 1 < seen ? to_bf16(st[(2 * t2 + 1) * rs + r]) : 0u;
+      p2[t2 * rs + r] = lo | (hi << 16);
+    }
+  const float* alpha = sc.alpha.data() + at;
+  float* ot = sc.o.data() + at;
+  int64_t c = 0;
+  for (; c + kTileCols <= d; c += kTileCols)
+    tile_pv_dot<RV, kTileCols>(ot, rs, sc.v_pairs.data(), c, p2, n2, alpha);
+  for (; c < d; ++c) tile_pv_dot<RV, 1>(ot, rs, sc.v_pairs.data(), c, p2, n2, alpha);
+}
+#endif  // SLIPSTREAM_BF16_DOT
+
+// kDotTiles (AVX512-BF16, bf16 q and K/V): the products on vdpbf16ps, above.
+template <typename T, typename KV, bool kDotTiles = false>
 SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const Task* upcoming,
                                 Scratch& sc) {
   const int64_t d = p.head_dim, g = p.group;
@@ -1568,14 +1684,18 @@ SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const
   float* ot = sc.o.data();
   // Rows are (token, head of the group), token-major; padding rows see nothing.
   for (int64_t r = 0; r < rs; ++r) {
-    if (r >= rows) {
-      for (int64_t c = 0; c < d; ++c) qt[c * rs + r] = 0.0f;
-      sc.pos[r] = -1.0f;
-      continue;
+    const T* src = r < rows ? p.q + (task.token0 + r / g) * p.q_stride +
+                                  (task.kv_head * g + r % g) * d
+                            : nullptr;
+    sc.pos[r] = src != nullptr ? float(task.pos0 + r / g) : -1.0f;
+    if constexpr (kDotTiles) {  // pairs of channels, unscaled, in qt's memory
+      uint32_t* q2 = reinterpret_cast<uint32_t*>(qt);
+      for (int64_t i = 0; i < d / 2; ++i)
+        q2[i * rs + r] = src == nullptr ? 0u : load_pair(src + 2 * i);
+    } else {
+      for (int64_t c = 0; c < d; ++c)
+        qt[c * rs + r] = src == nullptr ? 0.0f : to_float(src[c]) * p.qk_scale;
     }
-    const T* src = p.q + (task.token0 + r / g) * p.q_stride + (task.kv_head * g + r % g) * d;
-    for (int64_t c = 0; c < d; ++c) qt[c * rs + r] = to_float(src[c]) * p.qk_scale;
-    sc.pos[r] = float(task.pos0 + r / g);
   }
   std::fill(ot, ot + d * rs, 0.0f);
   std::fill(sc.m.data(), sc.m.data() + rs, kNegInf);
@@ -1583,11 +1703,27 @@ SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const
 
   LinePrefetcher ahead;
   for_each_tile(p, task, upcoming, ahead, [&](int64_t key, int64_t n, int64_t offset) {
-    const auto [kt, vt] = float_tile(p, key, n, offset, sc);
     int64_t jb = 0;
     auto last_pos = [&](int64_t vectors) {  // of the last real row of `vectors` from jb
       return task.pos0 + (std::min(rows, kLanes * (jb + vectors)) - 1) / g;
     };
+#if SLIPSTREAM_BF16_DOT
+    if constexpr (kDotTiles) {
+      const bf16_bits* kt = p.k + offset;  // in place: run_task checked block_size % 8 == 0
+      pair_v_rows(p.v + offset, d, int(n), sc.v_pairs.data());
+      for (; jb + kTileRowVecs <= vecs; jb += kTileRowVecs) {
+        ahead.step(kRowLines);
+        tile_block_dot<kTileRowVecs>(sc, rs, jb, last_pos(kTileRowVecs), kt, d, int(n), key,
+                                     p.qk_scale);
+      }
+      for (; jb < vecs; ++jb) {
+        ahead.step(kRowLines);
+        tile_block_dot<1>(sc, rs, jb, last_pos(1), kt, d, int(n), key, p.qk_scale);
+      }
+      return;
+    }
+#endif
+    const auto [kt, vt] = float_tile(p, key, n, offset, sc);
     for (; jb + kTileRowVecs <= vecs; jb += kTileRowVecs) {
       ahead.step(kRowLines);
       tile_block<kTileRowVecs>(sc, rs, jb, last_pos(kTileRowVecs), kt, vt, d, int(n), key);
@@ -1672,9 +1808,14 @@ __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& tas
   if constexpr (std::is_same_v<KV, bf16_bits>) {
     const bool readable = p.block_size % 8 == 0;
 #if SLIPSTREAM_BF16_DOT
-    const bool tiled = g_bf16_prefill_tiles.load(std::memory_order_relaxed) &&
-                       task.num_tokens * p.group >= kMinTiledRows;
-    if (!tiled && readable && p.head_dim % Bf16DotRows::kPairWidth == 0 && p.head_dim <= 256)
+    const int mode = task.num_tokens * p.group >= kMinTiledRows
+                         ? g_bf16_prefill.load(std::memory_order_relaxed)
+                         : int(kDotRows);
+    if constexpr (std::is_same_v<T, bf16_bits>)
+      if (mode == kDotTiles && readable && p.head_dim % 2 == 0)
+        return run_task_tiles<T, KV, true>(p, task, upcoming, scratch);
+    if (mode == kDotRows && readable && p.head_dim % Bf16DotRows::kPairWidth == 0 &&
+        p.head_dim <= 256)
       return run_task_rows<T, KV, Bf16DotRows>(p, task, upcoming, scratch);
 #endif
     if (readable && p.head_dim % Bf16Rows::kPairWidth == 0 &&

@@ -107,10 +107,23 @@ def test_two_threads_split_long_contexts(kind: str) -> None:
 
 
 @pytest.mark.usefixtures("fused")
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_two_threads_split_a_long_prefill_chunk(kv_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("kv_dtype", "bf16_prefill"),
+    [(torch.float32, "dot"), (torch.bfloat16, "dot"), (torch.bfloat16, "dot-tiles")],
+    ids=["fp32", "bf16", "bf16-dot-tiles"],
+)
+def test_two_threads_split_a_long_prefill_chunk(kv_dtype: torch.dtype, bf16_prefill: str) -> None:
     """A chunk at the end of a long prefix: its tasks (64 rows, the tiled path)
-    are cut over keys, their partial records merged."""
+    are cut over keys, their partial records merged (bf16 prefill as the
+    AVX512-BF16 variant's vdpbf16ps tiles too, where that variant runs)."""
+    cpu_attention.set_bf16_prefill(bf16_prefill)
+    try:
+        _split_long_prefill_chunk(kv_dtype)
+    finally:
+        cpu_attention.set_bf16_prefill("dot")
+
+
+def _split_long_prefill_chunk(kv_dtype: torch.dtype) -> None:
     lens = ([64, 1], [2000, 300])
     starts = torch.tensor([0, 64, 65])
     assert torch.ops.slipstream.paged_attention_plan(
@@ -176,27 +189,32 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 
 
 @pytest.mark.usefixtures("fused")
-@pytest.mark.parametrize("head_dim", [64, 96])
-def test_bf16_prefill_as_tiles_on_the_avx512_variant(head_dim: int) -> None:
-    """set_bf16_prefill("tiles"): bf16 prefill chunks of the AVX512-BF16
-    variant take the fp32 tiles instead of the dot product rows; decodes keep
-    the rows. Both against float64, and the two differ (P is rounded to bf16
-    in the rows), so the switch reaches the kernel."""
-    q, batch, meta = _case(MIXED, 8, 2, head_dim, 16, torch.bfloat16, seed=7)
-    dot = run_variant("avx512", q, batch, meta, 0.1)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (96, 8), (18, 24)])
+def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int) -> None:
+    """set_bf16_prefill: bf16 prefill chunks of the AVX512-BF16 variant take
+    the dot product rows (the default), the fp32 tiles or the vdpbf16ps
+    tiles; decodes keep the rows. Each against float64; the vdpbf16ps tiles
+    unlike the fp32 ones (p is rounded to bf16 there), and where the rows
+    serve (head_dim a multiple of 32), the rows unlike the fp32 tiles: the
+    switch reaches the kernel. Blocks of 8 and 24 keys leave odd and partial
+    tiles; at head_dim 18 the rows give way to the tiles in every mode."""
+    q, batch, meta = _case(MIXED, 8, 2, head_dim, block_size, torch.bfloat16, seed=7)
+    out = {}
     try:
-        assert cpu_attention.set_bf16_prefill("tiles") == "tiles"
-        tiles = run_variant("avx512", q, batch, meta, 0.1)
+        for mode in ("dot", "tiles", "dot-tiles"):
+            assert cpu_attention.set_bf16_prefill(mode) == mode
+            out[mode] = run_variant("avx512", q, batch, meta, 0.1)
     finally:
         assert cpu_attention.set_bf16_prefill("dot") == "dot"
-    _assert_matches_dense(tiles, q, batch, 0.1)
-    _assert_matches_dense(dot, q, batch, 0.1)
-    assert not torch.equal(tiles, dot)
-    decodes = [i for i, n in enumerate(MIXED[0]) if n == 1]
+    for got in out.values():
+        _assert_matches_dense(got, q, batch, 0.1)
+    assert not torch.equal(out["dot-tiles"], out["tiles"])
+    assert torch.equal(out["dot"], out["tiles"]) == (head_dim % 32 != 0)
     starts = meta.query_start_loc.tolist()
-    for i in decodes:
-        assert torch.equal(tiles[starts[i]], dot[starts[i]])
-    with pytest.raises(RuntimeError, match="dot or tiles"):
+    for i in (i for i, n in enumerate(MIXED[0]) if n == 1):  # decodes: rows in every mode
+        assert torch.equal(out["tiles"][starts[i]], out["dot"][starts[i]])
+        assert torch.equal(out["dot-tiles"][starts[i]], out["dot"][starts[i]])
+    with pytest.raises(RuntimeError, match="dot, tiles or dot-tiles"):
         cpu_attention.set_bf16_prefill("rows")
 
 
