@@ -74,7 +74,9 @@ def cflags(ext: Extension) -> tuple[str, ...]:
     """``ext``'s compiler flags, and the emulating test build's under the
     ``avx512-emulated`` CPU answer."""
     if cpu_features.forced() == EMULATED_AVX512:
-        return (*ext.cflags, EMULATE_AVX512_FLAG)
+        # -O1: the emulated intrinsics, inlined and unrolled at -O3, took the
+        # attention library 6 minutes to compile; a test build needs no speed.
+        return (*ext.cflags, EMULATE_AVX512_FLAG, "-O1")
     return ext.cflags
 
 

@@ -16,7 +16,7 @@
 //
 // No include guard: each including namespace gets its own copy.
 
-#define SLIP_EMU inline __attribute__((always_inline))
+#define SLIP_EMU inline
 
 typedef float slip_emu_v16f __attribute__((vector_size(64)));
 typedef int32_t slip_emu_v16i __attribute__((vector_size(64)));
