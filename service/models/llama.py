@@ -299,7 +299,7 @@ class LlamaModel:
             self._native_layers(x, positions, kv_caches, meta)
             return self.sampled_logits(x, sample_indices, fused_ops)
         h = ops.rms_norm(x, layers[0].input_norm, eps)
-        for i, (k_cache, v_cache) in enumerate(kv_caches):
+        for i, (k_cache, v_cache) in zip(range(len(layers)), kv_caches, strict=True):
             q, k, v = self.attention_inputs(i, h, positions, ops)
             self._write_kv(k_cache, v_cache, k, v, meta)
             attn = self._paged_attention(q, k_cache, v_cache, meta, self.scale)
