@@ -99,26 +99,20 @@ class DecodeGraphs:
     ) -> GraphStats:
         """Captures every size; on a CUDA out-of-memory error drops them all and
         says so in the stats (the engine then runs every step eagerly)."""
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
-        start = time.perf_counter()
-        pool = None
         try:
-            for size in reversed(self.sizes):
-                prepare(size)
-                graph, logits, pool = capture_graph(partial(body, size), device, pool)
-                self._graphs[size] = (graph, logits)
-            torch.cuda.synchronize(device)
+            captured, stats = capture_sizes(
+                self.sizes, device, prepare, lambda size: [partial(body, size)]
+            )
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_out_of_memory(exc):
                 raise
-            self._graphs.clear()
+            stats = GraphStats(enabled=False, disabled_reason=f"capture out of memory: {exc}")
+        if not stats.enabled:  # outside the except: its traceback no longer holds the graphs
             torch.cuda.empty_cache()
             log.warning("cuda graph capture ran out of memory; decode steps run eagerly")
-            return GraphStats(enabled=False, disabled_reason=f"capture out of memory: {exc}")
-        seconds = time.perf_counter() - start
-        used = max(free_before - torch.cuda.mem_get_info(device)[0], 0)
-        return GraphStats(True, list(self.sizes), seconds, used)
+            return stats
+        self._graphs = {size: graphs[0] for size, graphs in captured.items()}
+        return stats
 
     def replay(self, size: int) -> torch.Tensor:
         """Replays the graph of ``size`` on the current stream; returns its logits
@@ -129,6 +123,34 @@ class DecodeGraphs:
 
     def __contains__(self, size: int) -> bool:
         return size in self._graphs
+
+
+def capture_sizes(
+    sizes: list[int],
+    device: torch.device,
+    prepare: Callable[[int], None],
+    bodies: Callable[[int], list[Callable[[], _Out]]],
+) -> tuple[dict[int, list[tuple[torch.cuda.CUDAGraph, _Out]]], GraphStats]:
+    """For each size, largest first: ``prepare(size)``, then each of
+    ``bodies(size)`` captured in turn (``capture_graph``), all into one memory
+    pool. Returns, by size, each graph with what its captured run returned,
+    and the stats: the whole capture's time and the device memory it took.
+    Raises what a capture raises; the caller says which errors leave it eager."""
+    torch.cuda.synchronize(device)
+    free_before = torch.cuda.mem_get_info(device)[0]
+    start = time.perf_counter()
+    pool = None
+    captured: dict[int, list[tuple[torch.cuda.CUDAGraph, _Out]]] = {}
+    for size in sorted(sizes, reverse=True):
+        prepare(size)
+        graphs = []
+        for body in bodies(size):
+            graph, out, pool = capture_graph(body, device, pool)
+            graphs.append((graph, out))
+        captured[size] = graphs
+    torch.cuda.synchronize(device)
+    used = max(free_before - torch.cuda.mem_get_info(device)[0], 0)
+    return captured, GraphStats(True, sorted(sizes), time.perf_counter() - start, used)
 
 
 def capture_graph(

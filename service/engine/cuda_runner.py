@@ -308,18 +308,17 @@ class DeviceRunner:
         if bucket is not None and self._graphs is not None:
             logits = self._graphs.replay(bucket)
             logits = logits.index_select(0, views["sample_indices"][:num_sampled])
-        elif token_bucket is not None and self._layer_graphs is not None:
-            meta = staged_metadata(staged, views, self.block_size)
-            logits = self._layer_graphs.forward(
-                token_bucket, meta, views["sample_indices"][:num_sampled]
-            )
         else:
             meta = staged_metadata(staged, views, self.block_size)
-            tokens = staged.num_tokens
-            logits = self.model.forward(
-                views["token_ids"][:tokens], views["positions"][:tokens], self.device_pool,
-                meta, views["sample_indices"][:num_sampled],
-            )  # fmt: skip
+            sample_indices = views["sample_indices"][:num_sampled]
+            if token_bucket is not None and self._layer_graphs is not None:
+                logits = self._layer_graphs.forward(token_bucket, meta, sample_indices)
+            else:
+                tokens = staged.num_tokens
+                logits = self.model.forward(
+                    views["token_ids"][:tokens], views["positions"][:tokens], self.device_pool,
+                    meta, sample_indices,
+                )  # fmt: skip
         if not num_sampled:
             self._previous_rows = {}
             return self._launched(LaunchedStep(self._record_done(), None, [], plan.num_tokens))

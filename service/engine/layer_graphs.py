@@ -36,7 +36,6 @@ the CPU.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from functools import partial
 
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels.backend import triton_attention_for_step
 from slipstream.kernels.triton_kv_write import write_kv_slots
-from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for, capture_graph
+from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for, capture_sizes
 from slipstream.service.engine.staged_attention import StagedAttentionMetadata
 from slipstream.service.models.llama import LlamaModel
 
@@ -152,27 +151,19 @@ class LayerGraphs:
         """Captures every piece at every bucket, largest first; ``prepare(T)``
         stages and uploads a step of T padding tokens. On any failure drops
         them all and says why in the stats (such steps then run eagerly)."""
-        device = self.model.embed.device
-        torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0]
-        start = time.perf_counter()
-        pool = None
+        pieces = range(len(self.model.layers) + 1)
         try:
-            for size in reversed(self.sizes):
-                prepare(size)
-                pieces = []
-                for i in range(len(self.model.layers) + 1):
-                    graph, q, pool = capture_graph(partial(self._piece, i, size), device, pool)
-                    pieces.append((graph, q))
-                self._graphs[size] = pieces
-            torch.cuda.synchronize(device)
+            captured, self.stats = capture_sizes(
+                self.sizes, self.model.embed.device, prepare,
+                lambda size: [partial(self._piece, i, size) for i in pieces],
+            )  # fmt: skip
         except Exception as exc:  # an allocator's, a driver's or a capture's error
-            self._graphs.clear()
-            torch.cuda.empty_cache()
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            log.warning("layer graph capture failed; steps with a prefill run eagerly: %s", reason)
             self.stats = GraphStats(enabled=False, disabled_reason=f"capture failed: {reason}")
+        if not self.stats.enabled:  # outside the except: its traceback no longer holds the graphs
+            torch.cuda.empty_cache()
+            log.warning("layer graph capture failed; steps with a prefill run eagerly: %s",
+                        self.stats.disabled_reason)  # fmt: skip
             return self.stats
-        used = max(free_before - torch.cuda.mem_get_info(device)[0], 0)
-        self.stats = GraphStats(True, list(self.sizes), time.perf_counter() - start, used)
+        self._graphs = captured
         return self.stats
