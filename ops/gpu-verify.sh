@@ -16,7 +16,8 @@
 #                               # machines lent so far): bench step on 2 threads, bf16;
 #                               # bf16 prefill attention: dot rows / fp32 / dot tiles
 #   ops/gpu-verify.sh all       # each of the above in turn, in one call: BUDGET
-#                               # seconds in all (default 540), past any failure
+#                               # seconds in all (default 540), past any failure;
+#                               # PHASES="step cpu" runs those only
 #
 # MODEL (default smollm2-shape: SmolLM2's shape, random weights, built there)
 # and OUT (default bench-results) are read from the environment.
@@ -79,9 +80,9 @@ all)
     # Most wanted first; each phase with its own limit, within the budget.
     budget=${BUDGET:-540}
     start=$SECONDS
-    for spec in tests:150 slo:120 pieces:150 step:90 offline:150 cpu:120 ahead:90; do
-        phase=${spec%%:*}
-        limit=${spec##*:}
+    declare -A limits=([tests]=150 [slo]=120 [pieces]=150 [step]=90 [cpu]=120 [offline]=150 [ahead]=90)
+    for phase in ${PHASES:-tests slo pieces step cpu offline ahead}; do
+        limit=${limits[$phase]}
         left=$((budget - (SECONDS - start)))
         if ((left < 30)); then
             echo "== $phase skipped: the budget is spent"
