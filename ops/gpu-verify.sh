@@ -10,8 +10,9 @@
 #   ops/gpu-verify.sh ahead     # bench offline, planning ahead on / off
 #   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines
 #   ops/gpu-verify.sh pieces    # steps with a prefill through per-layer graphs
-#                               # (--prefill-graph-tokens): bench offline on / off at
-#                               # the 512-token budget, bench slo (deadline) with them
+#                               # (--prefill-graph-tokens, on by default): bench offline
+#                               # on / off at the 512-token budget, bench slo (deadline)
+#                               # with them off
 #   ops/gpu-verify.sh cpu       # the host's CPU (an AVX-512/AMX Xeon on the H100
 #                               # machines lent so far): bench step on 2 threads, bf16;
 #                               # bf16 prefill attention: dot rows / fp32 / dot tiles
@@ -57,13 +58,13 @@ slo)
         --json "$out/slo-cuda.json" --plot "$out/slo-cuda.png"
     ;;
 pieces)
-    for tokens in 512 0; do
+    for tokens in 2048 0; do
         bench offline --device cuda --model "$model" --requests 256 --engines slipstream \
             --max-num-batched-tokens 512 --prefill-graph-tokens "$tokens" \
             --json "$out/offline-cuda-256-pieces-$tokens.json"
     done
     bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 --policy deadline \
-        --prefill-graph-tokens 512 --json "$out/slo-cuda-pieces.json" --plot "$out/slo-cuda-pieces.png"
+        --prefill-graph-tokens 0 --json "$out/slo-cuda-eager.json" --plot "$out/slo-cuda-eager.png"
     ;;
 cpu)
     grep -m1 "model name" /proc/cpuinfo

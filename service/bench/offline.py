@@ -48,6 +48,7 @@ from slipstream.service.bench.workload import (
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
+    PREFILL_GRAPH_TOKENS,
     SWITCH_CHOICES,
     EngineConfig,
     switch,
@@ -89,7 +90,7 @@ class OfflineOptions:
     floor: bool = True
     device: str = "cpu"  # --device as given: cpu, cuda, cuda:N (auto resolved)
     plan_ahead: bool | None = None  # None: the engine's default (on a GPU only)
-    prefill_graph_tokens: int = 0  # EngineConfig.prefill_graph_tokens
+    prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
     kv_cache_dtype: str = "auto"  # Slipstream's KV cache (EngineConfig.kv_cache_dtype)
     # Each peer's settings by peer name (``Peer.settings``), for the peers asked for.
     peers: Mapping[str, object] = field(default_factory=dict)
@@ -143,7 +144,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine.add_argument(
         "--prefill-graph-tokens",
         type=int,
-        default=0,
+        default=PREFILL_GRAPH_TOKENS,
         help="on CUDA: steps with a prefill of up to N tokens replay per-layer graphs (0: off)",
     )
     engine.add_argument(

@@ -60,7 +60,7 @@ from slipstream.service.bench.slo_report import (
     plot_capacity,
 )
 from slipstream.service.bench.slo_sim import run_sim_bench, run_sim_capacity
-from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
+from slipstream.service.engine.config import DTYPE_CHOICES, PREFILL_GRAPH_TOKENS, EngineConfig
 from slipstream.service.engine.device import resolve_device
 
 # The engine replays in real time: a shorter sweep and fewer bisections.
@@ -138,7 +138,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument(
         "--prefill-graph-tokens",
         type=int,
-        default=0,
+        default=PREFILL_GRAPH_TOKENS,
         help="engine mode on CUDA: steps with a prefill of up to N tokens replay per-layer graphs",
     )
     # Defaults under bench-results/ (ignored by git), like the Makefile's benchmarks.

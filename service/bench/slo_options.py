@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients
 from slipstream.service.bench.slo_workload import DEFAULT_SLACK_FACTORS, WorkloadSpec
+from slipstream.service.engine.config import PREFILL_GRAPH_TOKENS
 
 LOADS = (0.8, 1.0, 1.5, 2.0)
 CVS = (1.0, 3.0)
@@ -56,7 +57,7 @@ class SloOptions:
     # sim mode: the device's steps (device_steps.DEVICE_STEPS), not the cost model's
     device_steps: str | None = None
     # engine mode on CUDA: EngineConfig.prefill_graph_tokens (0: steps with a prefill run eagerly)
-    prefill_graph_tokens: int = 0
+    prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
 
 
 def engine_shaped(opts: SloOptions) -> SloOptions:

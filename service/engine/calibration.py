@@ -198,7 +198,10 @@ def calibration_plans(
     block_size: int, num_blocks: int, budget: int, max_seqs: int, quick: bool = False
 ) -> Iterator[StepPlan]:
     """The synthetic steps ``calibrate`` times: prefills alone of a few sizes,
-    decode batches of a few sizes at a short and a long context."""
+    decode batches of a few sizes at a short and a long context. The largest
+    prefill is the step budget or what the pool holds, whichever is less (a
+    GPU's 8192-token budget over a small pool)."""
+    budget = min(budget, num_blocks * block_size)
     prefills = {16, budget // 4, budget} if quick else {16, budget // 4, budget // 2, budget}
     for n in sorted(prefills):
         if n >= 1:

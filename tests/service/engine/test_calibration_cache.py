@@ -135,3 +135,16 @@ def test_the_fit_keeps_a_prefill_step_cost_only_where_the_steps_show_one():
     for plan, seconds in convex:
         four.observe_plan(plan, seconds)
     assert cpu == four.coefficients
+
+
+def test_the_calibration_plans_fit_a_pool_smaller_than_the_step_budget():
+    """A GPU's 8192-token budget over a 256-block pool (bench slo's engine
+    mode): the largest prefill is what the pool holds, not the budget."""
+    from slipstream.service.engine.calibration import calibration_plans
+
+    for quick in (False, True):
+        plans = list(calibration_plans(16, 256, 8192, 64, quick))
+        prefills = [len(p.seqs[0].token_ids) for p in plans if p.seqs[0].start_pos == 0]
+        assert max(prefills) == 256 * 16
+        for plan in plans:
+            assert max(b for s in plan.seqs for b in s.block_ids) < 256

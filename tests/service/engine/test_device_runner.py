@@ -114,8 +114,10 @@ def test_steps_through_layer_pieces_give_the_model_runners_tokens(models):
 
 
 def test_layer_graph_memory_bound_covers_what_the_pieces_keep(models):
-    """``layer_graph_bytes`` (set aside before the KV pool is sized) bounds
-    the buffers and every bucket's held q outputs that a capture keeps."""
+    """``layer_graph_bytes`` (set aside before the KV pool is sized) is
+    twice the buffers and every bucket's held q outputs that a capture keeps
+    (the other half: the allocator's segments around them on a GPU), and
+    not much more."""
     _, staged = models
     runner = DeviceRunner(
         staged, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
@@ -129,7 +131,7 @@ def test_layer_graph_memory_bound_covers_what_the_pieces_keep(models):
         for i in range(len(staged.layers) + 1):
             q = graphs._piece(i, size)
             kept += 0 if q is None else q.untyped_storage().nbytes()
-    assert kept <= layer_graph_bytes(staged, 64) < 2 * kept
+    assert 2 * kept <= layer_graph_bytes(staged, 64) < 4 * kept
     assert layer_graph_bytes(staged, 0) == 0
 
 
