@@ -121,7 +121,8 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=None, help="extension cache root")
     parser.add_argument("--max-isa", choices=("avx512", "avx2", "portable"), default=None,
                         help="cap the kernel's variant (default: the CPU's)")  # fmt: skip
-    parser.add_argument("--bf16-prefill", choices=("dot", "tiles", "dot-tiles"), default="dot",
+    parser.add_argument("--bf16-prefill", choices=("dot", "tiles", "dot-tiles"),
+                        default=cpu_attention.DEFAULT_BF16_PREFILL,
                         help="AVX512-BF16: bf16 prefill on dot rows, fp32/dot tiles")  # fmt: skip
     parser.add_argument("--kind", choices=("decode", "prefill"), default=None,
                         help="only the decode or the prefill cases")  # fmt: skip

@@ -111,11 +111,16 @@ def paged_attention(
     )
 
 
+# The bf16 prefill mode a process starts with (the fastest measured, see
+# paged_attention_cpu.cpp).
+DEFAULT_BF16_PREFILL = "tiles"
+
+
 def set_bf16_prefill(mode: str) -> str:
     """How bf16 prefill tasks run on an AVX512-BF16 CPU: ``"dot"`` (dot
-    product rows, the default), ``"tiles"`` (tiles over fp32 copies of K/V, as
-    below AVX512-BF16) or ``"dot-tiles"`` (tiles on vdpbf16ps over K/V in
-    place). Process-wide; returns the mode in force. For comparing them
+    product rows), ``"tiles"`` (tiles over fp32 copies of K/V, as below
+    AVX512-BF16: the default) or ``"dot-tiles"`` (tiles on vdpbf16ps over K/V
+    in place). Process-wide; returns the mode in force. For comparing them
     (``bench_cpu_attention --bf16-prefill``); elsewhere nothing changes.
     Needs ``is_available()`` first."""
     return str(torch.ops.slipstream.paged_attention_set_bf16_prefill(mode))

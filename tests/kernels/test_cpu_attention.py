@@ -109,18 +109,24 @@ def test_two_threads_split_long_contexts(kind: str) -> None:
 @pytest.mark.usefixtures("fused")
 @pytest.mark.parametrize(
     ("kv_dtype", "bf16_prefill"),
-    [(torch.float32, "dot"), (torch.bfloat16, "dot"), (torch.bfloat16, "dot-tiles")],
-    ids=["fp32", "bf16", "bf16-dot-tiles"],
+    [
+        (torch.float32, "tiles"),
+        (torch.bfloat16, "tiles"),
+        (torch.bfloat16, "dot"),
+        (torch.bfloat16, "dot-tiles"),
+    ],
+    ids=["fp32", "bf16", "bf16-dot-rows", "bf16-dot-tiles"],
 )
 def test_two_threads_split_a_long_prefill_chunk(kv_dtype: torch.dtype, bf16_prefill: str) -> None:
     """A chunk at the end of a long prefix: its tasks (64 rows, the tiled path)
     are cut over keys, their partial records merged (bf16 prefill as the
-    AVX512-BF16 variant's vdpbf16ps tiles too, where that variant runs)."""
+    AVX512-BF16 variant's dot product rows and vdpbf16ps tiles too, where
+    that variant runs)."""
     cpu_attention.set_bf16_prefill(bf16_prefill)
     try:
         _split_long_prefill_chunk(kv_dtype)
     finally:
-        cpu_attention.set_bf16_prefill("dot")
+        cpu_attention.set_bf16_prefill(cpu_attention.DEFAULT_BF16_PREFILL)
 
 
 def _split_long_prefill_chunk(kv_dtype: torch.dtype) -> None:
@@ -192,7 +198,7 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (96, 8), (18, 24)])
 def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int) -> None:
     """set_bf16_prefill: bf16 prefill chunks of the AVX512-BF16 variant take
-    the dot product rows (the default), the fp32 tiles or the vdpbf16ps
+    the dot product rows, the fp32 tiles (the default) or the vdpbf16ps
     tiles; decodes keep the rows. Each against float64; the vdpbf16ps tiles
     unlike the fp32 ones (p is rounded to bf16 there), and where the rows
     serve (head_dim a multiple of 32), the rows unlike the fp32 tiles: the
@@ -205,7 +211,8 @@ def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int
             assert cpu_attention.set_bf16_prefill(mode) == mode
             out[mode] = run_variant("avx512", q, batch, meta, 0.1)
     finally:
-        assert cpu_attention.set_bf16_prefill("dot") == "dot"
+        default = cpu_attention.DEFAULT_BF16_PREFILL
+        assert cpu_attention.set_bf16_prefill(default) == default
     for got in out.values():
         _assert_matches_dense(got, q, batch, 0.1)
     assert not torch.equal(out["dot-tiles"], out["tiles"])
