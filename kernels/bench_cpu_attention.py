@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.kernels import cpu_attention
+from slipstream.kernels import cpu_attention, cpu_features
 from slipstream.kernels.attention import build_attention_metadata, paged_attention
 from slipstream.kernels.kv_layout import allocate_kv_cache, fill_normal_
 from slipstream.kernels.workspace import Workspace
@@ -121,9 +121,9 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=None, help="extension cache root")
     parser.add_argument("--max-isa", choices=("avx512", "avx2", "portable"), default=None,
                         help="cap the kernel's variant (default: the CPU's)")  # fmt: skip
-    parser.add_argument("--bf16-prefill", choices=("dot", "tiles", "dot-tiles"),
-                        default=cpu_attention.DEFAULT_BF16_PREFILL,
-                        help="AVX512-BF16: bf16 prefill on dot rows, fp32/dot tiles")  # fmt: skip
+    parser.add_argument("--bf16-prefill", choices=("dot", "tiles", "dot-tiles"), default=None,
+                        help="AVX512-BF16: bf16 prefill on dot rows, fp32/dot tiles "
+                             "(default: the CPU's, cpu_attention.bf16_prefill_for)")  # fmt: skip
     parser.add_argument("--kind", choices=("decode", "prefill"), default=None,
                         help="only the decode or the prefill cases")  # fmt: skip
     args = parser.parse_args()
@@ -133,7 +133,9 @@ def main() -> None:
     isa = torch.ops.slipstream.paged_attention_cpu_isa()
     if args.max_isa is not None:
         isa = torch.ops.slipstream.paged_attention_set_max_isa(args.max_isa)
-    bf16_prefill = cpu_attention.set_bf16_prefill(args.bf16_prefill)
+    bf16_prefill = cpu_attention.set_bf16_prefill(
+        args.bf16_prefill or cpu_attention.bf16_prefill_for(cpu_features.detect())
+    )
     print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}; "
           f"bf16 prefill {bf16_prefill}")  # fmt: skip
     print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "

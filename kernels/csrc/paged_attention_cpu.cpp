@@ -203,16 +203,14 @@ inline bf16_bits to_bf16(float f) {
 }
 
 // bf16 K/V tasks of many rows (prefill chunks) on AVX512-BF16: the dot
-// product rows (Bf16DotRows), the tiles over fp32 copies of K/V
-// (run_task_tiles: the default), or the tiles on vdpbf16ps over K/V in place
+// product rows (Bf16DotRows: the default), the tiles over fp32 copies of K/V
+// (run_task_tiles), or the tiles on vdpbf16ps over K/V in place
 // (run_task_tiles with kDotTiles). paged_attention_set_bf16_prefill switches
-// it, to compare them on such a CPU. The default is the fastest measured: a
-// 512-token chunk over a 512-token prefix (bench_cpu_attention --kind
-// prefill, 2 threads, a Xeon with AMX-BF16) took 10.4 ms as rows, 5.4 as fp32
-// tiles, 9.7 as vdpbf16ps tiles.
+// it; the loader picks per CPU what was measured fastest there
+// (cpu_attention.bf16_prefill_for).
 enum Bf16Prefill : int { kDotRows, kFloatTiles, kDotTiles };
 constexpr const char* kBf16PrefillNames[] = {"dot", "tiles", "dot-tiles"};
-std::atomic<int> g_bf16_prefill{kFloatTiles};
+std::atomic<int> g_bf16_prefill{kDotRows};
 
 inline void store_row(float* dst, const float* src, float mul, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;

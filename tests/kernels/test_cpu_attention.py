@@ -17,7 +17,7 @@ import pytest
 import torch
 from paged_fixtures import PagedBatch, dense_attention, make_paged_batch, quantized
 
-from slipstream.kernels import attention, backend, cpu_attention, extensions
+from slipstream.kernels import attention, backend, cpu_attention, cpu_features, extensions
 from slipstream.kernels.attention import AttentionMetadata, build_attention_metadata
 from slipstream.kernels.block_copy import copy_blocks
 from slipstream.kernels.kv_layout import allocate_kv_cache, head_major
@@ -47,6 +47,11 @@ def fused(home: Path) -> None:
         pytest.skip("no C++ compiler: the fused CPU kernel cannot be built here")
     if not cpu_attention.is_available(home):
         pytest.fail(f"the fused CPU kernel did not build: {cpu_attention.failure()}")
+
+
+def _loaded_bf16_prefill() -> str:
+    """The bf16 prefill mode loading the kernel set on this CPU's answer."""
+    return cpu_attention.bf16_prefill_for(cpu_features.detect())
 
 
 def _meta(batch: PagedBatch) -> AttentionMetadata:
@@ -126,7 +131,7 @@ def test_two_threads_split_a_long_prefill_chunk(kv_dtype: torch.dtype, bf16_pref
     try:
         _split_long_prefill_chunk(kv_dtype)
     finally:
-        cpu_attention.set_bf16_prefill(cpu_attention.DEFAULT_BF16_PREFILL)
+        cpu_attention.set_bf16_prefill(_loaded_bf16_prefill())
 
 
 def _split_long_prefill_chunk(kv_dtype: torch.dtype) -> None:
@@ -180,6 +185,38 @@ def run_variant(isa: str, q: torch.Tensor, batch: PagedBatch, meta: AttentionMet
         pytest.skip(f"this CPU cannot run the {isa} variant ({error})")
 
 
+def test_bf16_prefill_mode_is_picked_per_cpu() -> None:
+    """The fp32 tiles where AMX-BF16 is (measured fastest on such a Xeon),
+    the dot product rows on other AVX512-BF16 CPUs (measured on a Zen 5)."""
+
+    def cpu(*flags: str) -> cpu_features.CpuFeatures:
+        return cpu_features.CpuFeatures("Some CPU", flags, "AVX512", can_pack_bf16=True)
+
+    assert cpu_attention.bf16_prefill_for(cpu("amx_bf16", "avx512_bf16", "avx512f")) == "tiles"
+    assert cpu_attention.bf16_prefill_for(cpu("avx512_bf16", "avx512f", "avx2")) == "dot"
+    assert cpu_attention.bf16_prefill_for(cpu("avx2")) == "dot"
+
+
+@pytest.mark.usefixtures("fused")
+def test_loading_the_kernel_sets_the_cpus_bf16_prefill_mode() -> None:
+    """The load hook puts this CPU's mode in force, whatever was set before:
+    the AVX512-BF16 variant's bf16 prefill output is that mode's (the rows
+    and the tiles differ at head_dim 64)."""
+    q, batch, meta = _case(MIXED, 8, 2, 64, 16, torch.bfloat16, seed=3)
+    out = {}
+    try:
+        for mode in ("dot", "tiles"):
+            cpu_attention.set_bf16_prefill(mode)
+            out[mode] = run_variant("avx512", q, batch, meta, 0.1)
+        cpu_attention.set_bf16_prefill("dot-tiles")
+        cpu_attention._after_load()
+        loaded = run_variant("avx512", q, batch, meta, 0.1)
+    finally:
+        cpu_attention.set_bf16_prefill(_loaded_bf16_prefill())
+    assert not torch.equal(out["dot"], out["tiles"])
+    assert torch.equal(loaded, out[_loaded_bf16_prefill()])
+
+
 @pytest.mark.usefixtures("fused")
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -198,7 +235,7 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (96, 8), (18, 24)])
 def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int) -> None:
     """set_bf16_prefill: bf16 prefill chunks of the AVX512-BF16 variant take
-    the dot product rows, the fp32 tiles (the default) or the vdpbf16ps
+    the dot product rows, the fp32 tiles or the vdpbf16ps
     tiles; decodes keep the rows. Each against float64; the vdpbf16ps tiles
     unlike the fp32 ones (p is rounded to bf16 there), and where the rows
     serve (head_dim a multiple of 32), the rows unlike the fp32 tiles: the
@@ -211,8 +248,8 @@ def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int
             assert cpu_attention.set_bf16_prefill(mode) == mode
             out[mode] = run_variant("avx512", q, batch, meta, 0.1)
     finally:
-        default = cpu_attention.DEFAULT_BF16_PREFILL
-        assert cpu_attention.set_bf16_prefill(default) == default
+        loaded = _loaded_bf16_prefill()
+        assert cpu_attention.set_bf16_prefill(loaded) == loaded
     for got in out.values():
         _assert_matches_dense(got, q, batch, 0.1)
     assert not torch.equal(out["dot-tiles"], out["tiles"])
