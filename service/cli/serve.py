@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.scheduler.policy_registry import POLICY_NAMES
@@ -25,6 +26,25 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_SERVE_MODEL = "smollm2"
 
 
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``, else a usage error naming it."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
@@ -40,18 +60,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=DTYPE_CHOICES,
         help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
     )
-    group.add_argument("--block-size", type=int, default=defaults.block_size)
-    group.add_argument("--num-device-blocks", type=int, default=None)
-    group.add_argument("--num-host-blocks", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    group.add_argument("--block-size", type=positive_int, default=defaults.block_size)
+    group.add_argument(
+        "--num-device-blocks", type=non_negative_int, default=None, help="0 or unset: sized"
+    )
+    group.add_argument("--num-host-blocks", type=non_negative_int, default=None)
+    group.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs)
     group.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=defaults.max_num_batched_tokens,
         help="tokens a step may run (default: 512 on the CPU, 8192 on a GPU)",
     )
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-queue-len", type=int, default=defaults.max_queue_len)
+    group.add_argument("--max-model-len", type=positive_int, default=None)
+    group.add_argument("--max-queue-len", type=positive_int, default=defaults.max_queue_len)
     group.add_argument(
         "--policy",
         default=defaults.policy,
@@ -102,7 +124,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "cached under $SLIPSTREAM_HOME; a failed build falls back to off with one log line); "
         "off: eager torch ops, the reference",
     )
-    group.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    group.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     group.add_argument(
         "--device",
         default=defaults.device,
@@ -124,7 +146,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--prefill-graph-tokens",
-        type=int,
+        type=non_negative_int,
         default=defaults.prefill_graph_tokens,
         help="on CUDA: steps with a prefill of up to N tokens replay a CUDA graph per layer "
         "around their attention instead of launching each op (0: off)",

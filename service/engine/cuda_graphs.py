@@ -68,13 +68,14 @@ class GraphStats:
             "disabled_reason": self.disabled_reason,
         }
 
-    def log_line(self) -> str:
+    def log_line(self, sizes: str) -> str:
+        """For the start-up log: ``sizes`` names what the sizes count."""
         if not self.enabled:
-            return f"cuda graphs: off ({self.disabled_reason or 'disabled'})"
-        sizes = self.batch_sizes
+            return f"off ({self.disabled_reason or 'disabled'})"
+        first, last = self.batch_sizes[0], self.batch_sizes[-1]
         return (
-            f"cuda graphs: {len(sizes)} decode sizes {sizes[0]}..{sizes[-1]} captured in "
-            f"{self.capture_seconds:.1f} s, {self.memory_bytes / (1 << 20):.0f} MiB"
+            f"{len(self.batch_sizes)} {sizes} {first}..{last} captured in "
+            f"{self.capture_seconds:.2f} s, {self.memory_bytes / (1 << 20):.0f} MiB"
         )
 
 

@@ -196,6 +196,11 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
         prefill_graph_tokens=config.prefill_graph_tokens,
         seed=config.seed,
     )
+    log.info(
+        "cuda_graphs",
+        decode=runner.graph_stats.log_line("batch sizes"),
+        prefill=runner.layer_graph_stats.log_line("token counts"),
+    )
     identity = {
         "model": str(model_dir),
         "dtype": dtype_name,

@@ -11,7 +11,12 @@ import torch
 from slipstream.kernels.attention import build_attention_metadata
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
-from slipstream.service.engine.cuda_graphs import bucket_for, graph_batch_sizes, is_out_of_memory
+from slipstream.service.engine.cuda_graphs import (
+    GraphStats,
+    bucket_for,
+    graph_batch_sizes,
+    is_out_of_memory,
+)
 from slipstream.service.engine.staged_attention import staged_metadata
 from slipstream.service.engine.staging import (
     StagingBuffers,
@@ -219,3 +224,12 @@ def test_out_of_memory_is_recognised_through_a_failed_capture():
     except RuntimeError as exc:
         assert is_out_of_memory(exc)
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_the_start_up_line_of_captured_graphs():
+    """What the start-up log says of each kind of graph (``cuda_graphs``)."""
+    stats = GraphStats(True, [16, 32, 64], capture_seconds=0.227, memory_bytes=107 << 20)
+    assert stats.log_line("token counts") == "3 token counts 16..64 captured in 0.23 s, 107 MiB"
+    off = GraphStats(False, disabled_reason="capture failed: OutOfMemoryError")
+    assert off.log_line("batch sizes") == "off (capture failed: OutOfMemoryError)"
+    assert GraphStats(False).log_line("batch sizes") == "off (disabled)"

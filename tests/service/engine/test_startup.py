@@ -138,3 +138,39 @@ def test_serve_takes_the_kv_cache_dtype_flag() -> None:
     assert engine_config(parse(["serve", "--kv-cache-dtype", "int8"])).kv_cache_dtype == "int8"
     with pytest.raises(SystemExit):
         parse(["serve", "--kv-cache-dtype", "fp8"])
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        ["--max-num-seqs", "0"],
+        ["--block-size", "-16"],
+        ["--max-num-batched-tokens", "0"],
+        ["--max-queue-len", "-1"],
+        ["--threads", "0"],
+        ["--prefill-graph-tokens", "-5"],
+        ["--num-host-blocks", "-1"],
+        ["--max-model-len", "ten"],
+    ],
+)
+def test_a_bad_engine_size_flag_is_a_usage_error_before_anything_loads(flag, capsys) -> None:
+    """Sizes and counts are refused where they are parsed: one usage line
+    naming the flag, exit status 2, no model loaded (before, a negative
+    block size surfaced as a tensor shape error and -5 prefill graph tokens
+    or 0 threads were taken)."""
+    from slipstream.service.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", *flag])
+    assert exit_info.value.code == 2
+    assert flag[0] in capsys.readouterr().err
+
+
+def test_zero_is_a_value_where_it_means_something() -> None:
+    """0 turns the per-layer graphs off, keeps no host pool, sizes the device pool."""
+    from slipstream.service.cli import build_parser
+    from slipstream.service.cli.serve import engine_config
+
+    args = ["serve", "--prefill-graph-tokens", "0", "--num-host-blocks", "0"]
+    config = engine_config(build_parser().parse_args([*args, "--num-device-blocks", "0"]))
+    assert (config.prefill_graph_tokens, config.num_host_blocks) == (0, 0)
