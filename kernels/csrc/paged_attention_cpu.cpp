@@ -72,6 +72,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -316,7 +317,7 @@ std::string set_max_isa(c10::string_view name) {
 // "dot", "tiles" or "dot-tiles" (see g_bf16_prefill); returns the mode now in force.
 std::string set_bf16_prefill(c10::string_view mode) {
   int chosen = -1;
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < int(std::size(kBf16PrefillNames)); ++i)
     if (mode == kBf16PrefillNames[i]) chosen = i;
   TORCH_CHECK(chosen >= 0, "paged_attention_set_bf16_prefill: dot, tiles or dot-tiles, got ", mode);
   g_bf16_prefill.store(chosen);

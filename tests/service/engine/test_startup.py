@@ -173,4 +173,8 @@ def test_zero_is_a_value_where_it_means_something() -> None:
 
     args = ["serve", "--prefill-graph-tokens", "0", "--num-host-blocks", "0"]
     config = engine_config(build_parser().parse_args([*args, "--num-device-blocks", "0"]))
-    assert (config.prefill_graph_tokens, config.num_host_blocks) == (0, 0)
+    assert (config.prefill_graph_tokens, config.num_host_blocks, config.num_device_blocks) == (
+        0,
+        0,
+        0,
+    )
