@@ -148,3 +148,28 @@ def test_the_calibration_plans_fit_a_pool_smaller_than_the_step_budget():
         assert max(prefills) == 256 * 16
         for plan in plans:
             assert max(b for s in plan.seqs for b in s.block_ids) < 256
+
+
+def test_the_calibration_times_prefill_chunks_beside_decodes():
+    """A loaded engine's steps mix a prefill chunk with decodes; on a GPU such
+    a step costs more than its parts. The plans hold such steps, so the fit's
+    fixed cost of a step holding a prefill sees what they add."""
+    from slipstream.scheduler.cost_model import StepShape
+    from slipstream.service.engine.calibration import calibration_plans, fit_steps
+
+    def device(plan, mixed_extra_s):
+        shape = StepShape.of(plan)
+        seconds = 0.001 + 2e-6 * shape.num_prefill_tokens + 1e-5 * shape.num_decode_seqs
+        if shape.num_prefill_tokens and shape.num_decode_seqs:
+            seconds += mixed_extra_s
+        return seconds
+
+    for quick in (False, True):
+        plans = list(calibration_plans(16, 4096, 8192, 256, quick))
+        mixed = [StepShape.of(p) for p in plans]
+        mixed = [s for s in mixed if s.num_prefill_tokens and s.num_decode_seqs]
+        assert sorted(s.num_decode_seqs for s in mixed) == [16, 64]
+        plain = fit_steps([(p, device(p, 0.0)) for p in plans])
+        costly = fit_steps([(p, device(p, 0.003)) for p in plans])
+        assert plain.per_prefill_step_s < 1e-6
+        assert costly.per_prefill_step_s > 0.001
