@@ -129,13 +129,16 @@ def paged_prefill(
     max_query_len: int,
     scale: float,
     out: torch.Tensor,
+    check: bool = True,
 ) -> None:
     """For each sequence b in ``seq_ids``, rows ``query_start_loc[b] ..
     query_start_loc[b + 1]`` of ``out`` get causal attention over keys
     ``0 .. seq_lens[b]`` (the last ``q_len`` of which are this chunk's).
 
-    ``max_query_len`` bounds the chunk lengths (read on the host: no device sync)."""
-    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids, out)
+    ``max_query_len`` bounds the chunk lengths (read on the host: no device
+    sync). ``check`` as for ``paged_decode``."""
+    if check:
+        _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, seq_ids, out)
     num_chunks = seq_ids.shape[0]
     if num_chunks == 0 or max_query_len == 0:
         return

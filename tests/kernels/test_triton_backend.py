@@ -83,3 +83,27 @@ def test_triton_and_torch_backends_agree_on_a_layer(backend):
         backend.write_kv_for(name)(k_cache, v_cache, k, v, meta)
         outputs.append(backend.paged_attention_for(name)(q, k_cache, v_cache, meta, 0.2))
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-5, rtol=1e-4)
+
+
+def test_a_step_checks_its_attention_inputs_once(backend, monkeypatch):
+    """The layers after a step's first skip the input checks (``check=False``),
+    and get the output the checked call gets."""
+    from slipstream.kernels import triton_paged_decode, triton_paged_prefill
+
+    generator = torch.Generator().manual_seed(5)
+    meta = build_attention_metadata([1, 6, 1], [17, 6, 30], [[1, 0], [3], [2, 4]], 16, CPU,
+                                    torch.float32)  # fmt: skip
+    step = backend.triton_step(meta)
+    q = torch.randn(8, 4, 32, generator=generator)
+    k_cache, v_cache = (torch.randn(5, 16, 2, 32, generator=generator) for _ in range(2))
+    calls = []
+    for module in (triton_paged_decode, triton_paged_prefill):
+        real = module._check
+        monkeypatch.setattr(module, "_check", lambda *a, _real=real: calls.append(1) or _real(*a))
+    checked = backend.triton_attention_for_step(q, k_cache, v_cache, meta, step, 0.2)
+    assert len(calls) == 2  # the decode rows and the prefill chunk
+    unchecked = backend.triton_attention_for_step(q, k_cache, v_cache, meta, step, 0.2, check=False)
+    assert len(calls) == 2
+    torch.testing.assert_close(unchecked, checked, rtol=0, atol=0)
+    with pytest.raises(ValueError):  # the checks still guard the first layer
+        backend.triton_attention_for_step(q[:, :3], k_cache, v_cache, meta, step, 0.2)
