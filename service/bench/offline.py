@@ -45,6 +45,7 @@ from slipstream.service.bench.workload import (
     save_workload,
     workload_summary,
 )
+from slipstream.service.cli.arg_types import non_negative_int
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -143,7 +144,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     engine.add_argument(
         "--prefill-graph-tokens",
-        type=int,
+        type=non_negative_int,
         default=PREFILL_GRAPH_TOKENS,
         help="on CUDA: steps with a prefill of up to N tokens replay per-layer graphs (0: off)",
     )

@@ -60,6 +60,7 @@ from slipstream.service.bench.slo_report import (
     plot_capacity,
 )
 from slipstream.service.bench.slo_sim import run_sim_bench, run_sim_capacity
+from slipstream.service.cli.arg_types import non_negative_int
 from slipstream.service.engine.config import DTYPE_CHOICES, PREFILL_GRAPH_TOKENS, EngineConfig
 from slipstream.service.engine.device import resolve_device
 
@@ -137,7 +138,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument(
         "--prefill-graph-tokens",
-        type=int,
+        type=non_negative_int,
         default=PREFILL_GRAPH_TOKENS,
         help="engine mode on CUDA: steps with a prefill of up to N tokens replay per-layer graphs",
     )

@@ -8,10 +8,10 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.scheduler.policy_registry import POLICY_NAMES
+from slipstream.service.cli.arg_types import non_negative_int, positive_int
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
@@ -24,25 +24,6 @@ from slipstream.service.engine.config import (
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_SERVE_MODEL = "smollm2"
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``, else a usage error naming it."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-positive_int = _int_at_least(1)
-non_negative_int = _int_at_least(0)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -166,6 +166,19 @@ def test_a_bad_engine_size_flag_is_a_usage_error_before_anything_loads(flag, cap
     assert flag[0] in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["bench", "offline"], ["bench", "slo"]])
+def test_the_benchmarks_refuse_a_negative_prefill_graph_size(command, capsys) -> None:
+    """The benchmarks' engine flag is parsed as serve's is."""
+    from slipstream.service.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args([*command, "--prefill-graph-tokens", "-1"])
+    assert exit_info.value.code == 2
+    assert "--prefill-graph-tokens" in capsys.readouterr().err
+    args = build_parser().parse_args([*command, "--prefill-graph-tokens", "0"])
+    assert args.prefill_graph_tokens == 0
+
+
 def test_zero_is_a_value_where_it_means_something() -> None:
     """0 turns the per-layer graphs off, keeps no host pool, sizes the device pool."""
     from slipstream.service.cli import build_parser

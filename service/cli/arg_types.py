@@ -1,0 +1,25 @@
+"""argparse types shared by the commands' flags (serve, generate, the benchmarks)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``, else a usage error naming it."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
