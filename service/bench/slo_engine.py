@@ -77,7 +77,13 @@ from slipstream.service.bench.slo_workload import (
 from slipstream.service.engine.calibration import calibrate
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
-from slipstream.service.engine.events import Event, FinishEvent, RequestSpec, TokenEvent
+from slipstream.service.engine.events import (
+    EngineStats,
+    Event,
+    FinishEvent,
+    RequestSpec,
+    TokenEvent,
+)
 from slipstream.service.engine.loader import load_parts
 from slipstream.service.engine.runner import kv_bytes_per_block
 from slipstream.service.models.llama import LlamaModel
@@ -291,6 +297,7 @@ def _engine_run(
 
     rig.listeners.append(listen)
     seen = as_scheduled(requests, deadlines)
+    before = engine.stats()
     started = time.monotonic()
     # The twins start where the engine's policy stood (its overload window,
     # class-0 reserve and loaded step, learned from the runs before this
@@ -301,6 +308,7 @@ def _engine_run(
     finally:
         rig.listeners.remove(listen)
     swaps = sched.num_swap_preemptions - swaps0
+    after = engine.stats()
     twin, twin_metrics = simulate_workload(opts, policy, requests, held, deadlines, carried)
     disagreements = scored_differently(outcomes, twin.outcomes, requests)
     mean_overrun = statistics.fmean(overruns) if overruns else model.overrun
@@ -323,10 +331,21 @@ def _engine_run(
             "overrun": mean_overrun,
             "num_disagreements": len(scored_differently(outcomes, twin_refit.outcomes, requests)),
         },
+        "host_ms_per_step": host_ms_per_step(before, after),
         "num_twin_disagreements": len(disagreements),
         "twin_disagreements": disagreements[:MAX_LISTED_DISAGREEMENTS],
         "class0_misses": class0_misses(outcomes, requests)[:MAX_LISTED_DISAGREEMENTS],
     }
+
+
+def host_ms_per_step(before: EngineStats, after: EngineStats) -> dict[str, float] | None:
+    """The engine thread's milliseconds a step by phase between two snapshots
+    (``HostTimes``), and the steps they are over; None without a step."""
+    steps = after.step - before.step
+    if steps <= 0:
+        return None
+    start, end = before.host_times.as_dict(), after.host_times.as_dict()
+    return {"steps": steps, **{k: 1e3 * (end[k] - start[k]) / steps for k in end}}
 
 
 def _replay(

@@ -195,6 +195,7 @@ def format_summary(report: dict[str, object]) -> str:
             "the run's start / twin with the run's own steps fit):",
         ]
         lines += [_twin_line(r) for r in twins]
+        lines += _host_lines(twins)
         lines += _reproducibility_lines(report)
         lines += _disagreement_lines(twins)
         lines += _class0_miss_lines(twins)
@@ -232,6 +233,25 @@ def _twin_line(run: dict[str, object]) -> str:
         f"  cv {run['cv']:g} load {run['load']:g} {run['policy']:<8} {str(run['deadlines'])[:4]:<4}"
         f" all {triple(None)}  {per_class}"
     )
+
+
+def _host_lines(runs: Sequence[dict[str, object]]) -> list[str]:
+    """The engine thread's ms a step by phase, per engine run that has them."""
+    rows = [(r, r.get("host_ms_per_step")) for r in runs]
+    rows = [(r, h) for r, h in rows if isinstance(h, dict)]
+    if not rows:
+        return []
+    lines = ["engine thread, ms a step (planning ahead, a device wait near 0: the host's pace):"]
+    for run, host in rows:
+        phases = "  ".join(
+            f"{name} {host[name]:.3f}"
+            for name in ("planning", "launch", "device_wait", "update", "publish")
+        )
+        lines.append(
+            f"  cv {run['cv']:g} load {run['load']:g} {run['policy']:<8} "
+            f"{str(run['deadlines'])[:4]:<4} {phases}  ({host['steps']:.0f} steps)"
+        )
+    return lines
 
 
 def _reproducibility_lines(report: dict[str, object]) -> list[str]:

@@ -45,6 +45,7 @@ from slipstream.service.engine.events import (
     Event,
     EventCallback,
     FinishEvent,
+    HostTimes,
     ModelInfo,
     PoolStats,
     PrefixCacheStats,
@@ -134,6 +135,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition(self._lock)
         self._last_publish_s = 0.0
+        self._host = _HostClock()  # written by the engine thread only
         # Telemetry hook; set before start(). None: no call, no cost.
         self.observer: EngineObserver | None = None
 
@@ -209,6 +211,7 @@ class Engine:
                 overload_estimate=s.overload_estimate,
                 step_time_pace=s.step_time_pace,
                 device_memory=self._device_memory(),
+                host_times=self._host.snapshot(),
             )
 
     def _device_memory(self) -> PoolStats | None:
@@ -292,25 +295,31 @@ class Engine:
         is what deadlines are spent in (timing the forward alone overstated
         capacity by about half on `small`); this step's publishing is still to
         come when the scheduler is told, so the last step's stands in for it."""
+        host = self._host
         with self._lock:
             started = time.monotonic()
             plan = self._scheduler.schedule(started)
+        planned = time.monotonic()
+        host.planning += planned - started
         self._finish_planned(plan)
         if not plan.seqs and not plan.swap_in and not plan.swap_out:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
             return
         result = self._runner.execute(plan)
+        host.launch += time.monotonic() - planned
         self._settle(plan, result.sampled, started)
 
     def _step_ahead(self) -> None:
         """Plan and launch step N+1, then take step N's results (see the module).
         The refit sees a step's time from the later of its planning and the
         previous step's settling: the device's pace once the pipe is full."""
-        pending = self._pending
+        pending, host = self._pending, self._host
         with self._lock:
             started = time.monotonic()
             plan = self._scheduler.schedule(started, ahead=pending is not None)
+        planned = time.monotonic()
+        host.planning += planned - started
         self._finish_planned(plan)
         self._pending = None
         if not plan.is_empty:
@@ -318,12 +327,16 @@ class Engine:
                 self._pending = _Launched(plan, self._runner.launch(plan), started)
             except StepOutOfMemory as exc:
                 self._out_of_memory(plan, exc)
+        launched = time.monotonic()
+        host.launch += launched - planned
         if pending is not None:
             try:
                 result = pending.handle.result()
             except StepOutOfMemory as exc:
                 self._out_of_memory(pending.plan, exc)
                 return
+            finally:
+                host.device_wait += time.monotonic() - launched
             self._settle(pending.plan, result.sampled, max(pending.started, self._last_settled))
         elif self._pending is None:
             self._observe(plan, [], started)
@@ -336,10 +349,14 @@ class Engine:
             step_s = now - started + self._last_publish_s
             outputs = self._scheduler.update(plan, sampled, now, step_s, self._is_stopped)
         self._last_settled = now
+        updated = time.monotonic()
+        self._host.update += updated - now
         self._observe(plan, outputs, started)
         published = time.monotonic()
         self._publish(plan, outputs)
-        self._last_publish_s = time.monotonic() - published
+        done = time.monotonic()
+        self._last_publish_s = done - published
+        self._host.publish += done - updated  # the observers' share included
         for listener in tuple(self._step_listeners):
             listener(plan, step_s)
 
@@ -461,6 +478,18 @@ class Engine:
         if self.observer is not None:
             self.observer.on_finish(event)
         live.on_event(event)
+
+
+class _HostClock:
+    """``HostTimes`` as the engine thread adds to it."""
+
+    __slots__ = HostTimes.__slots__
+
+    def __init__(self) -> None:
+        self.planning = self.launch = self.device_wait = self.update = self.publish = 0.0
+
+    def snapshot(self) -> HostTimes:
+        return HostTimes(self.planning, self.launch, self.device_wait, self.update, self.publish)
 
 
 def _queue_wait(state: Request, now: float) -> float:

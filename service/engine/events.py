@@ -105,6 +105,25 @@ class PoolStats:
 
 
 @dataclass(frozen=True, slots=True)
+class HostTimes:
+    """Seconds the engine thread spent in each phase of its steps since
+    start: planning, launching (on the CPU, and on a GPU without planning
+    ahead, the forward is in it), waiting for a step launched ahead to land,
+    the scheduler's update, publishing to callers. Planning ahead, a wait
+    near zero says the device finishes each step before the host asks for
+    it: the host's work sets the pace, not the device."""
+
+    planning: float = 0.0
+    launch: float = 0.0
+    device_wait: float = 0.0
+    update: float = 0.0
+    publish: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixCacheStats:
     """Totals since start: tokens looked up in the prefix cache at
     admissions and, of those, found cached (so hit rate = hit / queried);
@@ -145,3 +164,4 @@ class EngineStats:
     step_time_pace: float | None = None
     # On a GPU: its memory in bytes (used, free); None on the CPU.
     device_memory: PoolStats | None = None
+    host_times: HostTimes = field(default_factory=HostTimes)

@@ -18,6 +18,8 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_kv_cache_usage_ratio                         gauge (device pool, 0..1)
     slipstream_device_memory_bytes{state=used|free}         gauge (on a GPU only)
     slipstream_engine_steps_total                           counter
+    slipstream_engine_host_seconds_total{phase}             counter (the engine thread's time:
+                                                            planning|launch|device_wait|update|publish)
     slipstream_preemptions_total{kind=swap|recompute}       counter
     slipstream_prefix_cache_queried_tokens_total            counter (looked up at admission)
     slipstream_prefix_cache_hit_tokens_total                counter (of those, found cached)
@@ -159,6 +161,15 @@ class _EngineCollector(Collector):
         yield blocks
         yield from _picker_gauges(stats.waiting, stats.running, stats.device_blocks)
         yield CounterMetricFamily("slipstream_engine_steps", "Engine steps run", value=stats.step)
+        host = CounterMetricFamily(
+            "slipstream_engine_host_seconds",
+            "The engine thread's time by phase of its steps (planning ahead on a GPU, a "
+            "device_wait near zero: the host's work sets the step's pace, not the device)",
+            labels=["phase"],
+        )
+        for phase, seconds in stats.host_times.as_dict().items():
+            host.add_metric([phase], seconds)
+        yield host
         preemptions = CounterMetricFamily(
             "slipstream_preemptions", "Preemptions by kind", labels=["kind"]
         )

@@ -249,6 +249,10 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, 
         # the twins plan with the margin the engine kept for its own error
         assert 0.0 <= twin["overrun"] <= MAX_OVERRUN
         assert 0.0 <= run_fit["overrun"] <= MAX_OVERRUN
+        # the engine thread's time a step, by phase (the CPU runs its forward in the launch)
+        host = run["host_ms_per_step"]
+        assert host["steps"] > 0 and host["planning"] > 0 and host["launch"] > 0
+        assert host["device_wait"] == 0
     # every cell replayed a second time on the same requests
     again = report["repeat_runs"]
     assert [(r["policy"], r["repeat"]) for r in again] == [("priority", 1), ("deadline", 1)]
@@ -266,6 +270,7 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, 
     summary = slo_report.format_summary(report)
     assert "engine vs its simulated twin" in summary and "capacity: engine" in summary
     assert "the engine replaying the same requests" in summary
+    assert "engine thread, ms a step" in summary
     png = tmp_path / "slo.png"
     slo_report.plot_attainment(report, str(png))  # the replays drawn next to the first runs
     assert png.stat().st_size > 1000

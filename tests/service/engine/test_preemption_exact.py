@@ -144,6 +144,11 @@ def test_planning_ahead_preempts_exactly(tiny_model_dir, workload, num_host_bloc
     same tokens through swaps and recomputes."""
     stats = _run_tight(tiny_model_dir, workload, num_host_blocks, plan_ahead=True)
     assert stats.swap_preemptions + stats.recompute_preemptions >= 3
+    # The CPU runs a step when it is launched: its forward is in the launch, not
+    # in the wait for a step launched ahead.
+    host = stats.host_times
+    assert host.planning > 0 and host.update > 0 and host.publish > 0
+    assert host.launch > 10 * host.device_wait
 
 
 def test_int8_kv_cache_preempts_exactly(tiny_model_dir):

@@ -104,6 +104,11 @@ def test_series_move_as_requests_run(
     assert value(after, "slipstream_engine_steps_total") > value(
         before, "slipstream_engine_steps_total"
     )
+    # The engine thread's time by phase grew with the steps (the CPU: no wait on a device).
+    host = "slipstream_engine_host_seconds_total"
+    for phase in ("planning", "launch", "update", "publish"):
+        assert value(after, host, phase=phase) > value(before, host, phase=phase), phase
+    assert value(after, host, phase="device_wait") == 0
     # Three 33-token requests cannot share 16 four-token blocks: someone was preempted.
     assert total(after, "slipstream_preemptions_total") > 0
     assert value(after, "slipstream_kv_blocks", pool="device", state="free") == 16
