@@ -299,9 +299,9 @@ class Engine:
         with self._lock:
             started = time.monotonic()
             plan = self._scheduler.schedule(started)
+        self._finish_planned(plan)
         planned = time.monotonic()
         host.planning += planned - started
-        self._finish_planned(plan)
         if not plan.seqs and not plan.swap_in and not plan.swap_out:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
@@ -318,9 +318,9 @@ class Engine:
         with self._lock:
             started = time.monotonic()
             plan = self._scheduler.schedule(started, ahead=pending is not None)
+        self._finish_planned(plan)
         planned = time.monotonic()
         host.planning += planned - started
-        self._finish_planned(plan)
         self._pending = None
         if not plan.is_empty:
             try:
