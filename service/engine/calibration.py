@@ -222,11 +222,9 @@ def calibration_plans(
                 yield synthetic_plan([(context, 1)] * batch, block_size, num_blocks)
     chunk = min(256, budget // 4)
     for decodes in sorted({min(16, max_seqs - 1), min(64, max_seqs - 1)}):
-        if chunk >= 1 and decodes >= 1 and chunk + decodes <= budget:
-            try:
-                yield synthetic_plan([(0, chunk)] + [(64, 1)] * decodes, block_size, num_blocks)
-            except ValueError:
-                continue  # a pool too small for it: the other plans still fit the model
+        blocks = -(-chunk // block_size) + decodes * (-(-(64 + 1) // block_size))
+        if chunk >= 1 and decodes >= 1 and chunk + decodes <= budget and blocks <= num_blocks:
+            yield synthetic_plan([(0, chunk)] + [(64, 1)] * decodes, block_size, num_blocks)
 
 
 def synthetic_plan(shapes: list[tuple[int, int]], block_size: int, num_blocks: int) -> StepPlan:
