@@ -7,8 +7,9 @@ One step, in stream order (the compute stream unless said)::
     swaps            copy stream, events (swap.py)
     staging upload   one non-blocking copy of the step's metadata (staging.py)
     forward          decode-only: replay of the padded batch's CUDA graph;
-                     with a prefill, up to prefill_graph_tokens tokens: a graph
-                     per layer around eager attention (layer_graphs.py);
+                     with a prefill, up to prefill_graph_tokens tokens: one
+                     graph of the whole step (decodes' contexts up to 1024),
+                     or a graph per layer around eager attention (layer_graphs.py);
                      else eager, through the Triton kernels
     sampling         on the device (kernels/device_sampling.py)
     sampled ids      one device-to-host copy; ``launch`` returns here, and
@@ -214,7 +215,7 @@ class DeviceRunner:
         if prefill_graph_tokens > 0 and (use_cuda_graphs or not self._is_cuda):
             self._layer_graphs = LayerGraphs(
                 model, self.device_pool, self._staging.device_views,
-                min(prefill_graph_tokens, max_num_batched_tokens),
+                min(prefill_graph_tokens, max_num_batched_tokens), max_num_seqs,
             )  # fmt: skip
             if self._is_cuda:
                 with torch.inference_mode():

@@ -1,11 +1,18 @@
-"""CUDA graphs for steps with a prefill: the forward cut at each layer's attention.
+"""CUDA graphs for steps with a prefill: the whole step as one graph, or the
+forward cut at each layer's attention.
 
 A decode-only step replays one graph of the whole forward (``cuda_graphs.py``).
-A step with a prefill chunk cannot: its attention's launch grid follows the
-chunks' lengths, which only the host knows, step by step. Everything else in
-a layer depends on the number of tokens alone, so the forward is cut at the
-attention into ``L + 1`` pieces, each captured once per padded token count
-(``token_buckets``) and replayed around attention kernels launched eagerly::
+A step with a prefill chunk cannot with the decode and prefill kernels: their
+launch grids follow the chunks' lengths, which only the host knows, step by
+step. Everything else in a layer depends on the number of tokens alone, and
+``triton_paged_varlen`` attends a whole ragged step in one launch whose grid
+depends on the padded token count alone, so each padded token count
+(``token_buckets``) gets one graph of the whole step, attention included.
+That kernel walks a long decode context in one program a KV head (no split),
+so a step whose decodes reach past ``WHOLE_STEP_MAX_CONTEXT`` tokens takes
+the other way: the forward cut at the attention into ``L + 1`` pieces, each
+captured once per padded token count and replayed around the decode and
+prefill kernels launched eagerly::
 
     piece 0      embed -> x; RMSNorm; qkv; RoPE; KV write            (layer 0)
     attention 0  eager: the decode and prefill kernels -> attn
@@ -16,7 +23,9 @@ attention into ``L + 1`` pieces, each captured once per padded token count
     tail         eager: the final norm of the sampled rows, the LM head
 
 An eager step is ~10 launches a layer, each costing the host more than the
-GPU takes to run it; here it is one graph and the attention's one or two.
+GPU takes to run it; through the pieces it is one graph and the attention's
+one to four (with decodes: their kernel, its split reduction, buffers); as
+a whole step, one graph for the step.
 
 A step of n tokens runs at the smallest bucket ``T >= n``: tokens ``n .. T``
 are padding (token 0, position 0, slot -1: the KV write skips them, no
@@ -26,9 +35,10 @@ a fixed address: the residual stream ``x`` and the attention output in
 buffers of the largest bucket, each piece's q in its captured output, held
 as long as the graphs. Pieces are captured in the order they replay, into
 one memory pool, so a piece's scratch may reuse an earlier piece's, never
-something a later piece still reads.
+something a later piece still reads; each bucket's whole-step graph after
+its pieces, into the same pool (its q lives within it).
 
-Without graphs (off CUDA, or a capture that failed) the same pieces run
+Without graphs (off CUDA, or a capture that failed) the same bodies run
 eagerly at the padded size: how the padding and the buffers are tested on
 the CPU.
 """
@@ -44,6 +54,7 @@ import torch.nn.functional as F
 
 from slipstream.kernels.backend import triton_attention_for_step
 from slipstream.kernels.triton_kv_write import write_kv_slots
+from slipstream.kernels.triton_paged_varlen import paged_varlen, varlen_programs
 from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for, capture_sizes
 from slipstream.service.engine.staged_attention import StagedAttentionMetadata
 from slipstream.service.models.llama import LlamaModel
@@ -51,6 +62,11 @@ from slipstream.service.models.llama import LlamaModel
 log = logging.getLogger(__name__)
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
+
+# The longest decode context a whole-step graph attends: one program a KV
+# head walks it (no split), ~16 key tiles of 64 at most, below the host's
+# launches it saves a layer (~50-150 us on a GPU machine's host).
+WHOLE_STEP_MAX_CONTEXT = 1024
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
@@ -71,9 +87,10 @@ def layer_graph_bytes(model: LlamaModel, max_tokens: int) -> int:
     what it keeps, i.e. the two fixed buffers, every bucket's held qkv
     outputs (the buckets double, so their tokens sum to under twice the
     largest) and the largest piece's scratch (normed input, gate/up and its
-    product). Twice, for the caching allocator's segments around them: on an
-    H200 (smollm2-shape, bf16, 512 tokens) the captures took 107 MB of graph
-    pool for the 66 MB counted here once. 0 for ``max_tokens`` 0."""
+    product; a whole-step graph's also a layer's qkv). Twice, for the
+    caching allocator's segments around them: on an H200 (smollm2-shape,
+    bf16, 512 tokens) the pieces' captures took 107 MB of graph pool for the
+    66 MB counted here once. 0 for ``max_tokens`` 0."""
     if max_tokens <= 0:
         return 0
     cfg = model.config
@@ -81,7 +98,7 @@ def layer_graph_bytes(model: LlamaModel, max_tokens: int) -> int:
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     buffers = max_tokens * (cfg.hidden_size + cfg.num_heads * cfg.head_dim)
     held = 2 * max_tokens * cfg.num_layers * qkv
-    scratch = max_tokens * (2 * cfg.hidden_size + 3 * cfg.intermediate_size)
+    scratch = max_tokens * (2 * cfg.hidden_size + 3 * cfg.intermediate_size + qkv)
     return 2 * (buffers + held + scratch) * element
 
 
@@ -92,11 +109,19 @@ class LayerGraphs:
     CUDA graphs, ``forward()`` runs a step through them."""
 
     def __init__(
-        self, model: LlamaModel, kv_caches: KVPool, views: dict[str, torch.Tensor], max_tokens: int
+        self,
+        model: LlamaModel,
+        kv_caches: KVPool,
+        views: dict[str, torch.Tensor],
+        max_tokens: int,
+        max_seqs: int,
     ) -> None:
         cfg, device = model.config, model.embed.device
         self.model = model
         self.sizes = token_buckets(max_tokens)
+        self.whole_max_context = WHOLE_STEP_MAX_CONTEXT
+        self._max_seqs = max_seqs
+        self._group = cfg.num_heads // cfg.num_kv_heads
         self.stats = GraphStats(enabled=False, disabled_reason="not captured")
         self._kv = kv_caches
         self._views = views
@@ -104,7 +129,8 @@ class LayerGraphs:
         self._attn = torch.zeros(
             max_tokens, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=device
         )
-        # Per bucket, per piece: the graph and the q it leaves (None: the last piece).
+        # Per bucket, per piece: the graph and the q it leaves (None: the last
+        # piece), then the whole step's graph (None).
         self._graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]]] = {}
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -115,10 +141,27 @@ class LayerGraphs:
         self, size: int, meta: StagedAttentionMetadata, sample_indices: torch.Tensor
     ) -> torch.Tensor:
         """A step staged with its tokens padded to ``size`` (a bucket): the
-        logits of ``sample_indices``, as ``LlamaModel.forward`` gives them."""
+        logits of ``sample_indices``, as ``LlamaModel.forward`` gives them.
+        One graph when its decodes' contexts allow, else the pieces."""
+        model = self.model
+        graphs = self._graphs.get(size)
+        if meta.triton.max_decode_len <= self.whole_max_context:
+            if graphs is not None:
+                graphs[-1][0].replay()
+            else:
+                self._whole_step(size)
+        else:
+            self._pieces(size, meta, graphs)
+        return model.sampled_logits(self._x[:size], sample_indices, model.fused_elementwise_ops())
+
+    def _pieces(
+        self,
+        size: int,
+        meta: StagedAttentionMetadata,
+        graphs: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] | None,
+    ) -> None:
         model = self.model
         num_tokens = meta.num_tokens
-        graphs = self._graphs.get(size)
         for i in range(len(model.layers) + 1):
             if graphs is not None:
                 graph, q = graphs[i]
@@ -132,7 +175,21 @@ class LayerGraphs:
                     q[:num_tokens], k_cache, v_cache, meta, meta.triton, model.scale,
                     out=self._attn[:num_tokens], check=i == 0,
                 )  # fmt: skip
-        return model.sampled_logits(self._x[:size], sample_indices, model.fused_elementwise_ops())
+
+    def _whole_step(self, size: int) -> None:
+        """Every piece at ``size`` tokens with each layer's attention in one
+        varlen launch over the staged views: the body of a whole-step graph."""
+        views = self._views
+        programs = varlen_programs(size, min(size, self._max_seqs), self._group)
+        for i in range(len(self.model.layers) + 1):
+            q = self._piece(i, size)
+            if q is not None:
+                k_cache, v_cache = self._kv[i]
+                paged_varlen(
+                    q, k_cache, v_cache, views["block_tables"], views["seq_lens_i32"],
+                    views["query_start_loc"], views["num_rows"], programs, self.model.scale,
+                    out=self._attn[:size], check=i == 0,
+                )  # fmt: skip
 
     def _piece(self, i: int, size: int) -> torch.Tensor | None:
         """Piece ``i`` at ``size`` tokens; returns layer i's q (None: the last piece)."""
@@ -152,15 +209,20 @@ class LayerGraphs:
         return q
 
     def capture(self, prepare: Callable[[int], None]) -> GraphStats:
-        """Captures every piece at every bucket, largest first; ``prepare(T)``
-        stages and uploads a step of T padding tokens. On any failure drops
-        them all and says why in the stats (such steps then run eagerly)."""
+        """Captures every piece, then the whole step, at every bucket, largest
+        first; ``prepare(T)`` stages and uploads a step of T padding tokens.
+        On any failure drops them all and says why in the stats (such steps
+        then run eagerly)."""
         pieces = range(len(self.model.layers) + 1)
+
+        def bodies(size: int) -> list[Callable[[], torch.Tensor | None]]:
+            whole = partial(self._whole_step, size)
+            return [*(partial(self._piece, i, size) for i in pieces), whole]
+
         try:
             captured, self.stats = capture_sizes(
-                self.sizes, self.model.embed.device, prepare,
-                lambda size: [partial(self._piece, i, size) for i in pieces],
-            )  # fmt: skip
+                self.sizes, self.model.embed.device, prepare, bodies
+            )
         except Exception as exc:  # an allocator's, a driver's or a capture's error
             reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
             self.stats = GraphStats(enabled=False, disabled_reason=f"capture failed: {reason}")

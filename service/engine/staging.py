@@ -8,9 +8,10 @@ True)``. Each field is a fixed region; int32 and float32 fields are views
 over int64 words. The device twin's regions never move, so a CUDA graph
 captured over them reads each step's values after that one copy::
 
-    word 0                                                        end(B)     total
-    | per-seq fields | token_ids | positions | slot_mapping | block_tables rows 0..B-1 | ...
-      (max_num_seqs)   (max_num_tokens each)                  (max_blocks_per_seq wide)
+    word 0                                                          end(B)     total
+    | num_rows | per-seq | token_ids | positions | slot_mapping | block_tables 0..B-1 | ...
+                 fields    (max_num_tokens each)                  (max_blocks_per_seq wide)
+                 (max_num_seqs each)
 
 A step with B rows copies words ``0 .. end(B)``: block tables come last, so
 the copy grows with the rows used, not with the capacity.
@@ -80,6 +81,7 @@ class StagingLayout:
             words = -(-numel * dtype.itemsize // 8)
             offset += -(-words // _ALIGN_WORDS) * _ALIGN_WORDS
 
+        add("num_rows", 1, torch.int64)
         add("query_start_loc", max_num_seqs + 1, torch.int64)
         for name, dtype in _PER_SEQ:
             add(name, max_num_seqs, dtype)
@@ -301,6 +303,7 @@ def stage_step(
     _put(arrays, "positions", positions)
     _put(arrays, "slot_mapping", slots)
     _put(arrays, "query_start_loc", starts)
+    _put(arrays, "num_rows", [num_rows])
     _put(arrays, "seq_lens", all_lens)
     _put(arrays, "seq_lens_i32", all_lens)
     _put(arrays, "decode_seq_ids", decode)

@@ -10,6 +10,7 @@ are skipped.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from gpu_marks import GPU_ONLY
 
@@ -131,6 +132,82 @@ def test_staged_triton_attention_matches_reference():
     want = reference_paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(),
                                      _cpu_meta(meta), head_dim**-0.5)  # fmt: skip
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_varlen_attention_on_staged_views_matches_reference(dtype, tolerance):
+    """The whole-step attention compiled: decodes and chunks of one step in
+    one launch over the staging views, with a graph's bound of programs
+    (a 128-token, 8-row step) and group 3 (blocks of 5 tokens)."""
+    from slipstream.kernels.triton_paged_varlen import paged_varlen, varlen_programs
+
+    generator = torch.Generator().manual_seed(1)
+    num_blocks, kv_heads, heads, head_dim = 40, 2, 6, 64
+    caches = [allocate_kv_cache(num_blocks, BLOCK, kv_heads, head_dim, dtype, CUDA)
+              for _ in range(2)]  # fmt: skip
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=generator))
+    plan = StepPlan(
+        step=0,
+        seqs=[
+            ScheduledSeq("d", [1], 70, [5, 6, 7, 8, 9], True, 0, SamplingParams()),
+            ScheduledSeq("p", [1] * 20, 30, [1, 2, 3, 4], True, 0, SamplingParams()),
+            ScheduledSeq("e", [1], 3, [13], True, 0, SamplingParams()),
+            ScheduledSeq("f", [1] * 33, 0, [10, 11, 12], True, 0, SamplingParams()),
+        ],
+    )
+    buffers = StagingBuffers(StagingLayout.build(128, 8, 8), CUDA, pin_memory=True)
+    step = stage_step(plan, buffers, BLOCK, vocab_size=10, pad_tokens_to=128)
+    buffers.upload(step.num_rows)
+    views = buffers.device_views
+    q = torch.randn(128, heads, head_dim, generator=generator).to(dtype).to(CUDA)
+    out = torch.full_like(q, float("nan"))
+    paged_varlen(
+        q, *caches, views["block_tables"], views["seq_lens_i32"], views["query_start_loc"],
+        views["num_rows"], varlen_programs(128, 8, heads // kv_heads), head_dim**-0.5, out,
+    )  # fmt: skip
+    meta = staged_metadata(step, views, BLOCK)
+    n = step.num_tokens
+    k_cache, v_cache = (cache.float().cpu() for cache in caches)
+    want = reference_paged_attention(q[:n].float().cpu(), k_cache, v_cache, _cpu_meta(meta),
+                                     head_dim**-0.5)  # fmt: skip
+    torch.testing.assert_close(out[:n].float().cpu(), want, atol=tolerance, rtol=tolerance)
+    assert out[n:].isnan().all()  # padding tokens own no row
+
+
+def test_mixed_steps_whole_step_graphs_equal_pieces_and_eager(tiny_model_dir):
+    """Steps holding decodes and a new prompt's prefill: through the
+    whole-step graphs (one varlen attention a layer), through the per-layer
+    pieces (decode contexts past the cap) and eagerly, the same greedy
+    tokens (fp32)."""
+    prompts = [[3 + i, 17, 29 + i, 4] * (1 + i) for i in range(8)]
+
+    def staggered(runner: DeviceRunner) -> list[list[int]]:
+        """Prompt s joins at step s while the earlier ones decode."""
+        tokens = [list(p) for p in prompts]
+        computed = [0] * len(prompts)
+        for step in range(len(prompts) + 3):
+            live = range(min(step + 1, len(prompts)))
+            seqs = [
+                ScheduledSeq(f"r{i}", tokens[i][computed[i] :], computed[i],
+                             [i * 16 + j for j in range(16)], True,
+                             len(tokens[i]) - len(prompts[i]), SamplingParams())
+                for i in live
+            ]  # fmt: skip
+            result = runner.execute(StepPlan(step=step, seqs=seqs))
+            for i in live:
+                computed[i] = len(tokens[i])
+                tokens[i].append(result.sampled[f"r{i}"])
+        return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)]
+
+    eager = staggered(_runner(tiny_model_dir, use_cuda_graphs=False))
+    whole = _runner(tiny_model_dir, use_cuda_graphs=True, prefill_graph_tokens=256)
+    assert whole.info()["layer_graphs"]["enabled"]
+    assert staggered(whole) == eager
+    pieces = _runner(tiny_model_dir, use_cuda_graphs=True, prefill_graph_tokens=256)
+    assert pieces._layer_graphs is not None
+    pieces._layer_graphs.whole_max_context = 0
+    assert staggered(pieces) == eager
 
 
 def _cpu_meta(meta):

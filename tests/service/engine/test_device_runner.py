@@ -90,11 +90,16 @@ def test_token_buckets():
         token_buckets(0)
 
 
-def test_steps_through_layer_pieces_give_the_model_runners_tokens(models):
+@pytest.mark.parametrize("whole_max_context", [1024, 0], ids=["whole-step", "pieces"])
+def test_steps_through_layer_pieces_give_the_model_runners_tokens(
+    models, monkeypatch, whole_max_context
+):
     """Steps with a prefill (and, with no decode graphs here, decodes) run
-    padded to a token bucket through the per-layer pieces a GPU captures as
-    graphs, eagerly here: the same tokens, and the padding tokens write no
-    KV (the blocks no sequence holds stay zero)."""
+    padded to a token bucket through what a GPU captures as graphs, eagerly
+    here: the whole step with one varlen attention a layer, or (decodes
+    past ``whole_max_context``) the per-layer pieces around the decode and
+    prefill kernels. The same tokens, and the padding tokens write no KV
+    (the blocks no sequence holds stay zero)."""
     reference_model, staged_model = models
     prompts = [[3, 17, 29, 4, 8], [7] * 20, [11, 12]]  # 27 tokens: bucket 32, decodes: 16
     expected = _generate(ModelRunner(reference_model, 32, 8, BLOCK), prompts, 4)
@@ -102,9 +107,22 @@ def test_steps_through_layer_pieces_give_the_model_runners_tokens(models):
         staged_model, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
         max_model_len=128, prefill_graph_tokens=32, pin_memory=False,
     )  # fmt: skip
-    assert runner._layer_graphs is not None and runner._layer_graphs.sizes == [16, 32]
+    graphs = runner._layer_graphs
+    assert graphs is not None and graphs.sizes == [16, 32]
     assert runner.info()["layer_graphs"]["disabled_reason"] == "not captured"
+    graphs.whole_max_context = whole_max_context
+    calls = {"whole": 0, "pieces": 0}
+    for name, kind in (("_whole_step", "whole"), ("_pieces", "pieces")):
+        original = getattr(graphs, name)
+
+        def counted(*args, _original=original, _kind=kind):
+            calls[_kind] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(graphs, name, counted)
     assert _generate(runner, prompts, 4) == expected
+    # The prefill step (no decodes: whole either way), then three steps of 3 decodes.
+    assert calls == ({"whole": 4, "pieces": 0} if whole_max_context else {"whole": 1, "pieces": 3})
     for k_cache, v_cache in runner.device_pool:
         assert not k_cache[12:].any() and not v_cache[12:].any()  # blocks 0-11 are the prompts'
     longer = [[5] * 25, [6] * 15]  # 40 tokens: above the largest bucket, eager

@@ -119,6 +119,7 @@ def test_padded_decode_step():
     assert views["slot_mapping"][:4].tolist() == [1 * BLOCK + 2, 2 * BLOCK, -1, -1]
     assert views["seq_lens_i32"][:4].tolist() == [7, 1, 1, 1]
     assert views["query_start_loc"][:5].tolist() == [0, 1, 2, 3, 4]
+    assert views["num_rows"].tolist() == [4]
     assert views["decode_seq_ids"][:4].tolist() == [0, 1, 2, 3]
     assert views["block_tables"][2:4, 0].tolist() == [0, 0]
     assert step.sampled_req_ids == ["a", "b"] and step.num_prefills == 0
@@ -169,6 +170,7 @@ def test_a_step_padded_by_tokens():
     assert views["slot_mapping"][:16].tolist() == slots + [-1] * 10
     for name in ("query_start_loc", "seq_lens", "decode_seq_ids", "prefill_seq_ids"):
         assert views[name][:4].tolist() == plain_views[name][:4].tolist(), name
+    assert views["num_rows"].tolist() == [3]  # the sequences: padding tokens own no row
     assert (step.num_decodes, step.num_prefills, step.sampled_req_ids) == (1, 2, ["a", "c"])
     with pytest.raises(ValueError, match="tokens exceed"):
         stage_step(_mixed_plan(), buffers, BLOCK, 100, pad_tokens_to=65)
