@@ -33,7 +33,9 @@ from slipstream.kernels.device_sampling import SamplingBatch, sample_tensors, se
 from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.kernels.linear import Linear
 from slipstream.kernels.triton_paged_decode import paged_decode, possible_num_splits
-from slipstream.scheduler.plan import StepPlan
+from slipstream.kernels.triton_paged_prefill import paged_prefill
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.cuda_graphs import (
     DecodeGraphs,
     GraphStats,
@@ -207,7 +209,7 @@ class DeviceRunner:
         if use_cuda_graphs and not self._is_cuda:
             self.graph_stats = GraphStats(enabled=False, disabled_reason="not a CUDA device")
         if self._is_cuda:
-            self._compile_decode_splits()
+            self._compile_attention_kernels()
         if use_cuda_graphs and self._is_cuda:
             self._capture(min(max_num_seqs, max_num_batched_tokens))
         self._layer_graphs: LayerGraphs | None = None
@@ -388,26 +390,36 @@ class DeviceRunner:
             log.warning("fused elementwise kernels unavailable, eager torch ops instead: %s",
                         self.fused_elementwise_error)  # fmt: skip
 
-    def _compile_decode_splits(self) -> None:
+    def _compile_attention_kernels(self) -> None:
         """Launches the decode kernel once with each split count a step may
-        pick (``possible_num_splits`` of the longest context), so that Triton
-        compiles every variant at start-up: a variant first met while serving
-        costs its step a compile, about a second on a GPU machine's host."""
+        pick (``possible_num_splits`` of the longest context), and the prefill
+        kernel once, so that Triton compiles every variant at start-up: a
+        variant first met while serving costs its step a compile, about a
+        second on a GPU machine's host (the prefill kernel serves the steps
+        above ``prefill_graph_tokens``, often the first ones). Nothing is
+        written but a scratch output."""
         cfg = self.model.config
-        step = stage_padding(self._staging, 1)
-        self._staging.upload(1)
+        chunk = ScheduledSeq("compile", [0, 0], 0, [0], False, 0, SamplingParams())
+        step = stage_step(StepPlan(step=-1, seqs=[chunk]), self._staging, self.block_size, 1)
+        self._staging.upload(step.num_rows)
         meta = staged_metadata(step, self._staging.device_views, self.block_size)
-        seq_ids, token_ids = meta.triton.decode_seq_ids, meta.triton.decode_token_ids
-        assert seq_ids is not None and token_ids is not None  # a padding row decodes
         # q as the model hands it over: the query heads of a [tokens, q+k heads, dim] tensor
-        qk = torch.zeros(1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
+        qk = torch.zeros(2, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim,
                          dtype=self.model.dtype, device=self.device)  # fmt: skip
         q = qk[:, : cfg.num_heads]
         out = torch.empty(q.shape, dtype=q.dtype, device=self.device)
         k_cache, v_cache = self.device_pool[0]
+        prefill_ids = meta.triton.prefill_seq_ids
+        assert prefill_ids is not None  # the two-token chunk
+        paged_prefill(
+            q, k_cache, v_cache, meta.block_tables, meta.triton.seq_lens, meta.query_start_loc,
+            prefill_ids, 2, self.model.scale, out,
+        )  # fmt: skip
+        # the chunk's row as a decode of the longest context, each split count
+        ids = prefill_ids[:1]
         for splits in possible_num_splits(self._max_context):
             paged_decode(
-                q, k_cache, v_cache, meta.block_tables, meta.triton.seq_lens, seq_ids, token_ids,
+                q, k_cache, v_cache, meta.block_tables, meta.triton.seq_lens, ids, ids,
                 self._max_context, self.model.scale, out, num_splits=splits,
             )  # fmt: skip
         if self._is_cuda:

@@ -184,15 +184,16 @@ def test_step_without_sampling_and_empty_plan(models):
     assert runner.execute(StepPlan(step=1)).num_tokens == 0
 
 
-def test_compiling_every_decode_split_leaves_the_runner_as_it_was(models):
-    """The start-up launches of each split count (made on CUDA; here under the
-    interpreter) write nothing a step reads: tokens stay the model runner's."""
+def test_compiling_the_attention_kernels_leaves_the_runner_as_it_was(models):
+    """The start-up launches of the prefill kernel and of each decode split
+    count (made on CUDA; here under the interpreter) write nothing a step
+    reads: tokens stay the model runner's."""
     reference, staged = models
     runner = DeviceRunner(
         staged, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
         max_model_len=1024, use_cuda_graphs=False, pin_memory=False,
     )  # fmt: skip
-    runner._compile_decode_splits()  # split counts 1, 2 and 4 at 1,024 tokens
+    runner._compile_attention_kernels()  # split counts 1, 2 and 4 at 1,024 tokens
     prompts = [[3, 17, 29, 4], [5, 6, 7, 8, 9, 10], [11]]
     expected = _generate(ModelRunner(reference, 32, 8, BLOCK), prompts, 4)
     assert _generate(runner, prompts, 4) == expected
