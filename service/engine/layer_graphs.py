@@ -64,8 +64,9 @@ log = logging.getLogger(__name__)
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
 # The longest decode context a whole-step graph attends: one program a KV
-# head walks it (no split), ~16 key tiles of 64 at most, below the host's
-# launches it saves a layer (~50-150 us on a GPU machine's host).
+# head walks it (no split), 16 key tiles of 64 at most, which should take
+# less than the host's launches it saves a layer (~50-150 us on a GPU
+# machine's host). A judgement: the crossing point is not measured yet.
 WHOLE_STEP_MAX_CONTEXT = 1024
 
 
