@@ -5,7 +5,7 @@
 #
 #   ops/gpu-verify.sh tests     # the gpu-marked tests, Triton compiled
 #   ops/gpu-verify.sh step      # bench step: graphs / no graphs, planned ahead, floors;
-#                               # a mixed step eager / through per-layer graphs
+#                               # a mixed step eager / one graph / per-layer pieces
 #   ops/gpu-verify.sh offline   # bench offline against transformers' continuous batching
 #   ops/gpu-verify.sh ahead     # bench offline, planning ahead on / off
 #   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines
@@ -38,9 +38,9 @@ step)
     bench step --device cuda --model "$model" --batch 1,8,64,256 --context 512 \
         --modes graphs,no-graphs,graphs-torch-ops,no-graphs-torch-ops \
         --json "$out/step-cuda.json" --plot "$out/step-cuda.png"
-    # a mixed step (a 256-token chunk beside the decodes): eager against per-layer graphs
+    # a mixed step (a 256-token chunk beside the decodes): eager, one graph, per-layer pieces
     bench step --device cuda --model "$model" --batch 1,64,256 --context 512 --prefill 256 \
-        --modes graphs,pieces --json "$out/step-cuda-mixed.json"
+        --modes graphs,pieces,layer-pieces --json "$out/step-cuda-mixed.json"
     ;;
 offline)
     for n in 64 256; do

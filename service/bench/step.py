@@ -49,16 +49,24 @@ MODES: dict[str, dict[str, object]] = {
     # The same with the elementwise stages as eager torch ops, not one Triton kernel each.
     "graphs-torch-ops": {"cuda_graphs": True, "gpu_fused_elementwise": False},
     "no-graphs-torch-ops": {"cuda_graphs": False, "gpu_fused_elementwise": False},
-    # Decode graphs, and a step with a prefill through a graph per layer
-    # (capped at the bench's step budget); with --prefill, against "graphs".
+    # Decode graphs, and a step with a prefill through its one graph (or the
+    # per-layer pieces past the context cap), up to the bench's step budget;
+    # with --prefill, against "graphs".
     "pieces": {"cuda_graphs": True, "prefill_graph_tokens": 1 << 20},
+    # The same with such a step through the per-layer pieces around eager
+    # attention, as a step whose decodes' contexts are past the whole-step cap.
+    "layer-pieces": {"cuda_graphs": True, "prefill_graph_tokens": 1 << 20},
     # The compiled kernels with the layer loop run from Python, op by op,
     # instead of in one native call (LlamaModel.native_layers).
     "python-loop": {"compile": True},
 }
 # Model attributes a mode sets once its engine is loaded.
 MODEL_SWITCHES: dict[str, dict[str, object]] = {"python-loop": {"native_layers": False}}
-CUDA_MODES = frozenset({"graphs", "no-graphs", "graphs-torch-ops", "no-graphs-torch-ops", "pieces"})
+# Runner attributes a mode sets once its engine is loaded.
+RUNNER_SWITCHES: dict[str, dict[str, object]] = {"layer-pieces": {"whole_step_max_context": 0}}
+CUDA_MODES = frozenset(
+    {"graphs", "no-graphs", "graphs-torch-ops", "no-graphs-torch-ops", "pieces", "layer-pieces"}
+)
 DEFAULT_MODES = {"cpu": "eager,compiled", "cuda": "graphs,no-graphs"}
 # "compiled" runs the fused native kernels between the projections (no graph
 # to split), so both modes get the per-part split.
@@ -210,6 +218,8 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
         engine = _engine(options, dtype, engine_options)
         for name, value in MODEL_SWITCHES.get(mode, {}).items():
             setattr(engine.model, name, value)
+        for name, value in RUNNER_SWITCHES.get(mode, {}).items():
+            setattr(engine.runner, name, value)
         rows += [_measure(engine, options, batch, mode) for batch in options.batches]
         del engine
         gc.collect()  # the next mode's pools are allocated with this one's freed

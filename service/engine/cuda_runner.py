@@ -238,6 +238,18 @@ class DeviceRunner:
             "fused_elementwise_error": self.fused_elementwise_error,
         }
 
+    @property
+    def whole_step_max_context(self) -> int:
+        """The longest decode context a step with a prefill replays its
+        whole-step graph with; past it, the per-layer pieces (0: the pieces
+        whenever it decodes). 0 without layer graphs."""
+        return 0 if self._layer_graphs is None else self._layer_graphs.whole_max_context
+
+    @whole_step_max_context.setter
+    def whole_step_max_context(self, tokens: int) -> None:
+        if self._layer_graphs is not None:
+            self._layer_graphs.whole_max_context = tokens
+
     def memory(self) -> PoolStats | None:
         """The GPU's memory in bytes, used (by this process and any other) and
         free, as the driver reports it: for the metrics scrape (None off CUDA)."""

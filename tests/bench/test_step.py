@@ -258,3 +258,16 @@ def test_bench_host_times_the_scheduler_and_the_engine_step(tiny_model_dir: Path
         assert 0 < row["schedule_ms"] < 1000 and 0 < row["update_ms"] < 1000
         assert 0 < row["stage_ms"] < 1000 and 0 < row["engine_step_ms"] < 1000
     assert "engine step" in host.format_table(report)
+
+
+def test_runner_switches_set_device_runner_properties() -> None:
+    """A mode's runner switch names a settable DeviceRunner property (a
+    misspelt one would set a new attribute and change nothing)."""
+    from slipstream.service.engine.cuda_runner import DeviceRunner
+
+    assert step.RUNNER_SWITCHES
+    for mode, switches in step.RUNNER_SWITCHES.items():
+        assert mode in step.CUDA_MODES and mode in step.MODES
+        for name in switches:
+            attribute = getattr(DeviceRunner, name)
+            assert isinstance(attribute, property) and attribute.fset is not None

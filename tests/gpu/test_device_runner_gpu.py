@@ -205,8 +205,8 @@ def test_mixed_steps_whole_step_graphs_equal_pieces_and_eager(tiny_model_dir):
     assert whole.info()["layer_graphs"]["enabled"]
     assert staggered(whole) == eager
     pieces = _runner(tiny_model_dir, use_cuda_graphs=True, prefill_graph_tokens=256)
-    assert pieces._layer_graphs is not None
-    pieces._layer_graphs.whole_max_context = 0
+    pieces.whole_step_max_context = 0
+    assert pieces.whole_step_max_context == 0
     assert staggered(pieces) == eager
 
 

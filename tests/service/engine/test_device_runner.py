@@ -110,7 +110,8 @@ def test_steps_through_layer_pieces_give_the_model_runners_tokens(
     graphs = runner._layer_graphs
     assert graphs is not None and graphs.sizes == [16, 32]
     assert runner.info()["layer_graphs"]["disabled_reason"] == "not captured"
-    graphs.whole_max_context = whole_max_context
+    runner.whole_step_max_context = whole_max_context
+    assert graphs.whole_max_context == whole_max_context
     calls = {"whole": 0, "pieces": 0}
     for name, kind in (("_whole_step", "whole"), ("_pieces", "pieces")):
         original = getattr(graphs, name)
