@@ -35,10 +35,54 @@ from slipstream.kernels.triton_paged_decode import (
     needs_upcast,
 )
 
-__all__ = ["paged_prefill", "reference_paged_attention"]
+__all__ = ["causal_tile", "paged_prefill", "reference_paged_attention"]
 
 _BLOCK_M = 32
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def causal_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    query_pos,
+    tile,
+    seq_len,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    head_offset,
+    d,
+    dim_ok,
+    qk_scale,
+    stride_cb,
+    stride_cs,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One key tile of a causal online softmax: rows at ``query_pos`` see the
+    tile's keys up to their own position, read through the block ``table``.
+    Returns the running max, sum and fp32 accumulator after the tile."""
+    pos = tile * TILE + tl.arange(0, TILE)
+    key_ok = pos < seq_len
+    block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    kv_rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
+    kv_mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    scores = attention_dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain
+    visible = key_ok[None, :] & (pos[None, :] <= query_pos[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    # Tile 0 holds key 0, visible to every row: m_new is finite from the start.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, UPCAST)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -95,23 +139,10 @@ def _prefill_kernel(
     last_key = tl.minimum(prefix + (m_block + 1) * BLOCK_M, seq_len)
     num_tiles = tl.where(m_block * BLOCK_M < q_len, tl.cdiv(last_key, TILE), 0)
     for tile in range(0, num_tiles):
-        pos = tile * TILE + tl.arange(0, TILE)
-        key_ok = pos < seq_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        kv_rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = attention_dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain
-        visible = key_ok[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # Tile 0 holds key 0, visible to every row: m_new is finite from the start.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = causal_tile(
+            q, m_i, l_i, acc, query_pos, tile, seq_len, k_cache_ptr, v_cache_ptr, table,
+            head_offset, d, dim_ok, qk_scale, stride_cb, stride_cs, BLOCK_SIZE, TILE, UPCAST,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :]

@@ -42,11 +42,8 @@ import triton.language as tl
 
 from slipstream.kernels.attention import reference_paged_attention
 from slipstream.kernels.backend import check_launchable
-from slipstream.kernels.triton_paged_decode import (
-    attention_dot,
-    check_attention_inputs,
-    needs_upcast,
-)
+from slipstream.kernels.triton_paged_decode import check_attention_inputs, needs_upcast
+from slipstream.kernels.triton_paged_prefill import causal_tile
 
 __all__ = ["block_rows", "paged_varlen", "reference_paged_attention", "varlen_programs"]
 
@@ -147,24 +144,12 @@ def _varlen_kernel(
     head_offset = kv_head.to(tl.int64) * stride_ch
     # Keys up to the block's last token's position.
     last_key = tl.minimum(prefix + (q_block + 1) * BLOCK_Q, seq_len)
+    # Tile 0 holds key 0, visible to every row (query_pos >= 0): the max is finite.
     for tile in range(0, tl.cdiv(last_key, TILE)):
-        pos = tile * TILE + tl.arange(0, TILE)
-        key_ok = pos < seq_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        kv_rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        scores = attention_dot(q, tl.trans(k), UPCAST) * qk_scale  # log2 domain
-        visible = key_ok[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # Tile 0 holds key 0, visible to every row (query_pos >= 0): m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + attention_dot(p.to(v.dtype), v, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = causal_tile(
+            q, m_i, l_i, acc, query_pos, tile, seq_len, k_cache_ptr, v_cache_ptr, table,
+            head_offset, d, dim_ok, qk_scale, stride_cb, stride_cs, BLOCK_SIZE, TILE, UPCAST,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dst = out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
