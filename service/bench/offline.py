@@ -146,7 +146,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--prefill-graph-tokens",
         type=non_negative_int,
         default=PREFILL_GRAPH_TOKENS,
-        help="on CUDA: steps with a prefill of up to N tokens replay per-layer graphs (0: off)",
+        help="on CUDA: steps with a prefill of up to N tokens replay CUDA graphs (0: off)",
     )
     engine.add_argument(
         "--kv-cache-dtype",

@@ -140,7 +140,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--prefill-graph-tokens",
         type=non_negative_int,
         default=PREFILL_GRAPH_TOKENS,
-        help="engine mode on CUDA: steps with a prefill of up to N tokens replay per-layer graphs",
+        help="engine mode on CUDA: steps with a prefill of up to N tokens replay CUDA graphs",
     )
     # Defaults under bench-results/ (ignored by git), like the Makefile's benchmarks.
     parser.add_argument("--json", dest="json_path", default="bench-results/slo.json")

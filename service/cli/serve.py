@@ -129,8 +129,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--prefill-graph-tokens",
         type=non_negative_int,
         default=defaults.prefill_graph_tokens,
-        help="on CUDA: steps with a prefill of up to N tokens replay a CUDA graph per layer "
-        "around their attention instead of launching each op (0: off)",
+        help="on CUDA: steps with a prefill of up to N tokens replay a CUDA graph of the "
+        "whole step (a graph per layer around their attention when their decodes reach past "
+        "1,024 tokens of context) instead of launching each op (0: off)",
     )
     group.add_argument(
         "--plan-ahead",

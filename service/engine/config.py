@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from slipstream.scheduler.config import SchedulerConfig
 
 # On an H200 a step of 256 prefill tokens beside the decodes took 1.9-4.5 ms
-# through the per-layer graphs against 21-24 ms eagerly (docs/gpu.md).
+# through the per-layer graphs against 21-24 ms eagerly; on an H100 1.5-3.4 ms
+# as one graph of the whole step (docs/gpu.md).
 PREFILL_GRAPH_TOKENS = 2048
 
 # "auto" resolves per CPU (kernels/cpu_features.py): bf16 with native bf16, else fp32.
@@ -86,8 +87,9 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9
     cuda_graphs: bool = True
     # On CUDA, with cuda_graphs: a step with a prefill of up to this many
-    # tokens replays a graph per layer around its eagerly launched attention
-    # (layer_graphs.py) instead of ~10 launches a layer; 0: such steps run eagerly.
+    # tokens replays one graph of the whole step (a graph per layer around its
+    # eagerly launched attention when its decodes' contexts pass 1,024 tokens;
+    # layer_graphs.py) instead of ~10 launches a layer; 0: such steps run eagerly.
     prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
     # On a GPU, the elementwise stages between projections as one Triton
     # kernel each (kernels/triton_elementwise.py); False: eager torch ops.
