@@ -56,8 +56,22 @@ def _run(parts, runner, scheduler: Scheduler, plan_ahead: bool) -> dict[str, lis
     return {r.req_id: r.token_ids for r in results}
 
 
-@pytest.mark.parametrize("plan_ahead", [False, True], ids=["behind", "ahead"])
-def test_device_runner_engine_matches_model_runner_through_swaps(tiny_model_dir, parts, plan_ahead):
+@pytest.mark.parametrize(
+    ("plan_ahead", "prefill_graph_tokens"),
+    [
+        pytest.param(False, 0, id="behind"),
+        pytest.param(True, 0, id="ahead"),
+        # ~60 s: the interpreter runs the padded tokens' kernels too
+        pytest.param(True, 16, id="ahead-whole-steps", marks=pytest.mark.slow),
+    ],
+)
+def test_device_runner_engine_matches_model_runner_through_swaps(
+    tiny_model_dir, parts, plan_ahead, prefill_graph_tokens
+):
+    """``prefill_graph_tokens`` 16: steps of up to 16 tokens (decodes, and
+    a short prompt beside them, their tokens pending) run padded through
+    what a GPU captures as one graph a step (eagerly here); longer ones
+    eagerly, as a GPU runs them."""
     expected = _run(parts, parts.runner, parts.scheduler(), plan_ahead=False)
     model = LlamaModel(tiny_model_dir, torch.float32, attention_backend="triton")
     move_model_to(model, torch.device("cpu"))
@@ -65,6 +79,7 @@ def test_device_runner_engine_matches_model_runner_through_swaps(tiny_model_dir,
     runner = DeviceRunner(
         model, num_device_blocks, 16, BLOCK, device=torch.device("cpu"), max_num_seqs=4,
         max_num_batched_tokens=48, max_model_len=MAX_LEN, pin_memory=False,
+        prefill_graph_tokens=prefill_graph_tokens,
     )  # fmt: skip
     config = parts.scheduler_config
     tight = Scheduler(
