@@ -9,6 +9,7 @@ from typing import Any
 
 from slipstream.service.bench.slo_capacity import CLASS0_TARGET, OVERALL_TARGET, Capacity
 from slipstream.service.bench.slo_options import BASELINES, DEADLINE_MODES
+from slipstream.service.engine.events import HostTimes
 
 
 def grid_report(runs: list[dict[str, object]], capacity: Capacity) -> dict[str, object]:
@@ -243,10 +244,7 @@ def _host_lines(runs: Sequence[dict[str, object]]) -> list[str]:
         return []
     lines = ["engine thread, ms a step (planning ahead, a device wait near 0: the host's pace):"]
     for run, host in rows:
-        phases = "  ".join(
-            f"{name} {host[name]:.3f}"
-            for name in ("planning", "launch", "device_wait", "update", "publish")
-        )
+        phases = "  ".join(f"{name} {host[name]:.3f}" for name in HostTimes.__slots__)
         lines.append(
             f"  cv {run['cv']:g} load {run['load']:g} {run['policy']:<8} "
             f"{str(run['deadlines'])[:4]:<4} {phases}  ({host['steps']:.0f} steps)"

@@ -486,10 +486,11 @@ class _HostClock:
     __slots__ = HostTimes.__slots__
 
     def __init__(self) -> None:
-        self.planning = self.launch = self.device_wait = self.update = self.publish = 0.0
+        for name in self.__slots__:
+            setattr(self, name, 0.0)
 
     def snapshot(self) -> HostTimes:
-        return HostTimes(self.planning, self.launch, self.device_wait, self.update, self.publish)
+        return HostTimes(*(getattr(self, name) for name in self.__slots__))
 
 
 def _queue_wait(state: Request, now: float) -> float:
