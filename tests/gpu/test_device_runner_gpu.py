@@ -216,3 +216,57 @@ def _cpu_meta(meta):
     tables = meta.block_tables.cpu().tolist()
     return build_attention_metadata(meta.query_lens, meta.seq_lens, tables, meta.block_size,
                                     torch.device("cpu"), torch.float32)  # fmt: skip
+
+
+def test_a_step_waits_on_its_sampled_ids_only(tiny_model_dir, monkeypatch):
+    """Once warm, a step synchronises once: its ``result()`` waits on the
+    event behind its sampled ids. Under torch's sync debug mode "error" any
+    implicit synchronisation in a step (``.item()``, a copy from pageable
+    memory, ``nonzero``) raises; the explicit waits are counted. The steps
+    cover each path: eager (past the largest prefill bucket), the decode
+    graphs, the whole-step graphs, the per-layer pieces, a swap out and in
+    (which lands the swap-out first: one more wait, by design)."""
+    runner = _runner(tiny_model_dir, use_cuda_graphs=True, prefill_graph_tokens=64)
+    prompts = [[3 + i, 17, 29 + i, 4] * (1 + i) for i in range(11)]
+
+    def every_path() -> None:
+        runner.whole_step_max_context = 1024
+        _greedy(runner, prompts, 5)  # 264 prompt tokens: eager, then decode graphs
+        for prompt in prompts[::4]:  # one prompt a step: whole-step graph, decode graph
+            _greedy(runner, [prompt], 2, drop_rows=False)
+        runner.whole_step_max_context = 0  # the same through the pieces
+        for prompt in prompts[1::4]:
+            _greedy(runner, [prompt], 2, drop_rows=False)
+        runner.execute(StepPlan(step=0, swap_out=[(3, 10), (7, 0)]))
+        runner.execute(StepPlan(step=1, swap_in=[(10, 40), (0, 41)]))
+
+    every_path()  # warm: first uses may allocate, compile, initialise
+    torch.cuda.synchronize()
+    waits: list[str] = []
+    event_wait, device_wait = torch.cuda.Event.synchronize, torch.cuda.synchronize
+
+    def counted_event_wait(event: torch.cuda.Event) -> None:
+        waits.append("event")
+        event_wait(event)
+
+    def counted_device_wait(*args, **kwargs) -> None:
+        waits.append("device")
+        device_wait(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted_event_wait)
+    monkeypatch.setattr(torch.cuda, "synchronize", counted_device_wait)
+    steps: list[StepPlan] = []
+    execute = runner.execute
+
+    def counted_execute(plan: StepPlan):
+        steps.append(plan)
+        return execute(plan)
+
+    monkeypatch.setattr(runner, "execute", counted_execute)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        every_path()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # one wait a step with sequences, and the swap-in's for the swap-out it lands
+    assert waits == ["event"] * (sum(1 for plan in steps if plan.seqs) + 1)

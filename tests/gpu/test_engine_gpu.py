@@ -19,6 +19,7 @@ from server_thread import ServerThread
 from transformers import AutoModelForCausalLM
 
 from slipstream.clients import Client
+from slipstream.scheduler.request import FinishReason
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import RequestSpec
@@ -128,6 +129,47 @@ def test_swaps_and_recomputes_on_the_gpu_keep_the_tokens(fp32_engine):
 def test_cancel_and_deadline_free_every_block(fp32_engine):
     stats = check_cancel_and_deadline_free_every_block(fp32_engine)
     assert stats.device_memory is not None and stats.device_memory.free > 0
+
+
+def _take_free_device_memory() -> list[torch.Tensor]:
+    """Every byte the caching allocator can still get: pieces of 16 GiB, then
+    ever smaller ones down to 512 bytes (the small pool's blocks)."""
+    torch.cuda.empty_cache()
+    taken = []
+    size = 1 << 34
+    while size >= 512:
+        try:
+            taken.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            size //= 2
+    return taken
+
+
+def test_a_step_out_of_device_memory_ends_its_requests_and_the_engine_goes_on():
+    """A real CUDA allocation failure in a step (an eager prefill, with every
+    free byte of the GPU taken): its request ends OUT_OF_MEMORY
+    (RESOURCE_EXHAUSTED over gRPC) with its blocks freed, and once memory is
+    back the same engine serves the same tokens as before."""
+    engine = _engine("float32", prefill_graph_tokens=0)  # steps with a prefill run eagerly
+    try:
+        prompts = _prompts(engine.info.vocab_size)[:4]
+        expected = _generate(engine, prompts)  # warm: every kernel loaded, buffers allocated
+        taken = _take_free_device_memory()
+        try:
+            [result] = engine.generate(
+                [RequestSpec(req_id="oom", prompt_token_ids=prompts[2], max_new_tokens=4)]
+            )
+        finally:
+            del taken
+            torch.cuda.empty_cache()
+        assert result.finish.reason is FinishReason.OUT_OF_MEMORY, result.finish
+        assert "out of memory" in result.finish.message.lower()
+        assert engine.wait_idle(5.0)
+        stats = engine.stats()
+        assert (stats.device_blocks.used, stats.host_blocks.used) == (0, 0)
+        assert _generate(engine, prompts) == expected
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("model", ["small", "smollm2"])
