@@ -8,7 +8,7 @@ One step, in stream order (the compute stream unless said)::
     staging upload   one non-blocking copy of the step's metadata (staging.py)
     forward          decode-only: replay of the padded batch's CUDA graph;
                      with a prefill, up to prefill_graph_tokens tokens: one
-                     graph of the whole step (decodes' contexts up to 1024),
+                     graph of the whole step (decodes' contexts up to 4096),
                      or a graph per layer around eager attention (layer_graphs.py);
                      else eager, through the Triton kernels
     sampling         on the device (kernels/device_sampling.py)

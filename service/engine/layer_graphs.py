@@ -64,10 +64,12 @@ log = logging.getLogger(__name__)
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
 # The longest decode context a whole-step graph attends: one program a KV
-# head walks it (no split), 16 key tiles of 64 at most, which should take
-# less than the host's launches it saves a layer (~50-150 us on a GPU
-# machine's host). A judgement: the crossing point is not measured yet.
-WHOLE_STEP_MAX_CONTEXT = 1024
+# head walks it (no split). Measured on an H200 (docs/gpu.md, "Where the
+# whole step stops paying"), a 256-token chunk beside 8 / 64 / 256 decodes:
+# the whole step is cheaper at 1,024 and 2,048 tokens of context at every
+# batch, and at 4,096 still at 64 and 256 while at 8 the two meet (planned
+# ahead 4.41 against 4.36 ms): past that the split decode kernel wins.
+WHOLE_STEP_MAX_CONTEXT = 4096
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
