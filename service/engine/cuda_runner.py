@@ -312,13 +312,11 @@ class DeviceRunner:
         vocab = self.model.config.vocab_size
         staged = stage_step(
             plan, self._staging, self.block_size, vocab, pad_to=bucket,
-            pending_rows=self._previous_rows, pad_tokens_to=token_bucket,
+            previous_rows=self._previous_rows, pad_tokens_to=token_bucket,
         )  # fmt: skip
         self._staging.upload(staged.num_rows)
         views = self._staging.device_views
-        resolve_pending_tokens(
-            views["token_ids"][: staged.num_tokens], self._previous_ids, staged.num_pending
-        )
+        resolve_pending_tokens(views["token_ids"], self._previous_ids, views, staged.num_pending)
         num_sampled = len(staged.sampled_req_ids)
         if bucket is not None and self._graphs is not None:
             logits = self._graphs.replay(bucket)

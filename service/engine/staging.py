@@ -44,6 +44,8 @@ _PER_SEQ: tuple[tuple[str, torch.dtype], ...] = (
     ("top_ps", torch.float32),
     ("unseeded", torch.int64),
     ("seeded", torch.int64),
+    ("pending_positions", torch.int64),
+    ("pending_rows", torch.int64),
 )
 _PER_TOKEN = ("token_ids", "positions", "slot_mapping")
 _ALIGN_WORDS = 8  # 64-byte regions: every view is aligned as a fresh allocation would be
@@ -206,8 +208,9 @@ class StagedStep:
     max_prefill_query_len: int
     sampled_req_ids: list[str]
     sampling: SamplingPlan
-    # Rows whose token is the previous step's sample, staged as -(its row + 1):
-    # the runner puts the token in on the device (``resolve_pending_tokens``).
+    # Rows whose token is the previous step's sample, staged as token 0 with
+    # its place (``pending_positions``, ``pending_rows``): the runner puts the
+    # token in on the device (``resolve_pending_tokens``).
     num_pending: int = 0
     # Tokens staged: num_tokens, then padding tokens no row owns up to this
     # many (token 0 at position 0, slot -1), for a step run at a padded size.
@@ -228,7 +231,7 @@ def stage_step(
     block_size: int,
     vocab_size: int,
     pad_to: int | None = None,
-    pending_rows: Mapping[str, int] | None = None,
+    previous_rows: Mapping[str, int] | None = None,
     pad_tokens_to: int | None = None,
 ) -> StagedStep:
     """Writes ``plan``'s batch into the host buffer. ``pad_to`` (decode-only
@@ -237,8 +240,10 @@ def stage_step(
     ``pad_tokens_to`` (any step, not with ``pad_to``) adds padding tokens up
     to that many tokens, owned by no row: token 0 at position 0, slot -1;
     the attention never reads them as queries.
-    ``pending_rows``: req_id -> row of the previous step's sampled ids, for
-    the plan's ``PENDING_TOKEN``s (a plan made ahead of that step's results)."""
+    ``previous_rows``: req_id -> row of the previous step's sampled ids, for
+    the plan's ``PENDING_TOKEN``s (a plan made ahead of that step's results):
+    each is staged as token 0 with its position among the step's tokens and
+    that row, for ``resolve_pending_tokens``."""
     layout = buffers.layout
     arrays = buffers.host_arrays
     num_seqs = len(plan.seqs)
@@ -256,7 +261,8 @@ def stage_step(
     starts = [0]
     sample_indices: list[int] = []
     sampled = []
-    num_pending = 0
+    pending_positions: list[int] = []  # a pending token's index among the step's tokens
+    pending_rows: list[int] = []  # its sample's row in the previous step's ids
     end = 0  # tokens staged so far
     for seq in plan.seqs:
         tokens, start, blocks = seq.token_ids, seq.start_pos, seq.block_ids
@@ -264,8 +270,9 @@ def stage_step(
         end_pos = start + num_new
         if num_new == 1:  # a decode (or a one-token chunk): most rows of a large step
             if tokens[0] == PENDING_TOKEN:
-                token_ids.append(-1 - _pending_row(pending_rows, seq.req_id))
-                num_pending += 1
+                token_ids.append(0)  # put in on the device: ``resolve_pending_tokens``
+                pending_positions.append(end)
+                pending_rows.append(_pending_row(previous_rows, seq.req_id))
             else:
                 token_ids.append(tokens[0])
             positions.append(start)
@@ -310,6 +317,8 @@ def stage_step(
     _put(arrays, "decode_token_ids", [starts[b] for b in decode])
     _put(arrays, "prefill_seq_ids", prefill)
     _put(arrays, "sample_indices", sample_indices)
+    _put(arrays, "pending_positions", pending_positions)
+    _put(arrays, "pending_rows", pending_rows)
     sampling = plan_sampling(
         [s.sampling.temperature for s in sampled],
         [s.sampling.top_k for s in sampled],
@@ -336,22 +345,22 @@ def stage_step(
         max_prefill_query_len=max((query_lens[b] for b in prefill), default=0),
         sampled_req_ids=[s.req_id for s in sampled],
         sampling=sampling,
-        num_pending=num_pending,
+        num_pending=len(pending_positions),
         padded_tokens=padded_tokens,
     )
 
 
 def resolve_pending_tokens(
-    token_ids: torch.Tensor, previous: torch.Tensor, num_pending: int
+    token_ids: torch.Tensor, previous: torch.Tensor, views: Mapping[str, torch.Tensor], num: int
 ) -> None:
-    """Puts the previous step's sampled ids (``previous``, on the device) in
-    place of the staged ``-(row + 1)`` entries of ``token_ids``, in place,
-    without a host round trip. No-op when the step has no pending token."""
-    if num_pending == 0:
+    """Puts the previous step's sampled ids (``previous``, on the device) into
+    ``token_ids`` at the step's ``num`` pending tokens, in place, without a
+    host round trip: two launches over the staged positions and rows (the
+    ``views`` of a staging buffer). No-op when the step has none."""
+    if num == 0:
         return
-    pending = token_ids < 0
-    rows = (-1 - token_ids).clamp_(0, max(previous.numel() - 1, 0))
-    token_ids.copy_(torch.where(pending, previous[rows], token_ids))
+    rows = previous.index_select(0, views["pending_rows"][:num])
+    token_ids.index_copy_(0, views["pending_positions"][:num], rows)
 
 
 def _pending_row(pending_rows: Mapping[str, int] | None, req_id: str) -> int:

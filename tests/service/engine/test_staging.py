@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slipstream.kernels.attention import build_attention_metadata
-from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.plan import PENDING_TOKEN, ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.cuda_graphs import (
     GraphStats,
@@ -21,6 +21,7 @@ from slipstream.service.engine.staged_attention import staged_metadata
 from slipstream.service.engine.staging import (
     StagingBuffers,
     StagingLayout,
+    resolve_pending_tokens,
     stage_padding,
     stage_step,
 )
@@ -65,6 +66,34 @@ def test_upload_copies_the_prefix_the_rows_use():
     buffers.upload(2)
     table = buffers.device_views["block_tables"]
     assert (table[:2] == 7).all() and (table[2:] == 0).all()
+
+
+def test_pending_tokens_are_put_in_from_the_previous_steps_ids():
+    """A plan made ahead of its predecessor's results: each pending token is
+    staged as token 0 with its place, and the previous step's sampled ids go
+    in on the device, every other token left as staged."""
+    plan = StepPlan(
+        step=2,
+        seqs=[
+            _seq("a", [PENDING_TOKEN], 6, [3, 1]),
+            _seq("b", [9, 8, 7], 2, [0, 4]),  # a prefill chunk between them
+            _seq("c", [PENDING_TOKEN], 3, [2]),
+            _seq("d", [21], 1, [5]),  # a decode whose token the host knows
+        ],
+    )
+    buffers = _buffers()
+    step = stage_step(plan, buffers, BLOCK, 100, previous_rows={"c": 0, "a": 2, "x": 1})
+    assert step.num_pending == 2
+    assert buffers.host_views["token_ids"][:6].tolist() == [0, 9, 8, 7, 0, 21]
+    buffers.upload(step.num_rows)
+    views = buffers.device_views
+    previous = torch.tensor([40, 41, 42])
+    resolve_pending_tokens(views["token_ids"], previous, views, step.num_pending)
+    assert views["token_ids"][:6].tolist() == [42, 9, 8, 7, 40, 21]
+    resolve_pending_tokens(views["token_ids"], previous, views, 0)  # none: nothing moves
+    assert views["token_ids"][:6].tolist() == [42, 9, 8, 7, 40, 21]
+    with pytest.raises(ValueError, match="previous step sampled none"):
+        stage_step(plan, buffers, BLOCK, 100, previous_rows={"a": 0})
 
 
 def _mixed_plan() -> StepPlan:
