@@ -17,6 +17,7 @@ from slipstream.service.engine.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     SWITCH_CHOICES,
+    WHOLE_STEP_MAX_CONTEXT,
     EngineConfig,
     switch,
 )
@@ -131,7 +132,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.prefill_graph_tokens,
         help="on CUDA: steps with a prefill of up to N tokens replay a CUDA graph of the "
         "whole step (a graph per layer around their attention when their decodes reach past "
-        "1,024 tokens of context) instead of launching each op (0: off)",
+        f"{WHOLE_STEP_MAX_CONTEXT:,} tokens of context) instead of launching each op (0: off)",
     )
     group.add_argument(
         "--plan-ahead",

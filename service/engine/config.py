@@ -12,6 +12,16 @@ from slipstream.scheduler.config import SchedulerConfig
 # as one graph of the whole step (docs/gpu.md).
 PREFILL_GRAPH_TOKENS = 2048
 
+# The longest decode context a step with a prefill replays its whole-step
+# graph with; past it, a graph per layer around eager attention
+# (layer_graphs.py). The whole-step attention walks a context in one program
+# a KV head (no split). Measured on an H200 (docs/gpu.md, "Where the whole
+# step stops paying"), a 256-token chunk beside 8 / 64 / 256 decodes: the
+# whole step is cheaper at 1,024 and 2,048 tokens of context at every batch,
+# and at 4,096 still at 64 and 256 while at 8 the two meet (planned ahead
+# 4.41 against 4.36 ms): past that the split decode kernel wins.
+WHOLE_STEP_MAX_CONTEXT = 4096
+
 # "auto" resolves per CPU (kernels/cpu_features.py): bf16 with native bf16, else fp32.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 
@@ -88,8 +98,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     # On CUDA, with cuda_graphs: a step with a prefill of up to this many
     # tokens replays one graph of the whole step (a graph per layer around its
-    # eagerly launched attention when its decodes' contexts pass 1,024 tokens;
-    # layer_graphs.py) instead of ~10 launches a layer; 0: such steps run eagerly.
+    # eagerly launched attention when its decodes' contexts pass
+    # WHOLE_STEP_MAX_CONTEXT; layer_graphs.py) instead of ~10 launches a layer;
+    # 0: such steps run eagerly.
     prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
     # On a GPU, the elementwise stages between projections as one Triton
     # kernel each (kernels/triton_elementwise.py); False: eager torch ops.

@@ -316,7 +316,7 @@ class DeviceRunner:
         )  # fmt: skip
         self._staging.upload(staged.num_rows)
         views = self._staging.device_views
-        resolve_pending_tokens(views["token_ids"], self._previous_ids, views, staged.num_pending)
+        resolve_pending_tokens(views, self._previous_ids, staged.num_pending)
         num_sampled = len(staged.sampled_req_ids)
         if bucket is not None and self._graphs is not None:
             logits = self._graphs.replay(bucket)

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from slipstream.kernels.backend import triton_attention_for_step
 from slipstream.kernels.triton_kv_write import write_kv_slots
 from slipstream.kernels.triton_paged_varlen import paged_varlen, varlen_programs
+from slipstream.service.engine.config import WHOLE_STEP_MAX_CONTEXT
 from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for, capture_sizes
 from slipstream.service.engine.staged_attention import StagedAttentionMetadata
 from slipstream.service.models.llama import LlamaModel
@@ -62,14 +63,6 @@ from slipstream.service.models.llama import LlamaModel
 log = logging.getLogger(__name__)
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
-
-# The longest decode context a whole-step graph attends: one program a KV
-# head walks it (no split). Measured on an H200 (docs/gpu.md, "Where the
-# whole step stops paying"), a 256-token chunk beside 8 / 64 / 256 decodes:
-# the whole step is cheaper at 1,024 and 2,048 tokens of context at every
-# batch, and at 4,096 still at 64 and 256 while at 8 the two meet (planned
-# ahead 4.41 against 4.36 ms): past that the split decode kernel wins.
-WHOLE_STEP_MAX_CONTEXT = 4096
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:

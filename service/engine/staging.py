@@ -351,22 +351,22 @@ def stage_step(
 
 
 def resolve_pending_tokens(
-    token_ids: torch.Tensor, previous: torch.Tensor, views: Mapping[str, torch.Tensor], num: int
+    views: Mapping[str, torch.Tensor], previous: torch.Tensor, num: int
 ) -> None:
     """Puts the previous step's sampled ids (``previous``, on the device) into
-    ``token_ids`` at the step's ``num`` pending tokens, in place, without a
-    host round trip: two launches over the staged positions and rows (the
-    ``views`` of a staging buffer). No-op when the step has none."""
+    the staged ``token_ids`` at the step's ``num`` pending tokens, in place,
+    without a host round trip: two launches over the staged positions and rows
+    (``views``: a staging buffer's). No-op when the step has none."""
     if num == 0:
         return
     rows = previous.index_select(0, views["pending_rows"][:num])
-    token_ids.index_copy_(0, views["pending_positions"][:num], rows)
+    views["token_ids"].index_copy_(0, views["pending_positions"][:num], rows)
 
 
-def _pending_row(pending_rows: Mapping[str, int] | None, req_id: str) -> int:
-    if pending_rows is None or req_id not in pending_rows:
+def _pending_row(previous_rows: Mapping[str, int] | None, req_id: str) -> int:
+    if previous_rows is None or req_id not in previous_rows:
         raise ValueError(f"{req_id}: a pending token, but the previous step sampled none for it")
-    return pending_rows[req_id]
+    return previous_rows[req_id]
 
 
 def stage_padding(buffers: StagingBuffers, num_rows: int) -> StagedStep:

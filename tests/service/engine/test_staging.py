@@ -88,9 +88,9 @@ def test_pending_tokens_are_put_in_from_the_previous_steps_ids():
     buffers.upload(step.num_rows)
     views = buffers.device_views
     previous = torch.tensor([40, 41, 42])
-    resolve_pending_tokens(views["token_ids"], previous, views, step.num_pending)
+    resolve_pending_tokens(views, previous, step.num_pending)
     assert views["token_ids"][:6].tolist() == [42, 9, 8, 7, 40, 21]
-    resolve_pending_tokens(views["token_ids"], previous, views, 0)  # none: nothing moves
+    resolve_pending_tokens(views, previous, 0)  # none: nothing moves
     assert views["token_ids"][:6].tolist() == [42, 9, 8, 7, 40, 21]
     with pytest.raises(ValueError, match="previous step sampled none"):
         stage_step(plan, buffers, BLOCK, 100, previous_rows={"a": 0})
