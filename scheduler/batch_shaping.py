@@ -117,6 +117,7 @@ class BatchShaper:
     step ceiling for ``req`` (``math.inf`` when it has no time limit)."""
 
     __slots__ = (
+        "_above",
         "_budgets",
         "_ceiling_of",
         "_ceilings",
@@ -157,6 +158,8 @@ class BatchShaper:
         self._reserve_s = reserve_s if reserve_s > c.base_s + c.per_decode_seq_s else math.inf
         # Priority class -> the lowest ceiling among what is admitted of it.
         self._ceilings: dict[int, float] = {}
+        # Class -> ``_ceiling_above`` of it, until ``_ceilings`` next changes.
+        self._above: dict[int, float] = {}
         self._ceiling_of = ceiling_of
         # The fixed cost of a step holding a prefill is paid from slack, not
         # pace: a request ``steps`` steps from its limit at ``ceiling`` a step
@@ -179,10 +182,13 @@ class BatchShaper:
     def _ceiling_above(self, priority: int) -> float:
         """The lowest ceiling among admitted work of a more urgent class (or
         of class 0, for class 0)."""
-        lowest = math.inf
-        for cls, ceiling in self._ceilings.items():
-            if (cls < priority or cls == priority == 0) and ceiling < lowest:
-                lowest = ceiling
+        lowest = self._above.get(priority)
+        if lowest is None:
+            lowest = math.inf
+            for cls, ceiling in self._ceilings.items():
+                if (cls < priority or cls == priority == 0) and ceiling < lowest:
+                    lowest = ceiling
+            self._above[priority] = lowest
         return lowest
 
     def fit(self, req: Request, num_new: int) -> int:
@@ -223,6 +229,7 @@ class BatchShaper:
         ceiling = self._ceiling_of(req, self._now)
         if ceiling >= self._step_s and ceiling < self._ceilings.get(req.priority, math.inf):
             self._ceilings[req.priority] = ceiling
+            self._above.clear()
         if self._prefill_step_s > 0:  # kept only where a step has such a cost
             if not self._has_prefill and not _is_decode(req, num_new):
                 self._has_prefill = True

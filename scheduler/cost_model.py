@@ -382,6 +382,8 @@ class CostModel:
     def prefill_seconds(self, num_tokens: int, token_budget: int, start: int = 0) -> float:
         """Prefilling positions ``[start, start + num_tokens)`` alone, in
         chunks of at most ``token_budget`` tokens (one step per chunk)."""
+        if 0 < num_tokens <= token_budget:  # one chunk: every decode's estimate asks this
+            return max(_MIN_STEP_S, self._forward_seconds(num_tokens, 0, start + num_tokens))
         total = 0.0
         pos, end = start, start + num_tokens
         while pos < end:

@@ -48,6 +48,11 @@ HOPELESS_LOAD_FRACTION = 1.0
 _Signature = tuple[int, int, RequestStatus, float | None, float | None, int, float, int]
 _Progress = tuple[int, int, RequestStatus]
 
+# Read per live request several times a step: a module name is a dict look-up,
+# an enum member through its class ~0.1 µs on Python 3.11.
+_WAITING, _RUNNING, _SWAPPED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.SWAPPED
+_DEADLINE = ExpiredLimit.DEADLINE
+
 
 def output_target(req: Request, outputs: int) -> int:
     """The outputs ``req`` is expected to end with, having ``outputs``:
@@ -124,16 +129,16 @@ class DeadlineEstimates:
 
     def _estimate(self, req: Request) -> _Entry:
         """``req``'s entry with its estimate up to date."""
-        progress = (req.num_known_kv_tokens, len(req.output_token_ids), req.status)
-        entry = self._entry(req.req_id)
+        status = req.status
+        computed = req.num_computed_tokens
+        if status is _WAITING:  # ``num_known_kv_tokens``, inlined: see _urgency_of
+            computed = max(computed, req.num_prefix_hit_tokens)
+        progress = (computed, len(req.output_token_ids), status)
+        entry = self._entries.get(req.req_id)
+        if entry is None:
+            entry = self._entries[req.req_id] = _Entry()
         if entry.progress != progress:
             self._new_estimate(entry, req, progress)
-        return entry
-
-    def _entry(self, req_id: str) -> _Entry:
-        entry = self._entries.get(req_id)
-        if entry is None:
-            entry = self._entries[req_id] = _Entry()
         return entry
 
     def _new_estimate(self, entry: _Entry, req: Request, progress: _Progress) -> None:
@@ -143,7 +148,7 @@ class DeadlineEstimates:
         cost = self.cost_model
         prefill = cost.prefill_seconds(num_tokens - computed, self._budget, computed)
         isolated = prefill + cost.decode_seconds(num_tokens, max(0, outputs_left - 1))
-        if status is RequestStatus.SWAPPED:
+        if status is _SWAPPED:
             swap = cost.swap_seconds(len(req.host_block_ids))
             isolated += swap
             prefill += swap
@@ -177,18 +182,26 @@ class DeadlineEstimates:
         if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
             self._epoch += 1
             self._epoch_now, self._epoch_step_s = now, self.loaded_step_s
+        # Per live request, twice a step: ``num_known_kv_tokens`` and
+        # ``_entry`` inlined.
+        status = req.status
+        computed = req.num_computed_tokens
+        if status is _WAITING:
+            computed = max(computed, req.num_prefix_hit_tokens)
         signature = (
-            req.num_known_kv_tokens,
+            computed,
             len(req.output_token_ids),
-            req.status,
+            status,
             req.deadline,
             req.first_token_deadline,
             req.priority,
             req.arrival_time,
             req.arrival_index,
         )
-        entry = self._entry(req.req_id)
-        if entry.epoch == self._epoch and entry.signature == signature:
+        entry = self._entries.get(req.req_id)
+        if entry is None:
+            entry = self._entries[req.req_id] = _Entry()
+        elif entry.epoch == self._epoch and entry.signature == signature:
             return entry
         self._new_urgency(entry, req, now, signature)
         return entry
@@ -200,11 +213,12 @@ class DeadlineEstimates:
         has_limit = deadline is not None or first_token_deadline is not None
         if has_limit and entry.progress != (computed, outputs, status):
             self._new_estimate(entry, req, (computed, outputs, status))
-        effective = self.effective_class(req, now)
-        hopeless, latest, limit = False, math.inf, ExpiredLimit.DEADLINE
+        priority = signature[5]
+        effective = priority if priority <= 0 else self.effective_class(req, now)
+        hopeless, latest, limit = False, math.inf, _DEADLINE
         # Loaded time counts against waiting / swapped work of a class above 0
         # only: see ``is_hopeless``.
-        judge_loaded = effective > 0 and status is not RequestStatus.RUNNING
+        judge_loaded = effective > 0 and status is not _RUNNING
         step_s = self.loaded_step_s
         if deadline is not None:
             isolated, loaded = entry.isolated_s, entry.num_steps * step_s

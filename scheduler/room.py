@@ -86,11 +86,12 @@ class RoomMaking(Preemption, PrefixSharing):
         preempting policy-chosen victims (running requests not yet scheduled
         this step, ``req`` included) until the blocks are there. False if
         ``req`` itself was preempted or must wait."""
+        target = req.num_computed_tokens + num_new
+        if target <= len(req.block_ids) * self.config.block_size:
+            return True  # the usual decode: room left in the last block
         pool = self.device_pool
         # Only other requests' blocks are freed below, so the need is fixed.
-        need = pool.num_blocks_to_append(req.block_ids, req.num_computed_tokens + num_new)
-        if need == 0:
-            return True  # the usual decode: room left in the last block
+        need = pool.num_blocks_to_append(req.block_ids, target)
         while not pool.can_allocate(need):
             candidates = [r for r in self._running.values() if r.req_id not in state.scheduled]
             victim = self.policy.choose_victim(candidates, req, now)

@@ -68,6 +68,8 @@ from .step_planning import StepPlanning
 # Asked per appended token: did the output just complete a stop sequence?
 StopCheck = Callable[[str, int], bool]
 
+_RUNNING = RequestStatus.RUNNING  # per sequence a step: see deadline_estimates.py
+
 
 class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
     """Request queues, the device and host block pools, and the step plan.
@@ -244,23 +246,22 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         if req.first_token_time is None:
             req.first_token_time = now
         hit_stop = is_stopped is not None and is_stopped(req.req_id, token_id)
-        reason = self._stop_reason(req, token_id)
+        if not req.ignore_eos and token_id in req.eos_token_ids:
+            reason: FinishReason | None = FinishReason.EOS
+        else:
+            reason = self._limit_reason(req)
         if reason is None and hit_stop:
             reason = FinishReason.STOP_SEQUENCE
         if reason is not None:
             self._finish(req, reason, "")
             self._note_finish(now)
-        return RequestOutput(req.req_id, [token_id], reason)  # by position: see _add_seq
-
-    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
-        if not req.ignore_eos and token_id in req.eos_token_ids:
-            return FinishReason.EOS
-        return self._limit_reason(req)
+        return RequestOutput(req.req_id, [token_id], reason)
 
     def _limit_reason(self, req: Request) -> FinishReason | None:
-        if req.num_output_tokens >= req.max_new_tokens:
+        num_outputs = len(req.output_token_ids)  # per sampled token: no properties
+        if num_outputs >= req.max_new_tokens:
             return FinishReason.MAX_TOKENS
-        if req.num_tokens >= self.config.max_model_len:
+        if len(req.prompt_token_ids) + num_outputs >= self.config.max_model_len:
             return FinishReason.MAX_TOKENS
         return None
 
@@ -273,4 +274,4 @@ def _check_sampled(current: list[tuple[ScheduledSeq, Request]], sampled: Mapping
 
 def _is_current(seq: ScheduledSeq, req: Request) -> bool:
     """The request is still running and exactly where the plan left it."""
-    return req.status is RequestStatus.RUNNING and req.num_computed_tokens == seq.start_pos
+    return req.status is _RUNNING and req.num_computed_tokens == seq.start_pos

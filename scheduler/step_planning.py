@@ -11,6 +11,8 @@ from .request import Request, RequestStatus
 from .room import RoomMaking
 from .scheduler_state import _StepState
 
+_RUNNING = RequestStatus.RUNNING  # per running request a step: see deadline_estimates.py
+
 
 class StepPlanning(RoomMaking):
     """Schedules running, swapped and waiting work into the step."""
@@ -20,14 +22,16 @@ class StepPlanning(RoomMaking):
         for req in self.policy.order_running(self._running_list(), now):
             if state.token_budget == 0:
                 return
-            if req.status is not RequestStatus.RUNNING or req.req_id in self._paused:
+            if req.status is not _RUNNING or req.req_id in self._paused:
                 continue  # preempted as a victim earlier in this loop, or paused
             if req.req_id in self._at_limit:
                 continue  # its pending token is its last: see Scheduler.schedule
             available = state.token_budget
             if state.reservations:
                 available -= self._held(state, req, now)
-            num_new = self._shaped(state, req, min(req.num_uncomputed_tokens, available))
+            uncomputed = len(req.prompt_token_ids) + len(req.output_token_ids)
+            uncomputed -= req.num_computed_tokens
+            num_new = self._shaped(state, req, min(uncomputed, available))
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
                 self._add_seq(state, req, num_new)
 
@@ -94,16 +98,21 @@ class StepPlanning(RoomMaking):
 
     def _add_seq(self, state: _StepState, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
-        # Fields by position, in declaration order: keywords make the frozen
-        # dataclass's __init__ markedly slower, and this runs per sequence per step.
+        outputs = req.output_token_ids
+        num_prompt = len(req.prompt_token_ids)
+        if num_new == 1 and start >= num_prompt:  # a decode: its one output token
+            token_ids = [outputs[start - num_prompt]]
+        else:
+            token_ids = req.token_slice(start, start + num_new)
+        # Fields by position, in declaration order: this runs per sequence per step.
         state.seqs.append(
             ScheduledSeq(
                 req.req_id,  # req_id
-                req.token_slice(start, start + num_new),  # token_ids
+                token_ids,  # token_ids
                 start,  # start_pos
                 list(req.block_ids),  # block_ids
-                start + num_new == req.num_tokens,  # sample
-                req.num_output_tokens,  # output_index
+                start + num_new == num_prompt + len(outputs),  # sample
+                len(outputs),  # output_index
                 req.sampling,  # sampling
             )
         )
