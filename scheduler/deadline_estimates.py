@@ -179,9 +179,7 @@ class DeadlineEstimates:
         """``req``'s entry with its urgency at ``now``: exactly what
         ``is_hopeless``, ``effective_class`` and ``slack`` compute,
         memoized per epoch."""
-        if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
-            self._epoch += 1
-            self._epoch_now, self._epoch_step_s = now, self.loaded_step_s
+        epoch = self._epoch_at(now)
         # Per live request, twice a step: ``num_known_kv_tokens`` and
         # ``_entry`` inlined.
         status = req.status
@@ -201,10 +199,17 @@ class DeadlineEstimates:
         entry = self._entries.get(req.req_id)
         if entry is None:
             entry = self._entries[req.req_id] = _Entry()
-        elif entry.epoch == self._epoch and entry.signature == signature:
+        elif entry.epoch == epoch and entry.signature == signature:
             return entry
         self._new_urgency(entry, req, now, signature)
         return entry
+
+    def _epoch_at(self, now: float) -> int:
+        """The epoch of ``(now, loaded_step_s)``, a new one when either moved."""
+        if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
+            self._epoch += 1
+            self._epoch_now, self._epoch_step_s = now, self.loaded_step_s
+        return self._epoch
 
     def _new_urgency(self, entry: _Entry, req: Request, now: float, signature: _Signature) -> None:
         computed, outputs, status, deadline, first_token_deadline, _, _, arrival_index = signature
@@ -213,8 +218,7 @@ class DeadlineEstimates:
         has_limit = deadline is not None or first_token_deadline is not None
         if has_limit and entry.progress != (computed, outputs, status):
             self._new_estimate(entry, req, (computed, outputs, status))
-        priority = signature[5]
-        effective = priority if priority <= 0 else self.effective_class(req, now)
+        effective = _effective_class(signature[5], signature[6], now, self._aging_s)
         hopeless, latest, limit = False, math.inf, _DEADLINE
         # Loaded time counts against waiting / swapped work of a class above 0
         # only: see ``is_hopeless``.
@@ -243,10 +247,7 @@ class DeadlineEstimates:
         entry.key = (1.0 if hopeless else 0.0, float(effective), latest, float(arrival_index))
 
     def effective_class(self, req: Request, now: float) -> int:
-        if self._aging_s <= 0 or req.priority <= 0:
-            return req.priority
-        promoted = int((now - req.arrival_time) // self._aging_s)
-        return max(0, req.priority - promoted)
+        return _effective_class(req.priority, req.arrival_time, now, self._aging_s)
 
     def is_hopeless(self, req: Request, now: float) -> bool:
         """Waiting or swapped work: it would miss at the current load.
@@ -255,3 +256,10 @@ class DeadlineEstimates:
         that is making progress, and class 0 preempts its way in and so
         fares better than the average request."""
         return self._urgency_of(req, now).is_hopeless
+
+
+def _effective_class(priority: int, arrival_time: float, now: float, aging_s: float) -> int:
+    """``priority`` lowered by one per ``aging_s`` since arrival, down to 0."""
+    if aging_s <= 0 or priority <= 0:
+        return priority
+    return max(0, priority - int((now - arrival_time) // aging_s))

@@ -61,6 +61,7 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
         # (req_id, weight, shed class) of the arrival ``overload_refusal`` let
         # in, recorded by ``observe_arrival`` once the scheduler queued it.
         self._pending_arrival: tuple[str, float, int | None] | None = None
+        self._swept_epoch = -1  # the epoch of the latest ``abandon_reasons``
 
     # -- what the steps teach -------------------------------------------
 
@@ -148,9 +149,10 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
         if urgency_of(candidate, now).is_hopeless:
             return None
         eligible = [r for r in running if not self._is_protected(r, now)]
-        hopeless = [r for r in eligible if urgency_of(r, now).is_hopeless]
-        if hopeless:
-            return max(hopeless, key=lambda r: self.victim_key(r, now))
+        if not self._has_swept(now):
+            hopeless = [r for r in eligible if urgency_of(r, now).is_hopeless]
+            if hopeless:
+                return max(hopeless, key=lambda r: self.victim_key(r, now))
         least_urgent = max((r.priority for r in eligible), default=None)
         if least_urgent is None or least_urgent <= candidate.priority:
             return None
@@ -275,13 +277,24 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
         return self._abandon_message(req, now)
 
     def abandon_reasons(self, live: Iterable[Request], now: float) -> list[tuple[Request, str]]:
+        """The scheduler ends every request returned: until the epoch moves
+        on, no running request is hopeless (``_has_swept``)."""
         urgency_of = self._urgency_of
-        return [
+        reasons = [
             (req, self._abandon_message(req, now))
             for req in live
             if (req.deadline is not None or req.first_token_deadline is not None)
             and urgency_of(req, now).is_hopeless
         ]
+        self._swept_epoch = self._epoch_at(now)
+        return reasons
+
+    def _has_swept(self, now: float) -> bool:
+        """Whether ``abandon_reasons`` ran at this epoch: then every running
+        request is known not hopeless (a running request's urgency changes
+        only with its progress, and planning makes none), and nothing needs
+        asking each one again."""
+        return self._swept_epoch == self._epoch_at(now)
 
     def _abandon_message(self, req: Request, now: float) -> str:
         entry = self._urgency_of(req, now)

@@ -155,8 +155,9 @@ class SchedulingPolicy(abc.ABC):
     def abandon_reasons(self, live: Iterable[Request], now: float) -> list[tuple[Request, str]]:
         """``(req, abandon_reason(req, now))`` for each request of ``live``
         that has a time limit and a non-empty reason, in ``live``'s order: what
-        the scheduler asks once per step about all its live requests. An
-        override may only be faster, never different."""
+        the scheduler asks once per step about all its live requests, before
+        anything else, ending each request returned. An override may only be
+        faster, never different."""
         if type(self).abandon_reason is SchedulingPolicy.abandon_reason:
             return []  # the default never abandons: no need to ask about each request
         return [
