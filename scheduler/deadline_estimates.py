@@ -179,7 +179,9 @@ class DeadlineEstimates:
         """``req``'s entry with its urgency at ``now``: exactly what
         ``is_hopeless``, ``effective_class`` and ``slack`` compute,
         memoized per epoch."""
-        epoch = self._epoch_at(now)
+        if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
+            self._epoch_at(now)  # a new epoch (checked here first: a call per request costs)
+        epoch = self._epoch
         # Per live request, twice a step: ``num_known_kv_tokens`` and
         # ``_entry`` inlined.
         status = req.status
