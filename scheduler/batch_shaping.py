@@ -168,7 +168,8 @@ class BatchShaper:
         self._steps_of = steps_of
         self._budgets: list[tuple[int, float, float]] = []
         self._now = now
-        self._last: tuple[Request | None, int, float] = (None, 0, 0.0)  # fit's cost, for commit
+        # fit's cost and kind of the candidate it let in, for its commit
+        self._last: tuple[Request | None, int, float, bool] = (None, 0, 0.0, False)
 
     @property
     def predicted_step_s(self) -> float:
@@ -197,19 +198,18 @@ class BatchShaper:
         work of a more urgent class (class 0: of class 0 too)."""
         if num_new <= 0:
             return 0
+        is_decode = _is_decode(req, num_new)
         limit = self._ceiling_above(req.priority)
         if req.priority > 0 and self._num_admitted:  # never the first candidate
             limit = min(limit, self._reserve_s)
-        if self._prefill_step_s > 0 and not self._affords_prefill_step(req, num_new):
+        if self._prefill_step_s > 0 and not self._affords_prefill_step(req, is_decode):
             return 0
+        cost = self._cost(req, num_new, is_decode)
         spare = limit - self._step_s
-        if spare == math.inf:
+        if cost <= spare:  # always, below no ceiling (+inf)
+            self._last = (req, num_new, cost, is_decode)
             return num_new
-        cost = self._cost(req, num_new)
-        if cost <= spare:
-            self._last = (req, num_new, cost)
-            return num_new
-        if not _is_decode(req, num_new):
+        if not is_decode:
             # Shorten a prefill chunk: each token costs its prefill and its context.
             per_token = self._prefill_s + self._context_s
             fixed = self._context_s * req.num_computed_tokens
@@ -221,9 +221,10 @@ class BatchShaper:
     def commit(self, req: Request, num_new: int) -> None:
         """``req`` runs ``num_new`` tokens this step: its cost joins the step
         and its ceiling (if it can still be met) joins the constraints."""
-        last_req, last_num, cost = self._last
+        last_req, last_num, cost, is_decode = self._last
         if last_req is not req or last_num != num_new:
-            cost = self._cost(req, num_new)
+            is_decode = _is_decode(req, num_new)
+            cost = self._cost(req, num_new, is_decode)
         self._step_s += cost
         self._num_admitted += 1
         ceiling = self._ceiling_of(req, self._now)
@@ -231,17 +232,17 @@ class BatchShaper:
             self._ceilings[req.priority] = ceiling
             self._above.clear()
         if self._prefill_step_s > 0:  # kept only where a step has such a cost
-            if not self._has_prefill and not _is_decode(req, num_new):
+            if not self._has_prefill and not is_decode:
                 self._has_prefill = True
             if self._steps_of is not None and self._step_s <= ceiling < math.inf:
                 steps = self._steps_of(req)
                 self._budgets.append((req.priority, ceiling * steps, steps))
 
-    def _affords_prefill_step(self, req: Request, num_new: int) -> bool:
+    def _affords_prefill_step(self, req: Request, is_decode: bool) -> bool:
         """Whether the admitted work of a more urgent class (class 0: of
         class 0 too) can pay the step's fixed cost of holding a prefill out
         of its slack, should ``req`` be the step's first prefill."""
-        if self._has_prefill or _is_decode(req, num_new):
+        if self._has_prefill or is_decode:
             return True
         if req.priority >= self._prefill_step_refused:
             return False
@@ -254,10 +255,10 @@ class BatchShaper:
             self._prefill_step_refused = req.priority
         return not refused
 
-    def _cost(self, req: Request, num_new: int) -> float:
+    def _cost(self, req: Request, num_new: int, is_decode: bool) -> float:
         computed = req.num_computed_tokens
         context = self._context_s * (computed + num_new)
-        if _is_decode(req, num_new):
+        if is_decode:
             return self._decode_s + context
         return self._prefill_s * num_new + context
 
