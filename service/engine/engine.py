@@ -399,15 +399,15 @@ class Engine:
             text, live.pending_text = "".join(live.pending_text), []
             if out.new_token_ids:
                 live.on_event(
-                    TokenEvent(
-                        req_id=out.req_id,
-                        token_ids=list(out.new_token_ids),
-                        text=text,
-                        index=live.state.num_output_tokens - len(out.new_token_ids),
-                        step=plan.step,
-                        batch_id=plan.step,
-                        batch_size=batch_size,
-                        queue_wait_s=_queue_wait(live.state, now),
+                    TokenEvent(  # by position, in declaration order: per request per step
+                        out.req_id,  # req_id
+                        list(out.new_token_ids),  # token_ids
+                        text,  # text
+                        live.state.num_output_tokens - len(out.new_token_ids),  # index
+                        plan.step,  # step
+                        plan.step,  # batch_id
+                        batch_size,  # batch_size
+                        _queue_wait(live.state, now),  # queue_wait_s
                     )
                 )
             if out.finish_reason is not None:
