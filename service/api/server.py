@@ -37,6 +37,7 @@ from slipstream.service.api.servicer import InferenceServicer, add_to_server
 from slipstream.service.api.status import finish_status
 from slipstream.service.api.tls import CertificateFiles, ServerTLS
 from slipstream.service.api.workers import WorkerPool
+from slipstream.service.engine.gc_heap import frozen_heap
 from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -298,13 +299,15 @@ async def run(
         raise StartupFailed(startup_message(exc)) from None
     if telemetry is not None:
         telemetry.attach(engine)
-    await lifecycle.serve(engine)
-    log.info("server_serving", host=host, port=bound, model=engine.info.name)
-    if on_ready is not None:
-        on_ready(bound, engine)
-    await stop.wait()
-    log.info("server_draining", grace_s=grace_s)
-    await shutdown(server, lifecycle, grace_s, http)
+    # Before SERVING: the one collection it makes stops every thread (gc_heap.py).
+    with frozen_heap():
+        await lifecycle.serve(engine)
+        log.info("server_serving", host=host, port=bound, model=engine.info.name)
+        if on_ready is not None:
+            on_ready(bound, engine)
+        await stop.wait()
+        log.info("server_draining", grace_s=grace_s)
+        await shutdown(server, lifecycle, grace_s, http)
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)
     log.info("server_stopped")

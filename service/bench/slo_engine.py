@@ -84,6 +84,7 @@ from slipstream.service.engine.events import (
     RequestSpec,
     TokenEvent,
 )
+from slipstream.service.engine.gc_heap import frozen_heap
 from slipstream.service.engine.loader import load_parts
 from slipstream.service.engine.runner import kv_bytes_per_block
 from slipstream.service.models.llama import LlamaModel
@@ -220,12 +221,14 @@ class Bench:
 
 @contextmanager
 def started_bench(opts: SloOptions) -> Iterator[Bench]:
-    """The engines started and measured; shut down on exit."""
+    """The engines started and measured; shut down on exit. The heap is
+    frozen for the collector while they run, as the server freezes it."""
     rigs, cost = start_engines(opts)
     try:
-        first = rigs[opts.policies[0]].engine
-        yardstick, scale = deadline_yardstick(opts, first, cost)
-        yield Bench(rigs, cost, yardstick, scale, measure_capacity(opts, first))
+        with frozen_heap():
+            first = rigs[opts.policies[0]].engine
+            yardstick, scale = deadline_yardstick(opts, first, cost)
+            yield Bench(rigs, cost, yardstick, scale, measure_capacity(opts, first))
     finally:
         for rig in rigs.values():
             rig.engine.shutdown()
