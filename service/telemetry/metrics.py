@@ -20,6 +20,8 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_engine_steps_total                           counter
     slipstream_engine_host_seconds_total{phase}             counter (the engine thread's time:
                                                             planning|launch|device_wait|update|publish)
+    slipstream_gc_pause_seconds{generation}                 histogram (Python's collector: every
+                                                            thread stops while it runs)
     slipstream_preemptions_total{kind=swap|recompute}       counter
     slipstream_prefix_cache_queried_tokens_total            counter (looked up at admission)
     slipstream_prefix_cache_hit_tokens_total                counter (of those, found cached)
@@ -64,11 +66,12 @@ from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from slipstream.scheduler.request import FinishReason, RejectCause, Request
+from slipstream.service.telemetry.gc_pauses import GC_PAUSE_BUCKETS, GcPauses, gc_pauses
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -206,6 +209,29 @@ class _EngineCollector(Collector):
         yield from _prefix_cache_metrics(stats.prefix_cache)
 
 
+class _GcCollector(Collector):
+    """Scrape-time histogram of the process's collector pauses (``gc_pauses.py``)."""
+
+    def __init__(self, pauses: GcPauses) -> None:
+        self._pauses = pauses
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(
+            "slipstream_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector, by generation (2: a full collection); "
+            "every thread stops while one runs",
+            labels=["generation"],
+        )
+        bounds = [*(repr(b) for b in GC_PAUSE_BUCKETS), "+Inf"]
+        for generation, (counts, total) in enumerate(self._pauses.snapshot()):
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, counts, strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric([str(generation)], buckets, total)
+        yield family
+
+
 def _capacity_metrics(stats: EngineStats) -> Iterator[Metric]:
     """Refusals at the door for capacity by class and reason, and the load
     estimate that decides the ``overloaded`` ones."""
@@ -276,6 +302,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._engine_collector = _EngineCollector()
         self.registry.register(self._engine_collector)
+        self.registry.register(_GcCollector(gc_pauses()))
         labels = ["priority"]
         self.rejections = Counter(
             "slipstream_rejections",

@@ -276,3 +276,22 @@ def test_device_memory_is_a_gauge_on_a_gpu_only() -> None:
     assert on_gpu.registry.get_sample_value(name, {"state": "used"}) == 30 << 30
     assert on_gpu.registry.get_sample_value(name, {"state": "free"}) == 50 << 30
     assert on_cpu.registry.get_sample_value(name, {"state": "used"}) is None
+
+
+def test_collector_pauses_are_a_histogram_by_generation(
+    setup: tuple[ServerThread, Callable[[], Samples]],
+) -> None:
+    import gc
+
+    _, scrape = setup
+    before = scrape()
+    gc.collect()  # a full collection, on this thread: every thread stops for it
+    gc.collect(0)
+    after = scrape()
+    for generation in ("0", "2"):
+        count = ("slipstream_gc_pause_seconds_count", (("generation", generation),))
+        assert after[count] >= before.get(count, 0.0) + 1
+        total_s = after[("slipstream_gc_pause_seconds_sum", (("generation", generation),))]
+        assert total_s > 0
+        inf = ("slipstream_gc_pause_seconds_bucket", (("generation", generation), ("le", "+Inf")))
+        assert after[inf] == after[count]  # the last bucket holds every collection
