@@ -37,7 +37,7 @@ class TokenEvent(NamedTuple):
     output index of ``token_ids[0]``; ``text`` is the detokenized delta (it
     may lag the ids by a few bytes until a UTF-8 character is complete).
     Made per request per step on the engine thread: a named tuple, built in
-    a third of a frozen dataclass's time and as immutable."""
+    a quarter of a frozen dataclass's time and as immutable."""
 
     req_id: str
     token_ids: list[int]
