@@ -1,17 +1,18 @@
 """The start-up heap, frozen for the cyclic garbage collector while serving.
 
-A loaded engine's process holds ~360,000 objects the collector tracks
+A loaded server's process holds ~390,000 objects the collector tracks
 (torch, Triton, transformers, the tokenizer, gRPC), nearly all of them alive
 until exit. CPython's full collection walks every one of them, with every
-thread stopped: measured on the server under load (`tiny`, `bench serve`
-at 50 requests/s, a 2-core AMD EPYC Zen 3), a full collection every 11-16 s
-of 235-288 ms — a quarter of a second in which no token is made and no
-deadline is kept. ``gc.freeze()`` after start-up moves those objects to the
-permanent generation, which the collector skips; collections then walk only
-what serving allocates. Reference counting frees what serving drops as
-before; only reference cycles among the frozen objects outlive it, until
-``gc.unfreeze()`` at shutdown (which also lets extension modules find their
-objects freed at exit).
+thread stopped: measured on the server overloaded (`tiny`, `bench serve`
+at 50 requests/s, a 2-core AMD EPYC Zen 3; its backlog keeps objects
+alive), a full collection every 11-16 s of 235-288 ms — a quarter of a
+second in which no token is made and no deadline is kept. ``gc.freeze()``
+after start-up moves those objects to the permanent generation, which the
+collector skips; collections then walk only what serving allocates.
+Reference counting frees what serving drops as before; only reference
+cycles among the frozen objects outlive it, until ``gc.unfreeze()`` at
+shutdown (which also lets extension modules find their objects freed at
+exit).
 """
 
 from __future__ import annotations
