@@ -129,11 +129,7 @@ class DeadlineEstimates:
 
     def _estimate(self, req: Request) -> _Entry:
         """``req``'s entry with its estimate up to date."""
-        status = req.status
-        computed = req.num_computed_tokens
-        if status is _WAITING:  # ``num_known_kv_tokens``, inlined: see _urgency_of
-            computed = max(computed, req.num_prefix_hit_tokens)
-        progress = (computed, len(req.output_token_ids), status)
+        progress = (req.num_known_kv_tokens, len(req.output_token_ids), req.status)
         entry = self._entries.get(req.req_id)
         if entry is None:
             entry = self._entries[req.req_id] = _Entry()
@@ -182,8 +178,7 @@ class DeadlineEstimates:
         if now != self._epoch_now or self.loaded_step_s != self._epoch_step_s:
             self._epoch_at(now)  # a new epoch (checked here first: a call per request costs)
         epoch = self._epoch
-        # Per live request, twice a step: ``num_known_kv_tokens`` and
-        # ``_entry`` inlined.
+        # Per live request, twice a step: ``num_known_kv_tokens`` inlined.
         status = req.status
         computed = req.num_computed_tokens
         if status is _WAITING:

@@ -98,21 +98,16 @@ class StepPlanning(RoomMaking):
 
     def _add_seq(self, state: _StepState, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
-        outputs = req.output_token_ids
-        num_prompt = len(req.prompt_token_ids)
-        if num_new == 1 and start >= num_prompt:  # a decode: its one output token
-            token_ids = [outputs[start - num_prompt]]
-        else:
-            token_ids = req.token_slice(start, start + num_new)
+        num_outputs = len(req.output_token_ids)
         # Fields by position, in declaration order: this runs per sequence per step.
         state.seqs.append(
             ScheduledSeq(
                 req.req_id,  # req_id
-                token_ids,  # token_ids
+                req.token_slice(start, start + num_new),  # token_ids
                 start,  # start_pos
                 list(req.block_ids),  # block_ids
-                start + num_new == num_prompt + len(outputs),  # sample
-                len(outputs),  # output_index
+                start + num_new == len(req.prompt_token_ids) + num_outputs,  # sample
+                num_outputs,  # output_index
                 req.sampling,  # sampling
             )
         )
