@@ -21,11 +21,17 @@ prefill kernels launched eagerly::
     ...
     piece L      o_proj; add+RMSNorm; MLP; add                  (last layer)
     tail         eager: the final norm of the sampled rows, the LM head
+                 (a whole step holds it in its graph)
 
 An eager step is ~10 launches a layer, each costing the host more than the
 GPU takes to run it; through the pieces it is one graph and the attention's
-one to four (with decodes: their kernel, its split reduction, buffers); as
-a whole step, one graph for the step.
+one to four (with decodes: their kernel, its split reduction, buffers) and
+the tail's; as a whole step, one graph for the step, tail included: it
+gathers a fixed ``sampled_rows_for(T)`` rows (the staged sample indices,
+padded with token 0) and the step's logits are the first rows of its
+output. The LM head then runs over up to ``max_num_seqs`` rows where the
+step samples a few (on an H200, microseconds of GPU time a step) instead of
+the tail's launches (~0.37 ms of host time a step on that machine's host).
 
 A step of n tokens runs at the smallest bucket ``T >= n``: tokens ``n .. T``
 are padding (token 0, position 0, slot -1: the KV write skips them, no
@@ -58,6 +64,7 @@ from slipstream.kernels.triton_paged_varlen import paged_varlen, varlen_programs
 from slipstream.service.engine.config import WHOLE_STEP_MAX_CONTEXT
 from slipstream.service.engine.cuda_graphs import GraphStats, bucket_for, capture_sizes
 from slipstream.service.engine.staged_attention import StagedAttentionMetadata
+from slipstream.service.engine.staging import sampled_rows_for
 from slipstream.service.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -78,15 +85,17 @@ def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     return [*sizes, max_tokens]
 
 
-def layer_graph_bytes(model: LlamaModel, max_tokens: int) -> int:
+def layer_graph_bytes(model: LlamaModel, max_tokens: int, max_seqs: int) -> int:
     """A bound on the memory ``LayerGraphs`` of ``max_tokens`` takes: twice
-    what it keeps, i.e. the two fixed buffers, every bucket's held qkv
-    outputs (the buckets double, so their tokens sum to under twice the
+    what it keeps, i.e. the three fixed buffers (the residual stream, the
+    attention output, the whole steps' float32 logits), every bucket's held
+    qkv outputs (the buckets double, so their tokens sum to under twice the
     largest) and the largest piece's scratch (normed input, gate/up and its
-    product; a whole-step graph's also a layer's qkv). Twice, for the
-    caching allocator's segments around them: on an H200 (smollm2-shape,
-    bf16, 512 tokens) the pieces' captures took 107 MB of graph pool for the
-    66 MB counted here once. 0 for ``max_tokens`` 0."""
+    product; a whole-step graph's also a layer's qkv and its tail's gathered
+    rows and LM head output). Twice, for the caching allocator's segments
+    around them: on an H200 (smollm2-shape, bf16, 512 tokens) the pieces'
+    captures took 107 MB of graph pool for the 66 MB counted here once
+    (before the logits buffer). 0 for ``max_tokens`` 0."""
     if max_tokens <= 0:
         return 0
     cfg = model.config
@@ -94,8 +103,10 @@ def layer_graph_bytes(model: LlamaModel, max_tokens: int) -> int:
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     buffers = max_tokens * (cfg.hidden_size + cfg.num_heads * cfg.head_dim)
     held = 2 * max_tokens * cfg.num_layers * qkv
+    rows = sampled_rows_for(max_tokens, max_seqs)
     scratch = max_tokens * (2 * cfg.hidden_size + 3 * cfg.intermediate_size + qkv)
-    return 2 * (buffers + held + scratch) * element
+    scratch += rows * (cfg.hidden_size + cfg.vocab_size)
+    return 2 * ((buffers + held + scratch) * element + rows * cfg.vocab_size * 4)
 
 
 class LayerGraphs:
@@ -125,8 +136,11 @@ class LayerGraphs:
         self._attn = torch.zeros(
             max_tokens, cfg.num_heads, cfg.head_dim, dtype=model.dtype, device=device
         )
+        # Every bucket's whole step writes its logits here: one buffer, not one a graph.
+        rows = sampled_rows_for(max_tokens, max_seqs)
+        self._logits = torch.zeros(rows, cfg.vocab_size, dtype=torch.float32, device=device)
         # Per bucket, per piece: the graph and the q it leaves (None: the last
-        # piece), then the whole step's graph (None).
+        # piece), then the whole step's graph (None: its logits are ``_logits``).
         self._graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]]] = {}
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -146,8 +160,8 @@ class LayerGraphs:
                 graphs[-1][0].replay()
             else:
                 self._whole_step(size)
-        else:
-            self._pieces(size, meta, graphs)
+            return self._logits[: sample_indices.shape[0]]  # the staged rows, then the padding's
+        self._pieces(size, meta, graphs)
         return model.sampled_logits(self._x[:size], sample_indices, model.fused_elementwise_ops())
 
     def _pieces(
@@ -174,18 +188,26 @@ class LayerGraphs:
 
     def _whole_step(self, size: int) -> None:
         """Every piece at ``size`` tokens with each layer's attention in one
-        varlen launch over the staged views: the body of a whole-step graph."""
-        views = self._views
+        varlen launch over the staged views, then the tail over the first
+        ``sampled_rows_for(size)`` staged sample indices (padded with token
+        0) into ``_logits``: the body of a whole-step graph."""
+        model, views = self.model, self._views
+        ops = model.fused_elementwise_ops()
         programs = varlen_programs(size, min(size, self._max_seqs), self._group)
-        for i in range(len(self.model.layers) + 1):
+        for i in range(len(model.layers) + 1):
             q = self._piece(i, size)
             if q is not None:
                 k_cache, v_cache = self._kv[i]
                 paged_varlen(
                     q, k_cache, v_cache, views["block_tables"], views["seq_lens_i32"],
-                    views["query_start_loc"], views["num_rows"], programs, self.model.scale,
+                    views["query_start_loc"], views["num_rows"], programs, model.scale,
                     out=self._attn[:size], check=i == 0,
                 )  # fmt: skip
+        rows = sampled_rows_for(size, self._max_seqs)
+        h = self._x[:size][views["sample_indices"][:rows]]
+        # LlamaModel.sampled_logits' norm and LM head; widened into the kept buffer
+        h = ops.rms_norm(h, model.norm, model.config.rms_norm_eps)
+        self._logits[:rows].copy_(model.lm_head(h))
 
     def _piece(self, i: int, size: int) -> torch.Tensor | None:
         """Piece ``i`` at ``size`` tokens; returns layer i's q (None: the last piece)."""

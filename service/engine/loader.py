@@ -173,7 +173,11 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
         config.max_num_batched_tokens,
         config.max_num_seqs,
         torch.empty((), dtype=dtype).element_size(),
-    ) + layer_graph_bytes(model, min(config.prefill_graph_tokens, config.max_num_batched_tokens))
+    ) + layer_graph_bytes(
+        model,
+        min(config.prefill_graph_tokens, config.max_num_batched_tokens),
+        config.max_num_seqs,
+    )
     device_blocks = config.num_device_blocks or kv_blocks_for_gpu_memory(
         free_bytes, config.gpu_memory_fraction, per_block, reserve
     )

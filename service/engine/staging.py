@@ -239,7 +239,9 @@ def stage_step(
     slot -1 (the KV write skips it), length 1 over block 0 (read, never written).
     ``pad_tokens_to`` (any step, not with ``pad_to``) adds padding tokens up
     to that many tokens, owned by no row: token 0 at position 0, slot -1;
-    the attention never reads them as queries.
+    the attention never reads them as queries. It also pads
+    ``sample_indices`` with token 0 up to ``sampled_rows_for`` the padded
+    tokens: a graph that gathers that many rows reads staged tokens only.
     ``previous_rows``: req_id -> row of the previous step's sampled ids, for
     the plan's ``PENDING_TOKEN``s (a plan made ahead of that step's results):
     each is staged as token 0 with its position among the step's tokens and
@@ -317,6 +319,9 @@ def stage_step(
     _put(arrays, "decode_token_ids", [starts[b] for b in decode])
     _put(arrays, "prefill_seq_ids", prefill)
     _put(arrays, "sample_indices", sample_indices)
+    if pad_tokens_to is not None:
+        rows = sampled_rows_for(padded_tokens, layout.max_num_seqs)
+        arrays["sample_indices"][len(sample_indices) : rows] = 0
     _put(arrays, "pending_positions", pending_positions)
     _put(arrays, "pending_rows", pending_rows)
     sampling = plan_sampling(
@@ -348,6 +353,12 @@ def stage_step(
         num_pending=len(pending_positions),
         padded_tokens=padded_tokens,
     )
+
+
+def sampled_rows_for(num_tokens: int, max_num_seqs: int) -> int:
+    """The sampled rows a step padded to ``num_tokens`` tokens stages: at
+    most one a sequence, and a sequence has a token."""
+    return min(num_tokens, max_num_seqs)
 
 
 def resolve_pending_tokens(

@@ -121,9 +121,15 @@ def test_steps_through_layer_pieces_give_the_model_runners_tokens(
             return _original(*args)
 
         monkeypatch.setattr(graphs, name, counted)
+    tails = []  # the eager tail: the pieces' only; a whole step holds its own
+    sampled_logits = staged_model.sampled_logits
+    monkeypatch.setattr(
+        staged_model, "sampled_logits", lambda *a: tails.append(1) or sampled_logits(*a)
+    )
     assert _generate(runner, prompts, 4) == expected
     # The prefill step (no decodes: whole either way), then three steps of 3 decodes.
     assert calls == ({"whole": 4, "pieces": 0} if whole_max_context else {"whole": 1, "pieces": 3})
+    assert len(tails) == calls["pieces"]
     for k_cache, v_cache in runner.device_pool:
         assert not k_cache[12:].any() and not v_cache[12:].any()  # blocks 0-11 are the prompts'
     longer = [[5] * 25, [6] * 15]  # 40 tokens: above the largest bucket, eager
@@ -134,9 +140,9 @@ def test_steps_through_layer_pieces_give_the_model_runners_tokens(
 
 def test_layer_graph_memory_bound_covers_what_the_pieces_keep(models):
     """``layer_graph_bytes`` (set aside before the KV pool is sized) is
-    twice the buffers and every bucket's held q outputs that a capture keeps
-    (the other half: the allocator's segments around them on a GPU), and
-    not much more."""
+    twice the buffers (the whole steps' logits among them) and every
+    bucket's held q outputs that a capture keeps (the other half: the
+    allocator's segments around them on a GPU), and not much more."""
     _, staged = models
     runner = DeviceRunner(
         staged, 32, 8, BLOCK, device=CPU, max_num_seqs=8, max_num_batched_tokens=64,
@@ -144,14 +150,15 @@ def test_layer_graph_memory_bound_covers_what_the_pieces_keep(models):
     )  # fmt: skip
     graphs = runner._layer_graphs
     assert graphs is not None
-    kept = graphs._x.nbytes + graphs._attn.nbytes
+    kept = graphs._x.nbytes + graphs._attn.nbytes + graphs._logits.nbytes
+    assert graphs._logits.shape == (8, staged.config.vocab_size)  # max_num_seqs rows
     for size in graphs.sizes:
         runner._prepare_layer_graphs(size)
         for i in range(len(staged.layers) + 1):
             q = graphs._piece(i, size)
             kept += 0 if q is None else q.untyped_storage().nbytes()
-    assert 2 * kept <= layer_graph_bytes(staged, 64) < 4 * kept
-    assert layer_graph_bytes(staged, 0) == 0
+    assert 2 * kept <= layer_graph_bytes(staged, 64, 8) < 4 * kept
+    assert layer_graph_bytes(staged, 0, 8) == 0
 
 
 @pytest.mark.parametrize("prefill_graph_tokens", [0, 32], ids=["eager", "layer-pieces"])

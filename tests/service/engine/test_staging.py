@@ -201,6 +201,13 @@ def test_a_step_padded_by_tokens():
         assert views[name][:4].tolist() == plain_views[name][:4].tolist(), name
     assert views["num_rows"].tolist() == [3]  # the sequences: padding tokens own no row
     assert (step.num_decodes, step.num_prefills, step.sampled_req_ids) == (1, 2, ["a", "c"])
+    # A whole-step graph gathers min(16 tokens, 8 seqs) rows: the sampled
+    # ones, then token 0, over whatever an earlier step left there.
+    sampled = plain_views["sample_indices"][:2].tolist()
+    assert views["sample_indices"][:8].tolist() == sampled + [0] * 6
+    views["sample_indices"].fill_(99)
+    stage_step(_mixed_plan(), buffers, BLOCK, 100, pad_tokens_to=16)
+    assert views["sample_indices"][:8].tolist() == sampled + [0] * 6
     with pytest.raises(ValueError, match="tokens exceed"):
         stage_step(_mixed_plan(), buffers, BLOCK, 100, pad_tokens_to=65)
     decode = StepPlan(step=2, seqs=[_seq("a", [5], 6, [3, 1])])
