@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -250,11 +251,14 @@ def stage_step(
     arrays = buffers.host_arrays
     num_seqs = len(plan.seqs)
     num_rows = num_seqs if pad_to is None else pad_to
-    _check_capacity(plan, layout, block_size, num_rows, pad_tokens_to or 0)
-    if pad_to is not None and not is_decode_only(plan):
-        raise ValueError("only decode-only steps are padded")
+    if num_rows < num_seqs or num_rows > layout.max_num_seqs:
+        raise ValueError(
+            f"a step of {num_seqs} sequences padded to {num_rows} rows does not fit "
+            f"{layout.max_num_seqs} staged rows"
+        )
     if pad_to is not None and pad_tokens_to is not None:
         raise ValueError("a step is padded by rows or by tokens, not both")
+    max_blocks = layout.max_blocks_per_seq
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -263,38 +267,62 @@ def stage_step(
     starts = [0]
     sample_indices: list[int] = []
     sampled = []
+    tables = []
+    decode: list[int] = []  # rows of one token
+    prefill: list[int] = []
+    max_decode_len = max_prefill_len = 0
     pending_positions: list[int] = []  # a pending token's index among the step's tokens
     pending_rows: list[int] = []  # its sample's row in the previous step's ids
+    # Bound methods: this loop runs per sequence per step.
+    add_token, add_position, add_slot = token_ids.append, positions.append, slots.append
+    add_query_len, add_seq_len, add_start = query_lens.append, seq_lens.append, starts.append
+    add_table, add_decode = tables.append, decode.append
     end = 0  # tokens staged so far
-    for seq in plan.seqs:
+    for row, seq in enumerate(plan.seqs):
         tokens, start, blocks = seq.token_ids, seq.start_pos, seq.block_ids
         num_new = len(tokens)
         end_pos = start + num_new
+        if len(blocks) > max_blocks or len(blocks) * block_size < end_pos:
+            _refuse_blocks(seq.req_id, len(blocks), max_blocks)
         if num_new == 1:  # a decode (or a one-token chunk): most rows of a large step
             if tokens[0] == PENDING_TOKEN:
-                token_ids.append(0)  # put in on the device: ``resolve_pending_tokens``
+                add_token(0)  # put in on the device: ``resolve_pending_tokens``
                 pending_positions.append(end)
                 pending_rows.append(_pending_row(previous_rows, seq.req_id))
             else:
-                token_ids.append(tokens[0])
-            positions.append(start)
-            slots.append(blocks[start // block_size] * block_size + start % block_size)
+                add_token(tokens[0])
+            add_position(start)
+            add_slot(blocks[start // block_size] * block_size + start % block_size)
+            add_decode(row)
+            if end_pos > max_decode_len:
+                max_decode_len = end_pos
         else:
+            if pad_to is not None:
+                raise ValueError("only decode-only steps are padded")
             token_ids.extend(tokens)
             positions.extend(range(start, end_pos))
             slots.extend(
                 blocks[pos // block_size] * block_size + pos % block_size
                 for pos in range(start, end_pos)
             )
-        query_lens.append(num_new)
-        seq_lens.append(end_pos)
+            prefill.append(row)
+            if num_new > max_prefill_len:
+                max_prefill_len = num_new
+        add_query_len(num_new)
+        add_seq_len(end_pos)
+        add_table(blocks)
         end += num_new
-        starts.append(end)
+        add_start(end)
         if seq.sample:
             sample_indices.append(end - 1)
             sampled.append(seq)
-    buffers.write_block_tables([seq.block_ids for seq in plan.seqs], num_rows)
     num_pad = num_rows - num_seqs
+    if max(end + num_pad, pad_tokens_to or 0) > layout.max_num_tokens:
+        raise ValueError(
+            f"{max(end + num_pad, pad_tokens_to or 0)} tokens exceed the "
+            f"{layout.max_num_tokens} staged"
+        )
+    buffers.write_block_tables(tables, num_rows)
     token_ids.extend([0] * num_pad)
     positions.extend([0] * num_pad)
     slots.extend([-1] * num_pad)
@@ -306,8 +334,9 @@ def stage_step(
     token_ids.extend([0] * token_pad)
     positions.extend([0] * token_pad)
     slots.extend([-1] * token_pad)
-    decode = [b for b in range(num_rows) if b >= num_seqs or query_lens[b] == 1]
-    prefill = [b for b in range(num_seqs) if query_lens[b] > 1]
+    if num_pad:
+        decode.extend(range(num_seqs, num_rows))
+        max_decode_len = max(max_decode_len, 1)
     _put(arrays, "token_ids", token_ids)
     _put(arrays, "positions", positions)
     _put(arrays, "slot_mapping", slots)
@@ -346,8 +375,8 @@ def stage_step(
         seq_lens=all_lens,
         num_decodes=len(decode),
         num_prefills=len(prefill),
-        max_decode_len=max((all_lens[b] for b in decode), default=0),
-        max_prefill_query_len=max((query_lens[b] for b in prefill), default=0),
+        max_decode_len=max_decode_len,
+        max_prefill_query_len=max_prefill_len,
         sampled_req_ids=[s.req_id for s in sampled],
         sampling=sampling,
         num_pending=len(pending_positions),
@@ -389,22 +418,10 @@ def _put(arrays: dict[str, np.ndarray], name: str, values: list[int] | list[floa
     arrays[name][: len(values)] = values
 
 
-def _check_capacity(
-    plan: StepPlan, layout: StagingLayout, block_size: int, num_rows: int, pad_tokens_to: int
-) -> None:
-    if num_rows < len(plan.seqs) or num_rows > layout.max_num_seqs:
+def _refuse_blocks(req_id: str, num_blocks: int, max_blocks: int) -> NoReturn:
+    if num_blocks > max_blocks:
         raise ValueError(
-            f"a step of {len(plan.seqs)} sequences padded to {num_rows} rows does not fit "
-            f"{layout.max_num_seqs} staged rows"
+            f"request {req_id} holds {num_blocks} blocks; "
+            f"at most {max_blocks} per sequence are staged"
         )
-    num_tokens = max(plan.num_tokens + num_rows - len(plan.seqs), pad_tokens_to)
-    if num_tokens > layout.max_num_tokens:
-        raise ValueError(f"{num_tokens} tokens exceed the {layout.max_num_tokens} staged")
-    for seq in plan.seqs:
-        if len(seq.block_ids) > layout.max_blocks_per_seq:
-            raise ValueError(
-                f"request {seq.req_id} holds {len(seq.block_ids)} blocks; "
-                f"at most {layout.max_blocks_per_seq} per sequence are staged"
-            )
-        if len(seq.block_ids) * block_size < seq.start_pos + len(seq.token_ids):
-            raise ValueError(f"request {seq.req_id}: its blocks cannot hold its tokens")
+    raise ValueError(f"request {req_id}: its blocks cannot hold its tokens")
