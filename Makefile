@@ -55,10 +55,12 @@ unit: $(STAMP) protos
 # machine can execute ($SLIPSTREAM_CPU, see kernels/cpu_answer.py): AVX2 and
 # float32 on an AVX-512 or bf16 machine, no oneDNN packing on an AVX2-only one.
 # So a test that assumes one kind of CPU fails on either kind. Left out: the
-# Triton kernels under the interpreter and the spawned-server soak, which run
-# the same whatever the CPU answers.
+# Triton kernels under the interpreter (also the GPU runner's tests, which run
+# them there), and the spawned-server soak, which run the same whatever the
+# CPU answers.
 CPU_TESTS := tests/kernels tests/bench tests/service/engine tests/service/test_kernels_cli.py \
-	--ignore-glob='tests/kernels/test_triton_*' --ignore=tests/bench/test_soak_refusals.py
+	--ignore-glob='tests/kernels/test_triton_*' --ignore=tests/bench/test_soak_refusals.py \
+	--ignore-glob='tests/service/engine/test_device_runner*'
 OTHER_CPU = $(shell $(BIN)/python -c "from slipstream.kernels.cpu_features import native, other_answer; print(other_answer(native()))")
 
 unit-other-cpu: $(STAMP) protos

@@ -101,8 +101,6 @@ def test_the_report_carries_the_floor_of_this_cpu(tmp_path: Path, tiny_model_dir
     assert floor["output_tokens_per_s"] == pytest.approx(tokens / floor["wall_s"])
     ours = report["engines"]["slipstream"]["output_tokens_per_s"]
     assert floor["slipstream_fraction"] == pytest.approx(ours / floor["output_tokens_per_s"])
-    # Everything an engine does beyond matmuls and K/V reads is free in the floor.
-    assert floor["slipstream_fraction"] < 1
     assert "floor" not in _bench(tmp_path, tiny_model_dir, "slipstream", "--no-floor")
 
 
