@@ -1,8 +1,8 @@
 """Sampling with the per-row parameters as tensors: the GPU step's sampler.
 
-The same exponential race as ``sampling.sample`` (``argmax(p_i / E_i)``,
-``E_i ~ Exp(1)``), split in two so the device never waits for the host and
-the host never reads the device:
+The same inverse-CDF sampling as ``sampling.sample`` (one uniform draw a
+row, the first token whose cumulative probability passes it), split in two
+so the device never waits for the host and the host never reads the device:
 
 - ``plan_sampling`` (host, plain lists): which rows sample rather than take
   the argmax, their temperatures / top-k / top-p, which draw seeded noise,
@@ -13,15 +13,17 @@ the host never reads the device:
 Parity with ``sampling.sample`` (the CPU sampler), row by row:
 
 - greedy rows (``temperature <= 0`` or ``top_k == 1``): the same argmax;
-- seeded rows: the same noise, drawn on the host by the same per-row
-  generator (``seeded_noise``) and sent to the device; on the CPU the tokens
-  are identical. On a GPU the softmax and top-p cumsum round differently
-  from the CPU's, so a seeded row can differ where two candidates' ``p / E``
-  tie to within float32 rounding: same tokens for a seed "where the math
-  allows". Drawing a seeded row costs the host one pass over the vocabulary;
-- unseeded rows: one batched draw from ``generator``; on the CPU, with the
-  same generator state, the same tokens as ``sample``; on a GPU the CUDA
-  generator's stream (no reproducibility is promised for unseeded rows).
+- seeded rows: the same uniform draw (``sampling.seeded_uniform``, a few
+  integer operations on the host, one float64 a row sent to the device) and
+  the same inverse-CDF pick (``sampling.pick_by_cdf``); on the CPU the
+  tokens are identical. On a GPU the softmax, the top-p cumsum and the
+  float64 cumulative sum round differently from the CPU's, so a seeded row
+  can differ where its draw falls within rounding of a boundary between two
+  tokens: same tokens for a seed "where the math allows";
+- unseeded rows: one batched draw of a uniform a row from ``generator``; on
+  the CPU, with the same generator state, the same tokens as ``sample``; on
+  a GPU the CUDA generator's stream (no reproducibility is promised for
+  unseeded rows).
 """
 
 from __future__ import annotations
@@ -30,9 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.kernels.sampling import _row_seed
-
-_TINY = torch.finfo(torch.float32).tiny
+from slipstream.kernels.sampling import divide_rows, exp_weights_, pick_by_cdf, seeded_uniform
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +94,8 @@ def plan_sampling(
 @dataclass(frozen=True, slots=True)
 class SamplingBatch:
     """A ``SamplingPlan``'s lists as tensors on the logits' device (the runner
-    stages them with the rest of the step's metadata). ``seeded_noise`` is
-    float32 ``[len(plan.seeded), vocab]`` (``seeded_noise``), None if none."""
+    stages them with the rest of the step's metadata). ``seeded_uniforms``
+    is float64 ``[len(plan.seeded)]`` (``seeded_uniforms``), None if none."""
 
     plan: SamplingPlan
     rows: torch.Tensor  # int64 [R]
@@ -104,7 +104,7 @@ class SamplingBatch:
     top_ps: torch.Tensor  # float32 [R]
     unseeded: torch.Tensor  # int64 [U]
     seeded: torch.Tensor  # int64 [S]
-    seeded_noise: torch.Tensor | None
+    seeded_uniforms: torch.Tensor | None
 
 
 def sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -117,9 +117,9 @@ def sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.device) ->
     def floats(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)
 
-    noise = None
+    uniforms = None
     if plan.seeded:
-        noise = seeded_noise(plan.seeds, plan.output_indices, vocab_size).to(device)
+        uniforms = seeded_uniforms(plan.seeds, plan.output_indices).to(device)
     return SamplingBatch(
         plan=plan,
         rows=ints(plan.rows),
@@ -128,22 +128,18 @@ def sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.device) ->
         top_ps=floats(plan.top_ps),
         unseeded=ints(plan.unseeded),
         seeded=ints(plan.seeded),
-        seeded_noise=noise,
+        seeded_uniforms=uniforms,
     )
 
 
-def seeded_noise(
-    seeds: list[int], output_indices: list[int], vocab_size: int, pin_memory: bool = False
+def seeded_uniforms(
+    seeds: list[int], output_indices: list[int], pin_memory: bool = False
 ) -> torch.Tensor:
-    """float32 ``[len(seeds), vocab]`` on the CPU: row i is the Exp(1) noise
-    ``sampling.sample`` draws for a row with ``(seeds[i], output_indices[i])``
-    (its own generator, vocabulary order), floored like it. ``pin_memory``
-    for a non-blocking copy to a GPU."""
-    noise = torch.empty((len(seeds), vocab_size), dtype=torch.float32, pin_memory=pin_memory)
-    for i, (seed, output_index) in enumerate(zip(seeds, output_indices, strict=True)):
-        generator = torch.Generator().manual_seed(_row_seed(seed, output_index))
-        noise[i].exponential_(generator=generator)
-    return noise.clamp_min_(_TINY)
+    """float64 ``[len(seeds)]`` on the CPU: row i's draw for ``(seeds[i],
+    output_indices[i])`` (``sampling.seeded_uniform``). ``pin_memory`` for a
+    non-blocking copy to a GPU."""
+    draws = [seeded_uniform(s, i) for s, i in zip(seeds, output_indices, strict=True)]
+    return torch.tensor(draws, dtype=torch.float64, pin_memory=pin_memory)
 
 
 def sample_tensors(
@@ -159,14 +155,13 @@ def sample_tensors(
     tokens = logits.argmax(dim=-1)
     if plan.all_greedy:
         return tokens
-    scaled = logits.index_select(0, batch.rows) / batch.temperatures.unsqueeze(1)
+    scaled = divide_rows(logits.index_select(0, batch.rows), batch.temperatures)
     if plan.max_top_k:
         scaled = _filter_top_k(scaled, batch.top_ks, plan.max_top_k)
     if plan.any_top_p:
         scaled = _filter_top_p(scaled, batch.top_ps)
-    probs = torch.softmax(scaled, dim=-1)
-    noise = _noise(probs, batch, generator)
-    tokens.index_copy_(0, batch.rows, (probs / noise).argmax(dim=-1))
+    weights = exp_weights_(scaled)
+    tokens.index_copy_(0, batch.rows, pick_by_cdf(weights, _uniforms(batch, generator)))
     return tokens
 
 
@@ -191,20 +186,18 @@ def _filter_top_p(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill(remove, float("-inf"))
 
 
-def _noise(
-    probs: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None
-) -> torch.Tensor:
-    plan = batch.plan
-    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)
+def _uniforms(batch: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
+    """float64 ``[R]`` on the batch's device, drawn as ``sampling._uniforms``
+    draws them: the unseeded rows' in one call, the seeded rows' staged."""
+    plan, device = batch.plan, batch.rows.device
     if len(plan.unseeded) == len(plan.rows):
-        noise.exponential_(generator=generator)
-        return noise.clamp_min_(_TINY)
+        return torch.rand(len(plan.rows), generator=generator, dtype=torch.float64, device=device)
+    if batch.seeded_uniforms is None:
+        raise ValueError("the plan has seeded rows but the batch carries no seeded draws")
+    uniforms = torch.empty(len(plan.rows), dtype=torch.float64, device=device)
+    uniforms.index_copy_(0, batch.seeded, batch.seeded_uniforms)
     if plan.unseeded:
-        draws = torch.empty(
-            (len(plan.unseeded), probs.shape[1]), dtype=torch.float32, device=probs.device
-        ).exponential_(generator=generator)
-        noise.index_copy_(0, batch.unseeded, draws.clamp_min_(_TINY))
-    if batch.seeded_noise is None:
-        raise ValueError("the plan has seeded rows but the batch carries no seeded noise")
-    noise.index_copy_(0, batch.seeded, batch.seeded_noise)
-    return noise
+        draws = torch.rand(len(plan.unseeded), generator=generator, dtype=torch.float64,
+                           device=device)  # fmt: skip
+        uniforms.index_copy_(0, batch.unseeded, draws)
+    return uniforms

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from slipstream.kernels.device_sampling import SamplingBatch, sample_tensors, seeded_noise
+from slipstream.kernels.device_sampling import SamplingBatch, sample_tensors
 from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.kernels.linear import Linear
 from slipstream.kernels.triton_paged_decode import paged_decode, possible_num_splits
@@ -335,7 +335,7 @@ class DeviceRunner:
         if not num_sampled:
             self._previous_rows = {}
             return self._launched(LaunchedStep(self._record_done(), None, [], plan.num_tokens))
-        batch = self._sampling_batch(staged, views)  # draws seeded noise while the GPU runs
+        batch = self._sampling_batch(staged, views)
         ids = sample_tensors(logits, batch, self._generator)
         self._previous_ids = ids  # the next plan's pending tokens, on the device
         self._previous_rows = {req_id: row for row, req_id in enumerate(staged.sampled_req_ids)}
@@ -351,11 +351,6 @@ class DeviceRunner:
 
     def _sampling_batch(self, staged: StagedStep, views: dict[str, torch.Tensor]) -> SamplingBatch:
         plan = staged.sampling
-        noise = None
-        if plan.seeded:
-            vocab = self.model.config.vocab_size
-            host = seeded_noise(plan.seeds, plan.output_indices, vocab, pin_memory=self._pin)
-            noise = host.to(self.device, non_blocking=True)
         rows, unseeded, seeded = len(plan.rows), len(plan.unseeded), len(plan.seeded)
         return SamplingBatch(
             plan=plan,
@@ -365,7 +360,7 @@ class DeviceRunner:
             top_ps=views["top_ps"][:rows],
             unseeded=views["unseeded"][:unseeded],
             seeded=views["seeded"][:seeded],
-            seeded_noise=noise,
+            seeded_uniforms=views["seeded_uniforms"][:seeded] if seeded else None,
         )
 
     def _record_done(self) -> torch.cuda.Event | None:

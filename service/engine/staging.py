@@ -2,11 +2,12 @@
 
 Everything a step's kernels index (token ids, positions, slot mapping, block
 tables, sequence lengths, query starts, which rows decode, which rows sample
-and how) is written by the host into one flat int64 buffer (pinned on a
-CUDA machine) and copied to its device twin with one ``copy_(non_blocking=
-True)``. Each field is a fixed region; int32 and float32 fields are views
-over int64 words. The device twin's regions never move, so a CUDA graph
-captured over them reads each step's values after that one copy::
+and how, a seeded row's draw) is written by the host into one flat int64
+buffer (pinned on a CUDA machine) and copied to its device twin with one
+``copy_(non_blocking=True)``. Each field is a fixed region; int32, float32
+and float64 fields are views over int64 words. The device twin's regions
+never move, so a CUDA graph captured over them reads each step's values
+after that one copy::
 
     word 0                                                          end(B)     total
     | num_rows | per-seq | token_ids | positions | slot_mapping | block_tables 0..B-1 | ...
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from slipstream.kernels.device_sampling import SamplingPlan, plan_sampling
+from slipstream.kernels.sampling import seeded_uniform
 from slipstream.scheduler.plan import PENDING_TOKEN, StepPlan
 
 # (name, dtype, entries per sequence or per token); block_tables is sized apart.
@@ -45,6 +47,7 @@ _PER_SEQ: tuple[tuple[str, torch.dtype], ...] = (
     ("top_ps", torch.float32),
     ("unseeded", torch.int64),
     ("seeded", torch.int64),
+    ("seeded_uniforms", torch.float64),
     ("pending_positions", torch.int64),
     ("pending_rows", torch.int64),
 )
@@ -367,6 +370,9 @@ def stage_step(
     _put(arrays, "top_ps", sampling.top_ps)
     _put(arrays, "unseeded", sampling.unseeded)
     _put(arrays, "seeded", sampling.seeded)
+    if sampling.seeded:
+        draws = map(seeded_uniform, sampling.seeds, sampling.output_indices)
+        _put(arrays, "seeded_uniforms", list(draws))
     return StagedStep(
         num_seqs=num_seqs,
         num_rows=num_rows,

@@ -1,10 +1,12 @@
-"""sample(): greedy, filters, seeded reproducibility and distribution sanity."""
+"""sample(): greedy, filters, seeded reproducibility and distribution sanity;
+the inverse-CDF pick and the seeded draws under it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from slipstream.kernels.sampling import sample
+from slipstream.kernels.sampling import pick_by_cdf, sample, seeded_uniform
 
 VOCAB = 50
 
@@ -154,3 +156,49 @@ def test_greedy_over_a_real_vocabulary_is_argmax() -> None:
     assert _sample_rows(logits, temperature=0.0) == logits.argmax(-1).tolist()
     seeded = _sample_rows(logits, seeds=[11] * 6, output_indices=list(range(6)))
     assert seeded == _sample_rows(logits, seeds=[11] * 6, output_indices=list(range(6)))
+
+
+def _reference_pick(weights: torch.Tensor, uniforms: torch.Tensor) -> list[tuple[float, float]]:
+    """Each row's target and cumulative weights, in float64 over the whole row."""
+    cdf = weights.double().cumsum(-1)
+    return [(float(u) * float(c[-1]), c) for u, c in zip(uniforms, cdf, strict=True)]
+
+
+@pytest.mark.parametrize("vocab", [50, 512, 49_152], ids=["unchunked", "chunked", "vocabulary"])
+def test_pick_by_cdf_lands_where_the_target_falls(vocab: int) -> None:
+    """The picked token's cumulative interval holds the row's target (to
+    rounding: chunk sums are float32), and a token of weight 0 is never
+    picked, not even by the largest draw below 1 or by 0."""
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.rand(64, vocab, generator=generator) ** 4
+    weights[weights < 0.3] = 0.0  # filtered tokens
+    weights[:, -3:] = 0.0  # the row ends in zeros: the largest draw stays before them
+    uniforms = torch.rand(64, generator=generator, dtype=torch.float64)
+    uniforms[0], uniforms[1] = 1.0 - 2.0**-53, 0.0
+    picked = pick_by_cdf(weights, uniforms).tolist()
+    for row, (token, (target, cdf)) in enumerate(
+        zip(picked, _reference_pick(weights, uniforms), strict=True)
+    ):
+        assert weights[row, token] > 0, row
+        low = float(cdf[token - 1]) if token else 0.0
+        slack = 1e-6 * float(cdf[-1])
+        assert low - slack <= target <= float(cdf[token]) + slack, row
+
+
+def test_inverse_cdf_follows_the_distribution_over_chunks() -> None:
+    """Over a chunked row (512 tokens) the picks' frequencies are the weights'."""
+    weights = torch.zeros(512)
+    weights[[3, 130, 131, 400, 511]] = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
+    n = 20_000
+    uniforms = torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    picked = pick_by_cdf(weights.expand(n, 512).contiguous(), uniforms)
+    counts = torch.bincount(picked, minlength=512).double() / n
+    torch.testing.assert_close(counts, weights.double(), atol=0.012, rtol=0)
+
+
+def test_a_seeded_draw_is_a_fixed_number_in_the_unit_interval() -> None:
+    draws = [seeded_uniform(seed, index) for seed in range(50) for index in range(20)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert len(set(draws)) == len(draws)
+    assert draws == [seeded_uniform(seed, index) for seed in range(50) for index in range(20)]
+    assert 0.45 < sum(draws) / len(draws) < 0.55

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from slipstream.kernels.attention import build_attention_metadata
+from slipstream.kernels.sampling import seeded_uniform
 from slipstream.scheduler.plan import PENDING_TOKEN, ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.cuda_graphs import (
@@ -136,6 +137,9 @@ def test_stage_step_matches_the_reference_metadata():
     assert views["top_ks"][:1].tolist() == [5]
     assert views["top_ps"][:1].tolist() == pytest.approx([0.9])
     assert views["seeded"][:1].tolist() == [0]
+    # the seeded row's draw, as the CPU sampler makes it (seed 3, output index 0)
+    assert views["seeded_uniforms"].dtype == torch.float64
+    assert views["seeded_uniforms"][:1].tolist() == [seeded_uniform(3, 0)]
 
 
 def test_padded_decode_step():
