@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from slipstream.kernels.sampling import divide_rows, exp_weights_, pick_by_cdf, seeded_uniform
+from slipstream.kernels.sampling_filters import filter_top_k_, filter_top_p_
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,33 +158,12 @@ def sample_tensors(
         return tokens
     scaled = divide_rows(logits.index_select(0, batch.rows), batch.temperatures)
     if plan.max_top_k:
-        scaled = _filter_top_k(scaled, batch.top_ks, plan.max_top_k)
+        filter_top_k_(scaled, batch.top_ks, plan.max_top_k)
     if plan.any_top_p:
-        scaled = _filter_top_p(scaled, batch.top_ps)
+        filter_top_p_(scaled, batch.top_ps)
     weights = exp_weights_(scaled)
     tokens.index_copy_(0, batch.rows, pick_by_cdf(weights, _uniforms(batch, generator)))
     return tokens
-
-
-def _filter_top_k(scaled: torch.Tensor, top_ks: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Keeps every logit >= the k-th largest of its row; rows with k == 0 keep all."""
-    largest = scaled.topk(max_top_k, dim=-1).values
-    kth = largest.gather(1, (top_ks.clamp_min(1) - 1).unsqueeze(1))
-    kth = kth.masked_fill((top_ks == 0).unsqueeze(1), float("-inf"))
-    return scaled.masked_fill(scaled < kth, float("-inf"))
-
-
-def _filter_top_p(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """The smallest prefix (by descending probability) whose mass reaches p.
-    Applied to every sampling row when any has p < 1, as ``sampling`` does:
-    a row with p == 1 may lose a tail whose cumulative mass rounds to 1."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove_sorted = mass_before >= top_ps.to(scaled.dtype).unsqueeze(1)
-    remove_sorted[:, 0] = False  # the most likely token always survives
-    remove = torch.empty_like(remove_sorted).scatter_(1, order, remove_sorted)
-    return scaled.masked_fill(remove, float("-inf"))
 
 
 def _uniforms(batch: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from slipstream.kernels.sampling_filters import filter_top_k_, filter_top_p_
+
 _MASK64 = (1 << 64) - 1
 # Column chunks ``row_argmax`` reduces first, the first that divides the row.
 _ARGMAX_CHUNKS = (128, 64, 32)
@@ -150,34 +152,14 @@ def _check(
 def _filter_top_k_top_p(
     scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]
 ) -> torch.Tensor:
-    """Sets the logits that top-k / top-p remove to -inf (row-wise, batch-independent)."""
+    """``sampling_filters``' top-k and top-p over ``scaled`` (ours: in place)."""
     vocab = scaled.shape[1]
     ks = [k if 0 < k < vocab else 0 for k in top_ks]
     if any(ks):
-        scaled = _filter_top_k(scaled, ks)
+        filter_top_k_(scaled, torch.tensor(ks, device=scaled.device), max(ks))
     if any(p < 1.0 for p in top_ps):
-        scaled = _filter_top_p(scaled, top_ps)
+        filter_top_p_(scaled, torch.tensor(top_ps, dtype=scaled.dtype, device=scaled.device))
     return scaled
-
-
-def _filter_top_k(scaled: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    largest = scaled.topk(max(ks), dim=-1).values
-    kth = largest.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=scaled.device))
-    disabled = torch.tensor([k == 0 for k in ks], device=scaled.device).unsqueeze(1)
-    kth = kth.masked_fill(disabled, float("-inf"))
-    return scaled.masked_fill(scaled < kth, float("-inf"))
-
-
-def _filter_top_p(scaled: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Keeps the smallest prefix (by descending probability) whose mass reaches p."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    ps = torch.tensor(top_ps, dtype=scaled.dtype, device=scaled.device).unsqueeze(1)
-    remove_sorted = mass_before >= ps
-    remove_sorted[:, 0] = False  # the most likely token always survives
-    remove = torch.empty_like(remove_sorted).scatter_(1, order, remove_sorted)
-    return scaled.masked_fill(remove, float("-inf"))
 
 
 def _uniforms(
