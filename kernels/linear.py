@@ -157,13 +157,20 @@ class Linear:
         # A float32 weight on panels serves every call from them.
         self.weight = self.panels if fp32_panels else _packed(weight) if self.is_packed else weight
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: a contiguous float32 ``[tokens, out_features]`` buffer
+        the caller keeps, which a float32 call on panels writes and returns
+        instead of a fresh tensor (a large one is mapped and faulted in on
+        every call); the other paths leave it untouched."""
         # ``panels is not None`` first: with no panels max_panel_rows is 0, and
         # a step that samples nothing (a prefill chunk) calls with 0 rows.
         if self.panels is not None and x.shape[0] <= self.max_panel_rows:
             if x.stride(-1) != 1:
                 x = x.contiguous()
             if x.dtype == torch.float32:
+                if out is not None:
+                    torch.ops.slipstream.panel_linear_out(x, self.panels, self.bias, out)
+                    return out
                 op = torch.ops.slipstream.panel_linear
             else:
                 op = torch.ops.slipstream.panel_linear_bf16

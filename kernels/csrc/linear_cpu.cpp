@@ -314,8 +314,10 @@ const float* checked_bias(const c10::optional<at::Tensor>& bias, at::ScalarType 
   return static_cast<const float*>(bias->data_ptr());
 }
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
-                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
+// y = x @ W^T (+ bias) into y [M, out_features], float32 with packed rows.
+void panel_linear_into(const at::Tensor& x, const at::Tensor& panels,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features,
+                       const at::Tensor& y) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat,
               "panel_linear takes float32 x and panels");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, in_features] with packed rows");
@@ -325,9 +327,11 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(panels.size(1) == k_size, "x has ", k_size, " features, the weight ", panels.size(1));
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
               "out_features does not match the number of panels");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
+                  y.stride(1) == 1 && y.stride(0) == n,
+              "out must be a contiguous float32 [tokens, out_features] tensor");
   const float* bp = checked_bias(bias, at::kFloat, n);
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+  if (m == 0) return;
   const float* xp = x.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -339,7 +343,22 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
   at::parallel_for(0, num_panels, grain, [&](int64_t b, int64_t e) {
     run(xp, ldx, m, wp, k_size, yp, n, bp, b, e);
   });
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels,
+                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, in_features] with packed rows");
+  at::Tensor y = at::empty({x.size(0), std::max<int64_t>(out_features, 0)}, x.options());
+  panel_linear_into(x, panels, bias, out_features, y);
   return y;
+}
+
+// The same into a buffer the caller keeps: a large output (a big vocabulary's
+// logits) allocated fresh is mapped anew and its every page faulted in.
+void panel_linear_out(const at::Tensor& x, const at::Tensor& panels,
+                      const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  TORCH_CHECK(out.dim() == 2, "out must be [tokens, out_features]");
+  panel_linear_into(x, panels, bias, out.size(1), out);
 }
 
 at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels,
@@ -393,6 +412,7 @@ std::string linear_set_max_isa(c10::string_view name) {
 TORCH_LIBRARY_FRAGMENT(slipstream, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("panel_linear_bf16(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("panel_linear_out(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_cpu_isa() -> str", &slipstream::linear_isa);
   m.def("linear_set_max_isa(str isa) -> str", &slipstream::linear_set_max_isa);
 }
@@ -400,4 +420,5 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
 TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
   m.impl("panel_linear", &slipstream::panel_linear);
   m.impl("panel_linear_bf16", &slipstream::panel_linear_bf16);
+  m.impl("panel_linear_out", &slipstream::panel_linear_out);
 }

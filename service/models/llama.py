@@ -387,18 +387,18 @@ class LlamaModel:
         )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The fp32 logits of the sampled rows. On the CPU a low-precision
-        model's are widened into a buffer kept from step to step: valid until
-        the next ``forward``. A fresh one (50 MB for 256 rows of a 49k-token
+        """The fp32 logits of the sampled rows. On the CPU they land in a
+        buffer kept from step to step, valid until the next ``forward``: a
+        low-precision model's widened there, a float32 model's written there
+        by the panel kernel. A fresh one (50 MB for 256 rows of a 49k-token
         vocabulary) is above glibc's largest mmap threshold, so it was mapped
         and its every page faulted in each step."""
-        logits = self.lm_head(x)
-        if logits.dtype == torch.float32 or logits.device.type != "cpu":
-            return logits.float()
-        rows, vocab = logits.shape
+        if x.device.type != "cpu" or (x.dtype == torch.float32 and not self.lm_head.uses_panels):
+            return self.lm_head(x).float()
+        rows, vocab = x.shape[0], self.lm_head.out_features
         buffer = self._logits_buffer
         if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != vocab:
             buffer = self._logits_buffer = torch.empty(rows, vocab, dtype=torch.float32)
         out = buffer[:rows]
-        out.copy_(logits)
-        return out
+        logits = self.lm_head(x, out=out)
+        return logits if logits is out else out.copy_(logits)

@@ -76,6 +76,23 @@ def test_strided_rows_and_a_non_contiguous_view() -> None:
     )
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 64])
+def test_a_kept_output_buffer_gets_the_same_bits(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(37, 50, generator=g), torch.randn(37, generator=g)
+    x = torch.randn(rows, 50, generator=g)
+    layer = Linear(w, b, panels=True)
+    buffer = torch.full((80, 37), float("nan"))
+    got = layer(x, out=buffer[:rows])
+    assert torch.equal(got, layer(x))
+    assert rows == 0 or got.data_ptr() == buffer.data_ptr()
+    assert buffer[rows:].isnan().all()  # rows past the call's untouched
+    plain = Linear(w, b)  # no panels: a fresh result, the buffer left alone
+    assert torch.equal(plain(x, out=buffer[:rows]), F.linear(x, w, b))
+    with pytest.raises(RuntimeError, match="out must be"):
+        torch.ops.slipstream.panel_linear_out(x, layer.panels, b, torch.empty(37, rows).t())
+
+
 def test_float32_and_even_width_bf16_weights_use_panels() -> None:
     assert Linear(torch.randn(4, 4), panels=True).uses_panels
     bf16 = Linear(torch.randn(4, 4, dtype=torch.bfloat16), panels=True)
