@@ -58,15 +58,25 @@ inline float load(bf16_bits v) {
   std::memcpy(&f, &w, sizeof(f));
   return f;
 }
-inline void store(float* dst, float v) { *dst = v; }
-inline void store(bf16_bits* dst, float v) {
-  uint32_t w;
-  std::memcpy(&w, &v, sizeof(w));
-  if ((w & 0x7FFFFFFFu) > 0x7F800000u) {
-    *dst = 0x7FC0;  // NaN stays NaN
-    return;
+// v as T: bf16 rounded to nearest even, a NaN as 0x7FC0. The NaN case is a
+// mask, not a branch or a select, which gcc 12 kept as a branch in a bf16 loop
+// that also sums what it stores (rms_rows' residual add): that loop ran
+// scalar on AVX2, 8x the fp32 loop's time.
+template <typename T>
+inline T narrow(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    uint32_t w;
+    std::memcpy(&w, &v, sizeof(w));
+    const uint32_t rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+    const uint32_t nan = 0u - uint32_t((w & 0x7FFFFFFFu) > 0x7F800000u);
+    return static_cast<bf16_bits>((rounded & ~nan) | (0x7FC0u & nan));
   }
-  *dst = static_cast<bf16_bits>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+}
+template <typename T>
+inline void store(T* dst, float v) {
+  *dst = narrow<T>(v);
 }
 
 // Rows per parallel chunk: about 16K elements, so small batches run on one thread.
@@ -84,9 +94,9 @@ __attribute__((always_inline)) inline void rms_rows(T* x, int64_t x_stride, cons
       const T* dr = delta + r * d_stride;
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = 0; i < width; ++i) {
-        float v = load(xr[i]) + load(dr[i]);
-        store(&xr[i], v);
-        float s = load(xr[i]);  // the rounded sum, as the next op reads it
+        const T v = narrow<T>(load(xr[i]) + load(dr[i]));
+        xr[i] = v;
+        float s = load(v);  // the rounded sum, as the next op reads it
         sum += s * s;
       }
     } else {
