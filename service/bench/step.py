@@ -4,7 +4,8 @@ costs, where the time goes, and how far it is from the memory it must read.
 For each batch size and mode: ``batch`` sequences with ``context`` tokens in
 the paged KV cache (seeded random K/V) decode one greedy token each through
 ``ModelRunner.execute`` (with ``--prefill N``, the first of them is a prefill
-chunk of N tokens instead: a mixed step). ``step_ms`` is the median of the plain pass; the
+chunk of N tokens instead: a mixed step; ``--temperature`` and its top-k /
+top-p make every sequence sample instead). ``step_ms`` is the median of the plain pass; the
 attention / linears / other / host split comes from a second, hooked pass
 (``step_timing.py``). Two floors are measured in the same run with the same
 threads: reading a buffer as large as the weights a step reads, and one as
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.scheduler.request import SamplingParams
 from slipstream.service.bench.report import hardware
 from slipstream.service.engine.config import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES, EngineConfig
 from slipstream.service.engine.device import resolve_device
@@ -102,6 +104,8 @@ class StepOptions:
     device: str = "cpu"  # as resolved: cpu, cuda:N
     kv_cache_dtype: str = "auto"
     prefill: int = 0  # tokens of sequence 0's prefill chunk; 0: decodes only
+    # How every sequence draws its token: (temperature, top_k, top_p); greedy by default.
+    sampling: tuple[float, int, float] = (0.0, 0, 1.0)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -118,6 +122,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="sequence 0 of each batch is a prefill chunk of N tokens (<= context + 1) "
         "instead of a decode: a mixed step",
     )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="every sequence samples at this temperature (default 0: greedy)",
+    )  # fmt: skip
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature (1: off)")
     parser.add_argument(
         "--modes",
         default=None,
@@ -165,6 +175,8 @@ def options_from_args(args: argparse.Namespace) -> StepOptions:
         raise ValueError("--warmup must be >= 0")
     if not 0 <= args.prefill <= args.context + 1:
         raise ValueError(f"--prefill takes 0 .. context + 1 tokens, got {args.prefill}")
+    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
+        raise ValueError("--temperature and --top-k take >= 0, --top-p 0 < p <= 1")
     return StepOptions(
         model=args.model,
         batches=batches,
@@ -178,6 +190,7 @@ def options_from_args(args: argparse.Namespace) -> StepOptions:
         device=str(device),
         kv_cache_dtype=args.kv_cache_dtype,
         prefill=args.prefill,
+        sampling=(args.temperature, args.top_k, args.top_p),
     )
 
 
@@ -230,6 +243,7 @@ def run_step_bench(options: StepOptions) -> dict[str, object]:
             "model": options.model,
             "context": options.context,
             "prefill": options.prefill,
+            "sampling": dict(zip(("temperature", "top_k", "top_p"), options.sampling, strict=True)),
             "requested_dtype": options.dtype,
             "dtype": dtype,
             "kv_cache_dtype": options.kv_cache_dtype,
@@ -291,7 +305,8 @@ def _measure(engine: EngineParts, options: StepOptions, batch: int, mode: str) -
     from slipstream.service.bench import step_timing as t
 
     runner, model = engine.runner, engine.model
-    plan = t.decode_plan(batch, options.context, options.block_size, options.prefill)
+    plan = t.decode_plan(batch, options.context, options.block_size, options.prefill,
+                         SamplingParams(*options.sampling))  # fmt: skip
     times = t.time_plain(runner, plan, options.num_steps, options.warmup)
     step_ms = statistics.median(times)
     deciles = statistics.quantiles(times, n=10) if len(times) > 1 else [step_ms] * 9

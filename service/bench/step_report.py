@@ -22,10 +22,18 @@ def describe_run(report: Mapping[str, Any]) -> list[str]:
         f"dtype {p['dtype']} (requested {p['requested_dtype']}), "
         f"KV cache {p.get('kv_cache_dtype', 'auto')}",
         f"model {p['model']}, context {p['context']}, block {p['block_size']}, "
+        f"{_sampling(p.get('sampling'))}, "
         f"{p['threads']} threads; medians of {p['steps']} steps after {p['warmup_steps']} "
         f"warm-up; 1-min load average {load['load_avg_1m_start']:.1f} before (other work), "
         f"{load['load_avg_1m_end']:.1f} after (this run included) on {load['cpus']} CPUs",
     ]
+
+
+def _sampling(sampling: Mapping[str, Any] | None) -> str:
+    if not sampling or sampling["temperature"] <= 0 or sampling["top_k"] == 1:
+        return "greedy"
+    return (f"sampling at temperature {sampling['temperature']:g}, top-k {sampling['top_k']}, "
+            f"top-p {sampling['top_p']:g}")  # fmt: skip
 
 
 def format_table(report: Mapping[str, Any]) -> str:

@@ -26,6 +26,7 @@ Two passes over the same synthetic plan:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ import torch
 
 from slipstream.kernels.kv_layout import fill_normal_
 from slipstream.scheduler.plan import StepPlan
+from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.calibration import synthetic_plan
 from slipstream.service.engine.runner import kv_bytes_per_block
 
@@ -51,17 +53,27 @@ def blocks_per_seq(context: int, block_size: int) -> int:
     return -(-(context + 1) // block_size)
 
 
-def decode_plan(batch: int, context: int, block_size: int, prefill: int = 0) -> StepPlan:
-    """``batch`` greedy decodes, each with ``context`` tokens cached in its own
-    blocks (sequence i owns blocks ``i*n .. i*n + n - 1``). ``prefill`` > 0:
-    sequence 0 is instead a prefill chunk of that many tokens ending where its
-    decode would (at ``context``), so the step is a mixed one."""
+def decode_plan(
+    batch: int,
+    context: int,
+    block_size: int,
+    prefill: int = 0,
+    sampling: SamplingParams | None = None,
+) -> StepPlan:
+    """``batch`` decodes, each with ``context`` tokens cached in its own
+    blocks (sequence i owns blocks ``i*n .. i*n + n - 1``), greedy unless
+    ``sampling`` says how each draws. ``prefill`` > 0: sequence 0 is instead
+    a prefill chunk of that many tokens ending where its decode would (at
+    ``context``), so the step is a mixed one."""
     if not 0 <= prefill <= context + 1:
         raise ValueError(f"a prefill chunk of {prefill} tokens does not fit a context of {context}")
     shapes = [(context, 1)] * batch
     if prefill:
         shapes[0] = (context + 1 - prefill, prefill)
-    return synthetic_plan(shapes, block_size, batch * blocks_per_seq(context, block_size))
+    plan = synthetic_plan(shapes, block_size, batch * blocks_per_seq(context, block_size))
+    if sampling is None or sampling.is_greedy:
+        return plan
+    return dataclasses.replace(plan, seqs=[seq._replace(sampling=sampling) for seq in plan.seqs])
 
 
 def fill_kv(runner: ModelRunner, seed: int = 0) -> None:

@@ -184,6 +184,27 @@ def test_a_prefill_chunk_makes_sequence_0_a_mixed_steps_chunk(tiny_model_dir: Pa
     assert row["step_ms"] > 0 and row["attention_ms"] > 0
 
 
+def test_a_sampled_step_samples_every_sequence(tiny_model_dir: Path) -> None:
+    """``--temperature`` (with top-k and top-p) makes every sequence sample:
+    the step's time holds the sampler's, and the report says how it drew."""
+    from slipstream.scheduler.request import SamplingParams
+
+    sampling = SamplingParams(0.8, 40, 0.9)
+    plan = step_timing.decode_plan(3, CONTEXT, 16, sampling=sampling)
+    assert all(s.sampling == sampling for s in plan.seqs)
+    argv = ["bench", "step", "--model", str(tiny_model_dir), "--batch", "2",
+            "--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--context", str(CONTEXT),
+            "--steps", "3", "--warmup", "1", "--threads", "1", "--block-size", "16",
+            "--modes", "eager"]  # fmt: skip
+    report = step.run_step_bench(step.options_from_args(_parse(argv)))
+    assert report["parameters"]["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+    (row,) = report["rows"]
+    assert row["status"] == "ok" and row["step_ms"] > 0
+    from slipstream.service.bench.step_report import format_table
+
+    assert "sampling at temperature 0.8, top-k 40, top-p 0.9" in format_table(report)
+
+
 def _parse(argv: list[str]):
     from slipstream.service.cli import build_parser
 
@@ -192,7 +213,15 @@ def _parse(argv: list[str]):
 
 @pytest.mark.parametrize(
     "flags",
-    [["--modes", "eager,jit"], ["--batch", "0"], ["--steps", "0"], ["--prefill", "302"]],
+    [
+        ["--modes", "eager,jit"],
+        ["--batch", "0"],
+        ["--steps", "0"],
+        ["--prefill", "302"],
+        ["--temperature", "-1"],
+        ["--top-p", "0"],
+        ["--top-k", "-2"],
+    ],
 )
 def test_bad_flags_are_usage_errors(flags: list[str], tiny_model_dir: Path) -> None:
     with pytest.raises(SystemExit) as exc:
