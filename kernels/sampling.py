@@ -82,25 +82,28 @@ def pick_by_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     chunks' totals, then within the chunk the target falls in): a cumulative
     sum over a whole vocabulary runs in scalar code. A token of weight 0 is
     never picked: each target stays below the total it is looked up in, so
-    the sum rises past it at a token that adds to it. The same ops on any
-    device (no host reads)."""
+    the sum rises past it at a token that adds to it. A row with a NaN still
+    gets a token of the vocabulary. The same ops on any device (no host
+    reads)."""
     rows, cols = weights.shape
     chunk = next((c for c in _ARGMAX_CHUNKS if cols % c == 0 and cols >= 4 * c), 0)
     uniforms = uniforms.double().unsqueeze(1)
     if not chunk:
         cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-        return torch.searchsorted(cdf, _below_last(uniforms * cdf[:, -1:], cdf), right=True)[:, 0]
+        picked = torch.searchsorted(cdf, _below_last(uniforms * cdf[:, -1:], cdf), right=True)
+        return picked[:, 0].clamp_max_(cols - 1)
     chunks = weights.view(rows, cols // chunk, chunk)
     # The chunks' own sums in the weights' dtype (in float64 they would be
     # summed from a float64 copy of the whole row), accumulated in float64.
     chunk_cdf = chunks.sum(dim=-1).cumsum(dim=-1, dtype=torch.float64)
     targets = _below_last(uniforms * chunk_cdf[:, -1:], chunk_cdf)
-    picked = torch.searchsorted(chunk_cdf, targets, right=True)  # [N, 1]
+    # [N, 1]; past the last chunk only for a NaN, kept in for the gathers
+    picked = torch.searchsorted(chunk_cdf, targets, right=True).clamp_max_(cols // chunk - 1)
     before = chunk_cdf.gather(1, (picked - 1).clamp_min(0)).masked_fill(picked == 0, 0.0)
     within = chunks.gather(1, picked.unsqueeze(2).expand(rows, 1, chunk))[:, 0]
     within_cdf = within.cumsum(dim=-1, dtype=torch.float64)
     offset = torch.searchsorted(within_cdf, _below_last(targets - before, within_cdf), right=True)
-    return (picked * chunk + offset)[:, 0]
+    return (picked * chunk + offset)[:, 0].clamp_max_(cols - 1)
 
 
 def _below_last(targets: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:

@@ -202,3 +202,12 @@ def test_a_seeded_draw_is_a_fixed_number_in_the_unit_interval() -> None:
     assert len(set(draws)) == len(draws)
     assert draws == [seeded_uniform(seed, index) for seed in range(50) for index in range(20)]
     assert 0.45 < sum(draws) / len(draws) < 0.55
+
+
+def test_a_row_with_a_nan_still_gets_a_token_of_the_vocabulary() -> None:
+    for vocab in (50, 512):
+        weights = torch.rand(3, vocab)
+        weights[0, 7] = float("nan")
+        weights[1] = float("nan")
+        picked = pick_by_cdf(weights, torch.tensor([0.5, 0.99, 0.2], dtype=torch.float64))
+        assert all(0 <= t < vocab for t in picked.tolist())
