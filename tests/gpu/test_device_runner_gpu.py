@@ -270,3 +270,25 @@ def test_a_step_waits_on_its_sampled_ids_only(tiny_model_dir, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     # one wait a step with sequences, and the swap-in's for the swap-out it lands
     assert waits == ["event"] * (sum(1 for plan in steps if plan.seqs) + 1)
+
+
+@pytest.mark.parametrize("vocab", [257, 49_152], ids=["unchunked", "smollm2-vocabulary"])
+def test_seeded_rows_on_the_gpu_pick_the_cpu_samplers_tokens(vocab):
+    """The same logits and seeds: the device sampler on CUDA picks what the
+    CPU sampler picks, but where a draw falls within rounding of a boundary
+    between two tokens (the GPU's exp and sums round differently): at most
+    two rows of 256 apart."""
+    from slipstream.kernels.device_sampling import plan_sampling, sample_tensors, sampling_batch
+    from slipstream.kernels.sampling import sample
+
+    rows = 256
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    temps = [0.5 + (i % 7) / 5 for i in range(rows)]
+    ks = [(0, 20, 300)[i % 3] for i in range(rows)]
+    ps = [(1.0, 0.9, 0.5, 0.95)[i % 4] for i in range(rows)]
+    seeds = list(range(rows))
+    indices = [i % 11 for i in range(rows)]
+    expected = sample(logits, temps, ks, ps, seeds, indices)
+    plan = plan_sampling(temps, ks, ps, seeds, indices, vocab)
+    got = sample_tensors(logits.to(CUDA), sampling_batch(plan, vocab, CUDA)).tolist()
+    assert sum(a != b for a, b in zip(got, expected, strict=True)) <= 2
