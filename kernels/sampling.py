@@ -14,6 +14,8 @@ vocabulary, more than a decode step of the row itself.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from slipstream.kernels.sampling_filters import filter_top_k_, filter_top_p_
@@ -123,18 +125,35 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     maximum of each row; a NaN counts as the maximum, as there), several
     times faster. torch's CPU argmax keeps an index per element in scalar
     code: 15.8 ms for 256 rows of a 49,152-token vocabulary on two Zen 3
-    cores, where a plain ``amax`` takes 2.5. So the vectorized ``amax`` finds
-    the maximum of each chunk of columns, the argmax runs over those maxima
-    (the first chunk holding the row's maximum) and then within that chunk:
-    3.7 ms there (bf16: 30.8 -> 6.3). Other devices, and rows no chunk
-    divides, take torch's argmax."""
+    cores, where a plain ``amax`` takes 2.5. Where the fused CPU kernels are
+    loaded (a compiled engine) their ``row_argmax`` makes one pass of chunk
+    maxima and reads one chunk again (1 thread: 4.4 -> 3.7 ms there, docs/
+    kernels.md). Otherwise the vectorized ``amax`` finds the maximum of each
+    chunk of columns in torch, the argmax runs over those maxima (the first
+    chunk holding the row's maximum) and then within that chunk: 3.7 ms on
+    two cores (bf16: 30.8 -> 6.3). Other devices, and rows no chunk divides,
+    take torch's argmax."""
     rows, cols = x.shape
+    on_cpu = x.device.type == "cpu" and x.is_contiguous()
+    if on_cpu and cols and x.dtype in (torch.float32, torch.bfloat16):
+        native = _native_row_argmax()
+        if native is not None:
+            return native(x)
     chunk = next((c for c in _ARGMAX_CHUNKS if cols % c == 0 and cols >= 4 * c), 0)
-    if not chunk or x.device.type != "cpu" or not x.is_contiguous():
+    if not chunk or not on_cpu:
         return x.argmax(dim=-1)
     best = x.view(rows, cols // chunk, chunk).amax(dim=-1).argmax(dim=-1)
     within = x.gather(1, best.unsqueeze(1) * chunk + torch.arange(chunk)).argmax(dim=-1)
     return best * chunk + within
+
+
+def _native_row_argmax() -> Any:
+    """``fused_ops``' row argmax where that library is loaded, else None (the
+    sampler never builds it)."""
+    try:
+        return torch.ops.slipstream.row_argmax
+    except AttributeError:
+        return None
 
 
 def _check(

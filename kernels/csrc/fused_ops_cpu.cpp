@@ -7,6 +7,7 @@
 //   silu_and_mul(gu)                  [T, 2I] -> [T, I]: silu(gu[:, :I]) * gu[:, I:]
 //   rotary_neox_(qk, cos, ssin, pos)  in place, neox layout: x * cos + roll(x, D/2) * ssin
 //                                     (ssin = sin with the first half negated)
+//   row_argmax(x)                     [R, C] -> int64 [R]: x.argmax(-1), for the sampler
 //
 // Rounding follows the eager ops where it can: every add and product is
 // rounded as torch rounds it (-ffp-contract=off: no fused multiply-adds), bf16
@@ -159,6 +160,56 @@ __attribute__((always_inline)) inline void rope_rows(T* qk, int64_t tok_stride, 
   }
 }
 
+// The index of each row's first maximum, a NaN counting as the maximum (its
+// first NaN), as torch's argmax: one pass of chunk maxima (a vector max and a
+// NaN test per chunk), then one chunk read again from cache for the index.
+// torch's CPU argmax carries an index per element in scalar code.
+constexpr int64_t kArgmaxChunk = 256;
+
+template <typename T>
+__attribute__((always_inline)) inline void argmax_rows(const T* x, int64_t cols, int64_t* out,
+                                                       int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* row = x + r * cols;
+    float best = -INFINITY;
+    int64_t best_start = 0, answer = -1;
+    for (int64_t start = 0; start < cols && answer < 0; start += kArgmaxChunk) {
+      const int64_t n = std::min(kArgmaxChunk, cols - start);
+      const T* c = row + start;
+      float m = -INFINITY;
+      int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = load(c[i]);
+        m = std::max(m, v);
+        nan |= v != v;
+      }
+      if (nan) {
+        for (int64_t i = 0; i < n; ++i) {
+          if (load(c[i]) != load(c[i])) {
+            answer = start + i;
+            break;
+          }
+        }
+      } else if (m > best) {
+        best = m;
+        best_start = start;
+      }
+    }
+    if (answer < 0) {
+      const int64_t n = std::min(kArgmaxChunk, cols - best_start);
+      answer = best_start;  // a row of -inf: its first
+      for (int64_t i = 0; i < n; ++i) {
+        if (load(row[best_start + i]) == best) {
+          answer = best_start + i;
+          break;
+        }
+      }
+    }
+    out[r] = answer;
+  }
+}
+
 // Ordered: a variant needs every instruction of those before it.
 enum Variant : int { kBase, kAvx2, kAvx512 };
 constexpr const char* kVariantNames[] = {"portable", "avx2", "avx512"};
@@ -231,6 +282,8 @@ SLIPSTREAM_VARIANTS(run_rms, rms_rows, false,
 SLIPSTREAM_VARIANTS(run_silu, silu_rows, false,
                     (const T* gu, int64_t s, T* o, int64_t n, int64_t b, int64_t e),
                     (gu, s, o, n, b, e))
+SLIPSTREAM_VARIANTS(run_argmax, argmax_rows, false,
+                    (const T* x, int64_t c, int64_t* o, int64_t b, int64_t e), (x, c, o, b, e))
 SLIPSTREAM_VARIANTS(run_rope, rope_rows, true,
                     (T * qk, int64_t ts, int64_t h, int64_t d, const T* c, const T* s,
                      const int64_t* p, int64_t b, int64_t e),
@@ -342,6 +395,23 @@ void rotary_neox_(at::Tensor qk, const at::Tensor& cos, const at::Tensor& ssin,
       run_rope<T>(qp, ts, heads, dim, cp, sp, pos, b, e);
     });
   });
+}
+
+at::Tensor row_argmax(const at::Tensor& x) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "x must be a contiguous [rows, cols] tensor with cols > 0");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x);
+    at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / cols), [&](int64_t b, int64_t e) {
+      run_argmax<T>(xp, cols, op, b, e);
+    });
+  });
+  return out;
 }
 
 // ---- The decoder stack in one call: the same ops a Python layer loop makes,
@@ -499,6 +569,7 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("row_argmax(Tensor x) -> Tensor");
   m.def("rotary_neox_(Tensor(a!) qk, Tensor cos, Tensor signed_sin, Tensor positions) -> ()");
   m.def(
       "decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor?[] panels, Tensor?[] biases, "
@@ -514,6 +585,7 @@ TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
   m.impl("add_rms_norm_", &slipstream::add_rms_norm_);
   m.impl("rms_norm", &slipstream::rms_norm);
   m.impl("silu_and_mul", &slipstream::silu_and_mul);
+  m.impl("row_argmax", &slipstream::row_argmax);
   m.impl("rotary_neox_", &slipstream::rotary_neox_);
   m.impl("decoder_layers_", &slipstream::decoder_layers_);
 }

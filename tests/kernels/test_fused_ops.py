@@ -90,6 +90,27 @@ def test_rotary_matches_eager_on_a_strided_view(
     assert torch.equal(qkv[:, heads * head_dim :], untouched)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1, 255, 256, 257, 1000, 49152])
+def test_row_argmax_is_torchs_argmax(dtype: torch.dtype, cols: int) -> None:
+    """The first maximum of each row, across its chunks of 256 and within one;
+    the first NaN where a row has one; the first column of a row of -inf;
+    -0.0 and 0.0 as equal."""
+    g = torch.Generator().manual_seed(cols)
+    x = torch.randn(10, cols, generator=g)
+    top = x.max() + 1
+    x[0, cols // 2], x[0, cols - 1] = top, top
+    x[1, 3 % cols], x[1, 5 % cols] = top, top
+    x[2] = float("-inf")
+    x[3, cols // 3], x[3, cols - 1] = float("nan"), float("nan")
+    x[4] = 0.0
+    x[4, cols // 2 :] = -0.0
+    x[5, cols - 1] = float("inf")
+    x[6] = torch.round(x[6])  # ties of whole numbers
+    y = x.to(dtype)
+    assert torch.equal(torch.ops.slipstream.row_argmax(y), y.argmax(dim=-1))
+
+
 def test_bad_arguments_are_errors_not_crashes() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="delta must match"):
@@ -100,6 +121,8 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
         fused_ops.rotary_neox_(
             torch.randn(2, 1, 4), torch.randn(3, 4), torch.randn(3, 4), torch.tensor([0, 3])
         )
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.slipstream.row_argmax(torch.randn(4, 8).t())
 
 
 def test_a_failed_build_logs_one_line_and_reports_why(
