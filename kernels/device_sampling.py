@@ -5,7 +5,7 @@ row, the first token whose cumulative probability passes it), split in two
 so the device never waits for the host and the host never reads the device:
 
 - ``plan_sampling`` (host, plain lists): which rows sample rather than take
-  the argmax, their temperatures / top-k / top-p, which draw seeded noise,
+  the argmax, their temperatures / top-k / top-p, which carry a seed,
   and the few facts that fix tensor shapes (``max_top_k``, ``any_top_p``);
 - ``sample_tensors`` (device): the math over tensors, with shapes known from
   the plan, so nothing in it synchronises (no ``.item()``, no ``.tolist()``).
@@ -133,14 +133,12 @@ def sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.device) ->
     )
 
 
-def seeded_uniforms(
-    seeds: list[int], output_indices: list[int], pin_memory: bool = False
-) -> torch.Tensor:
+def seeded_uniforms(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
     """float64 ``[len(seeds)]`` on the CPU: row i's draw for ``(seeds[i],
-    output_indices[i])`` (``sampling.seeded_uniform``). ``pin_memory`` for a
-    non-blocking copy to a GPU."""
+    output_indices[i])`` (``sampling.seeded_uniform``; the GPU runner stages
+    the same draws with the step's metadata)."""
     draws = [seeded_uniform(s, i) for s, i in zip(seeds, output_indices, strict=True)]
-    return torch.tensor(draws, dtype=torch.float64, pin_memory=pin_memory)
+    return torch.tensor(draws, dtype=torch.float64)
 
 
 def sample_tensors(
