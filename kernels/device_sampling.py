@@ -108,7 +108,7 @@ class SamplingBatch:
     seeded_uniforms: torch.Tensor | None
 
 
-def sampling_batch(plan: SamplingPlan, vocab_size: int, device: torch.device) -> SamplingBatch:
+def sampling_batch(plan: SamplingPlan, device: torch.device) -> SamplingBatch:
     """The batch built with plain ``torch.tensor`` calls (tests, the CPU); the
     GPU runner builds its tensors from pinned staging instead."""
 

@@ -290,5 +290,5 @@ def test_seeded_rows_on_the_gpu_pick_the_cpu_samplers_tokens(vocab):
     indices = [i % 11 for i in range(rows)]
     expected = sample(logits, temps, ks, ps, seeds, indices)
     plan = plan_sampling(temps, ks, ps, seeds, indices, vocab)
-    got = sample_tensors(logits.to(CUDA), sampling_batch(plan, vocab, CUDA)).tolist()
+    got = sample_tensors(logits.to(CUDA), sampling_batch(plan, CUDA)).tolist()
     assert sum(a != b for a, b in zip(got, expected, strict=True)) <= 2

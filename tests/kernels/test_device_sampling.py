@@ -20,7 +20,7 @@ def _both(rows: list[tuple[float, int, float, int | None]], seed: int = 0) -> tu
     indices = [i * 3 for i in range(len(rows))]
     expected = sample(logits, temps, ks, ps, seeds, indices, torch.Generator().manual_seed(7))
     plan = plan_sampling(temps, ks, ps, seeds, indices, VOCAB)
-    batch = sampling_batch(plan, VOCAB, torch.device("cpu"))
+    batch = sampling_batch(plan, torch.device("cpu"))
     got = sample_tensors(logits, batch, torch.Generator().manual_seed(7))
     return expected, got.tolist()
 
@@ -69,6 +69,6 @@ def test_plan_normalises_top_k_and_skips_greedy_rows():
 
 def test_wrong_row_count_is_refused():
     plan = plan_sampling([1.0], [0], [1.0], [None], [0], VOCAB)
-    batch = sampling_batch(plan, VOCAB, torch.device("cpu"))
+    batch = sampling_batch(plan, torch.device("cpu"))
     with pytest.raises(ValueError, match="logits must be"):
         sample_tensors(torch.zeros(2, VOCAB), batch)
