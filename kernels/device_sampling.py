@@ -1,29 +1,37 @@
-"""Sampling with the per-row parameters as tensors: the GPU step's sampler.
+"""Sampling with the per-row parameters as tensors: the one sampler body,
+the GPU step's and, through ``sampling.sample``, the CPU's.
 
-The same inverse-CDF sampling as ``sampling.sample`` (one uniform draw a
-row, the first token whose cumulative probability passes it), split in two
-so the device never waits for the host and the host never reads the device:
+Inverse-CDF sampling (``sampling_primitives``: one uniform draw a row, the
+first token whose cumulative probability passes it), split in two so the
+device never waits for the host and the host never reads the device:
 
 - ``plan_sampling`` (host, plain lists): which rows sample rather than take
   the argmax, their temperatures / top-k / top-p, which carry a seed,
   and the few facts that fix tensor shapes (``max_top_k``, ``any_top_p``);
-- ``sample_tensors`` (device): the math over tensors, with shapes known from
-  the plan, so nothing in it synchronises (no ``.item()``, no ``.tolist()``).
+- ``sample_tensors`` (any device): the math over tensors, with shapes known
+  from the plan, so nothing in it synchronises (no ``.item()``, no
+  ``.tolist()``): the greedy argmax (``row_argmax``), the temperature
+  division (``divide_rows``; over the logits themselves when every row
+  samples, over the sampling rows' gather otherwise), top-k and top-p
+  (``sampling_filters``), the unnormalised softmax (``exp_weights_``) and
+  the pick (``pick_by_cdf``). When every row samples no argmax is taken.
 
-Parity with ``sampling.sample`` (the CPU sampler), row by row:
+``sampling.sample`` (the CPU runner's sampler, lists in, tokens out) plans a
+batch and runs ``sample_tensors`` over it, so the CPU and the GPU step pick
+by the same code, row by row:
 
-- greedy rows (``temperature <= 0`` or ``top_k == 1``): the same argmax;
-- seeded rows: the same uniform draw (``sampling.seeded_uniform``, a few
-  integer operations on the host, one float64 a row sent to the device) and
-  the same inverse-CDF pick (``sampling.pick_by_cdf``); on the CPU the
-  tokens are identical. On a GPU the softmax, the top-p cumsum and the
-  float64 cumulative sum round differently from the CPU's, so a seeded row
-  can differ where its draw falls within rounding of a boundary between two
-  tokens: same tokens for a seed "where the math allows";
-- unseeded rows: one batched draw of a uniform a row from ``generator``; on
-  the CPU, with the same generator state, the same tokens as ``sample``; on
-  a GPU the CUDA generator's stream (no reproducibility is promised for
-  unseeded rows).
+- greedy rows (``temperature <= 0`` or ``top_k == 1``): the argmax, the
+  first maximum on ties;
+- seeded rows: a draw from ``(seed, output_index)`` alone
+  (``seeded_uniform``, a few integer operations on the host, one float64 a
+  row sent to the device), the same in any batch. On a GPU the softmax, the
+  top-p cumsum and the float64 cumulative sum round differently from the
+  CPU's, so a seeded row can differ from the CPU's token where its draw
+  falls within rounding of a boundary between two tokens: same tokens for a
+  seed "where the math allows";
+- unseeded rows: one batched draw of a uniform a row from ``generator``, in
+  row order; on a GPU the CUDA generator's stream (no reproducibility is
+  promised for unseeded rows).
 """
 
 from __future__ import annotations
@@ -32,8 +40,14 @@ from dataclasses import dataclass
 
 import torch
 
-from slipstream.kernels.sampling import divide_rows, exp_weights_, pick_by_cdf, seeded_uniform
 from slipstream.kernels.sampling_filters import filter_top_k_, filter_top_p_
+from slipstream.kernels.sampling_primitives import (
+    divide_rows,
+    exp_weights_,
+    pick_by_cdf,
+    row_argmax,
+    seeded_uniform,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +149,7 @@ def sampling_batch(plan: SamplingPlan, device: torch.device) -> SamplingBatch:
 
 def seeded_uniforms(seeds: list[int], output_indices: list[int]) -> torch.Tensor:
     """float64 ``[len(seeds)]`` on the CPU: row i's draw for ``(seeds[i],
-    output_indices[i])`` (``sampling.seeded_uniform``; the GPU runner stages
+    output_indices[i])`` (``seeded_uniform``; the GPU runner stages
     the same draws with the step's metadata)."""
     draws = [seeded_uniform(s, i) for s, i in zip(seeds, output_indices, strict=True)]
     return torch.tensor(draws, dtype=torch.float64)
@@ -145,28 +159,31 @@ def sample_tensors(
     logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """int64 ``[N]`` on the logits' device: one token per row of float32
-    ``logits [N, vocab]``, as ``sampling.sample`` picks it (see the module
-    docstring for where the two may differ). ``generator`` (on the logits'
-    device; default: its global RNG) draws the unseeded rows."""
+    ``logits [N, vocab]``, by the batch's plan (the module docstring says
+    how). ``generator`` (on the logits' device; default: its global RNG)
+    draws the unseeded rows. The logits are read, never written."""
     plan = batch.plan
     if logits.dim() != 2 or logits.shape[0] != plan.num_rows:
         raise ValueError(f"logits must be [{plan.num_rows}, vocab], got {tuple(logits.shape)}")
-    tokens = logits.argmax(dim=-1)
     if plan.all_greedy:
-        return tokens
-    scaled = divide_rows(logits.index_select(0, batch.rows), batch.temperatures)
+        return row_argmax(logits)
+    every_row = len(plan.rows) == plan.num_rows
+    rows = logits if every_row else logits.index_select(0, batch.rows)
+    scaled = divide_rows(rows, batch.temperatures)
     if plan.max_top_k:
         filter_top_k_(scaled, batch.top_ks, plan.max_top_k)
     if plan.any_top_p:
         filter_top_p_(scaled, batch.top_ps)
-    weights = exp_weights_(scaled)
-    tokens.index_copy_(0, batch.rows, pick_by_cdf(weights, _uniforms(batch, generator)))
-    return tokens
+    picked = pick_by_cdf(exp_weights_(scaled), _uniforms(batch, generator))
+    if every_row:
+        return picked
+    return row_argmax(logits).index_copy_(0, batch.rows, picked)
 
 
 def _uniforms(batch: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
-    """float64 ``[R]`` on the batch's device, drawn as ``sampling._uniforms``
-    draws them: the unseeded rows' in one call, the seeded rows' staged."""
+    """float64 ``[R]`` draws in [0, 1) on the batch's device: the unseeded
+    rows' from ``generator`` in one call, in row order, the seeded rows'
+    staged in the batch."""
     plan, device = batch.plan, batch.rows.device
     if len(plan.unseeded) == len(plan.rows):
         return torch.rand(len(plan.rows), generator=generator, dtype=torch.float64, device=device)

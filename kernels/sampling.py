@@ -1,28 +1,36 @@
-"""Next-token sampling over a batch: greedy, temperature, top-k, top-p.
+"""Next-token sampling over a batch on the CPU: greedy, temperature, top-k,
+top-p, with the per-row parameters as lists and the tokens as a list.
 
-A sampling row takes one uniform draw ``u`` in [0, 1) and the first token
-whose cumulative probability (float64, vocabulary order) exceeds ``u`` times
-the row's total: token i with probability ``p_i`` (inverse transform
-sampling). A row with a seed draws ``u`` from ``(seed, output_index)`` alone
-(``seeded_uniform``), so it gets the same draw whatever batch it lands in,
-and with the same logits the same token (preemption and recompute reproduce
-it); unseeded rows draw theirs from a generator in one call. One draw a row
-where the exponential race (``argmax(p_i / E_i)``) drew a vocabulary's worth:
-on a Zen 3 core that race cost ~1.2 ms a row and step for a 49,152-token
-vocabulary, more than a decode step of the row itself.
+``sample`` is the CPU runner's entry to the one sampler body,
+``device_sampling.sample_tensors``: it plans the batch
+(``plan_sampling``), builds the plan's tensors and runs it, so the CPU and
+the GPU step pick by the same code. A batch with no sampling row takes
+``row_argmax`` alone. The math (one uniform draw a row, the inverse-CDF
+pick, the seeded draws) is ``sampling_primitives``'; its public names are
+importable from here too.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from slipstream.kernels.sampling_filters import filter_top_k_, filter_top_p_
+from slipstream.kernels.device_sampling import plan_sampling, sample_tensors, sampling_batch
+from slipstream.kernels.sampling_primitives import (
+    divide_rows,
+    exp_weights_,
+    pick_by_cdf,
+    row_argmax,
+    seeded_uniform,
+)
 
-_MASK64 = (1 << 64) - 1
-# Column chunks ``row_argmax`` reduces first, the first that divides the row.
-_ARGMAX_CHUNKS = (128, 64, 32)
+__all__ = [
+    "divide_rows",
+    "exp_weights_",
+    "pick_by_cdf",
+    "row_argmax",
+    "sample",
+    "seeded_uniform",
+]
 
 
 def sample(
@@ -38,174 +46,16 @@ def sample(
 
     Greedy rows (``temperature <= 0`` or ``top_k == 1``) take ``argmax`` (first max on
     ties). ``top_k == 0`` and ``top_p == 1.0`` disable those filters; top-k keeps every
-    logit tied with the k-th largest. Unseeded rows draw from ``generator`` (default:
-    the global RNG) in one batched call.
+    logit tied with the k-th largest. A seeded row's draw comes from ``(seed,
+    output_index)`` alone; unseeded rows draw from ``generator`` (on the logits' device;
+    default: its global RNG) in one batched call.
     """
-    _check(logits, temperatures, top_ks, top_ps, seeds, output_indices)
-    greedy = [t <= 0.0 or k == 1 for t, k in zip(temperatures, top_ks, strict=True)]
-    tokens = row_argmax(logits)
-    if all(greedy):
-        return tokens.tolist()
-    rows = [i for i, is_greedy in enumerate(greedy) if not is_greedy]
-    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    temps = torch.tensor([temperatures[i] for i in rows], dtype=logits.dtype, device=logits.device)
-    scaled = divide_rows(logits if len(rows) == len(greedy) else logits.index_select(0, row_index),
-                         temps)  # fmt: skip
-    scaled = _filter_top_k_top_p(scaled, [top_ks[i] for i in rows], [top_ps[i] for i in rows])
-    weights = exp_weights_(scaled)
-    uniforms = _uniforms([seeds[i] for i in rows], [output_indices[i] for i in rows], generator)
-    tokens.index_copy_(0, row_index, pick_by_cdf(weights, uniforms.to(weights.device)))
-    return tokens.tolist()
-
-
-def divide_rows(x: torch.Tensor, divisors: torch.Tensor) -> torch.Tensor:
-    """``x [N, vocab] / divisors[:, None]``, the divisors expanded to x's
-    shape first: the same quotients, and on the CPU torch's broadcast of a
-    column divides ~7x slower than an expanded one (10.5 against 1.5 ms for
-    64 rows of a 49,152-token vocabulary on a Zen 3 core)."""
-    return x / divisors.unsqueeze(1).expand_as(x)
-
-
-def exp_weights_(scaled: torch.Tensor) -> torch.Tensor:
-    """``exp(scaled - row max)`` in place: each row's softmax before its
-    division by the row's sum, which ``pick_by_cdf`` does not need; a
-    filtered ``-inf`` becomes 0. In place, as a vocabulary-wide temporary
-    fresh each step is paged in each step once it passes glibc's mmap
-    threshold (256 rows of 49,152 float32s do)."""
-    return scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
-
-
-def pick_by_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """int64 ``[N]``: for each row of ``weights [N, vocab]`` (non-negative,
-    any total above 0), the first token whose cumulative weight exceeds
-    ``uniforms[i]`` (in [0, 1)) times the row's total, summed in float64 in
-    vocabulary order: token j with probability ``weights[j] / total``. Where a
-    chunk of ``_ARGMAX_CHUNKS`` divides the row, the sums go by chunk (the
-    chunks' totals, then within the chunk the target falls in): a cumulative
-    sum over a whole vocabulary runs in scalar code. A token of weight 0 is
-    never picked: each target stays below the total it is looked up in, so
-    the sum rises past it at a token that adds to it. A row with a NaN still
-    gets a token of the vocabulary. The same ops on any device (no host
-    reads)."""
-    rows, cols = weights.shape
-    chunk = next((c for c in _ARGMAX_CHUNKS if cols % c == 0 and cols >= 4 * c), 0)
-    uniforms = uniforms.double().unsqueeze(1)
-    if not chunk:
-        cdf = weights.cumsum(dim=-1, dtype=torch.float64)
-        picked = torch.searchsorted(cdf, _below_last(uniforms * cdf[:, -1:], cdf), right=True)
-        return picked[:, 0].clamp_max_(cols - 1)
-    chunks = weights.view(rows, cols // chunk, chunk)
-    # The chunks' own sums in the weights' dtype (in float64 they would be
-    # summed from a float64 copy of the whole row), accumulated in float64.
-    chunk_cdf = chunks.sum(dim=-1).cumsum(dim=-1, dtype=torch.float64)
-    targets = _below_last(uniforms * chunk_cdf[:, -1:], chunk_cdf)
-    # [N, 1]; past the last chunk only for a NaN, kept in for the gathers
-    picked = torch.searchsorted(chunk_cdf, targets, right=True).clamp_max_(cols // chunk - 1)
-    before = chunk_cdf.gather(1, (picked - 1).clamp_min(0)).masked_fill(picked == 0, 0.0)
-    within = chunks.gather(1, picked.unsqueeze(2).expand(rows, 1, chunk))[:, 0]
-    within_cdf = within.cumsum(dim=-1, dtype=torch.float64)
-    offset = torch.searchsorted(within_cdf, _below_last(targets - before, within_cdf), right=True)
-    return (picked * chunk + offset)[:, 0].clamp_max_(cols - 1)
-
-
-def _below_last(targets: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
-    """``targets`` (``[N, 1]``), each kept below the last entry of its ``cdf`` row."""
-    total = cdf[:, -1:]
-    return torch.minimum(targets, torch.nextafter(total, torch.zeros_like(total)))
-
-
-def seeded_uniform(seed: int, output_index: int) -> float:
-    """A seeded row's draw in [0, 1): the top 53 bits of SplitMix64 of
-    ``(seed, output_index)``, the same on every device and in every batch."""
-    return (_row_seed(seed, output_index) >> 11) * 2.0**-53
-
-
-def row_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of a 2-d CPU tensor: the same indices (the first
-    maximum of each row; a NaN counts as the maximum, as there), several
-    times faster. torch's CPU argmax keeps an index per element in scalar
-    code: 15.8 ms for 256 rows of a 49,152-token vocabulary on two Zen 3
-    cores, where a plain ``amax`` takes 2.5. Where the fused CPU kernels are
-    loaded (a compiled engine) their ``row_argmax`` makes one pass of chunk
-    maxima and reads one chunk again (1 thread: 4.4 -> 3.7 ms there, docs/
-    kernels.md). Otherwise the vectorized ``amax`` finds the maximum of each
-    chunk of columns in torch, the argmax runs over those maxima (the first
-    chunk holding the row's maximum) and then within that chunk: 3.7 ms on
-    two cores (bf16: 30.8 -> 6.3). Other devices, and rows no chunk divides,
-    take torch's argmax."""
-    rows, cols = x.shape
-    on_cpu = x.device.type == "cpu" and x.is_contiguous()
-    if on_cpu and cols and x.dtype in (torch.float32, torch.bfloat16):
-        native = _native_row_argmax()
-        if native is not None:
-            return native(x)
-    chunk = next((c for c in _ARGMAX_CHUNKS if cols % c == 0 and cols >= 4 * c), 0)
-    if not chunk or not on_cpu:
-        return x.argmax(dim=-1)
-    best = x.view(rows, cols // chunk, chunk).amax(dim=-1).argmax(dim=-1)
-    within = x.gather(1, best.unsqueeze(1) * chunk + torch.arange(chunk)).argmax(dim=-1)
-    return best * chunk + within
-
-
-def _native_row_argmax() -> Any:
-    """``fused_ops``' row argmax where that library is loaded, else None (the
-    sampler never builds it)."""
-    try:
-        return torch.ops.slipstream.row_argmax
-    except AttributeError:
-        return None
-
-
-def _check(
-    logits: torch.Tensor,
-    temperatures: list[float],
-    top_ks: list[int],
-    top_ps: list[float],
-    seeds: list[int | None],
-    output_indices: list[int],
-) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, vocab], got {tuple(logits.shape)}")
-    n = logits.shape[0]
-    if not all(len(x) == n for x in (temperatures, top_ks, top_ps, seeds, output_indices)):
+    n, vocab = logits.shape
+    if len(temperatures) != n:
         raise ValueError(f"every per-row list must have {n} entries")
-
-
-def _filter_top_k_top_p(
-    scaled: torch.Tensor, top_ks: list[int], top_ps: list[float]
-) -> torch.Tensor:
-    """``sampling_filters``' top-k and top-p over ``scaled`` (ours: in place)."""
-    vocab = scaled.shape[1]
-    ks = [k if 0 < k < vocab else 0 for k in top_ks]
-    if any(ks):
-        filter_top_k_(scaled, torch.tensor(ks, device=scaled.device), max(ks))
-    if any(p < 1.0 for p in top_ps):
-        filter_top_p_(scaled, torch.tensor(top_ps, dtype=scaled.dtype, device=scaled.device))
-    return scaled
-
-
-def _uniforms(
-    seeds: list[int | None], output_indices: list[int], generator: torch.Generator | None
-) -> torch.Tensor:
-    """float64 ``[rows]`` draws in [0, 1): seeded rows from ``seeded_uniform``,
-    the others from ``generator`` in one call, in row order."""
-    unseeded = [i for i, seed in enumerate(seeds) if seed is None]
-    if len(unseeded) == len(seeds):
-        return torch.rand(len(seeds), generator=generator, dtype=torch.float64)
-    uniforms = torch.tensor(
-        [0.0 if seed is None else seeded_uniform(seed, output_indices[i])
-         for i, seed in enumerate(seeds)],
-        dtype=torch.float64,
-    )  # fmt: skip
-    if unseeded:
-        draws = torch.rand(len(unseeded), generator=generator, dtype=torch.float64)
-        uniforms.index_copy_(0, torch.tensor(unseeded, dtype=torch.int64), draws)
-    return uniforms
-
-
-def _row_seed(seed: int, output_index: int) -> int:
-    """SplitMix64 of (seed, output_index): distinct, well-mixed 64-bit words."""
-    z = (seed * 0x9E3779B97F4A7C15 + output_index + 0x632BE59BD9B4E019) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    plan = plan_sampling(temperatures, top_ks, top_ps, seeds, output_indices, vocab)
+    if plan.all_greedy:
+        return row_argmax(logits).tolist()
+    return sample_tensors(logits, sampling_batch(plan, logits.device), generator).tolist()

@@ -1,6 +1,6 @@
-"""Top-k and top-p over a batch of scaled logits, in place: the filters both
-samplers (``sampling.sample`` on the CPU, ``device_sampling.sample_tensors``
-on any device) apply before they pick, so on the CPU the two pick alike.
+"""Top-k and top-p over a batch of scaled logits, in place: the filters the
+sampler (``device_sampling.sample_tensors``, on any device; on the CPU
+through ``sampling.sample``) applies before it picks.
 
 Top-k keeps every logit at or above its row's k-th largest. Top-p keeps
 every logit at or above the smallest of the nucleus: the shortest run of

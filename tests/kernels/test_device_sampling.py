@@ -72,3 +72,32 @@ def test_wrong_row_count_is_refused():
     batch = sampling_batch(plan, torch.device("cpu"))
     with pytest.raises(ValueError, match="logits must be"):
         sample_tensors(torch.zeros(2, VOCAB), batch)
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 49_152], ids=["unchunked", "smollm2-vocabulary"])
+def test_every_row_sampling_picks_as_among_greedy_rows(vocab):
+    """Every row sampling (the logits divided whole, no gather, no argmax)
+    and the same seeded rows among greedy ones (gathered): the same tokens,
+    and the logits left as they were."""
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2)) * 3
+    temps, ks, ps = (
+        [0.8, 1.2, 0.6, 1.0, 0.9, 1.5],
+        [0, 40, 0, 7, 0, 300],
+        [1.0, 1.0, 0.9, 0.5, 1.0, 0.95],
+    )
+    seeds, indices = [11, 12, 13, 14, 15, 16], [0, 1, 2, 3, 4, 5]
+    before = logits.clone()
+    alone = sample(logits, temps, ks, ps, seeds, indices)
+    assert torch.equal(logits, before)
+    greedy = torch.randn(3, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    mixed = torch.cat([greedy[:1], logits[:3], greedy[1:], logits[3:]])
+    tokens = sample(
+        mixed,
+        [0.0, *temps[:3], 0.0, 0.7, *temps[3:]],
+        [0, *ks[:3], 0, 1, *ks[3:]],
+        [1.0, *ps[:3], 1.0, 1.0, *ps[3:]],
+        [None, *seeds[:3], None, 5, *seeds[3:]],
+        [0, *indices[:3], 0, 0, *indices[3:]],
+    )
+    assert tokens[1:4] + tokens[6:] == alone
+    assert [tokens[0], *tokens[4:6]] == greedy.argmax(-1).tolist()
