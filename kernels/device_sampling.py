@@ -158,10 +158,14 @@ def seeded_uniforms(seeds: list[int], output_indices: list[int]) -> torch.Tensor
 def sample_tensors(
     logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """int64 ``[N]`` on the logits' device: one token per row of float32
-    ``logits [N, vocab]``, by the batch's plan (the module docstring says
-    how). ``generator`` (on the logits' device; default: its global RNG)
-    draws the unseeded rows. The logits are read, never written."""
+    """int64 ``[N]`` on the logits' device: one token per row of ``logits
+    [N, vocab]``, by the batch's plan (the module docstring says how).
+    float32 logits, or a low-precision model's (the CPU runner leaves a bf16
+    model's as they are): the argmax reads them as they are, which gives the
+    indices it gives over their exact float32 widening, and the rows that
+    sample are widened by their division by the (float32) temperatures.
+    ``generator`` (on the logits' device; default: its global RNG) draws
+    the unseeded rows. The logits are read, never written."""
     plan = batch.plan
     if logits.dim() != 2 or logits.shape[0] != plan.num_rows:
         raise ValueError(f"logits must be [{plan.num_rows}, vocab], got {tuple(logits.shape)}")
@@ -169,7 +173,7 @@ def sample_tensors(
         return row_argmax(logits)
     every_row = len(plan.rows) == plan.num_rows
     rows = logits if every_row else logits.index_select(0, batch.rows)
-    scaled = divide_rows(rows, batch.temperatures)
+    scaled = divide_rows(rows, batch.temperatures)  # float32: the temperatures are
     if plan.max_top_k:
         filter_top_k_(scaled, batch.top_ks, plan.max_top_k)
     if plan.any_top_p:

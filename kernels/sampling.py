@@ -42,7 +42,8 @@ def sample(
     output_indices: list[int],
     generator: torch.Generator | None = None,
 ) -> list[int]:
-    """One token per row of ``logits [N, vocab]`` (float32).
+    """One token per row of ``logits [N, vocab]`` (float32, or a low-precision
+    model's: see ``sample_tensors``).
 
     Greedy rows (``temperature <= 0`` or ``top_k == 1``) take ``argmax`` (first max on
     ties). ``top_k == 0`` and ``top_p == 1.0`` disable those filters; top-k keeps every

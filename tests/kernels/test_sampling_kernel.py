@@ -211,3 +211,24 @@ def test_a_row_with_a_nan_still_gets_a_token_of_the_vocabulary() -> None:
         weights[1] = float("nan")
         picked = pick_by_cdf(weights, torch.tensor([0.5, 0.99, 0.2], dtype=torch.float64))
         assert all(0 <= t < vocab for t in picked.tolist())
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 49_152])
+def test_bf16_logits_give_the_tokens_of_their_float32_widening(vocab: int) -> None:
+    # A bf16 model's logits reach the sampler unwidened on the CPU: the argmax
+    # reads them as they are and only the sampling rows are widened.
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn((12, vocab), generator=gen) * 3).bfloat16()
+    logits[3, 7] = logits[3].max()  # a tie: the first maximum wins either way
+    params = (
+        [0.0, 0.8, 1.0, 0.0, 1.3, 0.7, 0.0, 1.0, 0.9, 0.0, 1.1, 0.6],
+        [0, 0, 5, 0, 0, 20, 1, 0, 0, 0, 3, 0],
+        [1.0, 1.0, 1.0, 1.0, 0.9, 1.0, 1.0, 0.5, 1.0, 1.0, 0.8, 0.95],
+        [None, 7, None, None, 3, None, None, 9, None, None, None, 21],
+        list(range(12)),
+    )
+    low = sample(logits, *params, generator=torch.Generator().manual_seed(5))
+    wide = sample(logits.float(), *params, generator=torch.Generator().manual_seed(5))
+    assert low == wide
+    greedy = ([0.0] * 12, [0] * 12, [1.0] * 12, [None] * 12, [0] * 12)
+    assert sample(logits, *greedy) == logits.float().argmax(dim=-1).tolist()
