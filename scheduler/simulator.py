@@ -8,6 +8,18 @@ Each iteration is one engine step::
     now += cost_model.plan_seconds(plan)       # swaps + one forward
     scheduler.update(plan, {sampling seq: token}, now)
 
+Planning ahead (``plan_ahead``, as the engine does on a GPU): step N+1 is
+planned when step N starts on the device, before N's results, and N's
+results are applied when N ends, where N+1 starts::
+
+    plan N+1 = scheduler.schedule(now, ahead=True)   # now: N's start
+    now = N's start + N's seconds
+    scheduler.update(plan N, ...)                    # N+1 starts at now
+
+so a request's tokens arrive one step after the plan that schedules them
+ends, as on the engine (the host's own time is left out: the device is the
+pace).
+
 Requests ignore EOS and make exactly ``output_len`` tokens (unless they
 expire). A step's seconds are charged to its sequences in proportion to
 their scheduled tokens, so the compute a request consumed is known even when
@@ -120,14 +132,19 @@ class Simulator:
         policy: SchedulingPolicy | None = None,
         max_steps: int = 10_000_000,
         step_seconds: Callable[[StepPlan], float] | None = None,
+        plan_ahead: bool = False,
     ) -> None:
         """``step_seconds``: what a step really takes on the simulated device
         (None: the cost model's prediction). Given, the scheduler's cost model
         refits online from those times, as the engine's does from measured
-        steps: a device whose steps the model cannot express."""
+        steps: a device whose steps the model cannot express. ``plan_ahead``:
+        each step is planned while the one before it runs (the module)."""
         self.config = config
         self.cost_model = cost_model
         self._step_seconds = step_seconds
+        self._plan_ahead = plan_ahead
+        # Planning ahead: the step on the device, its start and its seconds.
+        self._in_flight: tuple[StepPlan, float] | None = None
         self.scheduler = Scheduler(config, policy, cost_model)
         self._max_steps = max_steps
         self._tracks: dict[str, _Track] = {}
@@ -140,11 +157,11 @@ class Simulator:
         pending = sorted(requests, key=lambda r: (r.arrival, r.req_id))
         sched = self.scheduler
         next_index, steps = 0, 0
-        while next_index < len(pending) or sched.has_unfinished():
+        while next_index < len(pending) or sched.has_unfinished() or self._in_flight:
             while next_index < len(pending) and pending[next_index].arrival <= self.now:
                 self._submit(pending[next_index])
                 next_index += 1
-            if not sched.has_unfinished():
+            if not sched.has_unfinished() and self._in_flight is None:
                 if next_index < len(pending):
                     # Idle until the next arrival, as the engine would be.
                     then = max(self.now, pending[next_index].arrival)
@@ -189,25 +206,37 @@ class Simulator:
         self._tracks[spec.req_id] = track
 
     def _step(self, next_arrival: float | None) -> None:
-        plan = self.scheduler.schedule(self.now)
+        in_flight = self._in_flight
+        plan = self.scheduler.schedule(self.now, ahead=in_flight is not None)
         for finished in plan.finished:
             cause = finished.reject_cause
             rejection = "" if cause is None else REJECT_CAUSE_NAMES[cause]
             self._finish(finished.req_id, finished.reason, rejection)
+        if in_flight is not None:  # planning ahead: the step before ends, this one starts
+            self._in_flight = None
+            self._finish_step(*in_flight)
         if plan.is_empty:
-            # Nothing runnable right now: idle until the next arrival (or a
-            # tick, so deadlines of the queued work still come due).
-            tick = self.cost_model.idle_seconds()
-            self.now = self.now + tick if next_arrival is None else max(self.now, next_arrival)
+            if in_flight is None:
+                # Nothing runnable right now: idle until the next arrival (or a
+                # tick, so deadlines of the queued work still come due).
+                tick = self.cost_model.idle_seconds()
+                self.now = self.now + tick if next_arrival is None else max(self.now, next_arrival)
             return
         truth = self._step_seconds
         seconds = self.cost_model.plan_seconds(plan) if truth is None else truth(plan)
         self._charge(plan, seconds)
-        self.now += seconds
         self._busy_s += seconds
         self._swapped_out += len(plan.swap_out)
+        if self._plan_ahead:
+            self._in_flight = (plan, seconds)
+        else:
+            self._finish_step(plan, seconds)
+
+    def _finish_step(self, plan: StepPlan, seconds: float) -> None:
+        """``plan``'s step ends ``seconds`` from now: its results applied."""
+        self.now += seconds
         sampled = {seq.req_id: _TOKEN for seq in plan.seqs if seq.sample}
-        measured = None if truth is None else seconds
+        measured = None if self._step_seconds is None else seconds
         self._record(self.scheduler.update(plan, sampled, self.now, step_s=measured))
 
     def _charge(self, plan: StepPlan, seconds: float) -> None:
@@ -255,10 +284,13 @@ def simulate(
     cost_model: CostModel,
     policy: SchedulingPolicy | None = None,
     step_seconds: Callable[[StepPlan], float] | None = None,
+    plan_ahead: bool = False,
 ) -> SimResult:
     """One run of ``requests`` (ids unique) under ``config.policy`` (or
-    ``policy``); ``step_seconds`` as for ``Simulator``."""
-    return Simulator(config, cost_model, policy, step_seconds=step_seconds).run(requests)
+    ``policy``); ``step_seconds`` and ``plan_ahead`` as for ``Simulator``."""
+    simulator = Simulator(config, cost_model, policy, step_seconds=step_seconds,
+                          plan_ahead=plan_ahead)  # fmt: skip
+    return simulator.run(requests)
 
 
 @dataclass(frozen=True, slots=True)

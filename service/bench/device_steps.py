@@ -9,7 +9,14 @@ the step eager.
 ``h100``: SmolLM2-135M's shape in bf16 on one H100 (docs/gpu.md, "Measured on
 an H100"): a graphed decode step 1.6 ms + 6.4 µs a sequence (1.60 / 3.24 ms
 at 1 / 256, ``bench step``), an eager step ~10 ms of kernel launches + 15 µs
-a prefill token.
+a prefill token: the engine before steps with a prefill were graphed.
+
+``h100-whole-step``: the same GPU since a step with a prefill replays one
+graph of the whole step (docs/gpu.md, "A step with a prefill as one
+graph"): a step of up to ``PREFILL_GRAPH_TOKENS`` tokens takes the graphed
+decode step's time and ~0.2 µs a prefill token (a 256-token chunk beside
+0 / 8 / 64 / 256 decodes: 1.49-1.62 / 1.72-1.78 / 1.97-2.07 / 3.15-3.35
+ms); a larger step is eager, as above.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ from functools import partial
 from slipstream.scheduler.cost_model import CostCoefficients, StepShape
 from slipstream.scheduler.plan import StepPlan
 from slipstream.service.engine.calibration import calibration_plans, fit_steps
+from slipstream.service.engine.config import PREFILL_GRAPH_TOKENS
 
 H100_GRAPHED_S = 1.6e-3
 H100_PER_SEQ_S = 6.4e-6
 H100_EAGER_S = 10e-3
 H100_PER_PREFILL_TOKEN_S = 15e-6
 H100_PER_CONTEXT_TOKEN_S = 2e-9
+H100_GRAPHED_PER_PREFILL_TOKEN_S = 0.2e-6
 
 
 def h100_step(plan: StepPlan, max_graphed: int) -> float:
@@ -39,7 +48,23 @@ def h100_step(plan: StepPlan, max_graphed: int) -> float:
     return H100_EAGER_S + H100_PER_PREFILL_TOKEN_S * shape.num_prefill_tokens + rest
 
 
-DEVICE_STEPS: dict[str, Callable[[StepPlan, int], float]] = {"h100": h100_step}
+def h100_whole_step(plan: StepPlan, max_graphed: int) -> float:
+    """Seconds an H100 took for ``plan`` with the whole-step graphs."""
+    shape = StepShape.of(plan)
+    if shape.num_prefill_tokens == 0 or plan.num_tokens > PREFILL_GRAPH_TOKENS:
+        return h100_step(plan, max_graphed)
+    return (
+        H100_GRAPHED_S
+        + H100_PER_SEQ_S * shape.num_decode_seqs
+        + H100_PER_CONTEXT_TOKEN_S * shape.num_context_tokens
+        + H100_GRAPHED_PER_PREFILL_TOKEN_S * shape.num_prefill_tokens
+    )
+
+
+DEVICE_STEPS: dict[str, Callable[[StepPlan, int], float]] = {
+    "h100": h100_step,
+    "h100-whole-step": h100_whole_step,
+}
 
 
 def device_steps(name: str, max_num_seqs: int) -> Callable[[StepPlan], float]:

@@ -110,7 +110,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--device-steps",
         choices=sorted(DEVICE_STEPS),
         help="sim mode: steps take what they took on this device, the model calibrated on it "
-        "and refit online (h100: a graphed decode against an eager step with a prefill)",
+        "and refit online (h100: a graphed decode against an eager step with a prefill; "
+        "h100-whole-step: steps with a prefill graphed too)",
+    )
+    parser.add_argument(
+        "--plan-ahead",
+        action="store_true",
+        help="sim mode: plan each step while the one before runs, as the engine does on a GPU "
+        "(engine mode: as the engine does)",
     )
     parser.add_argument(
         "--calibration",
@@ -180,8 +187,12 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
             aging_s=10.0,
         )
         # The step budget serve runs with on this device.
-        budget = EngineConfig().step_token_budget(on_gpu=device.startswith("cuda"))
-        opts = replace(opts, max_num_batched_tokens=budget)
+        on_gpu = device.startswith("cuda")
+        budget = EngineConfig().step_token_budget(on_gpu=on_gpu)
+        # The engine plans ahead on a GPU (EngineConfig.plan_ahead), and so do its twins.
+        opts = replace(opts, max_num_batched_tokens=budget, plan_ahead=on_gpu)
+    elif args.plan_ahead:
+        opts = replace(opts, plan_ahead=True)
     if args.repeats < 1 or (args.repeats > 1 and (mode == "sim" or args.capacity)):
         raise SystemExit(
             "--repeats takes N >= 1, and more than 1 only in engine mode without --capacity"

@@ -63,6 +63,7 @@ from slipstream.service.bench.slo_report import grid_report
 from slipstream.service.bench.slo_sim import sim_capacity, simulate_workload
 from slipstream.service.bench.slo_twin import (
     MAX_LISTED_DISAGREEMENTS,
+    StepRecord,
     class0_misses,
     reproducibility,
     scored_differently,
@@ -293,10 +294,12 @@ def _engine_run(
     # exactly the machine time this run had, whatever the machine did before.
     own_steps = CostModel(held.coefficients, forgetting=1.0, max_drift=None)
     overruns: list[float] = []
+    steps: list[StepRecord] = []  # (settled at, seconds, sequences), on the monotonic clock
 
     def listen(plan: StepPlan, seconds: float) -> None:
         own_steps.observe_plan(plan, seconds)
         overruns.append(model.overrun)  # the margin the engine planned the next step with
+        steps.append((time.monotonic(), seconds, len(plan.seqs)))
 
     rig.listeners.append(listen)
     seen = as_scheduled(requests, deadlines)
@@ -337,7 +340,9 @@ def _engine_run(
         "host_ms_per_step": host_ms_per_step(before, after),
         "num_twin_disagreements": len(disagreements),
         "twin_disagreements": disagreements[:MAX_LISTED_DISAGREEMENTS],
-        "class0_misses": class0_misses(outcomes, requests)[:MAX_LISTED_DISAGREEMENTS],
+        "class0_misses": class0_misses(
+            outcomes, requests, [(at - started, sec, n) for at, sec, n in steps]
+        )[:MAX_LISTED_DISAGREEMENTS],
     }
 
 

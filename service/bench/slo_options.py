@@ -58,6 +58,9 @@ class SloOptions:
     device_steps: str | None = None
     # engine mode on CUDA: EngineConfig.prefill_graph_tokens (0: steps with a prefill run eagerly)
     prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
+    # Each step planned while the one before runs: the engine's on a GPU, and
+    # so its twins'; in sim mode --plan-ahead (Simulator's plan_ahead).
+    plan_ahead: bool = False
 
 
 def engine_shaped(opts: SloOptions) -> SloOptions:

@@ -46,7 +46,9 @@ def sim_capacity(opts: SloOptions, cost: CostModel | None = None) -> Capacity:
     config = replace(
         scheduler_config(opts, "fcfs"), max_queue_len=max(opts.max_queue_len, len(batch))
     )
-    result = simulate(batch, config, cost, step_seconds=simulated_device(opts))
+    result = simulate(
+        batch, config, cost, step_seconds=simulated_device(opts), plan_ahead=opts.plan_ahead
+    )
     return Capacity.of(batch, result.makespan_s)
 
 
@@ -92,7 +94,12 @@ def simulate_workload(
     if carried is not None:
         resume_policy(scheduling, carried)
     result = simulate(
-        as_scheduled(requests, deadlines), config, cost, scheduling, simulated_device(opts)
+        as_scheduled(requests, deadlines),
+        config,
+        cost,
+        scheduling,
+        simulated_device(opts),
+        plan_ahead=opts.plan_ahead,
     )
     return result, scored_metrics(result.outcomes, requests)
 

@@ -68,34 +68,61 @@ def reproducibility(runs: Sequence[dict[str, object]]) -> list[dict[str, object]
 MAX_LISTED_DISAGREEMENTS = 20
 
 
+# One engine step as a run records it: (settled at, seconds, sequences),
+# times on the run's clock (seconds from its start).
+StepRecord = tuple[float, float, int]
+
+
 def class0_misses(
-    outcomes: Sequence[SimOutcome], requests: Sequence[SimRequest]
+    outcomes: Sequence[SimOutcome],
+    requests: Sequence[SimRequest],
+    steps: Sequence[StepRecord] = (),
 ) -> list[dict[str, object]]:
     """Every class-0 request that missed on the engine, with what happened
     to it and what it asked for: the first place to look when class 0 falls
-    short."""
+    short. With the run's ``steps``, also the steps settled while it was
+    live (how many, their median and longest, their median batch) beside
+    the whole run's median step: whether it met slow steps or only many."""
     rows: list[dict[str, object]] = []
+    run_step_ms = 1e3 * statistics.median(s for _, s, _ in steps) if steps else None
     for outcome, spec in zip(score_against(outcomes, requests), requests, strict=True):
         if spec.priority != 0 or outcome.met_deadline:
             continue
-        rows.append(
-            {
-                "req_id": spec.req_id,
-                "arrival_s": spec.arrival,
-                "fate": _fate(outcome),
-                "deadline_s": None if spec.deadline is None else spec.deadline - spec.arrival,
-                "prompt_len": spec.prompt_len,
-                "output_len": spec.output_len,
-                "queue_wait_s": None
-                if outcome.first_scheduled_time is None
-                else outcome.first_scheduled_time - spec.arrival,
-                "ttft_s": None
-                if outcome.first_token_time is None
-                else outcome.first_token_time - spec.arrival,
-                "preemptions": outcome.num_preemptions,
-            }
-        )
+        row: dict[str, object] = {
+            "req_id": spec.req_id,
+            "arrival_s": spec.arrival,
+            "fate": _fate(outcome),
+            "deadline_s": None if spec.deadline is None else spec.deadline - spec.arrival,
+            "prompt_len": spec.prompt_len,
+            "output_len": spec.output_len,
+            "queue_wait_s": None
+            if outcome.first_scheduled_time is None
+            else outcome.first_scheduled_time - spec.arrival,
+            "ttft_s": None
+            if outcome.first_token_time is None
+            else outcome.first_token_time - spec.arrival,
+            "preemptions": outcome.num_preemptions,
+        }
+        if steps:
+            row.update(_steps_while_live(steps, spec.arrival, outcome.finish_time))
+            row["run_step_ms_p50"] = run_step_ms
+        rows.append(row)
     return rows
+
+
+def _steps_while_live(
+    steps: Sequence[StepRecord], arrival: float, finish: float
+) -> dict[str, object]:
+    """The steps settled in ``(arrival, finish]``, summarised."""
+    live = [(s, n) for at, s, n in steps if arrival < at <= finish]
+    if not live:
+        return {"steps_while_live": 0}
+    return {
+        "steps_while_live": len(live),
+        "step_ms_p50_while_live": 1e3 * statistics.median(s for s, _ in live),
+        "step_ms_max_while_live": 1e3 * max(s for s, _ in live),
+        "batch_p50_while_live": statistics.median(n for _, n in live),
+    }
 
 
 def scored_differently(

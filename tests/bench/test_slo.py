@@ -337,3 +337,63 @@ def test_engine_capacity_search_on_the_real_engine(tiny_model_dir) -> None:
     assert entry["rate_rps"] == pytest.approx(entry["load"] * report["capacity_rps"])
     runs = report["capacity_runs"]
     assert 1 <= len(runs) <= 2 and all(r["mode"] == "engine" and "sim_twin" in r for r in runs)
+
+
+def test_the_whole_step_h100_graphs_steps_with_a_prefill_up_to_the_graphs_size(tmp_path) -> None:
+    """h100-whole-step: a step with a prefill costs about a graphed decode
+    step up to PREFILL_GRAPH_TOKENS tokens, an eager step past it; the sim
+    plans ahead with --plan-ahead and says so in its options."""
+    from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+    from slipstream.scheduler.request import SamplingParams
+    from slipstream.service.bench.device_steps import H100_EAGER_S, device_steps
+    from slipstream.service.engine.config import PREFILL_GRAPH_TOKENS
+
+    def plan(prefill: int, decodes: int) -> StepPlan:
+        seqs = [ScheduledSeq("p", [5] * prefill, 0, [0], True, 0, SamplingParams())][:prefill]
+        seqs += [
+            ScheduledSeq(f"d{i}", [5], 512, [0], True, 3, SamplingParams()) for i in range(decodes)
+        ]
+        return StepPlan(step=0, seqs=seqs)
+
+    whole, eager = device_steps("h100-whole-step", 256), device_steps("h100", 256)
+    decode_only = plan(0, 8)
+    assert whole(decode_only) == eager(decode_only)
+    assert whole(plan(256, 8)) < 1.2 * whole(decode_only) < H100_EAGER_S
+    assert eager(plan(256, 8)) > H100_EAGER_S
+    past = plan(PREFILL_GRAPH_TOKENS, 8)
+    assert whole(past) == eager(past)
+
+    parser = argparse.ArgumentParser()
+    slo.add_parser(parser.add_subparsers())
+    out = tmp_path / "slo.json"
+    argv = ["slo", "--sim", "--device-steps", "h100-whole-step", "--plan-ahead"]
+    argv += ["--requests", "100", "--load", "1.0", "--cv", "1", "--policy", "deadline"]
+    args = parser.parse_args([*argv, "--capacity-requests", "60", "--json", str(out), "--plot", ""])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["options"]["plan_ahead"] is True
+    assert report["options"]["device_steps"] == "h100-whole-step"
+    assert report["runs"][0]["classes"]["0"]["attainment"] >= 0.95
+
+
+def test_a_class0_miss_lists_the_steps_it_lived_through() -> None:
+    """With the run's steps, a class-0 miss says how many steps settled while
+    it was live, how long they took against the run's median, and their batch."""
+    from slipstream.scheduler.request import FinishReason
+    from slipstream.scheduler.simulator import SimOutcome, SimRequest
+    from slipstream.service.bench.slo_twin import class0_misses
+
+    spec = SimRequest("r", arrival=1.0, prompt_len=16, output_len=10, priority=0, deadline=1.03)
+    missed = SimOutcome(
+        "r", 0, 1.0, 1.03, FinishReason.MAX_TOKENS, "", 1.002, 1.008, 1.035, 10, 0.0, 0
+    )
+    steps = [(0.5, 0.002, 4), (1.01, 0.002, 8), (1.02, 0.006, 10), (1.035, 0.003, 12)]
+    steps.append((2.0, 0.002, 3))
+    (row,) = class0_misses([missed], [spec], steps)
+    assert row["steps_while_live"] == 3
+    assert row["step_ms_p50_while_live"] == pytest.approx(3.0)
+    assert row["step_ms_max_while_live"] == pytest.approx(6.0)
+    assert row["batch_p50_while_live"] == 10
+    assert row["run_step_ms_p50"] == pytest.approx(2.0)
+    (bare,) = class0_misses([missed], [spec])
+    assert "steps_while_live" not in bare and bare["ttft_s"] == pytest.approx(0.008)
