@@ -490,3 +490,42 @@ def test_a_twin_resumed_from_the_carried_state_refuses_what_the_original_does() 
     assert all(_overload_arrivals(fresh, first, MIN_ARRIVALS - 1, -500.0, stepping=False))
     with pytest.raises(TypeError):
         resume_policy(twin.sched.policy, None)
+
+
+def _threshold_by_one_sort(shedder: OverloadShedder) -> tuple[float, float]:
+    """The threshold as one sort of every sheddable (class, weight) finds it."""
+    utilization = shedder.utilization()
+    if utilization <= TARGET_UTILIZATION:
+        return NO_THRESHOLD
+    excess = (1.0 - TARGET_UTILIZATION / utilization) * shedder._window_weight
+    ranked = sorted(
+        ((a.shed_class, a.weight) for a in shedder._arrivals if a.shed_class is not None),
+        reverse=True,
+    )
+    shed = 0.0
+    for cls, weight in ranked:
+        shed += weight
+        if shed >= excess:
+            return (float(cls), math.nextafter(weight, -math.inf))
+    return (0.0, -math.inf)
+
+
+def test_the_threshold_is_the_one_a_sort_of_the_whole_window_gives() -> None:
+    # Classes mixed with unsheddable arrivals, weights repeated and given
+    # back to 0, loads from under the target to four times it.
+    kinds = set()
+    for seed in range(60):
+        rng = random.Random(seed)
+        shedder = full_shedder()
+        rate = rng.choice((1.0, 1.5, 2.0, 3.0, 6.0))  # x ~0.75 weight an arrival
+        pool = [round(rng.uniform(0.0, 1.5), rng.choice((1, 6))) for _ in range(40)]
+        for i in range(rng.randint(MIN_ARRIVALS, 2 * WINDOW)):
+            cls = rng.choice((None, 1, 2, 2, 3))
+            shedder.record(i / rate, rng.choice(pool), cls, req_id=f"r{i}")
+        for i in rng.sample(range(WINDOW), 30):
+            shedder.observe_departure(f"r{i}", rng.choice((0.0, 0.3, 10.0)), False)
+        shedder._refresh()
+        expected = _threshold_by_one_sort(shedder)
+        assert shedder._threshold == expected, seed
+        kinds.add("none" if expected == NO_THRESHOLD else "all" if expected[0] == 0 else "rank")
+    assert kinds == {"none", "all", "rank"}  # every outcome was compared
