@@ -32,15 +32,21 @@ def test_top_p_keeps_the_nucleus(scale: float) -> None:
         assert got == _reference_nucleus(logits[row], float(ps[row])), row
 
 
-@pytest.mark.parametrize(("candidates", "sorts"), [(4, 1), (512, 0), (100_000, 1), (16, 1)],
-                         ids=["too-few", "enough", "sort", "some-rows"])  # fmt: skip
-def test_the_candidates_and_the_whole_sort_agree(monkeypatch, candidates: int, sorts: int) -> None:
+@pytest.mark.parametrize(
+    ("candidates", "sorts"),
+    [((4,), 1), ((512,), 0), ((100_000,), 1), ((16,), 1), ((4, 16), 1), ((4, 512), 0)],
+    ids=["too-few", "enough", "sort", "some-rows", "two-tiers-then-sort", "second-tier-enough"],
+)
+def test_the_candidates_and_the_whole_sort_agree(
+    monkeypatch, candidates: tuple[int, ...], sorts: int
+) -> None:
     """Four candidates hold less than p in every row (those rows are sorted,
-    in one call), 16 in some, 512 of 2,048 in all (no sort): the same logits
-    kept, bit for bit, as sorting every row."""
+    in one call, or looked for again among 16 or 512), 16 in some, 512 of
+    2,048 in all (no sort): the same logits kept, bit for bit, as sorting
+    every row."""
     logits = _logits(32, 2048, 3.0, seed=1)
     ps = torch.linspace(0.1, 0.9, 32)
-    monkeypatch.setattr(sampling_filters, "NUCLEUS_CANDIDATES", 100_000)
+    monkeypatch.setattr(sampling_filters, "NUCLEUS_CANDIDATES", (100_000,))
     sorted_once = filter_top_p_(logits.clone(), ps)
     monkeypatch.setattr(sampling_filters, "NUCLEUS_CANDIDATES", candidates)
     calls = []
