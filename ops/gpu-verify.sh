@@ -57,6 +57,16 @@ ahead)
 slo)
     bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 \
         --json "$out/slo-cuda.json" --plot "$out/slo-cuda.png"
+    # Each run's host time a step by phase, and every class-0 miss with the
+    # steps it lived through (slow steps, or many?).
+    "$py" - "$out/slo-cuda.json" <<'PY'
+import json, sys
+for run in json.load(open(sys.argv[1]))["runs"]:
+    host = {k: round(v, 3) for k, v in (run.get("host_ms_per_step") or {}).items()}
+    print(run["policy"], run["deadlines"], "cv", run["cv"], "host ms a step", host)
+    for miss in run.get("class0_misses") or []:
+        print("  missed", {k: round(v, 4) if isinstance(v, float) else v for k, v in miss.items()})
+PY
     ;;
 pieces)
     for tokens in 2048 0; do
