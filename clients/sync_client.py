@@ -240,7 +240,11 @@ class Client:
         self._lock = threading.Lock()
         self._state = grpc.ChannelConnectivity.IDLE
         self._left_ready = False  # the connection left READY since the shared stream opened
-        self._channel.subscribe(self._on_state)
+        # Watched from the first shared stream on (``_shared_stream``): a client
+        # that never opens one (one-shot calls, a chat ended at its first
+        # prompt) starts no polling thread, which gRPC's can outlive a close
+        # that comes right after it started and fail in (grpc/grpc#18995).
+        self._watching = False
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
         return Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
@@ -314,6 +318,9 @@ class Client:
         if self._shared is None or self._shared.is_broken:
             self._shared = self.stream()
             self._left_ready = False
+            if not self._watching:
+                self._watching = True
+                self._channel.subscribe(self._on_state)
         return self._shared
 
     def tokenize(self, text: str) -> list[int]:
@@ -337,7 +344,9 @@ class Client:
         with self._lock:
             if self._shared is not None:
                 self._shared.close()
-        self._channel.unsubscribe(self._on_state)
+            watching, self._watching = self._watching, False
+        if watching:
+            self._channel.unsubscribe(self._on_state)
         self._channel.close()
 
     def __enter__(self) -> Client:
