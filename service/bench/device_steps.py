@@ -39,26 +39,27 @@ H100_GRAPHED_PER_PREFILL_TOKEN_S = 0.2e-6
 
 def h100_step(plan: StepPlan, max_graphed: int) -> float:
     """Seconds an H100 took for ``plan`` (graphs captured up to ``max_graphed`` sequences)."""
-    shape = StepShape.of(plan)
-    rest = (
-        H100_PER_SEQ_S * shape.num_decode_seqs + H100_PER_CONTEXT_TOKEN_S * shape.num_context_tokens
-    )
-    if shape.num_prefill_tokens == 0 and shape.num_decode_seqs <= max_graphed:
-        return H100_GRAPHED_S + rest
-    return H100_EAGER_S + H100_PER_PREFILL_TOKEN_S * shape.num_prefill_tokens + rest
+    return _h100_seconds(StepShape.of(plan), max_graphed, whole_step=False)
 
 
 def h100_whole_step(plan: StepPlan, max_graphed: int) -> float:
     """Seconds an H100 took for ``plan`` with the whole-step graphs."""
-    shape = StepShape.of(plan)
-    if shape.num_prefill_tokens == 0 or plan.num_tokens > PREFILL_GRAPH_TOKENS:
-        return h100_step(plan, max_graphed)
-    return (
-        H100_GRAPHED_S
-        + H100_PER_SEQ_S * shape.num_decode_seqs
-        + H100_PER_CONTEXT_TOKEN_S * shape.num_context_tokens
-        + H100_GRAPHED_PER_PREFILL_TOKEN_S * shape.num_prefill_tokens
+    return _h100_seconds(StepShape.of(plan), max_graphed, whole_step=True)
+
+
+def _h100_seconds(shape: StepShape, max_graphed: int, whole_step: bool) -> float:
+    """A decode-only step of up to ``max_graphed`` sequences replays a graph;
+    with ``whole_step``, so does a step with a prefill of up to
+    ``PREFILL_GRAPH_TOKENS`` tokens (a decode is one token); others are eager."""
+    prefill = shape.num_prefill_tokens
+    rest = (
+        H100_PER_SEQ_S * shape.num_decode_seqs + H100_PER_CONTEXT_TOKEN_S * shape.num_context_tokens
     )
+    if prefill == 0 and shape.num_decode_seqs <= max_graphed:
+        return H100_GRAPHED_S + rest
+    if prefill and whole_step and prefill + shape.num_decode_seqs <= PREFILL_GRAPH_TOKENS:
+        return H100_GRAPHED_S + H100_GRAPHED_PER_PREFILL_TOKEN_S * prefill + rest
+    return H100_EAGER_S + H100_PER_PREFILL_TOKEN_S * prefill + rest
 
 
 DEVICE_STEPS: dict[str, Callable[[StepPlan, int], float]] = {

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from slipstream.scheduler.request import SamplingParams
+
 # (row key, label, colour) of the hooked pass's parts, bottom to top in the plot.
 PARTS = (
     ("linears_ms", "linears", "tab:blue"),
@@ -30,7 +32,7 @@ def describe_run(report: Mapping[str, Any]) -> list[str]:
 
 
 def _sampling(sampling: Mapping[str, Any] | None) -> str:
-    if not sampling or sampling["temperature"] <= 0 or sampling["top_k"] == 1:
+    if not sampling or SamplingParams(**sampling).is_greedy:
         return "greedy"
     return (f"sampling at temperature {sampling['temperature']:g}, top-k {sampling['top_k']}, "
             f"top-p {sampling['top_p']:g}")  # fmt: skip
