@@ -46,7 +46,7 @@ from slipstream.kernels.sampling_primitives import (
     exp_weights_,
     pick_by_cdf,
     row_argmax,
-    seeded_uniform,
+    seeded_draws,
 )
 
 
@@ -151,8 +151,7 @@ def seeded_uniforms(seeds: list[int], output_indices: list[int]) -> torch.Tensor
     """float64 ``[len(seeds)]`` on the CPU: row i's draw for ``(seeds[i],
     output_indices[i])`` (``seeded_uniform``; the GPU runner stages
     the same draws with the step's metadata)."""
-    draws = [seeded_uniform(s, i) for s, i in zip(seeds, output_indices, strict=True)]
-    return torch.tensor(draws, dtype=torch.float64)
+    return torch.tensor(seeded_draws(seeds, output_indices), dtype=torch.float64)
 
 
 def sample_tensors(

@@ -93,6 +93,12 @@ def seeded_uniform(seed: int, output_index: int) -> float:
     return (_row_seed(seed, output_index) >> 11) * 2.0**-53
 
 
+def seeded_draws(seeds: list[int], output_indices: list[int]) -> list[float]:
+    """``seeded_uniform`` of each ``(seeds[i], output_indices[i])``: a step's
+    seeded rows' draws, as the CPU sampler and the GPU staging both take them."""
+    return [seeded_uniform(s, i) for s, i in zip(seeds, output_indices, strict=True)]
+
+
 def _row_seed(seed: int, output_index: int) -> int:
     """SplitMix64 of (seed, output_index): distinct, well-mixed 64-bit words."""
     z = (seed * 0x9E3779B97F4A7C15 + output_index + 0x632BE59BD9B4E019) & _MASK64

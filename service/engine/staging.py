@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from slipstream.kernels.device_sampling import SamplingPlan, plan_sampling
-from slipstream.kernels.sampling import seeded_uniform
+from slipstream.kernels.sampling_primitives import seeded_draws
 from slipstream.scheduler.plan import PENDING_TOKEN, StepPlan
 
 # (name, dtype, entries per sequence or per token); block_tables is sized apart.
@@ -371,8 +371,7 @@ def stage_step(
     _put(arrays, "unseeded", sampling.unseeded)
     _put(arrays, "seeded", sampling.seeded)
     if sampling.seeded:
-        draws = map(seeded_uniform, sampling.seeds, sampling.output_indices)
-        _put(arrays, "seeded_uniforms", list(draws))
+        _put(arrays, "seeded_uniforms", seeded_draws(sampling.seeds, sampling.output_indices))
     return StagedStep(
         num_seqs=num_seqs,
         num_rows=num_rows,
