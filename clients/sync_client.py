@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import grpc
@@ -347,10 +348,38 @@ class Client:
             watching, self._watching = self._watching, False
         if watching:
             self._channel.unsubscribe(self._on_state)
-        self._channel.close()
+            _close_once_unwatched(self._channel)
+        else:
+            self._channel.close()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# gRPC's connectivity poller leaves within 0.2 s of its last unsubscribe.
+_POLLER_EXIT_S = 2.0
+
+
+def _close_once_unwatched(channel: grpc.Channel) -> None:
+    """Closes ``channel`` from a daemon thread once gRPC's connectivity
+    poller has left it: a channel closed under the poller makes it raise
+    "Cannot monitor channel state: Channel closed!" in its own thread, a
+    traceback after two of three closes of a client that had a shared stream
+    (grpc/grpc#18995). ``close`` returns at once; the connection goes at most
+    0.2 s later. The poller's flag is gRPC's own (private) state; without
+    it, a fixed wait."""
+    state = getattr(channel, "_connectivity_state", None)
+
+    def close() -> None:
+        if state is None or not hasattr(state, "polling"):
+            time.sleep(0.25)
+        else:
+            deadline = time.monotonic() + _POLLER_EXIT_S
+            while state.polling and time.monotonic() < deadline:
+                time.sleep(0.01)
+        channel.close()
+
+    threading.Thread(target=close, name="slipstream-channel-close", daemon=True).start()
