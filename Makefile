@@ -48,8 +48,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	cd $(CURDIR) && $(BIN)/mypy scheduler/
 
+# The suites run on every core (at most 4 workers), a test file per worker at
+# a time: module fixtures (an engine, a served model) are built once per file.
+PYTEST_WORKERS ?= -n auto --maxprocesses=4 --dist loadfile
+
 unit: $(STAMP) protos
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_WORKERS)
 
 # The CPU-dependent tests once more, answering as the other kind of CPU this
 # machine can execute ($SLIPSTREAM_CPU, see kernels/cpu_answer.py): AVX2 and
@@ -64,7 +68,7 @@ CPU_TESTS := tests/kernels tests/bench tests/service/engine tests/service/test_k
 OTHER_CPU = $(shell $(BIN)/python -c "from slipstream.kernels.cpu_features import native, other_answer; print(other_answer(native()))")
 
 unit-other-cpu: $(STAMP) protos
-	SLIPSTREAM_CPU=$(OTHER_CPU) $(BIN)/python -m pytest -m "not slow" $(CPU_TESTS)
+	SLIPSTREAM_CPU=$(OTHER_CPU) $(BIN)/python -m pytest -m "not slow" $(PYTEST_WORKERS) $(CPU_TESTS)
 
 # The native kernels' tests once more as an AVX-512 CPU with AVX512-BF16 whose
 # kernels are a test build emulating those instructions on AVX2
@@ -74,7 +78,7 @@ EMULATED_TESTS := tests/kernels tests/service/engine/test_native_layers.py \
 	--ignore-glob='tests/kernels/test_triton_*'
 
 unit-avx512-emulated: $(STAMP) protos
-	SLIPSTREAM_CPU=avx512-emulated $(BIN)/python -m pytest -m "not slow" $(EMULATED_TESTS)
+	SLIPSTREAM_CPU=avx512-emulated $(BIN)/python -m pytest -m "not slow" $(PYTEST_WORKERS) $(EMULATED_TESTS)
 
 test: lint typecheck unit unit-other-cpu unit-avx512-emulated
 
