@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.kernels.cpu_answer import prepare_environment
+# Under pytest-xdist each worker takes its share of the cores for torch's
+# intra-op (OpenMP) threads, set before torch loads: two workers of two
+# threads each on two cores stall every parallel region while the other
+# process holds a core (~8 ms, docs/kernels.md), which slows the engine
+# tests and skews what they time. Tests that need more threads set them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+from slipstream.kernels.cpu_answer import prepare_environment  # noqa: E402
 
 # The CPU the suite answers for ($SLIPSTREAM_CPU: native, avx2 or bare), set
 # before torch loads; servers the tests spawn inherit it. `make test` runs the
