@@ -41,6 +41,7 @@ def sample(
     seeds: list[int | None],
     output_indices: list[int],
     generator: torch.Generator | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> list[int]:
     """One token per row of ``logits [N, vocab]`` (float32, or a low-precision
     model's: see ``sample_tensors``).
@@ -49,7 +50,7 @@ def sample(
     ties). ``top_k == 0`` and ``top_p == 1.0`` disable those filters; top-k keeps every
     logit tied with the k-th largest. A seeded row's draw comes from ``(seed,
     output_index)`` alone; unseeded rows draw from ``generator`` (on the logits' device;
-    default: its global RNG) in one batched call.
+    default: its global RNG) in one batched call. ``scratch``: see ``sample_tensors``.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, vocab], got {tuple(logits.shape)}")
@@ -59,4 +60,5 @@ def sample(
     plan = plan_sampling(temperatures, top_ks, top_ps, seeds, output_indices, vocab)
     if plan.all_greedy:
         return row_argmax(logits).tolist()
-    return sample_tensors(logits, sampling_batch(plan, logits.device), generator).tolist()
+    batch = sampling_batch(plan, logits.device)
+    return sample_tensors(logits, batch, generator, scratch).tolist()

@@ -15,6 +15,13 @@ a whole-row sort costs ~4.3 ms a row, 1,024 candidates ~0.5 and 8,192
 ~1.1 (a flat row's nucleus at p 0.9 often holds a few thousand).
 Elsewhere the row is sorted: a data-dependent choice would make the host
 wait for the device.
+
+On the CPU, a batch whose every row has top-k takes ``top_k_weights``
+instead of both filters and ``exp_weights_``: the same weights from each
+row's ``max_top_k + 1`` largest logits. Filtering the whole row to -inf
+and taking its exp cost 21 ms at 64 rows of a 49,152-token vocabulary
+on a Zen 3 core (torch's CPU exp leaves its fast path for -inf), against
+4.7 for the same exp over finite logits.
 """
 
 from __future__ import annotations
@@ -76,3 +83,53 @@ def _nucleus_end(
     # the running sum never falls), the first included.
     kept = (mass[:, :-1] < ps).sum(dim=-1, keepdim=True)
     return values.gather(1, kept), mass
+
+
+def top_k_weights(
+    scaled: torch.Tensor, top_ks: torch.Tensor, max_top_k: int, top_ps: torch.Tensor | None
+) -> torch.Tensor | None:
+    """CPU: ``exp_weights_`` of ``scaled`` after ``filter_top_k_`` (and, with
+    ``top_ps``, ``filter_top_p_``), bit for bit, from each row's ``max_top_k
+    + 1`` largest logits, written over ``scaled`` (returned). None, and
+    ``scaled`` as it was, where a row
+    needs the whole-row path: top-k off (k == 0), a NaN or an infinite
+    maximum among its candidates, or the k-th largest tied past them.
+
+    The same bits: the kept logits are exactly the candidates at or above
+    the k-th (no tie past the last candidate), each weight is the same exp
+    of the same difference from the row's maximum, every other weight 0.
+    With top-p, the filtered row's log-sum-exp is torch's own sum of those
+    weights over the whole row (``torch.logsumexp`` sums ``exp(x - max)``
+    over the same shape), and the nucleus' running sum is the candidates'
+    sequential cumsum, which the whole-row path computes over the same
+    leading entries."""
+    vocab = scaled.shape[1]
+    if bool((top_ks == 0).any()):
+        return None
+    width = min(max_top_k + 1, vocab)
+    values, indices = scaled.topk(width, dim=-1)
+    kth = values.gather(1, (top_ks - 1).unsqueeze(1))
+    top = values[:, :1]
+    if bool(values.isnan().any()) or not bool(top.isfinite().all()):
+        return None
+    if width < vocab and bool((values[:, -1:] == kth).any()):
+        return None  # the k-th largest may be tied past the candidates
+    kept = values >= kth
+    candidates = (values - top).exp_().masked_fill_(~kept, 0.0)
+    # In place: a fresh vocabulary-wide tensor is paged in on every call
+    # (7.9 ms of zeros at 64 rows, where zeroing the scaled rows takes ~1).
+    weights = scaled.zero_().scatter_(1, indices, candidates)
+    if top_ps is None:
+        return weights
+    log_total = log_sum_exp_of_weights(weights, top)
+    ps = top_ps.to(scaled.dtype).unsqueeze(1)
+    smallest = _nucleus_end(values.masked_fill(~kept, float("-inf")), log_total, ps)[0]
+    candidates.masked_fill_(values < smallest, 0.0)
+    return weights.scatter_(1, indices, candidates)
+
+
+def log_sum_exp_of_weights(weights: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp`` of the row whose ``exp(row - top)`` are ``weights``
+    (``top`` finite, ``[N, 1]``), bit for bit: what it computes, over the same
+    shape (a sum of the candidates alone rounds differently in ~1 row in 13)."""
+    return weights.sum(dim=-1, keepdim=True).log_().add_(top)

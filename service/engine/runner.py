@@ -84,6 +84,8 @@ class ModelRunner:
         self.host_pool = allocate_pool(model, num_host_blocks, block_size, commit_kv_memory)
         self._copy_blocks = copy_blocks_for(model.attention_backend)
         self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
+        # Where the sampler scales its rows, kept from step to step (see sample_tensors).
+        self._sampling_scratch = torch.empty(0)
 
     def launch(self, plan: StepPlan) -> DoneStep:
         """Runs ``plan`` now (the CPU has nothing to overlap with), taking its
@@ -104,6 +106,12 @@ class ModelRunner:
         if not plan.seqs:
             return StepResult({}, 0)
         return self._forward(plan)
+
+    def _scratch(self, numel: int) -> torch.Tensor:
+        """The sampler's scratch, grown to ``numel`` float32s when smaller."""
+        if self._sampling_scratch.numel() < numel:
+            self._sampling_scratch = torch.empty(numel)
+        return self._sampling_scratch
 
     def _forward(self, plan: StepPlan) -> StepResult:
         token_ids: list[int] = []
@@ -146,6 +154,7 @@ class ModelRunner:
             [s.sampling.top_p for s in sampled_seqs],
             [s.sampling.seed for s in sampled_seqs],
             [s.output_index for s in sampled_seqs],
+            scratch=self._scratch(len(sampled_seqs) * logits.shape[-1]),
         )
         return StepResult(
             {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}, len(token_ids)

@@ -1,5 +1,6 @@
 """Top-k and top-p in place: the nucleus found among the largest candidates
-equals the one a whole sort finds, and both match a float64 reference."""
+equals the one a whole sort finds, and both match a float64 reference; the
+CPU's weights from the top-k candidates are those of the whole-row filters."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 import torch
 
 from slipstream.kernels import sampling_filters
-from slipstream.kernels.sampling_filters import filter_top_k_, filter_top_p_
+from slipstream.kernels.sampling_filters import (
+    filter_top_k_,
+    filter_top_p_,
+    log_sum_exp_of_weights,
+    top_k_weights,
+)
+from slipstream.kernels.sampling_primitives import exp_weights_
 
 
 def _logits(rows: int, vocab: int, scale: float, seed: int = 0) -> torch.Tensor:
@@ -67,3 +74,64 @@ def test_top_p_of_one_token_and_after_top_k() -> None:
     # the nucleus of what top-k left: the larger of the two at p 0.4
     both = filter_top_p_(top2, torch.tensor([0.4, 1.0]))
     assert torch.isfinite(both[0]).tolist() == [False, True, False, False]
+
+
+def _whole_row_weights(
+    scaled: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor | None
+) -> torch.Tensor:
+    row = filter_top_k_(scaled.clone(), ks, int(ks.max()))
+    if ps is not None:
+        filter_top_p_(row, ps)
+    return exp_weights_(row)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("with_top_p", [False, True], ids=["top-k", "top-k-and-top-p"])
+def test_top_k_weights_are_the_whole_row_filters_weights(threads: int, with_top_p: bool) -> None:
+    """Bit for bit, over peaked and flat rows, k from 1 to past the nucleus,
+    p from one token to the whole top-k (rounding at p 1 included), one
+    thread and two (torch's own sums over the same shape)."""
+    torch.set_num_threads(threads)  # the autouse fixture restores 1
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(24):
+        rows, vocab = (1, 3, 16, 64)[trial % 4], (50, 1000, 49152)[trial % 3]
+        scaled = torch.randn(rows, vocab, generator=gen) * (0.5, 3.0, 20.0)[trial % 3]
+        ks = torch.randint(1, min(600, vocab - 1), (rows,), generator=gen)
+        ps = torch.tensor([1.0, 0.9, 0.5, 0.99, 1e-6])[torch.randint(0, 5, (rows,), generator=gen)]
+        got = top_k_weights(scaled.clone(), ks, int(ks.max()), ps if with_top_p else None)
+        assert got is not None, trial
+        assert torch.equal(got, _whole_row_weights(scaled, ks, ps if with_top_p else None)), trial
+
+
+def test_top_k_weights_leave_rows_they_cannot_match_to_the_whole_row() -> None:
+    """k == 0 on a row, a NaN, an infinite maximum, or the k-th largest tied
+    past the candidates: None, the rows untouched, and the whole-row path
+    decides."""
+    scaled = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0], [0.5, 0.1, 0.2, 0.3, 0.4, 0.6]])
+    before = scaled.clone()
+    ks = torch.tensor([2, 2])
+    assert top_k_weights(scaled, ks, 2, None) is None  # row 0: 2.0 tied at k == 2, three of them
+    assert top_k_weights(scaled, torch.tensor([3, 2]), 3, None) is None
+    assert top_k_weights(scaled, torch.tensor([2, 0]), 2, None) is None
+    for bad in (float("nan"), float("inf")):
+        scaled[1, 5] = bad
+        assert top_k_weights(scaled, ks, 2, None) is None
+        scaled[1, 5] = 0.6
+    assert torch.equal(scaled, before)
+    scaled[0, 2:5] = torch.tensor([2.0, 1.5, 1.2])  # no tie: the candidates decide
+    expected = _whole_row_weights(scaled, ks, None)
+    got = top_k_weights(scaled, ks, 2, None)
+    assert got is not None and torch.equal(got, expected)
+    assert (got > 0).sum(dim=-1).tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_log_sum_exp_of_the_weights_is_torchs(threads: int) -> None:
+    torch.set_num_threads(threads)  # the autouse fixture restores 1
+    scaled = _logits(64, 49152, 3.0, seed=5)
+    values, indices = scaled.topk(300, dim=-1)
+    filtered = scaled.masked_fill(scaled < values[:, -1:], float("-inf"))
+    top = values[:, :1]
+    weights = torch.zeros_like(scaled).scatter_(1, indices, (values - top).exp())
+    expected = torch.logsumexp(filtered, dim=-1, keepdim=True)
+    assert torch.equal(log_sum_exp_of_weights(weights, top), expected)

@@ -232,3 +232,23 @@ def test_bf16_logits_give_the_tokens_of_their_float32_widening(vocab: int) -> No
     assert low == wide
     greedy = ([0.0] * 12, [0] * 12, [1.0] * 12, [None] * 12, [0] * 12)
     assert sample(logits, *greedy) == logits.float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "greedy_rows"),
+    [(0, 1.0, False), (40, 1.0, False), (40, 0.9, False), (0, 0.9, True), (40, 1.0, True)],
+    ids=["temperature", "top-k", "top-k-and-top-p", "top-p-beside-greedy", "top-k-beside-greedy"],
+)
+def test_a_scratch_gives_the_same_tokens_and_is_written(
+    top_k: int, top_p: float, greedy_rows: bool
+) -> None:
+    """The runner's scratch, kept from step to step: the same tokens as
+    fresh tensors (the sampling rows are scaled in it), over a real
+    vocabulary's width and a bf16 model's logits."""
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(12, 49_152, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+        temperatures = [0.0 if greedy_rows and i % 3 == 0 else 0.8 for i in range(12)]
+        args = (temperatures, [top_k] * 12, [top_p] * 12, list(range(12)), [2] * 12)
+        scratch = torch.full((12 * 49_152 + 7,), float("nan"))
+        assert sample(logits, *args, scratch=scratch) == sample(logits, *args)
+        assert not scratch[:49_152].isnan().any(), "the sampler wrote its rows elsewhere"
