@@ -46,12 +46,33 @@ def filter_top_p_(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Sets each row's logits below its nucleus of mass ``top_ps`` to -inf
     (see the module docstring). A row with p == 1 may lose a tail whose
     running sum rounds to 1."""
+    return scaled.masked_fill_(scaled < nucleus_smallest(scaled, top_ps), float("-inf"))
+
+
+def top_p_weights(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor | None:
+    """CPU: ``exp_weights_`` of ``scaled`` after ``filter_top_p_``, bit for
+    bit, written over ``scaled`` (returned): the exp is taken over the finite
+    row and the weights outside the nucleus set to 0 after it, where the
+    filtered row's ``-inf``s take torch's slow exp. The row's maximum is
+    always in its nucleus, so the difference each weight is the exp of is
+    the same. None, and ``scaled`` as it was, where a row's maximum is not
+    finite (a NaN, an infinity)."""
+    top = scaled.amax(dim=-1, keepdim=True)
+    if not bool(top.isfinite().all()):
+        return None
+    outside = scaled < nucleus_smallest(scaled, top_ps)
+    return scaled.sub_(top).exp_().masked_fill_(outside, 0.0)
+
+
+def nucleus_smallest(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Each row's smallest logit in its nucleus of mass ``top_ps`` (``[N,
+    1]``; see the module docstring)."""
     ps = top_ps.to(scaled.dtype).unsqueeze(1)
     log_total = torch.logsumexp(scaled, dim=-1, keepdim=True)
     vocab = scaled.shape[1]
     tiers = [c for c in NUCLEUS_CANDIDATES if c < vocab]
     if scaled.device.type != "cpu" or not tiers:
-        return scaled.masked_fill_(scaled < _smallest_kept(scaled, log_total, ps), float("-inf"))
+        return _smallest_kept(scaled, log_total, ps)
     smallest = torch.empty_like(log_total)
     rows = torch.arange(scaled.shape[0])  # the rows whose nucleus is still to find
     for tier, candidates in enumerate(tiers):
@@ -64,7 +85,7 @@ def filter_top_p_(scaled: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
             break
     else:
         smallest[rows] = _smallest_kept(scaled.index_select(0, rows), log_total[rows], ps[rows])
-    return scaled.masked_fill_(scaled < smallest, float("-inf"))
+    return smallest
 
 
 def _smallest_kept(scaled: torch.Tensor, log_total: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from slipstream.kernels.sampling_filters import (
     filter_top_p_,
     log_sum_exp_of_weights,
     top_k_weights,
+    top_p_weights,
 )
 from slipstream.kernels.sampling_primitives import exp_weights_
 
@@ -135,3 +136,33 @@ def test_the_log_sum_exp_of_the_weights_is_torchs(threads: int) -> None:
     weights = torch.zeros_like(scaled).scatter_(1, indices, (values - top).exp())
     expected = torch.logsumexp(filtered, dim=-1, keepdim=True)
     assert torch.equal(log_sum_exp_of_weights(weights, top), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_top_p_weights_are_the_whole_row_filters_weights(threads: int) -> None:
+    """Bit for bit, over peaked and flat rows (nuclei within the first
+    candidates, the second tier and a whole sort), p from one token to 1."""
+    torch.set_num_threads(threads)  # the autouse fixture restores 1
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(18):
+        rows, vocab = (1, 3, 16, 64)[trial % 4], (50, 1000, 49152)[trial % 3]
+        scaled = torch.randn(rows, vocab, generator=gen) * (0.3, 3.0, 20.0)[trial % 3]
+        ps = torch.tensor([1.0, 0.9, 0.5, 0.99, 1e-6])[torch.randint(0, 5, (rows,), generator=gen)]
+        expected = exp_weights_(filter_top_p_(scaled.clone(), ps))
+        got = top_p_weights(scaled.clone(), ps)
+        assert got is not None and torch.equal(got, expected), trial
+
+
+def test_top_p_weights_leave_a_row_without_a_finite_maximum_to_the_whole_row() -> None:
+    """A NaN or +inf in a row, or a row of -inf: None, the rows untouched."""
+    scaled = _logits(3, 100, 3.0)
+    for row, column, bad in ((1, 7, float("nan")), (1, 7, float("inf")), (2, None, float("-inf"))):
+        odd = scaled.clone()
+        if column is None:
+            odd[row] = bad
+        else:
+            odd[row, column] = bad
+        before = odd.clone()
+        assert top_p_weights(odd, torch.tensor([0.9, 0.9, 0.9])) is None
+        assert torch.equal(odd.nan_to_num(), before.nan_to_num())
+        assert torch.equal(odd.isnan(), before.isnan())
