@@ -8,8 +8,9 @@ Each op matches its eager torch composition up to the last bit of fp32
 (the sum of squares and exp round differently); the parity tests hold them
 to it. ``decoder_layers_`` runs a model's whole layer loop (these ops, the
 projections and the attention kernel) in one call. ``row_argmax``
-(``torch.ops.slipstream.row_argmax``) is the sampler's, used by
-``sampling.row_argmax`` wherever this library is loaded.
+(``torch.ops.slipstream.row_argmax``) and ``row_top_values`` are the
+sampler's, used by ``sampling.row_argmax`` and by top-p's candidates
+(``sampling_filters``) wherever this library is loaded.
 """
 
 from __future__ import annotations

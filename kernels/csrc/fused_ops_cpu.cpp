@@ -8,6 +8,8 @@
 //   rotary_neox_(qk, cos, ssin, pos)  in place, neox layout: x * cos + roll(x, D/2) * ssin
 //                                     (ssin = sin with the first half negated)
 //   row_argmax(x)                     [R, C] -> int64 [R]: x.argmax(-1), for the sampler
+//   row_top_values(x, k)              float32 [R, C] -> [R, k]: x.topk(k).values (no NaN in x),
+//                                     the sampler's top-p candidates
 //
 // Rounding follows the eager ops where it can: every add and product is
 // rounded as torch rounds it (-ffp-contract=off: no fused multiply-adds), bf16
@@ -37,8 +39,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 // glibc's vector expf (libmvec, linked with -lmvec): with this declaration the
 // compiler vectorizes the silu loop instead of calling expf once per element.
@@ -414,6 +418,53 @@ at::Tensor row_argmax(const at::Tensor& x) {
   return out;
 }
 
+// ---- The k largest values of each row, descending: x.topk(k).values for rows
+// without NaN, ~8x faster than torch's CPU topk at k = 1,024 of 49,152. One
+// pass counts the row's values in 2,048 buckets of their order-preserving
+// bits (sign, exponent, two mantissa bits), the bucket holding the k-th largest
+// is found from the top, a second pass keeps the values from that bucket up,
+// and those are partially sorted. Scalar code: the same on every CPU.
+
+inline uint32_t ordered_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
+}
+
+void top_values_rows(const float* x, int64_t cols, int64_t k, float* out, int64_t b, int64_t e) {
+  constexpr int kShift = 21;  // 2,048 buckets
+  std::vector<int64_t> count(size_t{1} << (32 - kShift));
+  std::vector<float> kept;
+  for (int64_t r = b; r < e; ++r) {
+    const float* row = x + r * cols;
+    std::fill(count.begin(), count.end(), 0);
+    for (int64_t c = 0; c < cols; ++c) ++count[ordered_bits(row[c]) >> kShift];
+    int64_t bucket = static_cast<int64_t>(count.size()) - 1, above = 0;
+    while (above + count[bucket] < k) above += count[bucket--];
+    const uint32_t lowest = static_cast<uint32_t>(bucket) << kShift;
+    kept.clear();
+    for (int64_t c = 0; c < cols; ++c) {
+      if (ordered_bits(row[c]) >= lowest) kept.push_back(row[c]);
+    }
+    std::nth_element(kept.begin(), kept.begin() + (k - 1), kept.end(), std::greater<float>());
+    std::sort(kept.begin(), kept.begin() + k, std::greater<float>());
+    std::memcpy(out + r * k, kept.data(), k * sizeof(float));
+  }
+}
+
+at::Tensor row_top_values(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x must be a contiguous float32 [rows, cols] CPU tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= cols, "k must be in [1, cols], got ", k);
+  at::Tensor out = at::empty({rows, k}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) { top_values_rows(xp, cols, k, op, b, e); });
+  return out;
+}
+
 // ---- The decoder stack in one call: the same ops a Python layer loop makes,
 // in the same order, without ~20 interpreter round trips per layer (5-10 us
 // each on a slow core: milliseconds a step on a 30-layer model, as much as
@@ -570,6 +621,7 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("row_argmax(Tensor x) -> Tensor");
+  m.def("row_top_values(Tensor x, int k) -> Tensor");
   m.def("rotary_neox_(Tensor(a!) qk, Tensor cos, Tensor signed_sin, Tensor positions) -> ()");
   m.def(
       "decoder_layers_(Tensor(a!) x, Tensor[] weights, Tensor?[] panels, Tensor?[] biases, "
@@ -586,6 +638,7 @@ TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
   m.impl("rms_norm", &slipstream::rms_norm);
   m.impl("silu_and_mul", &slipstream::silu_and_mul);
   m.impl("row_argmax", &slipstream::row_argmax);
+  m.impl("row_top_values", &slipstream::row_top_values);
   m.impl("rotary_neox_", &slipstream::rotary_neox_);
   m.impl("decoder_layers_", &slipstream::decoder_layers_);
 }

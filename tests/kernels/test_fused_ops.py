@@ -111,12 +111,31 @@ def test_row_argmax_is_torchs_argmax(dtype: torch.dtype, cols: int) -> None:
     assert torch.equal(torch.ops.slipstream.row_argmax(y), y.argmax(dim=-1))
 
 
+@pytest.mark.parametrize(
+    ("cols", "k"), [(7, 7), (50, 1), (1000, 50), (49_152, 1024), (49_152, 8192)]
+)
+def test_row_top_values_are_torchs_topk_values(cols: int, k: int) -> None:
+    """Descending, ties kept, across the buckets' edges: whole numbers,
+    -inf and +inf among them, peaked and flat rows."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(9, cols, generator=g) * torch.tensor([0.3, 3.0, 30.0]).repeat(3).unsqueeze(1)
+    x[3:6] = torch.round(x[3:6])  # ties of whole numbers
+    x[6, ::3] = float("-inf")
+    x[7, cols // 2] = float("inf")
+    x[8] = -x[8].abs()  # every value negative
+    assert torch.equal(torch.ops.slipstream.row_top_values(x, k), x.topk(k, dim=-1).values)
+
+
 def test_bad_arguments_are_errors_not_crashes() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="delta must match"):
         fused_ops.add_rms_norm_(x, torch.randn(4, 9), torch.randn(8), 1e-6)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         fused_ops.silu_and_mul(torch.ones(2, 4, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="k must be in"):
+        torch.ops.slipstream.row_top_values(x, 9)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.slipstream.row_top_values(x.t(), 2)
     with pytest.raises(RuntimeError, match="outside the rope table"):
         fused_ops.rotary_neox_(
             torch.randn(2, 1, 4), torch.randn(3, 4), torch.randn(3, 4), torch.tensor([0, 3])

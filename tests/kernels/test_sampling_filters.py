@@ -4,10 +4,13 @@ CPU's weights from the top-k candidates are those of the whole-row filters."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
-from slipstream.kernels import sampling_filters
+from slipstream.kernels import fused_ops, sampling_filters
 from slipstream.kernels.sampling_filters import (
     filter_top_k_,
     filter_top_p_,
@@ -138,11 +141,20 @@ def test_the_log_sum_exp_of_the_weights_is_torchs(threads: int) -> None:
     assert torch.equal(log_sum_exp_of_weights(weights, top), expected)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-topk", "fused-selection"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_top_p_weights_are_the_whole_row_filters_weights(threads: int) -> None:
+def test_top_p_weights_are_the_whole_row_filters_weights(
+    monkeypatch, threads: int, native: bool
+) -> None:
     """Bit for bit, over peaked and flat rows (nuclei within the first
-    candidates, the second tier and a whole sort), p from one token to 1."""
+    candidates, the second tier and a whole sort), p from one token to 1,
+    the candidates from torch's topk or the fused kernels' selection."""
     torch.set_num_threads(threads)  # the autouse fixture restores 1
+    if native:
+        if not fused_ops.is_available(Path(os.environ["SLIPSTREAM_HOME"])):
+            pytest.skip(f"the fused kernels are not built here: {fused_ops.failure()}")
+    else:
+        monkeypatch.setattr(sampling_filters, "_largest", lambda rows, k: rows.topk(k).values)
     gen = torch.Generator().manual_seed(7)
     for trial in range(18):
         rows, vocab = (1, 3, 16, 64)[trial % 4], (50, 1000, 49152)[trial % 3]
