@@ -163,7 +163,7 @@ def _largest(rows: torch.Tensor, k: int) -> torch.Tensor:
     """``rows.topk(k).values`` for rows without NaN: the fused CPU kernels'
     ``row_top_values`` where that library is loaded (~8x faster at 1,024 of
     49,152 on a Zen 3 core: docs/kernels.md), else torch's."""
-    if rows.dtype == torch.float32 and rows.is_contiguous():
+    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
         try:
             return torch.ops.slipstream.row_top_values(rows, k)
         except AttributeError:

@@ -112,7 +112,8 @@ def test_row_argmax_is_torchs_argmax(dtype: torch.dtype, cols: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cols", "k"), [(7, 7), (50, 1), (1000, 50), (49_152, 1024), (49_152, 8192)]
+    ("cols", "k"),
+    [(7, 7), (50, 1), (1000, 50), (49_152, 1024), (49_152, 8192), (49_152, 49_152)],
 )
 def test_row_top_values_are_torchs_topk_values(cols: int, k: int) -> None:
     """Descending, ties kept, across the buckets' edges: whole numbers,
