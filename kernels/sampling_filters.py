@@ -115,9 +115,9 @@ def top_k_weights(
     """CPU: ``exp_weights_`` of ``scaled`` after ``filter_top_k_`` (and, with
     ``top_ps``, ``filter_top_p_``), bit for bit, from each row's ``max_top_k
     + 1`` largest logits, written over ``scaled`` (returned). None, and
-    ``scaled`` as it was, where a row
-    needs the whole-row path: top-k off (k == 0), a NaN or an infinite
-    maximum among its candidates, or the k-th largest tied past them.
+    ``scaled`` as it was, where a row needs the whole-row path: top-k off
+    (k == 0), a NaN or an infinite maximum among its candidates, or the k-th
+    largest tied past them.
 
     The same bits: the kept logits are exactly the candidates at or above
     the k-th (no tie past the last candidate), each weight is the same exp
@@ -161,8 +161,8 @@ def log_sum_exp_of_weights(weights: torch.Tensor, top: torch.Tensor) -> torch.Te
 
 def _largest(rows: torch.Tensor, k: int) -> torch.Tensor:
     """``rows.topk(k).values`` for rows without NaN: the fused CPU kernels'
-    ``row_top_values`` where that library is loaded (~8x faster at 1,024 of
-    49,152 on a Zen 3 core: docs/kernels.md), else torch's."""
+    ``row_top_values`` where that library is loaded (2.7x faster at 1,024
+    of 49,152 on a Zen 3 core: docs/kernels.md), else torch's."""
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
         try:
             return torch.ops.slipstream.row_top_values(rows, k)
