@@ -15,8 +15,8 @@ device never waits for the host and the host never reads the device:
   samples, over the sampling rows' gather otherwise), top-k and top-p
   (``sampling_filters``), the unnormalised softmax (``exp_weights_``) and
   the pick (``pick_by_cdf``). When every row samples no argmax is taken.
-  On the CPU, where the host may read the device, a batch whose every row
-  has top-k takes its weights from the rows' top-k candidates
+  On the CPU, where the host may read the device, a batch with top-k
+  takes its weights from the rows' top-k candidates
   (``top_k_weights``: the same weights, 3-5x faster), and one with top-p
   alone takes the exp over the unfiltered rows (``top_p_weights``).
 

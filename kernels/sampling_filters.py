@@ -16,9 +16,9 @@ a whole-row sort costs ~4.3 ms a row, 1,024 candidates ~0.5 and 8,192
 Elsewhere the row is sorted: a data-dependent choice would make the host
 wait for the device.
 
-On the CPU, a batch whose every row has top-k takes ``top_k_weights``
-instead of both filters and ``exp_weights_``: the same weights from each
-row's ``max_top_k + 1`` largest logits. Filtering the whole row to -inf
+On the CPU, a batch with top-k takes ``top_k_weights`` instead of both
+filters and ``exp_weights_``: the same weights from each row's ``max_top_k
++ 1`` largest logits. Filtering the whole row to -inf
 and taking its exp cost 21 ms at 64 rows of a 49,152-token vocabulary
 on a Zen 3 core (torch's CPU exp leaves its fast path for -inf), against
 4.7 for the same exp over finite logits.
@@ -27,6 +27,8 @@ on a Zen 3 core (torch's CPU exp leaves its fast path for -inf), against
 from __future__ import annotations
 
 import torch
+
+from slipstream.kernels.sampling_primitives import exp_weights_
 
 # Candidates a row's nucleus is looked for among, tier by tier.
 NUCLEUS_CANDIDATES = (1024, 8192)
@@ -116,8 +118,10 @@ def top_k_weights(
     ``top_ps``, ``filter_top_p_``), bit for bit, from each row's ``max_top_k
     + 1`` largest logits, written over ``scaled`` (returned). None, and
     ``scaled`` as it was, where a row needs the whole-row path: top-k off
-    (k == 0), a NaN or an infinite maximum among its candidates, or the k-th
-    largest tied past them.
+    on every row (or on some, with top-p), a NaN or an infinite maximum
+    among the candidates, or the k-th largest tied past them. A row with
+    top-k off among rows with it keeps all: its weights are the exp of the
+    whole row, elementwise as ``exp_weights_`` takes it.
 
     The same bits: the kept logits are exactly the candidates at or above
     the k-th (no tie past the last candidate), each weight is the same exp
@@ -128,21 +132,28 @@ def top_k_weights(
     sequential cumsum, which the whole-row path computes over the same
     leading entries."""
     vocab = scaled.shape[1]
-    if bool((top_ks == 0).any()):
+    off = top_ks == 0
+    any_off = bool(off.any())
+    if any_off and (top_ps is not None or bool(off.all())):
         return None
     width = min(max_top_k + 1, vocab)
     values, indices = scaled.topk(width, dim=-1)
-    kth = values.gather(1, (top_ks - 1).unsqueeze(1))
+    kth = values.gather(1, (top_ks.clamp_min(1) - 1).unsqueeze(1))
     top = values[:, :1]
     if bool(values.isnan().any()) or not bool(top.isfinite().all()):
         return None
-    if width < vocab and bool((values[:, -1:] == kth).any()):
+    if width < vocab and bool(((values[:, -1:] == kth) & ~off.unsqueeze(1)).any()):
         return None  # the k-th largest may be tied past the candidates
-    kept = values >= kth
+    kept = (values >= kth) & ~off.unsqueeze(1)
     candidates = (values - top).exp_().masked_fill_(~kept, 0.0)
+    # Rows without top-k keep all: the exp of the whole row, as exp_weights_ takes it.
+    whole = off.nonzero()[:, 0] if any_off else None
+    unfiltered = exp_weights_(scaled.index_select(0, whole)) if whole is not None else None
     # In place: a fresh vocabulary-wide tensor is paged in on every call
     # (7.9 ms of zeros at 64 rows, where zeroing the scaled rows takes ~1).
     weights = scaled.zero_().scatter_(1, indices, candidates)
+    if whole is not None and unfiltered is not None:
+        weights.index_copy_(0, whole, unfiltered)
     if top_ps is None:
         return weights
     log_total = log_sum_exp_of_weights(weights, top)

@@ -83,7 +83,7 @@ def test_top_p_of_one_token_and_after_top_k() -> None:
 def _whole_row_weights(
     scaled: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor | None
 ) -> torch.Tensor:
-    row = filter_top_k_(scaled.clone(), ks, int(ks.max()))
+    row = filter_top_k_(scaled.clone(), ks, max(1, int(ks.max())))
     if ps is not None:
         filter_top_p_(row, ps)
     return exp_weights_(row)
@@ -92,15 +92,18 @@ def _whole_row_weights(
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("with_top_p", [False, True], ids=["top-k", "top-k-and-top-p"])
 def test_top_k_weights_are_the_whole_row_filters_weights(threads: int, with_top_p: bool) -> None:
-    """Bit for bit, over peaked and flat rows, k from 1 to past the nucleus,
-    p from one token to the whole top-k (rounding at p 1 included), one
-    thread and two (torch's own sums over the same shape)."""
+    """Bit for bit, over peaked and flat rows, k from 1 to past the nucleus
+    (and off on some rows, without top-p), p from one token to the whole
+    top-k (rounding at p 1 included), one thread and two (torch's own sums
+    over the same shape)."""
     torch.set_num_threads(threads)  # the autouse fixture restores 1
     gen = torch.Generator().manual_seed(3)
     for trial in range(24):
         rows, vocab = (1, 3, 16, 64)[trial % 4], (50, 1000, 49152)[trial % 3]
         scaled = torch.randn(rows, vocab, generator=gen) * (0.5, 3.0, 20.0)[trial % 3]
         ks = torch.randint(1, min(600, vocab - 1), (rows,), generator=gen)
+        if not with_top_p and rows > 1 and trial % 2:
+            ks[::2] = 0  # rows without top-k beside rows with it
         ps = torch.tensor([1.0, 0.9, 0.5, 0.99, 1e-6])[torch.randint(0, 5, (rows,), generator=gen)]
         got = top_k_weights(scaled.clone(), ks, int(ks.max()), ps if with_top_p else None)
         assert got is not None, trial
@@ -108,15 +111,17 @@ def test_top_k_weights_are_the_whole_row_filters_weights(threads: int, with_top_
 
 
 def test_top_k_weights_leave_rows_they_cannot_match_to_the_whole_row() -> None:
-    """k == 0 on a row, a NaN, an infinite maximum, or the k-th largest tied
-    past the candidates: None, the rows untouched, and the whole-row path
-    decides."""
+    """k == 0 on every row (or on some, with top-p), a NaN, an infinite
+    maximum, or the k-th largest tied past the candidates: None, the rows
+    untouched, and the whole-row path decides. k == 0 on some rows without
+    top-p: those rows keep all."""
     scaled = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0], [0.5, 0.1, 0.2, 0.3, 0.4, 0.6]])
     before = scaled.clone()
     ks = torch.tensor([2, 2])
     assert top_k_weights(scaled, ks, 2, None) is None  # row 0: 2.0 tied at k == 2, three of them
     assert top_k_weights(scaled, torch.tensor([3, 2]), 3, None) is None
-    assert top_k_weights(scaled, torch.tensor([2, 0]), 2, None) is None
+    assert top_k_weights(scaled, torch.tensor([2, 0]), 2, torch.tensor([0.9, 0.9])) is None
+    assert top_k_weights(scaled, torch.tensor([0, 0]), 1, None) is None
     for bad in (float("nan"), float("inf")):
         scaled[1, 5] = bad
         assert top_k_weights(scaled, ks, 2, None) is None
@@ -124,9 +129,13 @@ def test_top_k_weights_leave_rows_they_cannot_match_to_the_whole_row() -> None:
     assert torch.equal(scaled, before)
     scaled[0, 2:5] = torch.tensor([2.0, 1.5, 1.2])  # no tie: the candidates decide
     expected = _whole_row_weights(scaled, ks, None)
-    got = top_k_weights(scaled, ks, 2, None)
+    got = top_k_weights(scaled.clone(), ks, 2, None)
     assert got is not None and torch.equal(got, expected)
     assert (got > 0).sum(dim=-1).tolist() == [2, 2]
+    one_off = torch.tensor([2, 0])
+    got = top_k_weights(scaled.clone(), one_off, 2, None)
+    assert got is not None and torch.equal(got, _whole_row_weights(scaled, one_off, None))
+    assert (got > 0).sum(dim=-1).tolist() == [2, 6]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
