@@ -423,7 +423,8 @@ at::Tensor row_argmax(const at::Tensor& x) {
 // pass counts the row's values in 2,048 buckets of their order-preserving
 // bits (sign, exponent, two mantissa bits), the bucket holding the k-th largest
 // is found from the top, a second pass keeps the values from that bucket up,
-// and those are partially sorted. Scalar code: the same on every CPU.
+// the k-th of those is selected and the k above it sorted. Scalar code: the
+// same on every CPU.
 
 inline uint32_t ordered_bits(float v) {
   uint32_t u;
