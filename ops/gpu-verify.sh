@@ -16,7 +16,7 @@
 #   ops/gpu-verify.sh cpu       # the host's CPU (an AVX-512/AMX Xeon on the H100 and
 #                               # H200 machines lent so far): bf16 prefill attention
 #                               # (fp32 tiles / dot rows / dot tiles); bench step on
-#                               # 2 threads, bf16
+#                               # 2 threads, bf16, greedy, then batch 64 sampled
 #   ops/gpu-verify.sh all       # each of the above in turn, in one call: BUDGET
 #                               # seconds in all (default 540), past any failure;
 #                               # PHASES="step cpu" runs those only
@@ -89,6 +89,9 @@ cpu)
     # the compiled step alone took over 70 s there (batch 256 on two cores)
     bench step --device cpu --threads 2 --model "$model" --batch 1,64,256 --context 300 \
         --modes compiled --json "$out/step-cpu.json" --plot "$out/step-cpu.png"
+    # a sampled step's "other" (issue 30's temperature rows), last: the limit cuts it first
+    bench step --device cpu --threads 2 --model "$model" --batch 64 --context 300 \
+        --modes compiled --temperature 1 --top-k 50 --json "$out/step-cpu-sampled.json"
     ;;
 all)
     # Most wanted first; each phase with its own limit, within the budget.
