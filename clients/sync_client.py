@@ -359,7 +359,8 @@ class Client:
         self.close()
 
 
-# gRPC's connectivity poller leaves within 0.2 s of its last unsubscribe.
+# gRPC's connectivity poller leaves within 0.2 s of its last unsubscribe; the
+# longest a close waits for it before closing anyway.
 _POLLER_EXIT_S = 2.0
 
 

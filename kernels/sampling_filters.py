@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from slipstream.kernels.sampling_primitives import exp_weights_
+from slipstream.kernels.sampling_primitives import exp_weights_, fused_op
 
 # Candidates a row's nucleus is looked for among, tier by tier.
 NUCLEUS_CANDIDATES = (1024, 8192)
@@ -147,13 +147,11 @@ def top_k_weights(
     kept = (values >= kth) & ~off.unsqueeze(1)
     candidates = (values - top).exp_().masked_fill_(~kept, 0.0)
     # Rows without top-k keep all: the exp of the whole row, as exp_weights_ takes it.
-    whole = off.nonzero()[:, 0] if any_off else None
-    unfiltered = exp_weights_(scaled.index_select(0, whole)) if whole is not None else None
+    whole = off.nonzero()[:, 0]
+    unfiltered = exp_weights_(scaled.index_select(0, whole))
     # In place: a fresh vocabulary-wide tensor is paged in on every call
     # (7.9 ms of zeros at 64 rows, where zeroing the scaled rows takes ~1).
-    weights = scaled.zero_().scatter_(1, indices, candidates)
-    if whole is not None and unfiltered is not None:
-        weights.index_copy_(0, whole, unfiltered)
+    weights = scaled.zero_().scatter_(1, indices, candidates).index_copy_(0, whole, unfiltered)
     if top_ps is None:
         return weights
     log_total = log_sum_exp_of_weights(weights, top)
@@ -174,9 +172,8 @@ def _largest(rows: torch.Tensor, k: int) -> torch.Tensor:
     """``rows.topk(k).values`` for rows without NaN: the fused CPU kernels'
     ``row_top_values`` where that library is loaded (2.7x faster at 1,024
     of 49,152 on a Zen 3 core: docs/kernels.md), else torch's."""
-    if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
-        try:
-            return torch.ops.slipstream.row_top_values(rows, k)
-        except AttributeError:
-            pass
+    native = fused_op("row_top_values")
+    on_cpu = rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous()
+    if native is not None and on_cpu:
+        return native(rows, k)
     return rows.topk(k, dim=-1).values

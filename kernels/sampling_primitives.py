@@ -125,7 +125,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     on_cpu = x.device.type == "cpu" and x.is_contiguous()
     if on_cpu and cols and x.dtype in (torch.float32, torch.bfloat16):
-        native = _native_row_argmax()
+        native = fused_op("row_argmax")
         if native is not None:
             return native(x)
     chunk = next((c for c in _ARGMAX_CHUNKS if cols % c == 0 and cols >= 4 * c), 0)
@@ -136,10 +136,10 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return best * chunk + within
 
 
-def _native_row_argmax() -> Any:
-    """``fused_ops``' row argmax where that library is loaded, else None (the
-    sampler never builds it)."""
+def fused_op(name: str) -> Any:
+    """``torch.ops.slipstream.<name>`` where the fused CPU kernels are loaded
+    (a compiled engine), else None (the sampler never builds them)."""
     try:
-        return torch.ops.slipstream.row_argmax
+        return getattr(torch.ops.slipstream, name)
     except AttributeError:
         return None
