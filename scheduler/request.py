@@ -139,6 +139,9 @@ class Request:
     finish_reason: FinishReason | None = None
     finish_message: str = ""
     num_preemptions: int = 0
+    # Steps in which the batch shaper held it back (or its next tokens) for
+    # more urgent work (batch_shaping.py): waiting that was a decision.
+    num_held_back: int = 0
     first_scheduled_time: float | None = None
     last_resumed_time: float | None = None  # last admission or swap-in
     first_token_time: float | None = None

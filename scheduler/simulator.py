@@ -90,6 +90,7 @@ class SimOutcome:
     compute_s: float
     num_preemptions: int
     first_token_deadline: float | None = None
+    num_held_back: int = 0  # steps the batch shaper held it back
 
     @property
     def met_deadline(self) -> bool:
@@ -275,6 +276,7 @@ class Simulator:
             compute_s=track.compute_s,
             num_preemptions=req.num_preemptions,
             first_token_deadline=spec.first_token_deadline,
+            num_held_back=req.num_held_back,
         )
 
 

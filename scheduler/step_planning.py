@@ -123,6 +123,7 @@ class StepPlanning(RoomMaking):
         allowed = state.shaper.fit(req, num_new)
         if allowed == 0:
             self._num_held_back += 1
+            req.num_held_back += 1
         return allowed
 
     def _held(self, state: _StepState, req: Request, now: float) -> int:

@@ -428,6 +428,7 @@ def _outcome(
         num_output_tokens=0 if event is None else event.num_output_tokens,
         compute_s=0.0,
         num_preemptions=0 if event is None else event.num_preemptions,
+        num_held_back=0 if event is None else event.num_held_back,
     )
 
 

@@ -321,7 +321,8 @@ def _class0_miss_lines(runs: Sequence[dict[str, object]]) -> list[str]:
             f"    {row['req_id']:<6} at {row['arrival_s']:.2f}s: {row['fate']}, deadline "
             f"{_num(row['deadline_s'])}s, prompt {row['prompt_len']} / output "
             f"{row['output_len']}, queued {_num(row['queue_wait_s'])}s, TTFT "
-            f"{_num(row['ttft_s'])}s, preempted {row['preemptions']}x"
+            f"{_num(row['ttft_s'])}s, preempted {row['preemptions']}x, held back "
+            f"{row.get('held_back_steps', 0)} steps"
         ),
     )
 

@@ -102,6 +102,7 @@ def class0_misses(
             if outcome.first_token_time is None
             else outcome.first_token_time - spec.arrival,
             "preemptions": outcome.num_preemptions,
+            "held_back_steps": outcome.num_held_back,
         }
         if steps:
             row.update(_steps_while_live(steps, spec.arrival, outcome.finish_time))

@@ -66,6 +66,8 @@ class FinishEvent:
     ttft_s: float | None = None
     total_s: float = 0.0
     num_preemptions: int = 0
+    # Steps the batch shaper held it back for more urgent work.
+    num_held_back: int = 0
     text: str = ""  # any text held back until the end (incomplete UTF-8, stop-string lookahead)
     expired_limit: ExpiredLimit | None = None
     reject_cause: RejectCause | None = None

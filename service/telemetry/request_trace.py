@@ -324,6 +324,7 @@ class RequestTracer:
             ttft_ms=None if event.ttft_s is None else round(event.ttft_s * 1e3, 3),
             total_ms=round(event.total_s * 1e3, 3),
             preemptions=event.num_preemptions,
+            held_back_steps=event.num_held_back,
             **({"tenant": finished.tenant} if finished.tenant else {}),
             **_ids(context),
         )
@@ -343,6 +344,7 @@ class RequestTracer:
                 "gen_ai.response.finish_reasons": (event.reason.name.lower(),),
                 "gen_ai.usage.output_tokens": event.num_output_tokens,
                 "slipstream.preemptions": event.num_preemptions,
+                "slipstream.held_back_steps": event.num_held_back,
                 "slipstream.swapped_bytes": timeline.swapped_bytes,
                 "slipstream.queue.wait_ms": timeline.queue_wait_s * 1e3,
             }

@@ -245,6 +245,7 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, 
         missed_c0 = round(c0["num_requests"] * (1 - c0["attainment"]))
         assert len(misses) == min(missed_c0, 20)
         assert all(row["fate"] and row["deadline_s"] > 0 for row in misses)
+        assert all(0 <= row["held_back_steps"] <= row["steps_while_live"] for row in misses)
         assert set(twin["classes"]) == {"0", "1", "2"}
         # the twins plan with the margin the engine kept for its own error
         assert 0.0 <= twin["overrun"] <= MAX_OVERRUN
@@ -385,11 +386,24 @@ def test_a_class0_miss_lists_the_steps_it_lived_through() -> None:
 
     spec = SimRequest("r", arrival=1.0, prompt_len=16, output_len=10, priority=0, deadline=1.03)
     missed = SimOutcome(
-        "r", 0, 1.0, 1.03, FinishReason.MAX_TOKENS, "", 1.002, 1.008, 1.035, 10, 0.0, 0
+        "r",
+        0,
+        1.0,
+        1.03,
+        FinishReason.MAX_TOKENS,
+        "",
+        1.002,
+        1.008,
+        1.035,
+        10,
+        0.0,
+        0,
+        num_held_back=4,
     )
     steps = [(0.5, 0.002, 4), (1.01, 0.002, 8), (1.02, 0.006, 10), (1.035, 0.003, 12)]
     steps.append((2.0, 0.002, 3))
     (row,) = class0_misses([missed], [spec], steps)
+    assert row["held_back_steps"] == 4  # the steps the batch shaper held it back in
     assert row["steps_while_live"] == 3
     assert row["step_ms_p50_while_live"] == pytest.approx(3.0)
     assert row["step_ms_max_while_live"] == pytest.approx(6.0)

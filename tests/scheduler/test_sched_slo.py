@@ -267,10 +267,24 @@ def shaping_sched(policy: DeadlinePolicy | None, cost: CostModel) -> Scheduler:
 def test_batch_shaping_holds_back_background_decodes_so_urgent_work_meets_its_deadline() -> None:
     cost = CostModel(SHAPING_COEFFS)
     sched = shaping_sched(None, cost)
-    plans, finishes = run_clocked(sched, cost, shaping_workload(), until=200.0)
+    arrivals = shaping_workload()
+    plans, finishes = run_clocked(sched, cost, arrivals, until=200.0)
     reason, finish_time = finishes["urgent"]
     assert reason is FinishReason.MAX_TOKENS and finish_time <= 3.5
     assert sched.num_held_back > 0
+    # Each request counts the steps it was held back in: for the background
+    # (admitted at once, never preempted) every step it sat out before it finished.
+    requests = {req.req_id: req for _, req in arrivals}
+    assert requests["urgent"].num_held_back == 0
+    for i in range(30):
+        req_id = f"bg{i}"
+        sat_out = sum(
+            1
+            for t, plan in plans
+            if t <= finishes[req_id][1] and all(s.req_id != req_id for s in plan.seqs)
+        )
+        assert requests[req_id].num_held_back == sat_out
+    assert sum(req.num_held_back for req in requests.values()) == sched.num_held_back
     # Capacity comes back once the urgency has passed: the next step runs every background decode.
     after = [plan for t, plan in plans if t > finish_time]
     assert len(after[1].seqs) == 30
@@ -294,6 +308,7 @@ def test_shaping_changes_nothing_while_every_ceiling_holds() -> None:
     sched = shaping_sched(None, cost)
     run_clocked(sched, cost, arrivals, until=100.0)
     assert sched.num_held_back == 0
+    assert all(req.num_held_back == 0 for _, req in arrivals)
 
 
 def test_shaper_shortens_a_prefill_chunk_before_holding_it_back() -> None:

@@ -47,13 +47,16 @@ def test_a_swap_preemption_adds_its_wait_to_later_tokens() -> None:
     tracer.on_step(StepPlan(3, [seq("b", 10, 1)], preempted_req_ids=["a"]), [], 101.0, 101.1)
     state.status = RequestStatus.RUNNING
     tracer.on_step(StepPlan(4, [seq("a", 6, 1)]), [out("a", [8, 9])], 103.0, 103.1)
-    tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=3))
+    tracer.on_finish(
+        FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=3, num_held_back=2)
+    )
     assert tracer.flush(timeout=10)
 
     spans = {s.name: s for s in exporter.get_finished_spans()}
     request = spans["text_completion m"]
     attrs = request.attributes
     assert attrs["slipstream.preemptions"] == 0  # from the FinishEvent, which said 0 here
+    assert attrs["slipstream.held_back_steps"] == 2  # likewise
     assert attrs["slipstream.swapped_bytes"] == 2 * BYTES_PER_BLOCK
     assert abs(attrs["slipstream.queue.wait_ms"] - 2500.0) < 1e-6  # 0.5 s queued + 2 s swapped
     tokens = [e.attributes for e in request.events if e.name == "slipstream.token"]
