@@ -93,16 +93,15 @@ def _whole_row_weights(
 @pytest.mark.parametrize("with_top_p", [False, True], ids=["top-k", "top-k-and-top-p"])
 def test_top_k_weights_are_the_whole_row_filters_weights(threads: int, with_top_p: bool) -> None:
     """Bit for bit, over peaked and flat rows, k from 1 to past the nucleus
-    (and off on some rows, without top-p), p from one token to the whole
-    top-k (rounding at p 1 included), one thread and two (torch's own sums
-    over the same shape)."""
+    (and off on some rows), p from one token to 1, one thread and two
+    (torch's own sums over the same shape)."""
     torch.set_num_threads(threads)  # the autouse fixture restores 1
     gen = torch.Generator().manual_seed(3)
     for trial in range(24):
         rows, vocab = (1, 3, 16, 64)[trial % 4], (50, 1000, 49152)[trial % 3]
         scaled = torch.randn(rows, vocab, generator=gen) * (0.5, 3.0, 20.0)[trial % 3]
         ks = torch.randint(1, min(600, vocab - 1), (rows,), generator=gen)
-        if not with_top_p and rows > 1 and trial % 2:
+        if rows > 1 and trial % 2:
             ks[::2] = 0  # rows without top-k beside rows with it
         ps = torch.tensor([1.0, 0.9, 0.5, 0.99, 1e-6])[torch.randint(0, 5, (rows,), generator=gen)]
         got = top_k_weights(scaled.clone(), ks, int(ks.max()), ps if with_top_p else None)
@@ -111,10 +110,10 @@ def test_top_k_weights_are_the_whole_row_filters_weights(threads: int, with_top_
 
 
 def test_top_k_weights_leave_rows_they_cannot_match_to_the_whole_row() -> None:
-    """k == 0 on every row (or on some, with top-p), a NaN, an infinite
-    maximum, or the k-th largest tied past the candidates: None, the rows
-    untouched, and the whole-row path decides. k == 0 on some rows without
-    top-p: those rows keep all."""
+    """k == 0 on every row, a NaN, an infinite maximum (among the candidates,
+    or in a row without top-k, with top-p), or the k-th largest tied past
+    the candidates: None, the rows untouched, and the whole-row path decides.
+    k == 0 on some rows: those rows keep all, or their nucleus with top-p."""
     scaled = torch.tensor([[1.0, 3.0, 2.0, 2.0, 2.0, 0.0], [0.5, 0.1, 0.2, 0.3, 0.4, 0.6]])
     before = scaled.clone()
     ks = torch.tensor([2, 2])
@@ -125,6 +124,7 @@ def test_top_k_weights_leave_rows_they_cannot_match_to_the_whole_row() -> None:
     for bad in (float("nan"), float("inf")):
         scaled[1, 5] = bad
         assert top_k_weights(scaled, ks, 2, None) is None
+        assert top_k_weights(scaled, torch.tensor([3, 0]), 3, torch.tensor([0.9, 0.9])) is None
         scaled[1, 5] = 0.6
     assert torch.equal(scaled, before)
     scaled[0, 2:5] = torch.tensor([2.0, 1.5, 1.2])  # no tie: the candidates decide
@@ -136,6 +136,33 @@ def test_top_k_weights_leave_rows_they_cannot_match_to_the_whole_row() -> None:
     got = top_k_weights(scaled.clone(), one_off, 2, None)
     assert got is not None and torch.equal(got, _whole_row_weights(scaled, one_off, None))
     assert (got > 0).sum(dim=-1).tolist() == [2, 6]
+    ps = torch.tensor([0.9, 0.5])  # row 1's nucleus at 0.5: 0.6, 0.5, 0.4 of its softmax
+    got = top_k_weights(scaled.clone(), one_off, 2, ps)
+    assert got is not None and torch.equal(got, _whole_row_weights(scaled, one_off, ps))
+    assert (got > 0).sum(dim=-1).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("vocab", [50, 49152])
+def test_a_row_with_top_p_one_keeps_all_whatever_its_batch(vocab: int) -> None:
+    """p >= 1 turns top-p off for its row: the same weights as the row's
+    plain softmax, beside rows with top-p or not, on every path (a flat row
+    used to lose the tail whose running sum rounds to 1 in float32, and to
+    be sorted whole to find it, only when another row had top-p)."""
+    scaled = _logits(4, vocab, 0.3, seed=5)  # flat: no float32 running sum reaches 1 early
+    ps = torch.tensor([1.0, 0.9, 1.0, 0.5])
+    alone = exp_weights_(scaled.clone())
+    whole_row = exp_weights_(filter_top_p_(scaled.clone(), ps))
+    candidates = top_p_weights(scaled.clone(), ps)
+    assert candidates is not None and torch.equal(candidates, whole_row)
+    for row in (0, 2):
+        assert torch.equal(whole_row[row], alone[row])
+    for row in (1, 3):
+        assert (whole_row[row] == 0).any()
+    ks = torch.tensor([0, 0, 0, 7])
+    with_k = top_k_weights(scaled.clone(), ks, 7, ps)
+    assert with_k is not None and torch.equal(with_k, _whole_row_weights(scaled, ks, ps))
+    for row in (0, 2):
+        assert torch.equal(with_k[row], alone[row])
 
 
 @pytest.mark.parametrize("threads", [1, 2])
