@@ -58,7 +58,8 @@ slo)
     bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 \
         --json "$out/slo-cuda.json" --plot "$out/slo-cuda.png"
     # Each run's host time a step by phase, and every class-0 miss with the
-    # steps it lived through (slow steps, or many?).
+    # steps it lived through (slow steps, or many?) and the steps the batch
+    # shaper held it back in.
     "$py" - "$out/slo-cuda.json" <<'PY'
 import json, sys
 for run in json.load(open(sys.argv[1]))["runs"]:
