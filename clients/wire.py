@@ -177,6 +177,9 @@ class Result:
     total_s: float = 0.0
     queue_position: int | None = None
     retry_after_s: float | None = None  # a rejection's hint: a retry may succeed after this
+    preemptions: int = 0
+    # Steps the scheduler kept it out of the batch for more urgent work.
+    held_back_steps: int = 0
 
     @property
     def is_ok(self) -> bool:
@@ -268,4 +271,6 @@ class Accumulator:
             total_s=timings.total.ToNanoseconds() / 1e9,
             queue_position=self.queue_position,
             retry_after_s=done.retry_after_ms / 1000 if done.retry_after_ms else None,
+            preemptions=done.usage.preemptions,
+            held_back_steps=done.usage.held_back_steps,
         )

@@ -324,6 +324,7 @@ def finished(request_id: str, event: FinishEvent) -> pb.GenerateResponse:
                 output_tokens=event.num_output_tokens,
                 cached_tokens=event.num_cached_tokens,
                 preemptions=event.num_preemptions,
+                held_back_steps=event.num_held_back,
             ),
             timings=timings,
         ),

@@ -78,6 +78,15 @@ def test_result_without_iterating(scripted: ScriptedServer) -> None:
     assert list(scripted.servicer.recorded.submits[0].token_ids.ids) == [5, 6]
 
 
+def test_a_result_says_why_it_waited() -> None:
+    from slipstream.clients.wire import Accumulator
+    from slipstream.v1 import inference_pb2 as pb
+
+    usage = pb.Usage(prompt_tokens=3, output_tokens=2, preemptions=1, held_back_steps=9)
+    result = Accumulator("r").finish(pb.Finished(reason=pb.FINISH_REASON_MAX_TOKENS, usage=usage))
+    assert (result.preemptions, result.held_back_steps) == (1, 9)
+
+
 def test_whole_call_error_fails_pending_requests(scripted: ScriptedServer) -> None:
     with Client(scripted.target) as client:
         stream = client.stream()

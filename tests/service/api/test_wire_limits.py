@@ -73,6 +73,12 @@ def test_finished_says_which_limit_expired() -> None:
     assert finish(reason=FinishReason.EOS).expired_limit == pb.EXPIRED_LIMIT_UNSPECIFIED
 
 
+def test_finished_counts_the_steps_the_request_was_held_back_in() -> None:
+    event = FinishEvent("r", FinishReason.MAX_TOKENS, num_preemptions=1, num_held_back=7)
+    usage = wire.finished("r", event).finished.usage
+    assert (usage.preemptions, usage.held_back_steps) == (1, 7)
+
+
 def test_shed_request_finishes_rejected_shed_with_a_retry_hint() -> None:
     done = finish(
         reason=FinishReason.REJECTED,
