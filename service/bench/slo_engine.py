@@ -341,7 +341,7 @@ def _engine_run(
         "num_twin_disagreements": len(disagreements),
         "twin_disagreements": disagreements[:MAX_LISTED_DISAGREEMENTS],
         "class0_misses": class0_misses(
-            outcomes, requests, [(at - started, sec, n) for at, sec, n in steps]
+            outcomes, requests, [(at - started, sec, n) for at, sec, n in steps], twin.outcomes
         )[:MAX_LISTED_DISAGREEMENTS],
     }
 

@@ -323,6 +323,7 @@ def _class0_miss_lines(runs: Sequence[dict[str, object]]) -> list[str]:
             f"{row['output_len']}, queued {_num(row['queue_wait_s'])}s, TTFT "
             f"{_num(row['ttft_s'])}s, preempted {row['preemptions']}x, held back "
             f"{row.get('held_back_steps', 0)} steps"
+            + (f" (twin {row['twin_held_back_steps']})" if "twin_held_back_steps" in row else "")
         ),
     )
 

@@ -77,13 +77,17 @@ def class0_misses(
     outcomes: Sequence[SimOutcome],
     requests: Sequence[SimRequest],
     steps: Sequence[StepRecord] = (),
+    twin: Sequence[SimOutcome] = (),
 ) -> list[dict[str, object]]:
     """Every class-0 request that missed on the engine, with what happened
     to it and what it asked for: the first place to look when class 0 falls
     short. With the run's ``steps``, also the steps settled while it was
     live (how many, their median and longest, their median batch) beside
-    the whole run's median step: whether it met slow steps or only many."""
+    the whole run's median step: whether it met slow steps or only many.
+    With its ``twin``'s outcomes, the steps the twin held it back in beside
+    the engine's."""
     rows: list[dict[str, object]] = []
+    twin_held = {o.req_id: o.num_held_back for o in twin}
     run_step_ms = 1e3 * statistics.median(s for _, s, _ in steps) if steps else None
     for outcome, spec in zip(score_against(outcomes, requests), requests, strict=True):
         if spec.priority != 0 or outcome.met_deadline:
@@ -104,6 +108,8 @@ def class0_misses(
             "preemptions": outcome.num_preemptions,
             "held_back_steps": outcome.num_held_back,
         }
+        if spec.req_id in twin_held:
+            row["twin_held_back_steps"] = twin_held[spec.req_id]
         if steps:
             row.update(_steps_while_live(steps, spec.arrival, outcome.finish_time))
             row["run_step_ms_p50"] = run_step_ms

@@ -404,6 +404,10 @@ def test_a_class0_miss_lists_the_steps_it_lived_through() -> None:
     steps.append((2.0, 0.002, 3))
     (row,) = class0_misses([missed], [spec], steps)
     assert row["held_back_steps"] == 4  # the steps the batch shaper held it back in
+    assert "twin_held_back_steps" not in row
+    twin = replace(missed, num_held_back=1)
+    (with_twin,) = class0_misses([missed], [spec], steps, [twin])
+    assert with_twin["twin_held_back_steps"] == 1
     assert row["steps_while_live"] == 3
     assert row["step_ms_p50_while_live"] == pytest.approx(3.0)
     assert row["step_ms_max_while_live"] == pytest.approx(6.0)
