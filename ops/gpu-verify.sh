@@ -8,7 +8,8 @@
 #                               # a mixed step eager / one graph / per-layer pieces
 #   ops/gpu-verify.sh offline   # bench offline against transformers' continuous batching
 #   ops/gpu-verify.sh ahead     # bench offline, planning ahead on / off
-#   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines
+#   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines (SLO_REQUESTS
+#                               # a cell, default 1000; SLO_POLICY, default deadline)
 #   ops/gpu-verify.sh pieces    # steps with a prefill through per-layer graphs
 #                               # (--prefill-graph-tokens, on by default): bench offline
 #                               # on / off at the 512-token budget, bench slo (deadline)
@@ -55,7 +56,10 @@ ahead)
     done
     ;;
 slo)
+    # 1,000 requests a cell, as the CPU's engine runs (docs/scheduling.md): a
+    # cell of 200 holds ~22 class-0 requests, where one miss is 95.5 %.
     bench slo --device cuda --model "$model" --load 1.5 --slack 4 8 16 \
+        --requests "${SLO_REQUESTS:-1000}" --policy "${SLO_POLICY:-deadline}" \
         --json "$out/slo-cuda.json" --plot "$out/slo-cuda.png"
     # Each run's host time a step by phase, and every class-0 miss with the
     # steps it lived through (slow steps, or many?) and the steps the batch
