@@ -35,6 +35,8 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_overload_estimate                            gauge (offered / served; <= 1 with room)
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
     slipstream_deadline_misses_total{priority}              counter (expired or late)
+    slipstream_held_back_steps_total{priority}              counter (steps requests were kept out
+                                                            of the batch for more urgent work)
     gen_ai_server_time_to_first_token_seconds{priority}     histogram
     gen_ai_server_time_per_output_token_seconds{priority}   histogram
     gen_ai_server_request_duration_seconds{priority}        histogram
@@ -334,6 +336,12 @@ class ServerMetrics:
             labels,
             registry=self.registry,
         )
+        self.held_back = Counter(
+            "slipstream_held_back_steps",
+            "Steps finished requests were held back by the batch shaper for more urgent work",
+            labels,
+            registry=self.registry,
+        )
         self.ttft = Histogram(
             "gen_ai_server_time_to_first_token",
             "Time from arrival to the first output token",
@@ -414,6 +422,8 @@ class ServerMetrics:
             priority, deadline, tenant = self._requests.pop(event.req_id, ("unknown", None, ""))
         reason = event.reason.name.lower()
         self.finished.labels(priority, reason).inc()
+        if event.num_held_back:
+            self.held_back.labels(priority).inc(event.num_held_back)
         if tenant:
             self.tenant_finished.labels(tenant, reason).inc()
             self.tenant_tokens.labels(tenant, "prompt").inc(event.num_prompt_tokens)

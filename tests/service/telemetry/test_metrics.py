@@ -230,6 +230,19 @@ def test_sheds_are_counted_by_class() -> None:
     assert sample("slipstream_rejections_total", {"reason": "shed"}) == 3
 
 
+def test_held_back_steps_are_counted_by_class() -> None:
+    from slipstream.scheduler.request import FinishReason
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
+
+    metrics = ServerMetrics()
+    for req_id, priority, held in (("a", 2, 5), ("b", 2, 3), ("c", 0, 0)):
+        metrics.on_submit(RequestSpec(req_id, [1, 2], 4, priority=priority), None)  # type: ignore[arg-type]
+        metrics.on_finish(FinishEvent(req_id, FinishReason.MAX_TOKENS, num_held_back=held))
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_held_back_steps_total", {"priority": "2"}) == 8
+    assert sample("slipstream_held_back_steps_total", {"priority": "0"}) is None
+
+
 def test_overload_refusals_are_counted_by_class() -> None:
     from slipstream.service.engine.events import EngineStats, PoolStats
 
