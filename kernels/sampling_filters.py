@@ -83,26 +83,25 @@ def nucleus_smallest(
         return _smallest_kept(scaled, log_total, ps).masked_fill_(ps >= 1, float("-inf"))
     smallest = torch.full_like(ps, float("-inf"))
     searched = (ps[:, 0] < 1).nonzero()[:, 0]  # the rows with a nucleus to find
-    if len(searched) == len(ps):
-        among, log_total = scaled, torch.logsumexp(scaled, dim=-1, keepdim=True)
-    elif len(searched):
-        among = scaled.index_select(0, searched)
-        log_total = torch.logsumexp(among, dim=-1, keepdim=True)
-    else:
+    if not len(searched):
         return smallest
+    every_row = len(searched) == len(ps)
+    among = scaled if every_row else scaled.index_select(0, searched)
+    among_ps = ps if every_row else ps.index_select(0, searched)
+    log_total = torch.logsumexp(among, dim=-1, keepdim=True)
     rows = torch.arange(len(searched))  # of ``among``: those whose nucleus is still to find
     ends = torch.empty_like(log_total)
     for tier, candidates in enumerate(tiers):
         part = among if tier == 0 else among.index_select(0, rows)
         values = _largest(part, candidates) if finite else part.topk(candidates, dim=-1).values
-        end, mass = _nucleus_end(values, log_total[rows], ps[searched[rows]])
+        end, mass = _nucleus_end(values, log_total[rows], among_ps[rows])
         ends[rows] = end
-        rows = rows[(mass[:, -1] < ps[searched[rows], 0]).nonzero()[:, 0]]  # held less than p
+        rows = rows[(mass[:, -1] < among_ps[rows, 0]).nonzero()[:, 0]]  # held less than p
         if not len(rows):
             break
     else:
         part = among.index_select(0, rows)
-        ends[rows] = _smallest_kept(part, log_total[rows], ps[searched[rows]])
+        ends[rows] = _smallest_kept(part, log_total[rows], among_ps[rows])
     return smallest.index_copy_(0, searched, ends)
 
 
