@@ -42,6 +42,7 @@ from slipstream.kernels.block_copy import copy_blocks
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
+from slipstream.service.engine.compute_thread import on_own_thread
 from slipstream.service.engine.runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -70,7 +71,21 @@ def calibrate(
     three decode batch sizes at two contexts: still twice the four unknowns
     and more) twice each with no separate warm-up, so the first run carries
     the shape's one-off set-up and the minimum discards it: about a third of
-    the full cost. The engine's online refit corrects what it misses."""
+    the full cost. The engine's online refit corrects what it misses.
+
+    On the CPU it runs on a thread of its own, as the engine's steps do (see
+    compute_thread.py), so that it times them as they will run."""
+    if runner.device_pool[0][0].device.type == "cpu":
+        return on_own_thread(
+            lambda: _calibrate(runner, max_num_batched_tokens, max_num_seqs, repeats, quick),
+            "slipstream-calibrate",
+        )
+    return _calibrate(runner, max_num_batched_tokens, max_num_seqs, repeats, quick)
+
+
+def _calibrate(
+    runner: ModelRunner, max_num_batched_tokens: int, max_num_seqs: int, repeats: int, quick: bool
+) -> CostModel:
     num_blocks = runner.device_pool[0][0].shape[0]
     plans = list(
         calibration_plans(

@@ -32,6 +32,7 @@ from slipstream.scheduler.policy_registry import DEFAULT_POLICY
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.calibration import calibrate_cached
 from slipstream.service.engine.chat import has_chat_template
+from slipstream.service.engine.compute_thread import on_own_thread
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.device import (
     cuda_dtype_name,
@@ -83,7 +84,9 @@ def load_parts(config: EngineConfig, cpu: CpuFeatures | None = None) -> EnginePa
     config = dataclasses.replace(config, max_num_batched_tokens=budget)
     if device.type == "cuda":
         return _load_on_cuda(config, device)
-    return _load_on_cpu(config, cpu or detect())
+    features = cpu or detect()
+    # Not on the caller's thread: see compute_thread.py.
+    return on_own_thread(lambda: _load_on_cpu(config, features), "slipstream-load")
 
 
 def _load_on_cpu(config: EngineConfig, cpu: CpuFeatures) -> EngineParts:

@@ -1,0 +1,58 @@
+"""CPU torch work that must not leave an OpenMP team on the calling thread.
+
+torch's CPU kernels run their parallel regions on OpenMP (GNU libgomp), and
+each OS thread that enters one keeps a team of worker threads for good.
+Once the process's teams hold more threads than it has CPUs, libgomp stops
+spinning between regions: every region then puts its workers to sleep and
+wakes them again (about two context switches a region). The engine steps on
+its own thread, so a model loaded on the caller's thread (the main one)
+left a second team there, idle but counted, and every step paid for it.
+Measured on a 2-core AMD EPYC Zen 3, 2 torch threads: a SiLU over 28 x
+1,536 floats took 30 us on the only team and 95-110 us beside an idle
+second one; `bench offline --requests 64` on `small` went from 360-378 to
+468-478 output tok/s, on `tiny` (256 requests) from 3,262-3,863 to
+5,515-5,568.
+
+So the CPU load and the start-up calibration run on a thread of their own
+that ends when they do, taking its team with it, and the engine's thread
+is left the only one. A team that spins is the worse neighbour of another
+busy process on the same cores (docs/performance.md, "One OpenMP team").
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_local = threading.local()  # .active: this thread is one on_own_thread started
+
+
+def on_own_thread(fn: Callable[[], T], name: str) -> T:
+    """``fn()`` run to completion on a new thread that then ends; its result
+    returned, or its exception raised here. The caller's context variables
+    (structlog's bound fields) go with it. Called on such a thread already
+    (a calibration inside a load), ``fn`` runs right there: a thread
+    started beside it would make a second team while the first lives."""
+    if getattr(_local, "active", False):
+        return fn()
+    context = contextvars.copy_context()
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        _local.active = True
+        try:
+            outcome.append(context.run(fn))
+        except BaseException as exc:  # handed to the caller, whatever it is
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return outcome[0]

@@ -1,0 +1,107 @@
+"""The CPU load and calibration leave no OpenMP team on the calling thread
+(``compute_thread.py``): the engine's thread is the only one, and its
+parallel regions keep their workers awake between them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import structlog
+import torch
+
+from slipstream.service.engine.compute_thread import on_own_thread
+
+# A fresh interpreter: load `tiny` on the main thread as `serve` does, then
+# time-slice torch's parallel regions on another thread (the engine's) and
+# count the voluntary context switches of every thread meanwhile. A team
+# that sleeps between regions makes about two per region.
+_PROBE = textwrap.dedent(
+    """
+    import os, sys, threading, torch
+    torch.set_num_threads(2)
+    from slipstream.service.engine.config import EngineConfig
+    from slipstream.service.engine import calibration, loader
+    if sys.argv[1] == "on-the-caller":  # the code before: the load runs where it is called
+        loader.on_own_thread = calibration.on_own_thread = lambda fn, name: fn()
+    loader.load_engine(EngineConfig(model="tiny", dtype="float32"))
+
+    def switches():
+        total = 0
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        total += int(line.split()[1])
+        return total
+
+    x = torch.randn(64, 4096)  # past torch's grain: each SiLU is one parallel region
+    def regions():
+        for _ in range(100):
+            torch.nn.functional.silu(x)
+        before = switches()
+        for _ in range(1000):
+            torch.nn.functional.silu(x)
+        print(switches() - before)
+    engine_like = threading.Thread(target=regions)
+    engine_like.start()
+    engine_like.join()
+    """
+)
+
+
+def _switches_per_region(where: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, where],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return int(out.stdout.strip().splitlines()[-1]) / 1000
+
+
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 2
+    or not os.path.isdir("/proc/self/task")
+    or "OpenMP" not in torch.__config__.parallel_info(),
+    reason="needs 2+ CPUs, Linux's /proc and torch on OpenMP",
+)
+def test_after_a_load_another_threads_parallel_regions_keep_their_workers_awake() -> None:
+    assert _switches_per_region("on-its-own-thread") < 0.5
+    # The check can tell: loaded on the caller's thread, the regions sleep.
+    assert _switches_per_region("on-the-caller") > 1.0
+
+
+def test_on_own_thread_returns_raises_and_carries_the_callers_context() -> None:
+    caller = threading.current_thread()
+    seen: list[threading.Thread] = []
+
+    def work() -> dict[str, object]:
+        seen.append(threading.current_thread())
+        return structlog.contextvars.get_contextvars()
+
+    with structlog.contextvars.bound_contextvars(request="r1"):
+        assert on_own_thread(work, "probe") == {"request": "r1"}
+    assert seen[0] is not caller and not seen[0].is_alive()
+
+    def fail() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        on_own_thread(fail, "probe")
+
+
+def test_on_own_thread_called_on_such_a_thread_runs_right_there() -> None:
+    threads: list[threading.Thread] = []
+
+    def outer() -> None:
+        threads.append(threading.current_thread())
+        on_own_thread(lambda: threads.append(threading.current_thread()), "inner")
+
+    on_own_thread(outer, "outer")
+    assert threads[0] is threads[1]  # a calibration inside a load: no second team
