@@ -53,7 +53,9 @@ _TOKEN = 5
 # built-in guess and came out up to 20x slow on a fast machine): re-measure.
 # 3: a fifth coefficient, the fixed cost of a step holding a prefill.
 # 4: prefill chunks beside decodes (mixed steps) among the plans.
-CALIBRATION_VERSION = 4
+# 5: timed on a thread of its own, as the engine's steps run (compute_thread.py);
+# steps timed beside the caller's idle OpenMP team ran up to 3x slow.
+CALIBRATION_VERSION = 5
 
 
 def calibrate(

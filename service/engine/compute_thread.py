@@ -10,8 +10,7 @@ left a second team there, idle but counted, and every step paid for it.
 Measured on a 2-core AMD EPYC Zen 3, 2 torch threads: a SiLU over 28 x
 1,536 floats took 30 us on the only team and 95-110 us beside an idle
 second one; `bench offline --requests 64` on `small` went from 360-378 to
-468-478 output tok/s, on `tiny` (256 requests) from 3,262-3,863 to
-5,515-5,568.
+468-478 output tok/s, on `tiny` (256 requests) 1.28-1.69x in four pairs.
 
 So the CPU load and the start-up calibration run on a thread of their own
 that ends when they do, taking its team with it, and the engine's thread
