@@ -23,7 +23,7 @@ from slipstream.service.engine.compute_thread import on_own_thread
 _PROBE = textwrap.dedent(
     """
     import os, sys, threading, torch
-    torch.set_num_threads(2)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))  # serve's default: one thread a CPU
     from slipstream.service.engine.config import EngineConfig
     from slipstream.service.engine import calibration, loader
     if sys.argv[1] == "on-the-caller":  # the code before: the load runs where it is called
@@ -66,7 +66,8 @@ def _switches_per_region(where: str) -> float:
 
 
 @pytest.mark.skipif(
-    (os.cpu_count() or 1) < 2
+    not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2
     or not os.path.isdir("/proc/self/task")
     or "OpenMP" not in torch.__config__.parallel_info(),
     reason="needs 2+ CPUs, Linux's /proc and torch on OpenMP",
