@@ -46,6 +46,7 @@ from slipstream.service.bench.workload import (
     workload_summary,
 )
 from slipstream.service.cli.arg_types import non_negative_int
+from slipstream.service.engine.compute_thread import on_own_thread
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -236,7 +237,14 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
         "environment": _environment(options, model_dir),
     }
     _print_parameters(report)
-    floor = _floor(model_dir, workload, options) if options.floor else None
+    # The floor's matmuls and the in-process peers run on threads of their
+    # own, so that the engine's thread keeps the process's only OpenMP team
+    # (service/engine/compute_thread.py).
+    floor = (
+        on_own_thread(lambda: _floor(model_dir, workload, options), "slipstream-floor")
+        if options.floor
+        else None
+    )
     if floor is not None:
         report["floor"] = floor.as_dict()
         print(floor.describe(), flush=True)
@@ -321,7 +329,10 @@ def _run_engine(
     if name == "slipstream":
         return run_slipstream(model_dir, workload, options)
     try:
-        return PEERS[name].run(model_dir, workload, options)
+        peer = PEERS[name]
+        if options.device != "cpu":
+            return peer.run(model_dir, workload, options)
+        return on_own_thread(lambda: peer.run(model_dir, workload, options), name)
     except PeerError:
         raise
     except Exception as exc:  # an in-process peer's own error (say, another transformers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -115,3 +116,29 @@ def test_transformers_continuous_batching_settings_follow_the_device() -> None:
     assert (gpu.page_size, gpu.max_batch_tokens, gpu.use_cuda_graph) == (None, None, True)
     asked = CBSettings(page_size=32, use_cuda_graph=False).for_device("cuda")
     assert (asked.page_size, asked.use_cuda_graph) == (32, False)
+
+
+def test_the_floor_and_in_process_peers_run_off_the_callers_thread(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch
+) -> None:
+    """Their matmuls leave no OpenMP team on the thread Slipstream's engine
+    is loaded from, so its own thread keeps the only one (compute_thread.py)."""
+    from slipstream.service.bench import hf_peers, roofline
+
+    threads: dict[str, threading.Thread] = {}
+    measure = roofline.measure_rates
+
+    def measured(*args: object, **kwargs: object) -> object:
+        threads["floor"] = threading.current_thread()
+        return measure(*args, **kwargs)
+
+    def peer(*args: object, **kwargs: object) -> None:
+        threads["hf_cb"] = threading.current_thread()
+        raise RuntimeError("where it ran is recorded")
+
+    monkeypatch.setattr(roofline, "measure_rates", measured)
+    monkeypatch.setattr(hf_peers, "run_hf_cb", peer)
+    report = _bench(tmp_path, tiny_model_dir, "hf_cb")
+    assert "recorded" in report["engines"]["hf_cb"]["error"]
+    assert threads["floor"] is not threading.current_thread()
+    assert threads["hf_cb"] is not threading.current_thread()
