@@ -94,6 +94,9 @@ class OfflineOptions:
     plan_ahead: bool | None = None  # None: the engine's default (on a GPU only)
     prefill_graph_tokens: int = PREFILL_GRAPH_TOKENS
     kv_cache_dtype: str = "auto"  # Slipstream's KV cache (EngineConfig.kv_cache_dtype)
+    # commit: Slipstream's KV pools backed at start-up, as `serve` does by
+    # default (EngineConfig.commit_kv_memory); lazy: faulted in as first used.
+    kv_memory: str = "commit"
     # Each peer's settings by peer name (``Peer.settings``), for the peers asked for.
     peers: Mapping[str, object] = field(default_factory=dict)
 
@@ -154,6 +157,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default="auto",
         choices=KV_CACHE_DTYPE_CHOICES,
         help="Slipstream's KV cache: the model's dtype, or int8 rows (the peers keep theirs)",
+    )
+    engine.add_argument(
+        "--kv-memory",
+        default="commit",
+        choices=("commit", "lazy"),
+        help="commit (as serve does): back the KV pools with memory before the clock starts; "
+        "lazy: the first write to each page of a block faults it in during the run",
     )
     parser.add_argument(
         "--no-floor",
@@ -216,6 +226,7 @@ def _options_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> 
         plan_ahead=switch(args.plan_ahead),
         prefill_graph_tokens=args.prefill_graph_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        kv_memory=args.kv_memory,
         floor=args.floor and device == "cpu",  # the floor is a CPU roofline
         peers=peers,
     )
@@ -385,6 +396,7 @@ def _engine_config(model_dir: str, options: OfflineOptions) -> EngineConfig:
         plan_ahead=options.plan_ahead,
         prefill_graph_tokens=options.prefill_graph_tokens,
         kv_cache_dtype=options.kv_cache_dtype,
+        commit_kv_memory=options.kv_memory == "commit",
         **set_knobs,
     )
 
@@ -482,6 +494,7 @@ def _environment(options: OfflineOptions, model_dir: str) -> dict[str, object]:
         **hardware(options.requested_dtype, options.device),
         "num_threads": options.num_threads,
         "slipstream_kv_cache_dtype": options.kv_cache_dtype,
+        "slipstream_kv_memory": options.kv_memory,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

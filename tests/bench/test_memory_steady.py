@@ -23,7 +23,7 @@ def _rss_mb() -> float:
 def test_ten_runs_in_one_process_do_not_grow_memory(tiny_model_dir: Path) -> None:
     options = OfflineOptions(
         model=str(tiny_model_dir), num_requests=24, seed=0, engines=("slipstream",),
-        dtype="float32", num_threads=2, prompt_len=(8, 64), output_len=(4, 32),
+        dtype="float32", num_threads=2, prompt_len=(8, 64), output_len=(4, 32), kv_memory="lazy",
     )  # fmt: skip
     workload = make_workload(24, 0, 1024, prompt_len=(8, 64), output_len=(4, 32))
     rss = []
