@@ -29,6 +29,7 @@ from slipstream.service.bench.peers import PEERS, failure_entry
 from slipstream.service.bench.report import (
     EngineRun,
     RequestTiming,
+    add_kv_memory_argument,
     check_token_counts,
     engine_metrics,
     format_table,
@@ -158,13 +159,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         choices=KV_CACHE_DTYPE_CHOICES,
         help="Slipstream's KV cache: the model's dtype, or int8 rows (the peers keep theirs)",
     )
-    engine.add_argument(
-        "--kv-memory",
-        default="commit",
-        choices=("commit", "lazy"),
-        help="commit (as serve does): back the KV pools with memory before the clock starts; "
-        "lazy: the first write to each page of a block faults it in during the run",
-    )
+    add_kv_memory_argument(engine)
     parser.add_argument(
         "--no-floor",
         dest="floor",

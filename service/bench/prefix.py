@@ -31,9 +31,9 @@ from typing import Any
 
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.bench.offline import submit_workload
-from slipstream.service.bench.report import hardware, resolved_dtype
+from slipstream.service.bench.report import add_kv_memory_argument, hardware, resolved_dtype
 from slipstream.service.bench.workload import NUM_SPECIAL_IDS, WARMUP_WORKLOAD, WorkloadRequest
-from slipstream.service.engine.config import DTYPE_CHOICES
+from slipstream.service.engine.config import DTYPE_CHOICES, EngineConfig
 from slipstream.service.engine.events import Event, FinishEvent
 
 MODES = {"on": True, "off": False}
@@ -57,6 +57,10 @@ class PrefixOptions:
     block_size: int | None = None
     max_num_batched_tokens: int | None = None
     warm: bool = False
+    # commit: the KV pools backed before the clock starts, as `serve` does; lazy:
+    # a cold request's fresh blocks fault their pages in inside its TTFT, which a
+    # cached prefix's blocks, already written, do not (flattering the cache).
+    kv_memory: str = "commit"
     json_path: str | None = None
     plot_path: str | None = None
 
@@ -138,26 +142,30 @@ def _submit_and_wait(
     return wall_s, rows
 
 
+def engine_config(model_dir: str, options: PrefixOptions, prefix_cache: bool) -> EngineConfig:
+    knobs = {
+        "block_size": options.block_size,
+        "max_num_batched_tokens": options.max_num_batched_tokens,
+    }
+    return EngineConfig(
+        model=model_dir,
+        dtype=options.dtype,
+        num_threads=options.num_threads,
+        prefix_cache=prefix_cache,
+        commit_kv_memory=options.kv_memory == "commit",
+        **{k: v for k, v in knobs.items() if v is not None},  # type: ignore[arg-type]
+    )
+
+
 def run_mode(
     model_dir: str, workload: Sequence[WorkloadRequest], options: PrefixOptions, prefix_cache: bool
 ) -> dict[str, object]:
     """One engine, prefix caching on or off, over the whole workload."""
     import numpy as np
 
-    from slipstream.service.engine.config import EngineConfig
     from slipstream.service.engine.loader import load_engine
 
-    knobs = {
-        "block_size": options.block_size,
-        "max_num_batched_tokens": options.max_num_batched_tokens,
-    }
-    config = EngineConfig(
-        model=model_dir,
-        dtype=options.dtype,
-        num_threads=options.num_threads,
-        prefix_cache=prefix_cache,
-        **{k: v for k, v in knobs.items() if v is not None},  # type: ignore[arg-type]
-    )
+    config = engine_config(model_dir, options, prefix_cache)
     engine = load_engine(config)
     engine.start()
     load_before = os.getloadavg()[0]
@@ -302,6 +310,7 @@ def _environment(options: PrefixOptions, model_dir: str) -> dict[str, object]:
         "model_dir": model_dir,
         **hardware(options.requested_dtype),
         "num_threads": options.num_threads,
+        "kv_memory": options.kv_memory,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "num_cpus": os.cpu_count(),
@@ -334,6 +343,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument(
         "--warm", action="store_true", help="run the system prompt once, untimed, before t0"
     )
+    add_kv_memory_argument(parser)
     parser.add_argument("--json", dest="json_path", help="write the report here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG here (needs matplotlib)")
     parser.set_defaults(func=_main)
@@ -354,6 +364,7 @@ def _main(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             warm=args.warm,
+            kv_memory=args.kv_memory,
             json_path=args.json_path,
             plot_path=args.plot_path,
         )

@@ -8,6 +8,7 @@ when its first output token was made.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,19 @@ def hardware(requested_dtype: str, device: str = "cpu") -> dict[str, object]:
         "requested_dtype": requested_dtype,
         "dtype": dtype,
     }
+
+
+def add_kv_memory_argument(parser: argparse._ActionsContainer) -> None:
+    """``--kv-memory`` of a benchmark that runs Slipstream's engine in process."""
+    from slipstream.service.engine.config import KV_MEMORY_CHOICES
+
+    parser.add_argument(
+        "--kv-memory",
+        default="commit",
+        choices=KV_MEMORY_CHOICES,
+        help="commit (as serve does): back the KV pools with memory before the clock starts; "
+        "lazy: the first write to each page of a block faults it in during the run",
+    )
 
 
 def resolved_dtype(requested_dtype: str, device: str = "cpu") -> str:

@@ -122,6 +122,8 @@ def start_engines(opts: SloOptions) -> tuple[dict[str, Rig], CostModel]:
                 policy=policy,
                 device=opts.device,
                 prefill_graph_tokens=opts.prefill_graph_tokens,
+                # As serve does: no block's first write faults its pages in mid-run.
+                commit_kv_memory=True,
             )
         )
         if cost is None:

@@ -16,6 +16,7 @@ from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
+    KV_MEMORY_CHOICES,
     SWITCH_CHOICES,
     WHOLE_STEP_MAX_CONTEXT,
     EngineConfig,
@@ -153,7 +154,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kv-memory",
         default="commit",
-        choices=("commit", "lazy"),
+        choices=KV_MEMORY_CHOICES,
         help="commit: back the KV pools (device and host) with memory at start-up, so the "
         "server's memory is flat from the first request on; lazy: map them and let memory "
         "grow as blocks are first used (quicker start)",

@@ -30,6 +30,10 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16")
 # float32's bytes, half of bfloat16's; on the CPU only.
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
+# How the KV pools get their memory (EngineConfig.commit_kv_memory): "commit"
+# backs them at start-up, "lazy" as each block is first written.
+KV_MEMORY_CHOICES = ("commit", "lazy")
+
 # An auto|on|off flag: None (decided where it applies, e.g. per device), True, False.
 SWITCH_CHOICES = ("auto", "on", "off")
 CPU_STEP_TOKENS = 512
