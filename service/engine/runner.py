@@ -15,8 +15,10 @@ frees device blocks for more urgent work.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from slipstream.kernels.attention import build_attention_metadata
@@ -27,6 +29,8 @@ from slipstream.scheduler.plan import StepPlan, with_pending_tokens
 from slipstream.service.models.llama import LlamaModel
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
+
+log = structlog.get_logger(__name__)
 
 
 def allocate_pool(
@@ -42,6 +46,10 @@ def allocate_pool(
         )
         for _ in range(cfg.num_layers)
     ]
+
+
+def pool_bytes(pool: KVPool) -> int:
+    return sum(t.untyped_storage().nbytes() for pair in pool for t in pair)
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -80,8 +88,17 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
+        started = time.perf_counter()
         self.device_pool = allocate_pool(model, num_device_blocks, block_size, commit_kv_memory)
         self.host_pool = allocate_pool(model, num_host_blocks, block_size, commit_kv_memory)
+        if commit_kv_memory:
+            # Seconds per GiB where a VM gives a process's freed memory back
+            # to its host and must be asked for it again (docs/performance.md).
+            log.info(
+                "kv_pools_committed",
+                gib=round(pool_bytes(self.device_pool + self.host_pool) / 2**30, 2),
+                seconds=round(time.perf_counter() - started, 2),
+            )
         self._copy_blocks = copy_blocks_for(model.attention_backend)
         self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
         # Where the sampler scales its rows, kept from step to step (see sample_tensors).
