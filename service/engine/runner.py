@@ -48,10 +48,6 @@ def allocate_pool(
     ]
 
 
-def pool_bytes(pool: KVPool) -> int:
-    return sum(t.untyped_storage().nbytes() for pair in pool for t in pair)
-
-
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     cfg = model.config
     element_size = torch.empty((), dtype=model.kv_dtype).element_size()
@@ -94,11 +90,10 @@ class ModelRunner:
         if commit_kv_memory:
             # Seconds per GiB where a VM gives a process's freed memory back
             # to its host and must be asked for it again (docs/performance.md).
-            log.info(
-                "kv_pools_committed",
-                gib=round(pool_bytes(self.device_pool + self.host_pool) / 2**30, 2),
-                seconds=round(time.perf_counter() - started, 2),
-            )
+            seconds = time.perf_counter() - started
+            blocks = num_device_blocks + num_host_blocks
+            gib = blocks * kv_bytes_per_block(model, block_size) / 2**30
+            log.info("kv_pools_committed", gib=round(gib, 2), seconds=round(seconds, 2))
         self._copy_blocks = copy_blocks_for(model.attention_backend)
         self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
         # Where the sampler scales its rows, kept from step to step (see sample_tensors).
