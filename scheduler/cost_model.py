@@ -49,7 +49,7 @@ every request comes back to the calibration and lets work in again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .plan import StepPlan
 
@@ -435,6 +435,79 @@ class CostModel:
         output), then ``num_outputs_left - 1`` more decode steps."""
         prefill = self.prefill_seconds(num_tokens - num_computed, token_budget, num_computed)
         return prefill + self.decode_seconds(num_tokens, max(0, num_outputs_left - 1))
+
+
+def fit_relative(
+    samples: list[tuple[StepShape, float]], swap_s_per_block: float | None = None
+) -> CostCoefficients:
+    """The coefficients that best fit measured steps in *relative* error,
+    none below zero: the start-up calibration's fit (non-negative least
+    squares over ``(shape, seconds)``, each step weighted by ``1 / seconds``).
+
+    Relative, because a deadline is spent in many small steps as much as in
+    a few large ones: fitted in absolute seconds, a 25 ms prefill's 10 %
+    outweighs a 0.6 ms decode's whole time, and the fixed cost of a step
+    comes out wherever the large steps' noise puts it. Non-negative, because
+    a coefficient fitted below zero and then clamped leaves the others fitted
+    around it: an H200's calibration came out with no fixed cost at all and
+    so predicted a request alone at a thirteenth of what it took, and every
+    deadline set from it was as wrong. Exact: each set of coefficients left
+    free is solved by least squares and the best fit with none negative
+    wins (five features: 31 small solves). Swap cost is not a step feature
+    (``swap_s_per_block``: kept, or the default)."""
+    rows = [[f / seconds for f in _features(shape)] for shape, seconds in samples if seconds > 0]
+    best: tuple[float, list[float]] | None = None
+    for mask in range(1, 1 << _N):
+        free = [i for i in range(_N) if mask >> i & 1]
+        solved = _least_squares([[row[i] for i in free] for row in rows])
+        if solved is None or min(solved) < 0.0:
+            continue
+        theta = [0.0] * _N
+        for i, t in zip(free, solved, strict=True):
+            theta[i] = t
+        error = sum((1.0 - _dot(theta, row)) ** 2 for row in rows)
+        if best is None or error < best[0]:
+            best = (error, theta)
+    swap = CostCoefficients().swap_s_per_block if swap_s_per_block is None else swap_s_per_block
+    if best is None:  # no step measured: the built-in guess
+        return replace(CostCoefficients(), swap_s_per_block=swap)
+    c = [t / s for t, s in zip(best[1], _SCALES, strict=True)]
+    return CostCoefficients(c[0], c[1], c[2], c[3], swap, c[4])
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def _least_squares(rows: list[list[float]]) -> list[float] | None:
+    """``argmin |A t - 1|`` over the rows of ``A`` (normal equations with a
+    vanishing ridge, Gaussian elimination with partial pivoting); None when
+    the rows cannot tell the columns apart."""
+    n = len(rows[0]) if rows else 0
+    if n == 0 or len(rows) < n:
+        return None
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] for r in rows) for i in range(n)]
+    scale = max(a[i][i] for i in range(n))
+    if scale <= 0.0:
+        return None
+    for i in range(n):
+        a[i][i] += 1e-12 * scale
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-10 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        for r in range(col + 1, n):
+            k = a[r][col] / a[col][col]
+            for j in range(col, n):
+                a[r][j] -= k * a[col][j]
+            b[r] -= k * b[col]
+    t = [0.0] * n
+    for i in reversed(range(n)):
+        t[i] = (b[i] - sum(a[i][j] * t[j] for j in range(i + 1, n))) / a[i][i]
+    return t
 
 
 def idle_keep(idle_s: float) -> float:

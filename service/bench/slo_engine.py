@@ -152,15 +152,19 @@ PROBE_REPEATS = 3
 
 def deadline_yardstick(
     opts: SloOptions, engine: Engine, cost: CostModel
-) -> tuple[CostModel, float]:
+) -> tuple[CostModel, float, dict[str, float]]:
     """The model the workload's deadlines are set with: ``cost`` scaled so
     that its isolated service times match what the engine measures for
-    requests run alone (``PROBES``), and that scale.
+    requests run alone (``PROBES``), that scale, and each probe's own
+    measured / predicted ratio (``"prompt x output"``).
 
     The start-up calibration times bare forwards; a request alone also pays
     the engine loop's planning and publishing every step, so deadlines of
     ``slack x`` the calibration's isolated time would really be tighter than
-    ``slack x`` (measured here: ~0.75x on ``small``).
+    ``slack x`` (measured here: ~0.75x on ``small``). One scale serves every
+    request only while the calibration has the shape of a request's time
+    right; probes whose ratios differ widely say it has not (an H200's fit
+    without a fixed step cost: 13x).
     """
     ratios = []
     vocab = engine.info.vocab_size
@@ -174,6 +178,7 @@ def deadline_yardstick(
             times.append(time.monotonic() - started)
         ratios.append(statistics.median(times) / predicted)
     scale = statistics.median(ratios)
+    by_probe = {f"{p}x{o}": r for (p, o), r in zip(PROBES, ratios, strict=True)}
     c = cost.coefficients
     scaled = CostCoefficients(
         base_s=c.base_s * scale,
@@ -183,7 +188,7 @@ def deadline_yardstick(
         swap_s_per_block=c.swap_s_per_block,
         per_prefill_step_s=c.per_prefill_step_s * scale,
     )
-    return CostModel(scaled), scale
+    return CostModel(scaled), scale, by_probe
 
 
 def measure_capacity(opts: SloOptions, engine: Engine) -> Capacity:
@@ -203,6 +208,7 @@ class Bench:
     calibration: CostModel
     yardstick: CostModel
     deadline_scale: float
+    probe_ratios: dict[str, float]
     capacity: Capacity
 
     def run(
@@ -219,7 +225,11 @@ class Bench:
         return make_requests(spec, self.yardstick, opts.max_num_batched_tokens)
 
     def report_fields(self) -> dict[str, object]:
-        return {"coefficients": _coeffs(self.calibration), "deadline_scale": self.deadline_scale}
+        return {
+            "coefficients": _coeffs(self.calibration),
+            "deadline_scale": self.deadline_scale,
+            "deadline_probe_ratios": self.probe_ratios,
+        }
 
 
 @contextmanager
@@ -230,8 +240,8 @@ def started_bench(opts: SloOptions) -> Iterator[Bench]:
     try:
         with frozen_heap():
             first = rigs[opts.policies[0]].engine
-            yardstick, scale = deadline_yardstick(opts, first, cost)
-            yield Bench(rigs, cost, yardstick, scale, measure_capacity(opts, first))
+            yardstick, scale, probes = deadline_yardstick(opts, first, cost)
+            yield Bench(rigs, cost, yardstick, scale, probes, measure_capacity(opts, first))
     finally:
         for rig in rigs.values():
             rig.engine.shutdown()

@@ -218,8 +218,16 @@ def _capacity_line(report: dict[str, object]) -> str:
         f"capacity: engine {_num(report['capacity_rps'])} req/s; simulated with the start-up "
         f"calibration {_num(report['sim_capacity_rps'])}, with the online refit "
         f"{_num(report.get('sim_capacity_rps_refit'))} req/s; deadlines set with the "
-        f"calibration x {_num(report.get('deadline_scale'))} (isolated requests measured)"
+        f"calibration x {_num(report.get('deadline_scale'))} (isolated requests measured"
+        f"{_probes(report.get('deadline_probe_ratios'))})"
     )
+
+
+def _probes(ratios: object) -> str:
+    """Each isolated probe's measured / predicted time, where the run has them."""
+    if not isinstance(ratios, dict) or not ratios:
+        return ""
+    return ": " + ", ".join(f"{name} {_num(r)}" for name, r in ratios.items())
 
 
 def _twin_line(run: dict[str, object]) -> str:

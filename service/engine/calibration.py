@@ -3,7 +3,8 @@
 ``calibrate(runner, ...)`` times a few synthetic steps before the engine
 takes traffic — prefill chunks of several sizes, decode batches of several
 sizes at short and long context, and block swaps device <-> host — and fits
-``slipstream.scheduler.cost_model.CostModel`` to them (least squares). The
+``slipstream.scheduler.cost_model.CostModel`` to them (non-negative least
+squares in relative error, ``cost_model.fit_relative``). The
 engine then keeps it current by feeding every executed step to
 ``CostModel.observe_plan(plan, seconds)``.
 
@@ -39,7 +40,7 @@ from pathlib import Path
 import structlog
 
 from slipstream.kernels.block_copy import copy_blocks
-from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+from slipstream.scheduler.cost_model import CostCoefficients, CostModel, StepShape, fit_relative
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.compute_thread import on_own_thread
@@ -55,7 +56,8 @@ _TOKEN = 5
 # 4: prefill chunks beside decodes (mixed steps) among the plans.
 # 5: timed on a thread of its own, as the engine's steps run (compute_thread.py);
 # steps timed beside the caller's idle OpenMP team ran up to 3x slow.
-CALIBRATION_VERSION = 5
+# 6: fitted in relative error, no coefficient below zero (cost_model.fit_relative).
+CALIBRATION_VERSION = 6
 
 
 def calibrate(
@@ -107,24 +109,11 @@ def _calibrate(
 
 
 def fit_steps(timed: list[tuple[StepPlan, float]]) -> CostCoefficients:
-    """Least squares over the timed steps, as measured. The fixed cost of a
-    step holding a prefill is fitted where the steps show one (a GPU's eager
-    step against a graphed decode); where they would put it below zero (a
-    CPU's), it is held at zero and the rest refitted without it."""
-    for fit_step in (True, False):
-        fit = CostModel(
-            CostCoefficients(),
-            forgetting=1.0,
-            prior_weight=1e-3,
-            max_drift=None,
-            robust=False,
-            fit_prefill_step=fit_step,
-        )
-        for plan, seconds in timed:
-            fit.observe_plan(plan, seconds)
-        if fit.fitted_prefill_step_s >= 0:
-            break
-    return fit.coefficients
+    """The timed steps' coefficients, as measured: least squares in relative
+    error with none below zero (``cost_model.fit_relative``). The fixed cost
+    of a step holding a prefill comes out where the steps show one (a GPU's
+    eager step against a graphed decode) and at zero where they do not."""
+    return fit_relative([(StepShape.of(plan), seconds) for plan, seconds in timed])
 
 
 def calibrate_cached(
@@ -226,7 +215,8 @@ def calibration_plans(
     beside 64 decodes 4.5 ms, the decodes alone 1.5 ms, the chunk alone
     1.9 ms), which steps of one kind never show; without them the fit put
     the fixed cost of a step holding a prefill at 0 and the engine's refit
-    took it to 2.4 ms under load."""
+    took it to 2.4 ms under load. (Fitted in relative error, two mixed steps
+    among a dozen raise that cost part of the way; the refit does the rest.)"""
     budget = min(budget, num_blocks * block_size)
     prefills = {16, budget // 4, budget} if quick else {16, budget // 4, budget // 2, budget}
     for n in sorted(prefills):

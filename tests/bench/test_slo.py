@@ -267,9 +267,13 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, 
         )
     assert report["capacity_rps"] > 0 and report["sim_capacity_rps"] > 0
     assert report["deadline_scale"] > 0  # isolated requests measured on the engine
+    probes = report["deadline_probe_ratios"]
+    assert list(probes) == ["32x8", "64x24", "128x48"] and min(probes.values()) > 0
+    assert report["deadline_scale"] == pytest.approx(sorted(probes.values())[1])
     assert {r["baseline_deadlines"] for r in report["goodput_ratios"]} == {"unaware"}
     summary = slo_report.format_summary(report)
     assert "engine vs its simulated twin" in summary and "capacity: engine" in summary
+    assert "isolated requests measured: 32x8 " in summary
     assert "the engine replaying the same requests" in summary
     assert "engine thread, ms a step" in summary
     png = tmp_path / "slo.png"

@@ -23,7 +23,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     StepPlan,
 )
-from slipstream.scheduler.cost_model import StepShape
+from slipstream.scheduler.cost_model import StepShape, fit_relative
 from slipstream.scheduler.plan import ScheduledSeq
 from slipstream.scheduler.request import FinishReason, SamplingParams
 from slipstream.scheduler.simulator import SimRequest, simulate
@@ -48,16 +48,11 @@ def _seq(i: int, num_new: int, start: int, output_index: int) -> ScheduledSeq:
 
 def calibrated() -> CostModel:
     """The engine's start-up calibration (calibration.py's shapes and fit) on this device."""
-    fit = CostModel(
-        CostCoefficients(), forgetting=1.0, prior_weight=1e-3, max_drift=None, robust=False
-    )
     plans = [StepPlan(step=0, seqs=[_seq(0, n, 0, 0)]) for n in (16, 128, 512)]
     for batch in (1, 16, 32):
         for context in (64, 512):
             plans.append(StepPlan(step=0, seqs=[_seq(i, 1, context, 1) for i in range(batch)]))
-    for plan in plans:
-        fit.observe_plan(plan, h100_step(plan))
-    return CostModel(fit.coefficients)
+    return CostModel(fit_relative([(StepShape.of(plan), h100_step(plan)) for plan in plans]))
 
 
 def test_the_fit_tells_a_graphed_decode_from_an_eager_step() -> None:
