@@ -67,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
 
 def measure(model: str, dtype: str, max_num_seqs: int, num_requests: int) -> dict[str, object]:
     """Start-up calibration, then the online refit over a saturating batch."""
-    from slipstream.service.bench.slo_engine import measure_capacity, start_engines
+    from slipstream.service.bench.slo_engine import measure_capacity, start_engine
     from slipstream.service.bench.slo_options import SloOptions, engine_shaped
 
     opts = SloOptions(
@@ -82,8 +82,7 @@ def measure(model: str, dtype: str, max_num_seqs: int, num_requests: int) -> dic
     )
     # The engine shape of ``bench slo``'s engine mode.
     opts = replace(engine_shaped(opts), capacity_requests=num_requests)
-    engines, startup = start_engines(opts)
-    rig = engines["deadline"]
+    rig, startup = start_engine(opts, "deadline")
     try:
         started = time.monotonic()
         capacity = measure_capacity(opts, rig.engine)

@@ -211,7 +211,21 @@ def test_engine_mode_on_a_gpu_takes_the_gpus_step_budget(monkeypatch) -> None:
     assert sim.max_num_batched_tokens == 512
 
 
-def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, tmp_path) -> None:
+def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(
+    tiny_model_dir, tmp_path, monkeypatch
+) -> None:
+    # One policy's engine at a time: each engine started finds every earlier
+    # one shut down, its thread (and on the CPU its OpenMP team) gone.
+    started: list[tuple[str, object]] = []
+    start = slo_engine.start_engine
+
+    def spied(opts, policy, cost=None):
+        assert all(not rig.engine._thread.is_alive() for _, rig in started)
+        rig, calibration = start(opts, policy, cost)
+        started.append((policy, rig))
+        return rig, calibration
+
+    monkeypatch.setattr(slo_engine, "start_engine", spied)
     opts = replace(
         slo.options_from_args(
             _parse(["slo", "--requests", "24", "--model", "tiny", "--repeats", "2"])
@@ -223,6 +237,8 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(tiny_model_dir, 
         capacity_requests=16,
     )
     report = slo_engine.run_engine_bench(opts)
+    assert [policy for policy, _ in started] == ["priority", "deadline"]
+    assert not started[-1][1].engine._thread.is_alive()
     runs = report["runs"]
     assert [(r["policy"], r["deadlines"]) for r in runs] == [
         ("priority", "unaware"),
