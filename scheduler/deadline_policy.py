@@ -31,7 +31,12 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
-from .batch_shaping import CEILING_MARGIN_STEPS, ArrivalReserve, BatchShaper
+from .batch_shaping import (
+    CEILING_MARGIN_STEPS,
+    IN_FLIGHT_MARGIN_STEPS,
+    ArrivalReserve,
+    BatchShaper,
+)
 from .config import SchedulerConfig
 from .cost_model import CostModel, StepShape, idle_keep
 from .deadline_estimates import DeadlineEstimates, output_target
@@ -62,6 +67,7 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
         # in, recorded by ``observe_arrival`` once the scheduler queued it.
         self._pending_arrival: tuple[str, float, int | None] | None = None
         self._swept_epoch = -1  # the epoch of the latest ``abandon_reasons``
+        self._margin_steps = CEILING_MARGIN_STEPS  # see observe_in_flight
 
     # -- what the steps teach -------------------------------------------
 
@@ -78,6 +84,12 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
         # the engine gets through under this workload is its service rate.
         work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
         shedder.observe_step(work, seconds * cost.pace)
+
+    def observe_in_flight(self, steps: int) -> None:
+        """A step still in flight (planning ahead) delays every request's
+        next step by one: the step ceilings keep ``IN_FLIGHT_MARGIN_STEPS``
+        more spare steps for it."""
+        self._margin_steps = CEILING_MARGIN_STEPS + IN_FLIGHT_MARGIN_STEPS * steps
 
     def observe_room(self, has_room: bool) -> None:
         shedder = self._shedder
@@ -339,23 +351,24 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
     def step_ceiling(self, req: Request, now: float) -> float:
         """The longest step ``req`` can afford, as the cost model predicts
         steps: the time to its nearest limit over the steps it still needs
-        (plus a margin), shrunk by the model's measured overrun (a step
-        predicted at the ceiling tends to run that much longer); +inf
-        without limits."""
+        (plus a margin, wider while a step is in flight), shrunk by the
+        model's measured overrun (a step predicted at the ceiling tends to
+        run that much longer); +inf without limits."""
         if req.deadline is None and req.first_token_deadline is None:
             return math.inf
         entry = self._estimate(req)
+        margin = self._margin_steps
         ceiling = math.inf
         if req.deadline is not None:
-            ceiling = (req.deadline - now) / (entry.num_steps + CEILING_MARGIN_STEPS)
+            ceiling = (req.deadline - now) / (entry.num_steps + margin)
         if req.first_token_deadline is not None and entry.first_token_steps:
-            steps = entry.first_token_steps + CEILING_MARGIN_STEPS
+            steps = entry.first_token_steps + margin
             ceiling = min(ceiling, (req.first_token_deadline - now) / steps)
         return ceiling / (1.0 + self.cost_model.overrun)
 
     def steps_to_limit(self, req: Request) -> float:
         """The steps ``step_ceiling`` divides ``req``'s time by (its deadline's)."""
-        return self._estimate(req).num_steps + CEILING_MARGIN_STEPS
+        return self._estimate(req).num_steps + self._margin_steps
 
     @property
     def is_urgency_driven(self) -> bool:

@@ -146,6 +146,12 @@ class SchedulingPolicy(abc.ABC):
         """``req`` joined the queue at ``now`` (after admission and shedding)."""
         return None
 
+    def observe_in_flight(self, steps: int) -> None:
+        """Said at the start of every ``schedule()``: how many steps planned
+        before are still to finish ahead of the one being planned (1 while
+        the engine plans ahead, else 0)."""
+        return None
+
     def abandon_reason(self, req: Request, now: float) -> str:
         """Why live ``req`` can no longer meet its deadline, or "" — the
         scheduler then ends it DEADLINE_EXCEEDED (if configured) instead of

@@ -116,6 +116,7 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         it still awaits its ``update``."""
         if ahead:
             self._advance_in_flight()
+        self.policy.observe_in_flight(1 if ahead else 0)
         self._step += 1
         state = _StepState(step=self._step, token_budget=self.config.max_num_batched_tokens)
         if self._ended:

@@ -17,6 +17,17 @@ graph"): a step of up to ``PREFILL_GRAPH_TOKENS`` tokens takes the graphed
 decode step's time and ~0.2 µs a prefill token (a 256-token chunk beside
 0 / 8 / 64 / 256 decodes: 1.49-1.62 / 1.72-1.78 / 1.97-2.07 / 3.15-3.35
 ms); a larger step is eager, as above.
+
+``h200-loaded``: SmolLM2's shape on an H200 as the engine's host ran it
+under overload (``bench slo --device cuda``, 1,000 requests a cell at 1.5x,
+2026-11-28; docs/gpu.md, "1,000 requests a cell"): every step costs the
+host's floor, 2.37 ms, plus 0.033 ms a sequence (a least-squares line
+through the steps its class-0 misses lived through: 2.4-3.0 ms at 8.5-12
+sequences, 3.2-3.5 ms at 26-31) and the whole-step graph's 0.2 µs a prefill
+token. A request alone steps in about 1 ms on the same engine idle (the
+deadline yardstick's scale times its calibration's fixed cost, ~1 ms in
+every such report): deadlines set from that (``bench slo --yardstick``)
+and steps of this floor are the gap the engine runs in.
 """
 
 from __future__ import annotations
@@ -35,6 +46,21 @@ H100_EAGER_S = 10e-3
 H100_PER_PREFILL_TOKEN_S = 15e-6
 H100_PER_CONTEXT_TOKEN_S = 2e-9
 H100_GRAPHED_PER_PREFILL_TOKEN_S = 0.2e-6
+
+
+H200_LOADED_FLOOR_S = 2.37e-3
+H200_LOADED_PER_SEQ_S = 0.033e-3
+
+
+def h200_loaded_step(plan: StepPlan, max_graphed: int) -> float:
+    """Seconds a step took an H200's engine under overload, its host's floor
+    included (``max_graphed`` unused: the floor does not depend on it)."""
+    shape = StepShape.of(plan)
+    return (
+        H200_LOADED_FLOOR_S
+        + H200_LOADED_PER_SEQ_S * len(plan.seqs)
+        + H100_GRAPHED_PER_PREFILL_TOKEN_S * shape.num_prefill_tokens
+    )
 
 
 def h100_step(plan: StepPlan, max_graphed: int) -> float:
@@ -65,6 +91,7 @@ def _h100_seconds(shape: StepShape, max_graphed: int, whole_step: bool) -> float
 DEVICE_STEPS: dict[str, Callable[[StepPlan, int], float]] = {
     "h100": h100_step,
     "h100-whole-step": h100_whole_step,
+    "h200-loaded": h200_loaded_step,
 }
 
 

@@ -120,6 +120,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "(engine mode: as the engine does)",
     )
     parser.add_argument(
+        "--yardstick",
+        type=Path,
+        help="sim mode: cost-model JSON the workload's deadlines are set with (default: the "
+        "run's model), as the engine mode sets them from requests measured alone on an idle "
+        "engine",
+    )
+    parser.add_argument(
+        "--engine-shape",
+        action="store_true",
+        help="sim mode: the engine mode's pools, lengths, aging and capacity batch",
+    )
+    parser.add_argument(
         "--calibration",
         type=Path,
         help="a `slipstream bench calibrate` file: the simulator's step-time model",
@@ -181,18 +193,19 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
         plot_path=args.plot_path,
     )
     if mode == "engine":
-        opts = replace(
-            engine_shaped(opts),
-            capacity_requests=96,  # 3x max_num_seqs: saturated, not ramp-dominated
-            aging_s=10.0,
-        )
+        opts = engine_shaped(opts)
         # The step budget serve runs with on this device.
         on_gpu = device.startswith("cuda")
         budget = EngineConfig().step_token_budget(on_gpu=on_gpu)
         # The engine plans ahead on a GPU (EngineConfig.plan_ahead), and so do its twins.
         opts = replace(opts, max_num_batched_tokens=budget, plan_ahead=on_gpu)
-    elif args.plan_ahead:
-        opts = replace(opts, plan_ahead=True)
+    else:
+        if args.engine_shape:
+            opts = engine_shaped(opts)
+        if args.plan_ahead:
+            opts = replace(opts, plan_ahead=True)
+    if mode != "sim" and (args.yardstick or args.engine_shape):
+        raise SystemExit("--yardstick and --engine-shape shape a simulation: they take --sim")
     if args.repeats < 1 or (args.repeats > 1 and (mode == "sim" or args.capacity)):
         raise SystemExit(
             "--repeats takes N >= 1, and more than 1 only in engine mode without --capacity"
@@ -211,6 +224,9 @@ def options_from_args(args: argparse.Namespace) -> SloOptions:
     if args.coefficients:
         coeffs = CostCoefficients(**json.loads(args.coefficients.read_text()))
         opts = replace(opts, coefficients=coeffs)
+    if args.yardstick:
+        coeffs = CostCoefficients(**json.loads(args.yardstick.read_text()))
+        opts = replace(opts, yardstick=coeffs)
     if args.calibration:
         from slipstream.service.bench.calibrate import load_calibration
 

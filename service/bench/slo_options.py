@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 from slipstream.scheduler.config import SchedulerConfig
-from slipstream.scheduler.cost_model import CostCoefficients
+from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.service.bench.slo_workload import DEFAULT_SLACK_FACTORS, WorkloadSpec
 from slipstream.service.engine.config import PREFILL_GRAPH_TOKENS
 
@@ -41,6 +41,9 @@ class SloOptions:
     reject_infeasible: bool = True
     shed_under_overload: bool = True
     coefficients: CostCoefficients = field(default_factory=CostCoefficients)
+    # sim mode: the model the workload's deadlines are set with (None: the
+    # run's own, ``coefficients``), as the engine mode's yardstick is
+    yardstick: CostCoefficients | None = None
     kv_bytes_per_block: int = SIM_KV_BYTES_PER_BLOCK
     capacity_requests: int = 1000
     prompt_len: tuple[int, int] = (32, 512)
@@ -63,11 +66,24 @@ class SloOptions:
     plan_ahead: bool = False
 
 
+def deadline_model(opts: SloOptions) -> CostModel:
+    """The model a sim run's deadlines are set with (``yardstick``, else the run's)."""
+    return CostModel(opts.yardstick if opts.yardstick is not None else opts.coefficients)
+
+
 def engine_shaped(opts: SloOptions) -> SloOptions:
-    """``opts`` with the engine mode's pools and lengths: it replays in real
-    time, so a few hundred short requests on a small pool."""
+    """``opts`` with the engine mode's pools, lengths, aging and capacity
+    batch: it replays in real time, so a few hundred short requests on a
+    small pool, capacity from a batch of 3x ``max_num_seqs`` (saturated, not
+    ramp-dominated)."""
     return replace(
-        opts, num_device_blocks=256, num_host_blocks=128, prompt_len=(16, 128), output_len=(8, 48)
+        opts,
+        num_device_blocks=256,
+        num_host_blocks=128,
+        prompt_len=(16, 128),
+        output_len=(8, 48),
+        capacity_requests=96,
+        aging_s=10.0,
     )
 
 
@@ -117,4 +133,5 @@ def run_header(policy: str, deadlines: str, load: float, cv: float, mode: str) -
 def options_json(opts: SloOptions) -> dict[str, object]:
     out = asdict(opts)
     out["coefficients"] = asdict(opts.coefficients)
+    out["yardstick"] = None if opts.yardstick is None else asdict(opts.yardstick)
     return out

@@ -22,6 +22,7 @@ from slipstream.service.bench.slo_capacity import (
 )
 from slipstream.service.bench.slo_options import (
     SloOptions,
+    deadline_model,
     options_json,
     run_grid,
     run_header,
@@ -75,7 +76,7 @@ def run_sim_capacity(opts: SloOptions) -> dict[str, object]:
     results = search_capacities(
         opts, lambda policy, load: sim_run(opts, policy, load, cv, capacity)
     )
-    return capacity_report(results, capacity, opts, cv, CostModel(opts.coefficients))
+    return capacity_report(results, capacity, opts, cv, deadline_model(opts))
 
 
 def simulate_workload(
@@ -114,7 +115,7 @@ def sim_run(
 ) -> dict[str, object]:
     cost = CostModel(opts.coefficients)
     spec = workload_spec(opts, load * capacity.rps, cv)
-    requests = make_requests(spec, cost, opts.max_num_batched_tokens)
+    requests = make_requests(spec, deadline_model(opts), opts.max_num_batched_tokens)
     started = time.perf_counter()
     result, metrics = simulate_workload(opts, policy, requests, cost, deadlines)
     wall = time.perf_counter() - started

@@ -198,6 +198,35 @@ def test_sim_on_an_h100s_steps_calibrates_on_them(tmp_path) -> None:
         slo.options_from_args(bad)
 
 
+def test_sim_on_an_h200s_loaded_steps_with_an_idle_engines_deadlines(tmp_path, monkeypatch) -> None:
+    """--device-steps h200-loaded --engine-shape --plan-ahead --yardstick F:
+    the engine mode's workload on an H200's loaded steps, deadlines from a
+    request alone on an idle engine (1 ms a step). Planning ahead, class 0
+    meets its tight deadlines only with the ceilings' spare steps for the
+    step in flight (without them, its short requests end a hair late)."""
+    import slipstream.scheduler.deadline_policy as deadline_policy
+
+    idle = tmp_path / "idle.json"
+    idle.write_text(json.dumps({"base_s": 0.001, "per_prefill_token_s": 2e-7,
+                                "per_decode_seq_s": 0.0, "per_context_token_s": 0.0}))  # fmt: skip
+    argv = ["slo", "--sim", "--device-steps", "h200-loaded", "--engine-shape", "--plan-ahead"]
+    argv += ["--yardstick", str(idle), "--requests", "1000", "--load", "1.5", "--cv", "1"]
+    opts = slo.options_from_args(_parse([*argv, "--slack", "4", "8", "16", "--policy", "deadline"]))
+    assert opts.yardstick is not None and opts.yardstick.base_s == 0.001
+    assert (opts.num_device_blocks, opts.prompt_len, opts.aging_s) == (256, (16, 128), 10.0)
+    assert opts.capacity_requests == 96 and opts.plan_ahead
+
+    def class0() -> float:
+        (run,) = slo_sim.run_sim_bench(opts)["runs"]
+        return run["classes"]["0"]["attainment"]
+
+    assert class0() >= 0.99
+    monkeypatch.setattr(deadline_policy, "IN_FLIGHT_MARGIN_STEPS", 0.0)
+    assert class0() < 0.97
+    with pytest.raises(SystemExit, match="take --sim"):
+        slo.options_from_args(_parse(["slo", "--yardstick", str(idle)]))
+
+
 def test_engine_mode_on_a_gpu_takes_the_gpus_step_budget(monkeypatch) -> None:
     import torch
 
