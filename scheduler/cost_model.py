@@ -144,22 +144,16 @@ class CostModel:
         prior_weight: float = 10.0,
         overrun: float = 0.0,
         max_drift: float | None = MAX_DRIFT,
-        robust: bool = True,
-        fit_prefill_step: bool = True,
     ) -> None:
         """``overrun`` starts the model with a margin measured elsewhere (a
         simulated twin planning with the margin its engine held); it is
         clamped to ``[0, MAX_OVERRUN]`` and moves only with ``observe``.
         ``max_drift``: how many times its start-up prediction a forward may
         be predicted at; None for a fit that starts from a guess, not a
-        calibration (the calibration itself). ``robust``: each sample is
-        clipped to within ``OUTLIER_FACTOR`` of the prediction and the
-        coefficients kept non-negative, as a fit online must be; off for the
-        start-up calibration, whose timed steps are fit as measured (clipped
-        against the built-in guess they could only halve it per sample: a
-        0.3 ms step of ``tiny`` came out at 8 ms). ``fit_prefill_step``
-        False holds ``per_prefill_step_s`` where it starts (a calibration
-        whose steps want it below zero refits without it)."""
+        calibration. Each sample is clipped to within ``OUTLIER_FACTOR`` of
+        the prediction and the coefficients kept non-negative, as a fit
+        online must be; the start-up calibration's timed steps are fit as
+        measured, by ``fit_relative``."""
         if max_drift is not None and max_drift < 1.0:
             raise ValueError(f"max_drift must be >= 1, got {max_drift}")
         if not 0.0 < forgetting <= 1.0:
@@ -176,10 +170,7 @@ class CostModel:
         # measured samples dominate the start-up guess.
         self._prior_variance = 1.0 / prior_weight
         self._p = [[self._prior_variance if i == j else 0.0 for j in range(_N)] for i in range(_N)]
-        if not fit_prefill_step:
-            self._p[_N - 1][_N - 1] = 0.0  # no variance: no update ever moves it
         self._forgetting = forgetting
-        self._robust = robust
         self._num_samples = 0
         self._overrun = min(MAX_OVERRUN, max(0.0, overrun))
         self._pace = 1.0 + self._overrun
@@ -202,11 +193,6 @@ class CostModel:
     @property
     def coefficients(self) -> CostCoefficients:
         return self._coefficients
-
-    @property
-    def fitted_prefill_step_s(self) -> float:
-        """``per_prefill_step_s`` as fitted, before predictions clamp it at zero."""
-        return self._theta[_N - 1] / _SCALES[_N - 1]
 
     @property
     def num_samples(self) -> int:
@@ -250,8 +236,7 @@ class CostModel:
         self._overrun += _OVERRUN_EWMA * (over - self._overrun)
         ratio = min(PACE_BOUND, max(1.0 / PACE_BOUND, seconds / predicted))
         self._pace += _OVERRUN_EWMA * (ratio - self._pace)
-        if self._robust:
-            seconds = min(predicted * OUTLIER_FACTOR, max(predicted / OUTLIER_FACTOR, seconds))
+        seconds = min(predicted * OUTLIER_FACTOR, max(predicted / OUTLIER_FACTOR, seconds))
         x = _features(shape)
         theta, px, denom = self._update(x, seconds)
         self._theta = theta
@@ -298,7 +283,7 @@ class CostModel:
             theta = [
                 t + v / denom * error if f else 0.0 for t, v, f in zip(base, px, free, strict=True)
             ]
-            below = [i for i in range(_N) if free[i] and theta[i] < 0.0] if self._robust else []
+            below = [i for i in range(_N) if free[i] and theta[i] < 0.0]
             if not below:
                 return theta, px, denom
             for i in below:

@@ -28,6 +28,7 @@ from the model the first engine refit online over the capacity run
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import threading
@@ -169,7 +170,7 @@ def deadline_yardstick(
     """
     ratios = []
     vocab = engine.info.vocab_size
-    seeds = iter(range(PROBE_SEED, PROBE_SEED + 1000))
+    seeds = itertools.count(PROBE_SEED)
     # One untimed pass first: a shape's first request pays one-off set-up
     # (measured on tiny: the first probe up to 5x the others).
     for prompt, output in PROBES:
@@ -231,15 +232,13 @@ class Bench:
     deadline_scale: float
     probe_ratios: dict[str, float]
     capacity: Capacity
-    policy: str
     current: Rig
 
     def rig(self, policy: str) -> Rig:
         """``policy``'s engine, started (and any other shut down) if need be."""
-        if policy != self.policy:
+        if policy != self.current.scheduler.config.policy:
             self.current.engine.shutdown()
             self.current, _ = start_engine(self.opts, policy, self.calibration)
-            self.policy = policy
         return self.current
 
     def run(
@@ -274,7 +273,7 @@ def started_bench(opts: SloOptions) -> Iterator[Bench]:
         with frozen_heap():
             yardstick, scale, probes = deadline_yardstick(opts, first.engine, cost)
             capacity = measure_capacity(opts, first.engine)
-            bench = Bench(opts, cost, yardstick, scale, probes, capacity, opts.policies[0], first)
+            bench = Bench(opts, cost, yardstick, scale, probes, capacity, first)
             yield bench
     finally:
         (first if bench is None else bench.current).engine.shutdown()
