@@ -129,7 +129,12 @@ class DeadlineEstimates:
 
     def _estimate(self, req: Request) -> _Entry:
         """``req``'s entry with its estimate up to date."""
-        progress = (req.num_known_kv_tokens, len(req.output_token_ids), req.status)
+        # Per scheduled request a step: ``num_known_kv_tokens`` inlined.
+        status = req.status
+        computed = req.num_computed_tokens
+        if status is _WAITING and req.num_prefix_hit_tokens > computed:
+            computed = req.num_prefix_hit_tokens
+        progress = (computed, len(req.output_token_ids), status)
         entry = self._entries.get(req.req_id)
         if entry is None:
             entry = self._entries[req.req_id] = _Entry()
@@ -138,12 +143,19 @@ class DeadlineEstimates:
         return entry
 
     def _new_estimate(self, entry: _Entry, req: Request, progress: _Progress) -> None:
+        """Once per running request a step (its progress moves): ``output_target``
+        inlined, and each ``max`` of two a comparison (the same value)."""
         computed, outputs, status = progress
-        outputs_left = max(1, output_target(req, outputs) - outputs)
+        target = req.expected_output_tokens or req.max_new_tokens
+        if target <= outputs:
+            target = outputs + 1
+        if target > req.max_new_tokens:
+            target = req.max_new_tokens
+        outputs_left = target - outputs if target - outputs > 1 else 1
         num_tokens = len(req.prompt_token_ids) + outputs
         cost = self.cost_model
         prefill = cost.prefill_seconds(num_tokens - computed, self._budget, computed)
-        isolated = prefill + cost.decode_seconds(num_tokens, max(0, outputs_left - 1))
+        isolated = prefill + cost.decode_seconds(num_tokens, outputs_left - 1)
         if status is _SWAPPED:
             swap = cost.swap_seconds(len(req.host_block_ids))
             isolated += swap
@@ -152,8 +164,12 @@ class DeadlineEstimates:
         entry.progress = progress
         entry.isolated_s = isolated
         entry.num_steps = chunks + outputs_left - 1
-        entry.first_token_isolated_s = prefill if outputs == 0 else 0.0
-        entry.first_token_steps = max(1, chunks) if outputs == 0 else 0
+        if outputs == 0:
+            entry.first_token_isolated_s = prefill
+            entry.first_token_steps = chunks if chunks > 1 else 1
+        else:
+            entry.first_token_isolated_s = 0.0
+            entry.first_token_steps = 0
 
     def slack(self, req: Request, now: float) -> float:
         return self._latest_start(req) - now
@@ -181,8 +197,8 @@ class DeadlineEstimates:
         # Per live request, twice a step: ``num_known_kv_tokens`` inlined.
         status = req.status
         computed = req.num_computed_tokens
-        if status is _WAITING:
-            computed = max(computed, req.num_prefix_hit_tokens)
+        if status is _WAITING and req.num_prefix_hit_tokens > computed:
+            computed = req.num_prefix_hit_tokens
         signature = (
             computed,
             len(req.output_token_ids),
@@ -209,13 +225,23 @@ class DeadlineEstimates:
         return self._epoch
 
     def _new_urgency(self, entry: _Entry, req: Request, now: float, signature: _Signature) -> None:
-        computed, outputs, status, deadline, first_token_deadline, _, _, arrival_index = signature
+        """Once per live request a step: ``_effective_class`` inlined, and each
+        ``max`` / ``min`` of two a comparison (the same value)."""
+        computed, outputs, status, deadline, first_token_deadline, priority, arrived, index = (
+            signature
+        )
         # Only a time limit reads the estimate: work without one (most of a
         # throughput batch) skips it, and ``_estimate`` makes it when asked.
-        has_limit = deadline is not None or first_token_deadline is not None
-        if has_limit and entry.progress != (computed, outputs, status):
-            self._new_estimate(entry, req, (computed, outputs, status))
-        effective = _effective_class(signature[5], signature[6], now, self._aging_s)
+        if deadline is not None or first_token_deadline is not None:
+            progress = (computed, outputs, status)
+            if entry.progress != progress:
+                self._new_estimate(entry, req, progress)
+        effective = priority
+        aging_s = self._aging_s
+        if aging_s > 0 and priority > 0:
+            effective = priority - int((now - arrived) // aging_s)
+            if effective < 0:
+                effective = 0
         hopeless, latest, limit = False, math.inf, _DEADLINE
         # Loaded time counts against waiting / swapped work of a class above 0
         # only: see ``is_hopeless``.
@@ -226,14 +252,20 @@ class DeadlineEstimates:
             latest = deadline - (loaded if loaded > isolated else isolated)  # max()
             needed = isolated
             if judge_loaded:
-                needed = max(needed, HOPELESS_LOAD_FRACTION * entry.num_steps * step_s)
+                loaded = HOPELESS_LOAD_FRACTION * entry.num_steps * step_s
+                if loaded > needed:
+                    needed = loaded
             hopeless = now + needed > deadline
         if first_token_deadline is not None and entry.first_token_steps:
             isolated, loaded = entry.first_token_isolated_s, entry.first_token_steps * step_s
-            latest = min(latest, first_token_deadline - (loaded if loaded > isolated else isolated))
+            first = first_token_deadline - (loaded if loaded > isolated else isolated)
+            if first < latest:
+                latest = first
             needed = isolated
             if judge_loaded:
-                needed = max(needed, HOPELESS_LOAD_FRACTION * loaded)
+                loaded = HOPELESS_LOAD_FRACTION * loaded
+                if loaded > needed:
+                    needed = loaded
             if not hopeless and now + needed > first_token_deadline:
                 hopeless, limit = True, ExpiredLimit.FIRST_TOKEN
         entry.epoch = self._epoch
@@ -241,7 +273,7 @@ class DeadlineEstimates:
         entry.is_hopeless = hopeless
         entry.hopeless_limit = limit
         entry.latest_start = latest
-        entry.key = (1.0 if hopeless else 0.0, float(effective), latest, float(arrival_index))
+        entry.key = (1.0 if hopeless else 0.0, float(effective), latest, float(index))
 
     def effective_class(self, req: Request, now: float) -> int:
         return _effective_class(req.priority, req.arrival_time, now, self._aging_s)

@@ -160,8 +160,13 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
         urgency_of = self._urgency_of
         if urgency_of(candidate, now).is_hopeless:
             return None
+        swept = self._has_swept(now)
+        # Asked per waiting candidate with the batch full: when no running
+        # request at all is in a less urgent class, no unprotected one is.
+        if swept and max((r.priority for r in running), default=-1) <= candidate.priority:
+            return None
         eligible = [r for r in running if not self._is_protected(r, now)]
-        if not self._has_swept(now):
+        if not swept:
             hopeless = [r for r in eligible if urgency_of(r, now).is_hopeless]
             if hopeless:
                 return max(hopeless, key=lambda r: self.victim_key(r, now))

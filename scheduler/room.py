@@ -119,7 +119,14 @@ class RoomMaking(Preemption, PrefixSharing):
         return list(self._running.values())
 
     def _rigid_running_tokens(self) -> int:
-        return sum(self._rigid_tokens(r) for r in self._running.values())
+        """``_rigid_tokens`` summed over the running work, inlined: it is
+        summed once a step whenever waiting work looks for room."""
+        block = self.config.block_size
+        total = 0
+        for r in self._running.values():
+            uncomputed = len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            total += uncomputed if uncomputed < block else block
+        return total
 
     def _rigid_tokens(self, req: Request) -> int:
         """The share of the budget a running request needs to make progress:
