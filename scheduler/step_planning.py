@@ -19,6 +19,10 @@ class StepPlanning(RoomMaking):
 
     def _schedule_running(self, state: _StepState, now: float) -> None:
         state.shaper = self.policy.batch_shaper(now)
+        # Budget held back for waiting work matters to a request only when
+        # all of it would leave the request less than it needs: below that,
+        # nobody asks which reservations are more urgent than whom.
+        reserved = sum(max(0, tokens) for _, tokens in state.reservations)
         for req in self.policy.order_running(self._running_list(), now):
             if state.token_budget == 0:
                 return
@@ -27,10 +31,10 @@ class StepPlanning(RoomMaking):
             if req.req_id in self._at_limit:
                 continue  # its pending token is its last: see Scheduler.schedule
             available = state.token_budget
-            if state.reservations:
-                available -= self._held(state, req, now)
             uncomputed = len(req.prompt_token_ids) + len(req.output_token_ids)
             uncomputed -= req.num_computed_tokens
+            if state.reservations and available - reserved < uncomputed:
+                available -= self._held(state, req, now)
             num_new = self._shaped(state, req, min(uncomputed, available))
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
                 self._add_seq(state, req, num_new)
