@@ -19,9 +19,6 @@ class StepPlanning(RoomMaking):
 
     def _schedule_running(self, state: _StepState, now: float) -> None:
         state.shaper = self.policy.batch_shaper(now)
-        # Budget held back for waiting work matters to a request only when
-        # all of it would leave the request less than it needs: below that,
-        # nobody asks which reservations are more urgent than whom.
         reserved = sum(max(0, tokens) for _, tokens in state.reservations)
         for req in self.policy.order_running(self._running_list(), now):
             if state.token_budget == 0:
@@ -30,11 +27,9 @@ class StepPlanning(RoomMaking):
                 continue  # preempted as a victim earlier in this loop, or paused
             if req.req_id in self._at_limit:
                 continue  # its pending token is its last: see Scheduler.schedule
-            available = state.token_budget
             uncomputed = len(req.prompt_token_ids) + len(req.output_token_ids)
             uncomputed -= req.num_computed_tokens
-            if state.reservations and available - reserved < uncomputed:
-                available -= self._held(state, req, now)
+            available = self._available(state, req, now, uncomputed, reserved)
             num_new = self._shaped(state, req, min(uncomputed, available))
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
                 self._add_seq(state, req, num_new)
@@ -129,6 +124,19 @@ class StepPlanning(RoomMaking):
             self._num_held_back += 1
             req.num_held_back += 1
         return allowed
+
+    def _available(
+        self, state: _StepState, req: Request, now: float, needed: int, reserved: int
+    ) -> int:
+        """The budget a running request may use: what is left, less what is
+        held back for more urgent waiting work (``_held``). That share is
+        looked up only when all of ``reserved`` would leave less than
+        ``needed``: below that, ``min(needed, available)`` is the same either
+        way, and nobody asks which reservation outranks whom."""
+        available = state.token_budget
+        if state.reservations and available - reserved < needed:
+            available -= self._held(state, req, now)
+        return available
 
     def _held(self, state: _StepState, req: Request, now: float) -> int:
         """Budget held back from ``req`` for more urgent waiting work."""

@@ -112,10 +112,20 @@ class BruteForceDeadlinePolicy(DeadlinePolicy):
 
 
 class RankEveryWalkScheduler(Scheduler):
-    """Asks the policy for the waiting order on every walk of the queue."""
+    """Asks the policy for the waiting order on every walk of the queue, and
+    for the budget held back from every running request."""
+
+    num_held_back_tokens = 0
 
     def _ordered_waiting(self, state: _StepState, now: float) -> list[Request]:
         return self.policy.order_waiting(self._waiting, now)
+
+    def _available(
+        self, state: _StepState, req: Request, now: float, needed: int, reserved: int
+    ) -> int:
+        held = self._held(state, req, now)
+        self.num_held_back_tokens += held
+        return state.token_budget - held
 
 
 @st.composite
@@ -221,6 +231,8 @@ class Pair:
         policy = slow.scheduler.policy
         assert isinstance(policy, BruteForceDeadlinePolicy)
         event(f"preempted for admission: {policy.num_admission_victims > 0}")
+        assert isinstance(slow.scheduler, RankEveryWalkScheduler)
+        event(f"budget held back from running work: {slow.scheduler.num_held_back_tokens > 0}")
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
