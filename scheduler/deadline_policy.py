@@ -76,13 +76,14 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
         if not plan.seqs:
             return
         cost = self.cost_model
-        seconds = cost.plan_seconds(plan)
+        shape = StepShape.of(plan)
+        seconds = cost.step_seconds(shape)  # plan_seconds(plan): the plan has sequences
         self.loaded_step_s += _STEP_EWMA * (seconds - self.loaded_step_s)
         if shedder is None or not saturated:
             return
         # Steps the batch shaper kept short for urgent work count too: what
         # the engine gets through under this workload is its service rate.
-        work = cost.batched_step_seconds(StepShape.of(plan), self._batch)
+        work = cost.batched_step_seconds(shape, self._batch)
         shedder.observe_step(work, seconds * cost.pace)
 
     def observe_in_flight(self, steps: int) -> None:
