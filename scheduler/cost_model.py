@@ -128,6 +128,12 @@ class CostCoefficients:
         )
         return [c * s for c, s in zip(raw, _SCALES, strict=True)]
 
+    @classmethod
+    def from_vector(cls, theta: list[float], swap_s_per_block: float) -> CostCoefficients:
+        """``as_vector``'s inverse: coefficients from scaled, non-negative ``theta``."""
+        c = [t / s for t, s in zip(theta, _SCALES, strict=True)]
+        return cls(c[0], c[1], c[2], c[3], swap_s_per_block, c[4])
+
 
 class CostModel:
     """Predicts step and service times; refits itself from measured steps.
@@ -185,8 +191,7 @@ class CostModel:
         self._may_drift_past = any(
             t > self._max_drift * s for t, s in zip(self._clamped, self._start_theta, strict=True)
         )
-        c = [t / s for t, s in zip(self._clamped, _SCALES, strict=True)]
-        self._coefficients = CostCoefficients(c[0], c[1], c[2], c[3], self._swap_s_per_block, c[4])
+        self._coefficients = CostCoefficients.from_vector(self._clamped, self._swap_s_per_block)
 
     # -- coefficients ----------------------------------------------------
 
@@ -456,8 +461,7 @@ def fit_relative(
     swap = CostCoefficients().swap_s_per_block if swap_s_per_block is None else swap_s_per_block
     if best is None:  # no step measured: the built-in guess
         return replace(CostCoefficients(), swap_s_per_block=swap)
-    c = [t / s for t, s in zip(best[1], _SCALES, strict=True)]
-    return CostCoefficients(c[0], c[1], c[2], c[3], swap, c[4])
+    return CostCoefficients.from_vector(best[1], swap)
 
 
 def _dot(a: list[float], b: list[float]) -> float:
