@@ -175,7 +175,7 @@ def deadline_yardstick(
     # (measured on tiny: the first probe up to 5x the others).
     for prompt, output in PROBES:
         probe = SimRequest("warm-up", 0.0, prompt_len=prompt, output_len=output)
-        _replay(engine, [probe], time.monotonic(), vocab, next(seeds))
+        _replay(engine, _submissions([probe], vocab, next(seeds)), time.monotonic())
     for prompt, output in PROBES:
         probe = SimRequest(req_id="", arrival=0.0, prompt_len=prompt, output_len=output)
         predicted = cost.service_seconds(0, prompt, output, opts.max_num_batched_tokens)
@@ -183,9 +183,10 @@ def deadline_yardstick(
         for i in range(PROBE_REPEATS):
             # A prompt of its own each time: a repeated one would find its
             # blocks in the prefix cache and time a decode with no prefill.
-            started = time.monotonic()
             request = replace(probe, req_id=f"probe-{prompt}-{output}-{i}")
-            _replay(engine, [request], started, vocab, next(seeds))
+            submissions = _submissions([request], vocab, next(seeds))
+            started = time.monotonic()
+            _replay(engine, submissions, started)
             times.append(time.monotonic() - started)
         ratios.append(statistics.median(times) / predicted)
     scale = statistics.median(ratios)
@@ -204,8 +205,9 @@ def deadline_yardstick(
 
 def measure_capacity(opts: SloOptions, engine: Engine) -> Capacity:
     batch = saturating_requests(workload_spec(opts, 1.0, 1.0), opts.capacity_requests)
+    submissions = _submissions(batch, engine.info.vocab_size)
     started = time.monotonic()
-    _replay(engine, batch, started, engine.info.vocab_size)
+    _replay(engine, submissions, started)
     return Capacity.of(batch, time.monotonic() - started)
 
 
@@ -352,6 +354,7 @@ def _engine_run(
 
     rig.listeners.append(listen)
     seen = as_scheduled(requests, deadlines)
+    submissions = _submissions(seen, engine.info.vocab_size)
     before = engine.stats()
     started = time.monotonic()
     # The twins start where the engine's policy stood (its overload window,
@@ -359,7 +362,7 @@ def _engine_run(
     # one), on the replay's clock, whose zero is ``started``.
     carried = carried_state(sched.policy, -started)
     try:
-        outcomes = _replay(engine, seen, started, engine.info.vocab_size)
+        outcomes = _replay(engine, submissions, started)
     finally:
         rig.listeners.remove(listen)
     swaps = sched.num_swap_preemptions - swaps0
@@ -405,12 +408,27 @@ def host_ms_per_step(before: EngineStats, after: EngineStats) -> dict[str, float
     return {"steps": steps, **{k: 1e3 * (end[k] - start[k]) / steps for k in end}}
 
 
-def _replay(
-    engine: Engine, requests: Sequence[SimRequest], t0: float, vocab: int, seed: int = 0
-) -> list[SimOutcome]:
-    """Submits each request at ``t0 + arrival`` (prompt tokens drawn from
-    ``seed``); waits for every finish."""
+def _submissions(
+    requests: Sequence[SimRequest], vocab: int, seed: int = 0
+) -> list[tuple[SimRequest, list[int]]]:
+    """Each of ``requests`` with its prompt (tokens drawn from ``seed``, in
+    arrival order). Drawn before a replay starts, as a client's own work done in
+    its own process: drawn at each submission (~0.3 ms a request on a Zen 3
+    core), they held the GIL that a GPU engine's host step needs (docs/gpu.md,
+    "The replay's own prompts")."""
     rng = random.Random(seed)
+    prompts: list[list[int]] = [[] for _ in requests]
+    for i in sorted(range(len(requests)), key=lambda i: requests[i].arrival):
+        prompts[i] = [rng.randrange(4, vocab) for _ in range(requests[i].prompt_len)]
+    return list(zip(requests, prompts, strict=True))
+
+
+def _replay(
+    engine: Engine, submissions: Sequence[tuple[SimRequest, list[int]]], t0: float
+) -> list[SimOutcome]:
+    """Submits each request with its prompt at ``t0 + arrival``; waits for
+    every finish. Outcomes in ``submissions``' order."""
+    requests = [spec for spec, _ in submissions]
     done = threading.Event()
     lock = threading.Lock()
     first_token: dict[str, float] = {}
@@ -426,13 +444,13 @@ def _replay(
                 if len(finished) == len(requests):
                     done.set()
 
-    for spec in sorted(requests, key=lambda r: r.arrival):
+    for spec, prompt in sorted(submissions, key=lambda s: s[0].arrival):
         delay = t0 + spec.arrival - time.monotonic()
         if delay > 0:
             time.sleep(delay)
         request = RequestSpec(
             req_id=spec.req_id,
-            prompt_token_ids=[rng.randrange(4, vocab) for _ in range(spec.prompt_len)],
+            prompt_token_ids=prompt,
             max_new_tokens=spec.output_len,
             ignore_eos=True,
             priority=spec.priority,
