@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from operator import mul
 
 from .plan import StepPlan
 
@@ -251,7 +252,8 @@ class CostModel:
         # diverges (seen after ~10^5 light-load steps).
         lam = self._forgetting
         self._p = [
-            [(self._p[i][j] - px[i] * px[j] / denom) / lam for j in range(_N)] for i in range(_N)
+            [(pij - pxi * pxj / denom) / lam for pij, pxj in zip(row, px, strict=True)]
+            for row, pxi in zip(self._p, px, strict=True)
         ]
         self._bound_covariance()
         self._num_samples += 1
@@ -281,10 +283,12 @@ class CostModel:
         free = [True] * _N  # coefficients the step fits (the rest held at zero)
         while True:
             u = [xi if f else 0.0 for xi, f in zip(x, free, strict=True)]
-            px = [sum(p[i][j] * u[j] for j in range(_N)) for i in range(_N)]
-            denom = self._forgetting + sum(u[i] * px[i] for i in range(_N))
+            # sum(map(mul, ...)): the products and their order of a generator's
+            # sum, without a generator (this runs every step).
+            px = [sum(map(mul, row, u)) for row in p]
+            denom = self._forgetting + sum(map(mul, u, px))
             base = [t if f else 0.0 for t, f in zip(self._theta, free, strict=True)]
-            error = seconds - sum(t * ui for t, ui in zip(base, u, strict=True))
+            error = seconds - sum(map(mul, base, u))
             theta = [
                 t + v / denom * error if f else 0.0 for t, v, f in zip(base, px, free, strict=True)
             ]
