@@ -10,6 +10,8 @@
 #   ops/gpu-verify.sh ahead     # bench offline, planning ahead on / off
 #   ops/gpu-verify.sh slo       # bench slo at 1.5x load, tight deadlines (SLO_REQUESTS
 #                               # a cell, default 1000; SLO_POLICY, default deadline)
+#   ops/gpu-verify.sh serve     # bench serve: the same burst through the gRPC server
+#                               # and in-process (what the front door costs the engine)
 #   ops/gpu-verify.sh pieces    # steps with a prefill through per-layer graphs
 #                               # (--prefill-graph-tokens, on by default): bench offline
 #                               # on / off at the 512-token budget, bench slo (deadline)
@@ -73,6 +75,12 @@ for run in json.load(open(sys.argv[1]))["runs"]:
         print("  missed", {k: round(v, 4) if isinstance(v, float) else v for k, v in miss.items()})
 PY
     ;;
+serve)
+    # 256 requests at once on one stream, then the same in-process: the
+    # front door's share of the GIL (docs/gpu.md, "The front door's share").
+    bench serve --model "$model" --requests 256 --rate inf --warmup 4 \
+        --json "$out/serve-cuda.json"
+    ;;
 pieces)
     for tokens in 2048 0; do
         bench offline --device cuda --model "$model" --requests 256 --engines slipstream \
@@ -102,8 +110,8 @@ all)
     # Most wanted first; each phase with its own limit, within the budget.
     budget=${BUDGET:-540}
     start=$SECONDS
-    declare -A limits=([tests]=150 [slo]=120 [pieces]=150 [step]=90 [cpu]=240 [offline]=150 [ahead]=90)
-    for phase in ${PHASES:-tests slo pieces step cpu offline ahead}; do
+    declare -A limits=([tests]=150 [slo]=120 [serve]=90 [pieces]=150 [step]=90 [cpu]=240 [offline]=150 [ahead]=90)
+    for phase in ${PHASES:-tests slo serve pieces step cpu offline ahead}; do
         limit=${limits[$phase]}
         left=$((budget - (SECONDS - start)))
         if ((left < 30)); then
@@ -116,7 +124,7 @@ all)
     done 2>&1 | tee "$out/all.txt"
     ;;
 *)
-    echo "usage: $0 tests|step|offline|ahead|slo|pieces|cpu|all" >&2
+    echo "usage: $0 tests|step|offline|ahead|slo|serve|pieces|cpu|all" >&2
     exit 2
     ;;
 esac

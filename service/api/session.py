@@ -5,6 +5,10 @@ Engine thread                          event loop (this call)
   on_event(ev) ─▶ outbox.put(ev)         responses(): wait wakeup, drain outbox,
                  └─ one call_soon_threadsafe(wakeup.set) per burst, not per token
 
+A request's tokens that are still unread when the next ones come are sent
+with them, as one chunk: a reader that falls behind writes a response a
+request, not a token (outbox.py says why).
+
 Backpressure: when the client stops reading, ``yield`` in ``responses()``
 stops returning and the outbox fills. At its bound (``Limits.max_outbox_*``)
 the stream's requests are paused in the engine (not decoded, KV kept); when
@@ -94,9 +98,10 @@ class StreamSession:
 
     def _callback(self, request_id: str) -> EventCallback:
         def on_event(event: Event) -> None:
-            if self._outbox.put((request_id, event), event_bytes(event)) and not (
-                self._full_pending or self._is_paused
-            ):
+            # A request's unread tokens go out as one chunk (see outbox.py).
+            merge = _merge_tokens if isinstance(event, TokenEvent) else None
+            is_full = self._outbox.put((request_id, event), event_bytes(event), request_id, merge)
+            if is_full and not (self._full_pending or self._is_paused):
                 self._full_pending = True
                 self._loop.call_soon_threadsafe(self._on_full)
             if not self._wake_pending:
@@ -316,3 +321,18 @@ class StreamSession:
             self._live.pop(request_id, None)
             return wire.finished(request_id, event)
         return wire.token_chunk(request_id, event)
+
+
+def _merge_tokens(earlier: _Item, later: _Item) -> _Item | None:
+    """One request's unread token event and its next, as one event: the ids
+    and text of both, the first one's index, step and batch (None: not two
+    consecutive token events)."""
+    if not (isinstance(earlier, tuple) and isinstance(later, tuple)):
+        return None
+    first, then = earlier[1], later[1]
+    if not (isinstance(first, TokenEvent) and isinstance(then, TokenEvent)):
+        return None
+    if then.index != first.index + len(first.token_ids):
+        return None
+    merged = first._replace(token_ids=first.token_ids + then.token_ids, text=first.text + then.text)
+    return earlier[0], merged
