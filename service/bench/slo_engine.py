@@ -440,14 +440,17 @@ def _replay(
     finished: dict[str, tuple[FinishEvent | None, float, str]] = {}
 
     def on_event(event: Event) -> None:
+        # On the engine thread, once a request a step: a token after the
+        # first costs a look-up (only this thread writes ``first_token``).
+        if isinstance(event, TokenEvent):
+            if event.req_id not in first_token:
+                first_token[event.req_id] = time.monotonic()
+            return
         now = time.monotonic()
         with lock:
-            if isinstance(event, TokenEvent):
-                first_token.setdefault(event.req_id, now)
-            else:
-                finished[event.req_id] = (event, now, "")
-                if len(finished) == len(requests):
-                    done.set()
+            finished[event.req_id] = (event, now, "")
+            if len(finished) == len(requests):
+                done.set()
 
     for spec, prompt in sorted(submissions, key=lambda s: s[0].arrival):
         delay = t0 + spec.arrival - time.monotonic()
