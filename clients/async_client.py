@@ -22,6 +22,7 @@ import grpc
 from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_aio_channel, with_token
 from slipstream.clients.wire import (
+    BATCH_METADATA,
     Accumulator,
     Chunk,
     Conversation,
@@ -37,6 +38,7 @@ from slipstream.clients.wire import (
     call_outcome,
     cancel_message,
     locally_cancelled,
+    unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -115,7 +117,7 @@ class AsyncStream:
         self._error: StreamError | None = None
         self._is_closing = False
         self._call = stub.Generate(
-            self._requests(), metadata=call_metadata(metadata), timeout=timeout
+            self._requests(), metadata=call_metadata(metadata, BATCH_METADATA), timeout=timeout
         )
         self._reader = asyncio.create_task(self._read())
 
@@ -168,12 +170,13 @@ class AsyncStream:
     async def _read(self) -> None:
         error = StreamError("OK", "the stream ended before the request finished")
         try:
-            async for response in self._call:
-                generation = self._pending.get(response.request_id)
-                if generation is not None and generation._on_response(response):
-                    del self._pending[response.request_id]
-                    if self._is_closing and not self._pending:
-                        self._outgoing.put_nowait(_CLOSE)
+            async for message in self._call:
+                for response in unbatched(message):
+                    generation = self._pending.get(response.request_id)
+                    if generation is not None and generation._on_response(response):
+                        del self._pending[response.request_id]
+                        if self._is_closing and not self._pending:
+                            self._outgoing.put_nowait(_CLOSE)
         except grpc.RpcError as exc:
             error = StreamError(exc.code().name, exc.details() or "")
         except asyncio.CancelledError:

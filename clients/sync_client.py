@@ -27,6 +27,7 @@ import grpc
 from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_channel, with_token
 from slipstream.clients.wire import (
+    BATCH_METADATA,
     Accumulator,
     Chunk,
     Conversation,
@@ -42,6 +43,7 @@ from slipstream.clients.wire import (
     call_outcome,
     cancel_message,
     locally_cancelled,
+    unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -128,7 +130,9 @@ class Stream:
         self._error: StreamError | None = None
         self._is_closing = False
         self._call = stub.Generate(
-            iter(self._outgoing.get, _CLOSE), metadata=call_metadata(metadata), timeout=timeout
+            iter(self._outgoing.get, _CLOSE),
+            metadata=call_metadata(metadata, BATCH_METADATA),
+            timeout=timeout,
         )
         self._reader = threading.Thread(target=self._read, name="slipstream-stream", daemon=True)
         self._reader.start()
@@ -176,15 +180,16 @@ class Stream:
     def _read(self) -> None:
         error = StreamError("OK", "the stream ended before the request finished")
         try:
-            for response in self._call:
-                with self._lock:
-                    generation = self._pending.get(response.request_id)
-                if generation is not None and generation._on_response(response):
+            for message in self._call:
+                for response in unbatched(message):
                     with self._lock:
-                        self._pending.pop(response.request_id, None)
-                        is_done = self._is_closing and not self._pending
-                    if is_done:
-                        self._outgoing.put(_CLOSE)
+                        generation = self._pending.get(response.request_id)
+                    if generation is not None and generation._on_response(response):
+                        with self._lock:
+                            self._pending.pop(response.request_id, None)
+                            is_done = self._is_closing and not self._pending
+                        if is_done:
+                            self._outgoing.put(_CLOSE)
         except grpc.RpcError as exc:
             error = StreamError(exc.code().name, exc.details() or "")
         with self._lock:

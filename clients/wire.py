@@ -29,6 +29,19 @@ def trace_context() -> dict[str, str]:
     return carrier
 
 
+# Asks a Generate call's server for Batch responses (several events in one
+# message), which the readers below take apart: servers that predate them
+# ignore it.
+BATCH_METADATA = (("slipstream-batch", "1"),)
+
+
+def unbatched(response: pb.GenerateResponse) -> Sequence[pb.GenerateResponse]:
+    """The responses ``response`` stands for, in order: a Batch's, else itself."""
+    if response.WhichOneof("event") == "batch":
+        return response.batch.responses
+    return (response,)
+
+
 def call_metadata(*parts: Metadata) -> list[tuple[str, str]]:
     """gRPC call metadata: the given parts in order, then the trace context
     unless a part already set ``traceparent``."""

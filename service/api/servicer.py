@@ -17,7 +17,7 @@ from slipstream.service.api import wire
 from slipstream.service.api.auth import TenantGate, Tenants, Unauthenticated, authorization_header
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits
-from slipstream.service.api.session import StreamSession
+from slipstream.service.api.session import StreamSession, wants_batches
 from slipstream.service.api.status import reject_reason_name
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.v1 import inference_pb2 as pb
@@ -75,7 +75,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         context.add_done_callback(lambda _: session.abort_all())
         reader = asyncio.create_task(session.read(request_iterator))
         try:
-            async for response in session.responses():
+            batches = wants_batches(context.invocation_metadata() or ())
+            async for response in session.responses(batches):
                 yield response
             if session.error is not None:
                 # One line per failed stream; no traceback: the client sent it.

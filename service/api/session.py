@@ -53,6 +53,18 @@ log = structlog.get_logger(__name__)
 
 _Item = tuple[str, Event] | pb.GenerateResponse
 
+# A Batch response holds at most this many responses, and stops taking more
+# once past this size (well under gRPC's default 4 MiB receive limit).
+MAX_BATCH_RESPONSES = 512
+MAX_BATCH_BYTES = 1 << 20
+# The call metadata by which a Generate call asks for Batch responses.
+BATCH_KEY = "slipstream-batch"
+
+
+def wants_batches(metadata: Sequence[tuple[str, str | bytes]]) -> bool:
+    """Whether the call's metadata asks for ``Batch`` responses."""
+    return any(key == BATCH_KEY and value == "1" for key, value in metadata)
+
 
 class ProtocolViolation(Exception):
     """A client message that concerns the whole call (INVALID_ARGUMENT)."""
@@ -187,7 +199,7 @@ class StreamSession:
             on_event = grant.wrap(on_event)  # releases the tenant's quota on the finish
         # Accepted goes in first so it precedes any token the engine thread
         # may publish before submit() returns; withdrawn if submit raises.
-        ack = wire.accepted(request_id, engine.stats().waiting, len(request.prompt_token_ids))
+        ack = wire.accepted(request_id, engine.num_waiting, len(request.prompt_token_ids))
         self._outbox.put(ack, ack.ByteSize())
         if self._telemetry is not None:
             self._telemetry.begin(request, request_id, self._metadata, submit.trace_context)
@@ -294,9 +306,11 @@ class StreamSession:
 
     # -- loop: outbound ---------------------------------------------------
 
-    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+    async def responses(self, batches: bool = False) -> AsyncIterator[pb.GenerateResponse]:
         """Responses in order until the client has half-closed and every
-        request has finished, or a protocol violation (see ``error``)."""
+        request has finished, or a protocol violation (see ``error``).
+        ``batches``: whatever is waiting goes out as one ``Batch`` response
+        (up to ``MAX_BATCH_RESPONSES`` or about ``MAX_BATCH_BYTES``)."""
         while True:
             # Clear before draining: an event appended after this point
             # schedules a fresh wakeup, one appended before is drained below.
@@ -304,6 +318,8 @@ class StreamSession:
             self._wakeup.clear()
             while (item := self._outbox.pop()) is not None:
                 response = self._to_response(item)
+                if batches:
+                    response = self._batched(response)
                 if self._is_paused and self._outbox.is_drained:
                     self._resume()
                 yield response
@@ -312,6 +328,21 @@ class StreamSession:
             if self.error is not None or (self._is_closed and not self._live):
                 return
             await self._wakeup.wait()
+
+    def _batched(self, first: pb.GenerateResponse) -> pb.GenerateResponse:
+        """``first`` and the responses waiting behind it, as one (``first``
+        alone when nothing waits)."""
+        batch, size = [first], first.ByteSize()
+        while len(batch) < MAX_BATCH_RESPONSES and size < MAX_BATCH_BYTES:
+            item = self._outbox.pop()
+            if item is None:
+                break
+            response = self._to_response(item)
+            batch.append(response)
+            size += response.ByteSize()
+        if len(batch) == 1:
+            return first
+        return pb.GenerateResponse(batch=pb.Batch(responses=batch))
 
     def _to_response(self, item: _Item) -> pb.GenerateResponse:
         if isinstance(item, pb.GenerateResponse):

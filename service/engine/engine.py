@@ -214,6 +214,14 @@ class Engine:
                 host_times=self._host.snapshot(),
             )
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue: what each submit's acknowledgement
+        says, without ``stats()``'s whole snapshot (a device memory query on
+        a GPU) taken under the lock the engine thread plans under."""
+        with self._lock:
+            return self._scheduler.num_waiting
+
     def _device_memory(self) -> PoolStats | None:
         """The runner's device memory where it has one to report (a GPU)."""
         memory = getattr(self._runner, "memory", None)

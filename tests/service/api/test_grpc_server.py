@@ -5,6 +5,7 @@ stubs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -154,6 +155,38 @@ def test_events_interleave_and_are_tagged(stub: pb_grpc.InferenceStub) -> None:
     order = [eid for eid, kind in events if kind == "chunk"]
     first_b, last_a = order.index("b"), len(order) - 1 - order[::-1].index("a")
     assert first_b < last_a, "requests on one stream should run concurrently"
+
+
+def test_a_stream_that_asks_for_batches_reads_the_same_events(
+    stub: pb_grpc.InferenceStub,
+) -> None:
+    """``slipstream-batch: 1``: several events a message, never nested; taken
+    apart in order they are each request's accepted, its tokens, its finish."""
+    submits = [
+        _submit(f"r{i}", token_ids=pb.TokenIds(ids=[7 + i, 8, 9]),
+                stopping=pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True))
+        for i in range(8)
+    ]  # fmt: skip
+    messages = list(stub.Generate(iter(submits), metadata=[("slipstream-batch", "1")], timeout=30))
+    events = []
+    for message in messages:
+        if message.WhichOneof("event") == "batch":
+            assert not message.request_id and len(message.batch.responses) >= 2
+            assert all(r.WhichOneof("event") != "batch" for r in message.batch.responses)
+            events.extend(message.batch.responses)
+        else:
+            events.append(message)
+    assert len(messages) < len(events), "the stream's events went out one a message"
+    for i in range(8):
+        mine = [r for r in events if r.request_id == f"r{i}"]
+        assert mine[0].WhichOneof("event") == "accepted"
+        assert mine[-1].WhichOneof("event") == "finished"
+        chunks = [r.chunk for r in mine[1:-1]]
+        assert all(r.WhichOneof("event") == "chunk" for r in mine[1:-1])
+        assert [c.index for c in chunks] == list(
+            itertools.accumulate([len(c.token_ids) for c in chunks[:-1]], initial=0)
+        )
+        assert sum(len(c.token_ids) for c in chunks) == 12
 
 
 # ---------------------------------------------------------------- local parity

@@ -87,3 +87,26 @@ def test_items_without_a_key_are_never_merged() -> None:
     outbox.put("x", 1)
     outbox.put("y", 1)
     assert _drain(outbox) == ["x", "y"]
+
+
+def test_a_batch_takes_what_waits_in_order_up_to_its_bound(monkeypatch) -> None:
+    class _Engine:
+        pass
+
+    stream = session.StreamSession(_Engine(), None, None)  # type: ignore[arg-type]
+    for i in range(5):
+        _put(stream._outbox, _tokens(f"r{i}", 0, [i], 0))
+    monkeypatch.setattr(session, "MAX_BATCH_RESPONSES", 3)
+    first = stream._to_response(stream._outbox.pop())
+    batch = stream._batched(first)
+    assert [r.request_id for r in batch.batch.responses] == ["r0", "r1", "r2"]
+    last = stream._to_response(stream._outbox.pop())
+    assert stream._batched(last).batch.responses[-1].request_id == "r4"
+    alone = stream._to_response(_tokens("r9", 0, [9], 0))
+    assert stream._batched(alone) is alone  # nothing waits: sent as it is
+
+
+def test_only_the_exact_metadata_asks_for_batches() -> None:
+    assert session.wants_batches([("slipstream-batch", "1")])
+    assert not session.wants_batches([("slipstream-batch", "0"), ("other", "1")])
+    assert not session.wants_batches([])
