@@ -24,6 +24,7 @@ class Recorded:
     metadata: list[dict[str, str]] = field(default_factory=list)
     submits: list[pb.Submit] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    batches: int = 0  # Batch responses sent
 
 
 class ScriptedServicer(pb_grpc.InferenceServicer):
@@ -72,8 +73,23 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
             await out.put(None)
 
         reader = asyncio.create_task(read())
-        while (response := await out.get()) is not None:
-            yield response
+        # A client that asks for batches gets what waits as one Batch, as a
+        # Slipstream server sends it.
+        batches = self.recorded.metadata[-1].get("slipstream-batch") == "1"
+        ended = False
+        while not ended and (response := await out.get()) is not None:
+            waiting = [response]
+            while batches and not out.empty():
+                more = out.get_nowait()
+                if more is None:
+                    ended = True
+                    break
+                waiting.append(more)
+            if len(waiting) > 1:
+                self.recorded.batches += 1
+                yield pb.GenerateResponse(batch=pb.Batch(responses=waiting))
+            else:
+                yield response
         if abort_requested.is_set():
             for task in tasks:
                 task.cancel()

@@ -167,3 +167,20 @@ def test_async_client(scripted: ScriptedServer) -> None:
     asyncio.run(scenario())
     submit = scripted.servicer.recorded.submits[-1]
     assert submit.priority == 1 and submit.timeout.seconds == 30
+
+
+def test_both_clients_ask_for_batches_and_read_them_in_order(scripted: ScriptedServer) -> None:
+    with Client(scripted.target) as client:
+        gens = [client.generate(f"s{i}", max_tokens=8) for i in range(6)]
+        results = [g.result(10) for g in gens]
+    assert [r.token_ids for r in results] == [list(range(8))] * 6
+
+    async def scenario() -> list[list[int]]:
+        async with AsyncClient(scripted.target) as client:
+            gens = [await client.generate(f"a{i}", max_tokens=8) for i in range(6)]
+            return [(await g.result()).token_ids for g in gens]
+
+    assert asyncio.run(scenario()) == [list(range(8))] * 6
+    recorded = scripted.servicer.recorded
+    assert all(m.get("slipstream-batch") == "1" for m in recorded.metadata)
+    assert recorded.batches > 0, "the scripted server sent every event alone"
