@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from slipstream.kernels.compute_thread import on_own_thread
 from slipstream.kernels.cpu_answer import CPU_ANSWERS, EMULATED_AVX512
 
 # Flags every benchmark prints; the first two decide native bf16.
@@ -96,12 +97,19 @@ def detect() -> CpuFeatures:
 def native() -> CpuFeatures:
     """What this machine is, whatever answer is forced."""
     model_name, flags = _read_cpuinfo(Path("/proc/cpuinfo"))
+    # Not on the caller's thread: where the CPU has native bf16, oneDNN's bf16
+    # reorder is a parallel region, and the team it leaves on the caller (the
+    # main thread, in `serve`) would put the engine's team to sleep between
+    # regions (compute_thread.py).
+    can_pack_bf16, can_pack_fp32 = on_own_thread(
+        lambda: (probe_packing(torch.bfloat16), probe_packing(torch.float32)), "slipstream-probe"
+    )
     return CpuFeatures(
         model_name=model_name or platform.processor() or platform.machine(),
         flags=tuple(f for f in REPORTED_FLAGS if f in flags),
         torch_capability=torch.backends.cpu.get_cpu_capability(),
-        can_pack_bf16=probe_packing(torch.bfloat16),
-        can_pack_fp32=probe_packing(torch.float32),
+        can_pack_bf16=can_pack_bf16,
+        can_pack_fp32=can_pack_fp32,
     )
 
 

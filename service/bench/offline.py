@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream.kernels.compute_thread import on_own_thread
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.bench import roofline
 from slipstream.service.bench.peer_process import PeerError
@@ -47,7 +48,6 @@ from slipstream.service.bench.workload import (
     workload_summary,
 )
 from slipstream.service.cli.arg_types import non_negative_int
-from slipstream.service.engine.compute_thread import on_own_thread
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
@@ -245,7 +245,7 @@ def run_offline(options: OfflineOptions) -> dict[str, object]:
     _print_parameters(report)
     # The floor's matmuls and the in-process peers run on threads of their
     # own, so that the engine's thread keeps the process's only OpenMP team
-    # (service/engine/compute_thread.py).
+    # (kernels/compute_thread.py).
     floor = (
         on_own_thread(lambda: _floor(model_dir, workload, options), "slipstream-floor")
         if options.floor

@@ -40,10 +40,10 @@ from pathlib import Path
 import structlog
 
 from slipstream.kernels.block_copy import copy_blocks
+from slipstream.kernels.compute_thread import on_own_thread
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel, StepShape, fit_relative
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
-from slipstream.service.engine.compute_thread import on_own_thread
 from slipstream.service.engine.runner import ModelRunner
 
 log = structlog.get_logger(__name__)

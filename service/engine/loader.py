@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from slipstream.kernels import fused_ops, linear
 from slipstream.kernels.backend import resolve_backend
+from slipstream.kernels.compute_thread import on_own_thread
 from slipstream.kernels.cpu_features import CpuFeatures, DtypeChoice, choose_dtype, detect
 from slipstream.scheduler.config import SchedulerConfig
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
@@ -32,7 +33,6 @@ from slipstream.scheduler.policy_registry import DEFAULT_POLICY
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.calibration import calibrate_cached
 from slipstream.service.engine.chat import has_chat_template
-from slipstream.service.engine.compute_thread import on_own_thread
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.device import (
     cuda_dtype_name,

@@ -1,5 +1,5 @@
 """The CPU load and calibration leave no OpenMP team on the calling thread
-(``compute_thread.py``): the engine's thread is the only one, and its
+(``kernels/compute_thread.py``): the engine's thread is the only one, and its
 parallel regions keep their workers awake between them."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import pytest
 import structlog
 import torch
 
-from slipstream.service.engine.compute_thread import on_own_thread
+from slipstream.kernels.compute_thread import on_own_thread
 
 # A fresh interpreter: load `tiny` on the main thread as `serve` does, then
 # time-slice torch's parallel regions on another thread (the engine's) and
 # count the voluntary context switches of every thread meanwhile. A team
-# that sleeps between regions makes about two per region.
+# that sleeps between regions makes up to two per region (0.6-2.0 on an AMD
+# EPYC Zen 5, where its worker sometimes catches the next region still
+# spinning); one that stays awake, none.
 _PROBE = textwrap.dedent(
     """
     import os, sys, threading, torch
@@ -73,9 +75,9 @@ def _switches_per_region(where: str) -> float:
     reason="needs 2+ CPUs, Linux's /proc and torch on OpenMP",
 )
 def test_after_a_load_another_threads_parallel_regions_keep_their_workers_awake() -> None:
-    assert _switches_per_region("on-its-own-thread") < 0.5
+    assert _switches_per_region("on-its-own-thread") < 0.1
     # The check can tell: loaded on the caller's thread, the regions sleep.
-    assert _switches_per_region("on-the-caller") > 1.0
+    assert _switches_per_region("on-the-caller") > 0.3
 
 
 def test_on_own_thread_returns_raises_and_carries_the_callers_context() -> None:

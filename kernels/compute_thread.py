@@ -12,9 +12,10 @@ Measured on a 2-core AMD EPYC Zen 3, 2 torch threads: a SiLU over 28 x
 second one; `bench offline --requests 64` on `small` went from 360-378 to
 468-478 output tok/s, on `tiny` (256 requests) 1.28-1.69x in four pairs.
 
-So the CPU load and the start-up calibration run on a thread of their own
-that ends when they do, taking its team with it, and the engine's thread
-is left the only one. A team that spins is the worse neighbour of another
+So the CPU load, the start-up calibration and the CPU probe (oneDNN's
+bf16 reorder is a parallel region where the CPU has native bf16) run on a
+thread of their own that ends when they do, taking its team with it, and
+the engine's thread is left the only one. A team that spins is the worse neighbour of another
 busy process on the same cores (docs/performance.md, "One OpenMP team").
 """
 
