@@ -114,12 +114,15 @@ def paged_attention(
 
 def bf16_prefill_for(cpu: CpuFeatures) -> str:
     """The bf16 prefill mode the kernel is loaded with on ``cpu``: the fastest
-    measured on its kind. With AMX-BF16 (a Xeon, 2 threads, a 512-token chunk
-    over a 512-token prefix, bench_cpu_attention --kind prefill): the fp32
+    measured on its kind (2 threads, bench_cpu_attention --kind prefill, a
+    512-token chunk over a 512-token prefix). With AMX-BF16 (a Xeon): the fp32
     tiles, 5.4 ms, against 10.4 as dot product rows and 9.7 as vdpbf16ps
-    tiles. Without it (an AMD Zen 5 with avx512_bf16): the dot product rows,
-    which ran a 448-token chunk at ~210 GFLOP/s there, the tiles not timed."""
-    return "tiles" if "amx_bf16" in cpu.flags else "dot"
+    tiles. With AVX512-BF16 and no AMX (an AMD Zen 5): the vdpbf16ps tiles,
+    2.0-2.1 ms, against 2.4 as fp32 tiles and 3.0-4.5 as dot product rows.
+    Below AVX512-BF16 the mode does nothing."""
+    if "amx_bf16" in cpu.flags:
+        return "tiles"
+    return "dot-tiles" if "avx512_bf16" in cpu.flags else "dot"
 
 
 def set_bf16_prefill(mode: str) -> str:

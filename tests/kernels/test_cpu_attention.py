@@ -187,34 +187,36 @@ def run_variant(isa: str, q: torch.Tensor, batch: PagedBatch, meta: AttentionMet
 
 def test_bf16_prefill_mode_is_picked_per_cpu() -> None:
     """The fp32 tiles where AMX-BF16 is (measured fastest on such a Xeon),
-    the dot product rows on other AVX512-BF16 CPUs (measured on a Zen 5)."""
+    the vdpbf16ps tiles on other AVX512-BF16 CPUs (measured on a Zen 5)."""
 
     def cpu(*flags: str) -> cpu_features.CpuFeatures:
         return cpu_features.CpuFeatures("Some CPU", flags, "AVX512", can_pack_bf16=True)
 
     assert cpu_attention.bf16_prefill_for(cpu("amx_bf16", "avx512_bf16", "avx512f")) == "tiles"
-    assert cpu_attention.bf16_prefill_for(cpu("avx512_bf16", "avx512f", "avx2")) == "dot"
+    assert cpu_attention.bf16_prefill_for(cpu("avx512_bf16", "avx512f", "avx2")) == "dot-tiles"
     assert cpu_attention.bf16_prefill_for(cpu("avx2")) == "dot"
 
 
 @pytest.mark.usefixtures("fused")
 def test_loading_the_kernel_sets_the_cpus_bf16_prefill_mode() -> None:
     """The load hook puts this CPU's mode in force, whatever was set before:
-    the AVX512-BF16 variant's bf16 prefill output is that mode's (the rows
-    and the tiles differ at head_dim 64)."""
+    the AVX512-BF16 variant's bf16 prefill output is that mode's (the three
+    modes' outputs differ at head_dim 64)."""
     q, batch, meta = _case(MIXED, 8, 2, 64, 16, torch.bfloat16, seed=3)
+    mode = _loaded_bf16_prefill()
+    other = "tiles" if mode == "dot" else "dot"
     out = {}
     try:
-        for mode in ("dot", "tiles"):
-            cpu_attention.set_bf16_prefill(mode)
-            out[mode] = run_variant("avx512", q, batch, meta, 0.1)
-        cpu_attention.set_bf16_prefill("dot-tiles")
+        for each in (other, mode):
+            cpu_attention.set_bf16_prefill(each)
+            out[each] = run_variant("avx512", q, batch, meta, 0.1)
+        cpu_attention.set_bf16_prefill(other)
         cpu_attention._after_load()
         loaded = run_variant("avx512", q, batch, meta, 0.1)
     finally:
-        cpu_attention.set_bf16_prefill(_loaded_bf16_prefill())
-    assert not torch.equal(out["dot"], out["tiles"])
-    assert torch.equal(loaded, out[_loaded_bf16_prefill()])
+        cpu_attention.set_bf16_prefill(mode)
+    assert not torch.equal(out[other], out[mode])
+    assert torch.equal(loaded, out[mode])
 
 
 @pytest.mark.usefixtures("fused")
