@@ -22,9 +22,13 @@ busy process on the same cores (docs/performance.md, "One OpenMP team").
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
+
+import torch
 
 T = TypeVar("T")
 
@@ -56,3 +60,43 @@ def on_own_thread(fn: Callable[[], T], name: str) -> T:
     if failure:
         raise failure[0]
     return outcome[0]
+
+
+# Past torch's grain (32,768 elements): each SiLU over it is one parallel region.
+_PROBE_SHAPE = (64, 4096)
+
+
+def sleeps_per_region(regions: int = 200) -> float | None:
+    """Voluntary context switches of the whole process per torch parallel
+    region run on the calling thread: 0 where its OpenMP team is the only one
+    (the workers spin between regions), ~0.6-2 where another team has made
+    libgomp put them to sleep after each. None where it cannot be told: one
+    CPU, no /proc, or torch not on OpenMP. Costs a few ms."""
+    tasks = Path("/proc/self/task")
+    if (
+        len(os.sched_getaffinity(0)) < 2
+        or torch.get_num_threads() < 2
+        or not tasks.is_dir()
+        or "OpenMP" not in torch.__config__.parallel_info()
+    ):
+        return None
+    x = torch.randn(_PROBE_SHAPE)
+    for _ in range(20):  # the team is started and its threads settled
+        torch.nn.functional.silu(x)
+    before = _voluntary_switches(tasks)
+    for _ in range(regions):
+        torch.nn.functional.silu(x)
+    return (_voluntary_switches(tasks) - before) / regions
+
+
+def _voluntary_switches(tasks: Path) -> int:
+    total = 0
+    for task in tasks.iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches"):
+                total += int(line.split()[1])
+    return total

@@ -61,7 +61,9 @@ log = structlog.get_logger(__name__)
 class Runner(Protocol):
     """Executes one plan: swaps and copies, one forward, sampling (runner.py,
     cuda_runner.py). ``execute(plan).sampled`` maps req_id to its token;
-    ``launch(plan).result()`` is the same, split where the host may go on."""
+    ``launch(plan).result()`` is the same, split where the host may go on.
+    A runner may also define ``on_engine_thread()``, called once on the
+    engine's thread before its first step."""
 
     def execute(self, plan: StepPlan) -> Any: ...
 
@@ -262,6 +264,9 @@ class Engine:
     # -- engine thread -----------------------------------------------------
 
     def _loop(self) -> None:
+        prepare = getattr(self._runner, "on_engine_thread", None)
+        if prepare is not None:
+            prepare()
         while not self._stopping:
             self._apply_aborts()
             with self._lock:

@@ -23,6 +23,7 @@ import torch
 
 from slipstream.kernels.attention import build_attention_metadata
 from slipstream.kernels.backend import copy_blocks_for
+from slipstream.kernels.compute_thread import sleeps_per_region
 from slipstream.kernels.kv_layout import allocate_kv_cache, row_width
 from slipstream.kernels.sampling import sample
 from slipstream.scheduler.plan import StepPlan, with_pending_tokens
@@ -31,6 +32,10 @@ from slipstream.service.models.llama import LlamaModel
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
 
 log = structlog.get_logger(__name__)
+
+# Voluntary context switches a parallel region above which the engine's OpenMP
+# workers sleep between regions (0 where they spin; 0.6-2.0 where they sleep).
+SLEEPING_WORKERS = 0.3
 
 
 def allocate_pool(
@@ -98,6 +103,22 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
         # Where the sampler scales its rows, kept from step to step (see sample_tensors).
         self._sampling_scratch = torch.empty(0)
+
+    def on_engine_thread(self) -> None:
+        """Says in the log when the engine thread's OpenMP workers sleep between
+        parallel regions: another thread of the process has run torch's parallel
+        CPU work and keeps a team of its own (kernels/compute_thread.py), and
+        every step's regions then sleep and wake."""
+        sleeps = sleeps_per_region()
+        if sleeps is not None and sleeps > SLEEPING_WORKERS:
+            log.warning(
+                "openmp_workers_sleep",
+                sleeps_per_region=round(sleeps, 2),
+                detail="another thread of this process keeps an OpenMP team, so each "
+                "parallel region of a step puts the engine's workers to sleep and wakes "
+                "them (slower steps): run CPU torch work before serving on a thread "
+                "that ends (kernels/compute_thread.py)",
+            )
 
     def launch(self, plan: StepPlan) -> DoneStep:
         """Runs ``plan`` now (the CPU has nothing to overlap with), taking its

@@ -5,6 +5,7 @@ refits its own cost model from the steps the engine measured."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -149,6 +150,23 @@ def test_a_runner_with_device_memory_reports_it_in_the_stats() -> None:
     assert engine.stats().device_memory is None  # the CPU runner has none
     composed = Engine(scheduler, _GpuLike({}), engine.tokenizer, engine.info)
     assert composed.stats().device_memory == PoolStats(used=3, free=5)
+
+
+def test_a_runner_is_prepared_once_on_the_engine_thread_before_its_first_step() -> None:
+    calls: list[tuple[str, int]] = []
+
+    class _Prepared(_ScriptedRunner):
+        def on_engine_thread(self) -> None:
+            calls.append((threading.current_thread().name, len(self.plans)))
+
+    engine, scheduler, _, _ = _engine({})
+    runner = _Prepared({"r": [1, 2]})
+    composed = Engine(scheduler, runner, engine.tokenizer, engine.info)
+    try:
+        composed.generate([RequestSpec(req_id="r", prompt_token_ids=[1], max_new_tokens=2)])
+    finally:
+        composed.shutdown()
+    assert calls == [("slipstream-engine", 0)]
 
 
 class _Deferred:
