@@ -15,8 +15,9 @@ second one; `bench offline --requests 64` on `small` went from 360-378 to
 So the CPU load, the start-up calibration and the CPU probe (oneDNN's
 bf16 reorder is a parallel region where the CPU has native bf16) run on a
 thread of their own that ends when they do, taking its team with it, and
-the engine's thread is left the only one. A team that spins is the worse neighbour of another
-busy process on the same cores (docs/performance.md, "One OpenMP team").
+the engine's thread is left the only one; ``sleeps_per_region`` tells
+whether it is. A team that spins is the worse neighbour of another busy
+process on the same cores (docs/performance.md, "One OpenMP team").
 """
 
 from __future__ import annotations
