@@ -75,9 +75,9 @@ def sleeps_per_region(regions: int = 200) -> float | None:
     CPU, no /proc, or torch not on OpenMP. Costs a few ms."""
     tasks = Path("/proc/self/task")
     if (
-        len(os.sched_getaffinity(0)) < 2
+        not tasks.is_dir()  # first: no /proc, no os.sched_getaffinity either (macOS)
+        or len(os.sched_getaffinity(0)) < 2
         or torch.get_num_threads() < 2
-        or not tasks.is_dir()
         or "OpenMP" not in torch.__config__.parallel_info()
     ):
         return None
