@@ -25,6 +25,7 @@ typedef uint16_t slip_emu_v32h __attribute__((vector_size(64)));
 typedef double slip_emu_v8d __attribute__((vector_size(64)));
 typedef int64_t slip_emu_v8l __attribute__((vector_size(64)));
 typedef uint16_t slip_emu_v16h __attribute__((vector_size(32)));
+typedef int8_t slip_emu_v16c __attribute__((vector_size(16)));
 
 template <typename To, typename From>
 SLIP_EMU To slip_emu_bits(const From& from) {
@@ -187,6 +188,14 @@ SLIP_EMU __m512i _mm512_slli_epi32(__m512i a, unsigned int count) {
 
 SLIP_EMU __m512i _mm512_cvtepu16_epi32(__m256i a) {
   return (__m512i)__builtin_convertvector((slip_emu_v16h)a, slip_emu_v16u);
+}
+
+SLIP_EMU __m512i _mm512_cvtepi8_epi32(__m128i a) {
+  return (__m512i)__builtin_convertvector((slip_emu_v16c)a, slip_emu_v16i);
+}
+
+SLIP_EMU __m512 _mm512_cvtepi32_ps(__m512i a) {
+  return (__m512)__builtin_convertvector((slip_emu_v16i)a, slip_emu_v16f);
 }
 
 // VDPBF16PS: lane i += a[2i+1] * b[2i+1], then += a[2i] * b[2i] (each product

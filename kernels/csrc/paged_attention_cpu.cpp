@@ -166,6 +166,7 @@ struct Scratch {
   std::vector<int> visible;       // Bf16DotRows: keys of the tile each row sees
   std::vector<float> l_lanes;     // Bf16DotRows: l per row as 16 partial sums
   std::vector<float> st, pos;     // tiled tasks: scores [keys][rows], row positions
+  std::vector<float> k_scales, v_scales;  // Int8DotRows: the tile's row scales
   void reserve(int64_t rows, int64_t head_dim) {
     auto grow = [](auto& b, int64_t n) {
       if (int64_t(b.size()) < n) b.resize(n);
@@ -184,6 +185,8 @@ struct Scratch {
     grow(l_lanes, rows * 16);
     grow(p_pairs, rows * kKeyTile / 2);
     grow(v_pairs, head_dim * kKeyTile / 2);
+    grow(k_scales, kKeyTile);
+    grow(v_scales, kKeyTile);
   }
 };
 
@@ -451,8 +454,10 @@ void run_plan(const Problem<T, KV>& p, const Plan& plan, Isa isa, int64_t num_th
       // fp32 K/V stay on the AVX2 code under AVX-512: its 16-lane build
       // measured 5-15 % slower (AMD EPYC Zen 5, 1 thread: fp32 decode reads
       // K/V at the core's L3/DRAM bandwidth either way). Int8 K/V too (tiles
-      // are widened into fp32 scratch, as fp32 tasks read them).
-      if (isa == Isa::kAvx512 && std::is_same_v<KV, bf16_bits>) {
+      // are widened into fp32 scratch, as fp32 tasks read them), except the
+      // decodes of a bf16 q, which take Int8DotRows.
+      if (isa == Isa::kAvx512 &&
+          (std::is_same_v<KV, bf16_bits> || avx512::int8_dot_rows(p, task))) {
         avx512::run_task(p, task, upcoming, scratch);
         continue;
       }
@@ -880,10 +885,21 @@ struct Bf16DotRows {
   static constexpr int kPairWidth = 32;  // one zmm of bf16
 };
 
+// Int8 K/V under a bf16 q (AVX512-BF16): each tile's int8 values become bf16
+// in scratch -- exactly, |x| <= 127 needs 7 bits of a bf16's 8 -- and the
+// Bf16DotRows loops run on them, the rows' scales applied to the scores (K)
+// and to p before its rounding (V). Half the bytes of a bf16 cache read, at
+// the cost of one widening per tile shared by the task's rows.
+struct Int8DotRows {
+  using E = int8_t;
+  using Q = bf16_bits;
+  static constexpr int kPairWidth = 32;
+};
+
 template <typename R>
 constexpr bool kPaired = std::is_same_v<R, Bf16Rows>;
 template <typename R>
-constexpr bool kDot = std::is_same_v<R, Bf16DotRows>;
+constexpr bool kDot = std::is_same_v<R, Bf16DotRows> || std::is_same_v<R, Int8DotRows>;
 
 // Scores of one row against 8 consecutive keys (rows of k, stride d).
 template <typename R>
@@ -1144,12 +1160,15 @@ SLIP_INLINE void pv_all_rows(float* o, int64_t d, const bf16_bits* v, const uint
 
 // One tile of n keys (k readable to a multiple of 8 rows) against all rows
 // of a task: scores and softmax per row, then p . V in column chunks of at
-// most 128 (4 NC; 8 accumulators a row).
+// most 128 (4 NC; 8 accumulators a row). k_scales and v_scales (kKeyTile
+// each, or null): the keys' and values' row scales of an int8 tile, which
+// multiply each key's score and each value's weight p (after l has summed p).
 template <int NC>
 SLIP_INLINE void attend_tile_dot(const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                  int64_t d, int64_t rows, const int* visible, int n,
-                                 float scale, float* m, float* l_lanes, float* o,
-                                 uint32_t* pairs, float* alpha, LinePrefetcher& ahead) {
+                                 float scale, const float* k_scales, const float* v_scales,
+                                 float* m, float* l_lanes, float* o, uint32_t* pairs,
+                                 float* alpha, LinePrefetcher& ahead) {
   const int readable = (n + 7) / 8 * 8;
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   for (int64_t r = 0; r < rows; ++r) {
@@ -1166,7 +1185,10 @@ SLIP_INLINE void attend_tile_dot(const bf16_bits* q, const bf16_bits* k, const b
     for (int g = 0; g < kKeyTile / 16; ++g) {  // keys past `seen` are -inf
       const int in = std::clamp(seen - 16 * g, 0, 16);
       const __mmask16 keep = __mmask16((1u << in) - 1);
-      s[g] = _mm512_mask_mul_ps(neg_inf, keep, s[g], _mm512_set1_ps(scale));
+      __m512 key_scale = _mm512_set1_ps(scale);
+      if (k_scales != nullptr)
+        key_scale = _mm512_mul_ps(key_scale, _mm512_loadu_ps(k_scales + 16 * g));
+      s[g] = _mm512_mask_mul_ps(neg_inf, keep, s[g], key_scale);
       top = _mm512_max_ps(top, s[g]);
     }
     const float m_new = std::max(m[r], _mm512_reduce_max_ps(top));
@@ -1178,6 +1200,9 @@ SLIP_INLINE void attend_tile_dot(const bf16_bits* q, const bf16_bits* k, const b
       sum = _mm512_add_ps(sum, s[g]);
     }
     static_assert(kKeyTile == 32, "one vector of bf16 pairs per row");
+    if (v_scales != nullptr)
+      for (int g = 0; g < kKeyTile / 16; ++g)
+        s[g] = _mm512_mul_ps(s[g], _mm512_loadu_ps(v_scales + 16 * g));
     _mm512_storeu_si512(row_pairs, (__m512i)_mm512_cvtne2ps_pbh(s[1], s[0]));
     float* lanes = l_lanes + 16 * r;  // summed once, at the end of the task
     _mm512_storeu_ps(lanes, _mm512_fmadd_ps(_mm512_loadu_ps(lanes), _mm512_set1_ps(a), sum));
@@ -1193,18 +1218,40 @@ SLIP_INLINE void attend_tile_dot(const bf16_bits* q, const bf16_bits* k, const b
 
 SLIP_INLINE void attend_tile_dot_any(const bf16_bits* q, const bf16_bits* k, const bf16_bits* v,
                                      int64_t d, int64_t rows, const int* visible, int n,
-                                     float scale, float* m, float* l_lanes, float* o,
-                                     uint32_t* pairs, float* alpha, LinePrefetcher& ahead) {
+                                     float scale, const float* k_scales, const float* v_scales,
+                                     float* m, float* l_lanes, float* o, uint32_t* pairs,
+                                     float* alpha, LinePrefetcher& ahead) {
   switch (d / 32) {  // run_task admits head_dim 32, 64, .., 256 here
-#define SLIP_CASE(NC) \
-  case NC:          \
-    return attend_tile_dot<NC>(q, k, v, d, rows, visible, n, scale, m, l_lanes, o, pairs, alpha, \
-                               ahead);
+#define SLIP_CASE(NC)                                                                  \
+  case NC:                                                                             \
+    return attend_tile_dot<NC>(q, k, v, d, rows, visible, n, scale, k_scales, v_scales, m, \
+                               l_lanes, o, pairs, alpha, ahead);
     SLIP_CASE(1) SLIP_CASE(2) SLIP_CASE(3) SLIP_CASE(4)
     SLIP_CASE(5) SLIP_CASE(6) SLIP_CASE(7)
     default: SLIP_CASE(8)
 #undef SLIP_CASE
   }
+}
+
+// The first n int8 rows at src (stride d + 4: values, then the row's fp32
+// scale) as bf16 rows [rows][d] holding the same integers, and their scales;
+// rows n .. rows are zeros with scale 0. d is a multiple of 32.
+SLIP_INLINE void int8_tile_bf16(const int8_t* src, int64_t n, int64_t rows, int64_t d,
+                                bf16_bits* out, float* scales) {
+  const int64_t stride = d + kInt8ScaleBytes;
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* row = src + r * stride;
+    std::memcpy(scales + r, row + d, sizeof(float));
+    for (int64_t c = 0; c < d; c += 32) {
+      const __m512 lo = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c))));
+      const __m512 hi = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c + 16))));
+      _mm512_storeu_si512(out + r * d + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  std::fill(out + n * d, out + rows * d, bf16_bits{0});
+  std::fill(scales + n, scales + rows, 0.0f);
 }
 #endif
 
@@ -1415,25 +1462,42 @@ SLIP_INLINE void run_task_rows(const Problem<T, KV>& p, const Task& task, const 
 
   LinePrefetcher ahead;
   for_each_tile(p, task, upcoming, ahead, [&](int64_t key, int64_t n, int64_t offset) {
-    const typename R::E* kt;
-    const typename R::E* vt;
-    if constexpr (kPaired<R> || kDot<R>) {  // in place: run_task checked block_size % 8 == 0
-      kt = p.k + offset;
-      vt = p.v + offset;
-    } else {
-      std::tie(kt, vt) = float_tile(p, key, n, offset, scratch);
-    }
 #if SLIPSTREAM_BF16_DOT
     if constexpr (kDot<R>) {
+      const bf16_bits* kt;
+      const bf16_bits* vt;
+      const float* k_scales = nullptr;
+      const float* v_scales = nullptr;
+      if constexpr (std::is_same_v<R, Int8DotRows>) {  // into scratch, K to a multiple of 8
+        bf16_bits* kb = reinterpret_cast<bf16_bits*>(scratch.k.data());
+        bf16_bits* vb = reinterpret_cast<bf16_bits*>(scratch.v.data());
+        int8_tile_bf16(p.k + offset, n, (n + 7) / 8 * 8, d, kb, scratch.k_scales.data());
+        int8_tile_bf16(p.v + offset, n, n, d, vb, scratch.v_scales.data());
+        kt = kb;
+        vt = vb;
+        k_scales = scratch.k_scales.data();
+        v_scales = scratch.v_scales.data();
+      } else {  // in place: run_task checked block_size % 8 == 0
+        kt = p.k + offset;
+        vt = p.v + offset;
+      }
       int* visible = scratch.visible.data();
       for (int64_t r = 0; r < rows; ++r)  // causal
         visible[r] = int(std::min(n, task.pos0 + r / g + 1 - key));
-      attend_tile_dot_any(q, kt, vt, d, rows, visible, int(n), p.qk_scale, m,
-                          scratch.l_lanes.data(), o, scratch.p_pairs.data(), scratch.alpha.data(),
-                          ahead);
+      attend_tile_dot_any(q, kt, vt, d, rows, visible, int(n), p.qk_scale, k_scales, v_scales,
+                          m, scratch.l_lanes.data(), o, scratch.p_pairs.data(),
+                          scratch.alpha.data(), ahead);
     }
 #endif
     if constexpr (!kDot<R>) {
+      const typename R::E* kt;
+      const typename R::E* vt;
+      if constexpr (kPaired<R>) {  // in place: run_task checked block_size % 8 == 0
+        kt = p.k + offset;
+        vt = p.v + offset;
+      } else {
+        std::tie(kt, vt) = float_tile(p, key, n, offset, scratch);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         ahead.step(kRowLines);
         const int64_t visible_keys = std::min(n, task.pos0 + r / g + 1 - key);  // causal
@@ -1804,9 +1868,27 @@ __attribute__((noinline)) void write_rows(const KvWrite<T, KV>& w, int64_t begin
   }
 }
 
+// Whether a task of int8 K/V takes Int8DotRows: decode-sized (the tiles of
+// a prefill task convert int8 into fp32 once for all their rows), a bf16 q,
+// a head_dim of whole zmm of bf16. Not inlined: run_plan, outside the
+// variant's target, asks it.
+template <typename T, typename KV>
+__attribute__((noinline)) bool int8_dot_rows(const Problem<T, KV>& p, const Task& task) {
+#if SLIPSTREAM_BF16_DOT
+  if constexpr (std::is_same_v<T, bf16_bits> && std::is_same_v<KV, int8_t>)
+    return task.num_tokens * p.group < kMinTiledRows &&
+           p.head_dim % Int8DotRows::kPairWidth == 0 && p.head_dim <= 256;
+#endif
+  return false;
+}
+
 template <typename T, typename KV>
 __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& task,
                                         const Task* upcoming, Scratch& scratch) {
+#if SLIPSTREAM_BF16_DOT
+  if constexpr (std::is_same_v<KV, int8_t>)
+    if (int8_dot_rows(p, task)) return run_task_rows<T, KV, Int8DotRows>(p, task, upcoming, scratch);
+#endif
   if constexpr (std::is_same_v<KV, bf16_bits>) {
     const bool readable = p.block_size % 8 == 0;
 #if SLIPSTREAM_BF16_DOT
