@@ -1647,8 +1647,9 @@ SLIP_INLINE uint32_t load_pair(const bf16_bits* at) {
 //   p2 [n/2][rows]   (p[2u][r], p[2u+1][r]) rounded to bf16 (l sums p unrounded)
 //   ot[c] = ot[c] * alpha + sum_u p2[u] . (v[2u][c], v[2u+1][c])
 //
-// V's pairs are interleaved once per tile (v_pairs [d][kKeyTile/2]), shared
-// by every row of the task. The products of bf16 pairs are exact in fp32.
+// V's pairs are interleaved once per tile (v_pairs [kKeyTile/2][d], each
+// row's columns in pair_slot order), shared by every row of the task. The
+// products of bf16 pairs are exact in fp32.
 
 template <int RV>
 SLIP_INLINE void tile_scores_dot(const uint32_t* q2, int64_t rs, const bf16_bits* k, int64_t d,
@@ -1673,11 +1674,23 @@ SLIP_INLINE void tile_scores_dot(const uint32_t* q2, int64_t rs, const bf16_bits
   }
 }
 
+// Where column c's pair sits in a row of v_pairs: within each whole 32
+// columns, in the order vpunpck{l,h}wd leave them (that of natural_row's
+// DotOrder: lane 4 L + j of the first 16 holds column 8 L + j, of the
+// second 16 column 8 L + 4 + j); columns past the last whole 32 in order.
+SLIP_INLINE int64_t pair_slot(int64_t c, int64_t d) {
+  if (c >= d / 32 * 32) return c;
+  const int64_t base = c / 32 * 32, lane = c % 32 / 8, j = c % 8;
+  return base + (j < 4 ? 4 * lane + j : 16 + 4 * lane + j - 4);
+}
+
 // Columns c0 .. c0 + C of ot for RV row vectors: ot = ot * alpha + V^T p over
-// n2 key pairs (p2: pairs of p, row stride rs; vp: V's pairs, kKeyTile/2 a column).
+// n2 key pairs (p2: pairs of p, row stride rs; vp: V's pairs, d a key pair).
 template <int RV, int C>
-SLIP_INLINE void tile_pv_dot(float* ot, int64_t rs, const uint32_t* vp, int64_t c0,
+SLIP_INLINE void tile_pv_dot(float* ot, int64_t rs, const uint32_t* vp, int64_t d, int64_t c0,
                              const uint32_t* p2, int n2, const float* alpha) {
+  int64_t slot[C];
+  for (int u = 0; u < C; ++u) slot[u] = pair_slot(c0 + u, d);
   __m512 acc[C][RV];
   for (int j = 0; j < RV; ++j) {
     const __m512 a = _mm512_loadu_ps(alpha + 16 * j);
@@ -1688,7 +1701,7 @@ SLIP_INLINE void tile_pv_dot(float* ot, int64_t rs, const uint32_t* vp, int64_t 
     __m512bh x[RV];
     for (int j = 0; j < RV; ++j) x[j] = (__m512bh)_mm512_loadu_si512(p2 + t2 * rs + 16 * j);
     for (int u = 0; u < C; ++u) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(int(vp[(c0 + u) * (kKeyTile / 2) + t2]));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(int(vp[t2 * d + slot[u]]));
       for (int j = 0; j < RV; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], x[j], b);
     }
   }
@@ -1696,14 +1709,27 @@ SLIP_INLINE void tile_pv_dot(float* ot, int64_t rs, const uint32_t* vp, int64_t 
     for (int j = 0; j < RV; ++j) _mm512_storeu_ps(ot + (c0 + u) * rs + 16 * j, acc[u][j]);
 }
 
-// V's first n rows (stride d) as pairs of rows per column; an odd last row
-// pairs with zero (p's pair there is zero too, and 0 * a NaN would not be).
+// V's first n rows (stride d) as pairs of rows: row t2 of vp holds
+// (v[2 t2][c], v[2 t2 + 1][c]) at pair_slot(c), interleaved 32 columns per
+// vpunpck{l,h}wd pair (a column at a time, it took a quarter of a prefill's
+// attention: AMD EPYC Zen 5). An odd last row pairs with zero (p's pair
+// there is zero too, and 0 * a NaN would not be).
 SLIP_INLINE void pair_v_rows(const bf16_bits* v, int64_t d, int n, uint32_t* vp) {
-  for (int64_t c = 0; c < d; ++c)
-    for (int t = 0; t < n; t += 2) {
-      const uint32_t hi = t + 1 < n ? uint32_t(v[(t + 1) * d + c]) : 0u;
-      vp[c * (kKeyTile / 2) + t / 2] = uint32_t(v[t * d + c]) | (hi << 16);
+  const int64_t whole = d / 32 * 32;
+  for (int t = 0; t < n; t += 2) {
+    const bool second = t + 1 < n;
+    const bf16_bits* row0 = v + t * d;
+    const bf16_bits* row1 = row0 + d;
+    uint32_t* out = vp + (t / 2) * d;
+    for (int64_t c = 0; c < whole; c += 32) {
+      const __m512i x0 = _mm512_loadu_si512(row0 + c);
+      const __m512i x1 = second ? _mm512_loadu_si512(row1 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + c, _mm512_unpacklo_epi16(x0, x1));
+      _mm512_storeu_si512(out + c + 16, _mm512_unpackhi_epi16(x0, x1));
     }
+    for (int64_t c = whole; c < d; ++c)
+      out[c] = uint32_t(row0[c]) | (second ? uint32_t(row1[c]) << 16 : 0u);
+  }
 }
 
 // tile_block on vdpbf16ps: k and v in place (bf16), q2 in sc.q's memory.
@@ -1734,8 +1760,8 @@ SLIP_INLINE void tile_block_dot(Scratch& sc, int64_t rs, int64_t jb, int64_t las
   float* ot = sc.o.data() + at;
   int64_t c = 0;
   for (; c + kTileCols <= d; c += kTileCols)
-    tile_pv_dot<RV, kTileCols>(ot, rs, sc.v_pairs.data(), c, p2, n2, alpha);
-  for (; c < d; ++c) tile_pv_dot<RV, 1>(ot, rs, sc.v_pairs.data(), c, p2, n2, alpha);
+    tile_pv_dot<RV, kTileCols>(ot, rs, sc.v_pairs.data(), d, c, p2, n2, alpha);
+  for (; c < d; ++c) tile_pv_dot<RV, 1>(ot, rs, sc.v_pairs.data(), d, c, p2, n2, alpha);
 }
 #endif  // SLIPSTREAM_BF16_DOT
 

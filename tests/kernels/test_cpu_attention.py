@@ -234,7 +234,9 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 
 
 @pytest.mark.usefixtures("fused")
-@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (96, 8), (18, 24)])
+@pytest.mark.parametrize(
+    ("head_dim", "block_size"), [(64, 16), (96, 8), (18, 24), (80, 16)]
+)
 def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int) -> None:
     """set_bf16_prefill: bf16 prefill chunks of the AVX512-BF16 variant take
     the dot product rows, the fp32 tiles or the vdpbf16ps
@@ -242,7 +244,8 @@ def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int
     unlike the fp32 ones (p is rounded to bf16 there), and where the rows
     serve (head_dim a multiple of 32), the rows unlike the fp32 tiles: the
     switch reaches the kernel. Blocks of 8 and 24 keys leave odd and partial
-    tiles; at head_dim 18 the rows give way to the tiles in every mode."""
+    tiles; at head_dim 18 the rows give way to the tiles in every mode, and
+    at 80 V's pairs are interleaved 32 columns at a time, then one by one."""
     q, batch, meta = _case(MIXED, 8, 2, head_dim, block_size, torch.bfloat16, seed=7)
     out = {}
     try:
