@@ -20,6 +20,7 @@ JSON out: ``{"model", hardware..., "kv_cache_dtype", "greedy": {"prompts",
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -79,6 +80,7 @@ def main(args: argparse.Namespace) -> int:
 def run(
     model: str, dtype: str, new_tokens: int, text: str, chunk: int, max_tokens: int
 ) -> dict[str, object]:
+    from slipstream.kernels.compute_thread import on_own_thread
     from slipstream.service.engine.config import EngineConfig
     from slipstream.service.engine.engine import Engine
     from slipstream.service.engine.loader import load_parts
@@ -95,7 +97,11 @@ def run(
         )
         ids = parts.tokenizer(text)["input_ids"][:max_tokens]
         num_tokens = len(ids)
-        perplexity[kv], top1[kv] = text_perplexity(parts.model, parts.runner, ids, chunk)
+        # On a thread that ends: its OpenMP team must not outlive it beside the engine's.
+        perplexity[kv], top1[kv] = on_own_thread(
+            functools.partial(text_perplexity, parts.model, parts.runner, ids, chunk),
+            "slipstream-perplexity",
+        )
         engine = Engine(parts.scheduler(), parts.runner, parts.tokenizer, parts.info)
         try:
             outputs[kv] = greedy(engine, parts.tokenizer, new_tokens)
