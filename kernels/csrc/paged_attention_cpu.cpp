@@ -454,10 +454,10 @@ void run_plan(const Problem<T, KV>& p, const Plan& plan, Isa isa, int64_t num_th
       // fp32 K/V stay on the AVX2 code under AVX-512: its 16-lane build
       // measured 5-15 % slower (AMD EPYC Zen 5, 1 thread: fp32 decode reads
       // K/V at the core's L3/DRAM bandwidth either way). Int8 K/V too (tiles
-      // are widened into fp32 scratch, as fp32 tasks read them), except the
-      // decodes of a bf16 q, which take Int8DotRows.
+      // are widened into fp32 scratch, as fp32 tasks read them), except those
+      // of a bf16 q that take vdpbf16ps (int8_dot).
       if (isa == Isa::kAvx512 &&
-          (std::is_same_v<KV, bf16_bits> || avx512::int8_dot_rows(p, task))) {
+          (std::is_same_v<KV, bf16_bits> || avx512::takes_int8_dot(p, task))) {
         avx512::run_task(p, task, upcoming, scratch);
         continue;
       }
@@ -1651,9 +1651,10 @@ SLIP_INLINE uint32_t load_pair(const bf16_bits* at) {
 // row's columns in pair_slot order), shared by every row of the task. The
 // products of bf16 pairs are exact in fp32.
 
+// k_scales (or null): an int8 tile's key scales, which multiply the scores.
 template <int RV>
 SLIP_INLINE void tile_scores_dot(const uint32_t* q2, int64_t rs, const bf16_bits* k, int64_t d,
-                                 int keys, float scale, float* st) {
+                                 int keys, float scale, const float* k_scales, float* st) {
   const __m512 s = _mm512_set1_ps(scale);
   for (int t = 0; t < keys; t += kTileCols) {
     __m512 acc[kTileCols][RV];
@@ -1668,9 +1669,11 @@ SLIP_INLINE void tile_scores_dot(const uint32_t* q2, int64_t rs, const bf16_bits
         for (int j = 0; j < RV; ++j) acc[u][j] = _mm512_dpbf16_ps(acc[u][j], x[j], b);
       }
     }
-    for (int u = 0; u < kTileCols; ++u)
+    for (int u = 0; u < kTileCols; ++u) {
+      const __m512 su = k_scales == nullptr ? s : _mm512_set1_ps(scale * k_scales[t + u]);
       for (int j = 0; j < RV; ++j)
-        _mm512_storeu_ps(st + (t + u) * rs + 16 * j, _mm512_mul_ps(acc[u][j], s));
+        _mm512_storeu_ps(st + (t + u) * rs + 16 * j, _mm512_mul_ps(acc[u][j], su));
+    }
   }
 }
 
@@ -1732,30 +1735,38 @@ SLIP_INLINE void pair_v_rows(const bf16_bits* v, int64_t d, int n, uint32_t* vp)
   }
 }
 
-// tile_block on vdpbf16ps: k and v in place (bf16), q2 in sc.q's memory.
+// tile_block on vdpbf16ps: k (bf16) in place or an int8 tile's integers,
+// V's pairs in sc.v_pairs, q2 in sc.q's memory. k_scales, v_scales: an
+// int8 tile's row scales (or null), applied to the scores and to p.
 template <int RV>
 SLIP_INLINE void tile_block_dot(Scratch& sc, int64_t rs, int64_t jb, int64_t last_pos,
-                                const bf16_bits* k, int64_t d, int n, int64_t key0, float scale) {
+                                const bf16_bits* k, int64_t d, int n, int64_t key0, float scale,
+                                const float* k_scales, const float* v_scales) {
   const int seen = int(std::min<int64_t>(n, last_pos - key0 + 1));
   if (seen <= 0) return;
   const int64_t at = 16 * jb;
   float* st = sc.st.data() + at;
   const uint32_t* q2 = reinterpret_cast<const uint32_t*>(sc.q.data()) + at;
-  tile_scores_dot<RV>(q2, rs, k, d, (seen + kTileCols - 1) / kTileCols * kTileCols, scale, st);
+  tile_scores_dot<RV>(q2, rs, k, d, (seen + kTileCols - 1) / kTileCols * kTileCols, scale,
+                      k_scales, st);
   for (int j = 0; j < RV; ++j) {
     const int64_t r = at + 16 * j;
     tile_softmax(st + 16 * j, rs, seen, float(key0), loadv(sc.pos.data() + r),
                  sc.m.data() + r, sc.l.data() + r, sc.alpha.data() + r);
   }
-  // p as bf16 pairs of keys, per row; an odd last key pairs with zero
+  // p as bf16 pairs of keys, per row (times V's scales: l has summed p);
+  // an odd last key pairs with zero
   uint32_t* p2 = sc.p_pairs.data() + at;
   const int n2 = (seen + 1) / 2;
-  for (int t2 = 0; t2 < n2; ++t2)
+  for (int t2 = 0; t2 < n2; ++t2) {
+    const float w0 = v_scales == nullptr ? 1.0f : v_scales[2 * t2];
+    const float w1 = v_scales == nullptr ? 1.0f : v_scales[2 * t2 + 1];
     for (int64_t r = 0; r < 16 * RV; ++r) {
-      const uint32_t lo = to_bf16(st[2 * t2 * rs + r]);
-      const uint32_t hi = 2 * t2 + 1 < seen ? to_bf16(st[(2 * t2 + 1) * rs + r]) : 0u;
+      const uint32_t lo = to_bf16(st[2 * t2 * rs + r] * w0);
+      const uint32_t hi = 2 * t2 + 1 < seen ? to_bf16(st[(2 * t2 + 1) * rs + r] * w1) : 0u;
       p2[t2 * rs + r] = lo | (hi << 16);
     }
+  }
   const float* alpha = sc.alpha.data() + at;
   float* ot = sc.o.data() + at;
   int64_t c = 0;
@@ -1765,7 +1776,7 @@ SLIP_INLINE void tile_block_dot(Scratch& sc, int64_t rs, int64_t jb, int64_t las
 }
 #endif  // SLIPSTREAM_BF16_DOT
 
-// kDotTiles (AVX512-BF16, bf16 q and K/V): the products on vdpbf16ps, above.
+// kDotTiles (AVX512-BF16, bf16 q, bf16 or int8 K/V): the products on vdpbf16ps, above.
 template <typename T, typename KV, bool kDotTiles = false>
 SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const Task* upcoming,
                                 Scratch& sc) {
@@ -1801,16 +1812,31 @@ SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const
     };
 #if SLIPSTREAM_BF16_DOT
     if constexpr (kDotTiles) {
-      const bf16_bits* kt = p.k + offset;  // in place: run_task checked block_size % 8 == 0
-      pair_v_rows(p.v + offset, d, int(n), sc.v_pairs.data());
+      const bf16_bits* kt;
+      const float* k_scales = nullptr;
+      const float* v_scales = nullptr;
+      if constexpr (std::is_same_v<KV, int8_t>) {  // into scratch, K to a multiple of 8
+        bf16_bits* kb = reinterpret_cast<bf16_bits*>(sc.k.data());
+        bf16_bits* vb = reinterpret_cast<bf16_bits*>(sc.v.data());
+        int8_tile_bf16(p.k + offset, n, (n + 7) / 8 * 8, d, kb, sc.k_scales.data());
+        int8_tile_bf16(p.v + offset, n, n, d, vb, sc.v_scales.data());
+        pair_v_rows(vb, d, int(n), sc.v_pairs.data());
+        kt = kb;
+        k_scales = sc.k_scales.data();
+        v_scales = sc.v_scales.data();
+      } else {
+        kt = p.k + offset;  // in place: run_task checked block_size % 8 == 0
+        pair_v_rows(p.v + offset, d, int(n), sc.v_pairs.data());
+      }
       for (; jb + kTileRowVecs <= vecs; jb += kTileRowVecs) {
         ahead.step(kRowLines);
         tile_block_dot<kTileRowVecs>(sc, rs, jb, last_pos(kTileRowVecs), kt, d, int(n), key,
-                                     p.qk_scale);
+                                     p.qk_scale, k_scales, v_scales);
       }
       for (; jb < vecs; ++jb) {
         ahead.step(kRowLines);
-        tile_block_dot<1>(sc, rs, jb, last_pos(1), kt, d, int(n), key, p.qk_scale);
+        tile_block_dot<1>(sc, rs, jb, last_pos(1), kt, d, int(n), key, p.qk_scale, k_scales,
+                          v_scales);
       }
       return;
     }
@@ -1894,26 +1920,44 @@ __attribute__((noinline)) void write_rows(const KvWrite<T, KV>& w, int64_t begin
   }
 }
 
-// Whether a task of int8 K/V takes Int8DotRows: decode-sized (the tiles of
-// a prefill task convert int8 into fp32 once for all their rows), a bf16 q,
-// a head_dim of whole zmm of bf16. Not inlined: run_plan, outside the
-// variant's target, asks it.
+// How a task of int8 K/V under a bf16 q runs on vdpbf16ps, its tiles'
+// integers as bf16 (head_dim a multiple of 32): decode-sized tasks on
+// Int8DotRows, tasks of many rows on the dot tiles where bf16 prefill takes
+// them (set_bf16_prefill); else none (fp32 tiles or rows, widened).
+enum class Int8Dot { kNone, kRows, kTiles };
+
 template <typename T, typename KV>
-__attribute__((noinline)) bool int8_dot_rows(const Problem<T, KV>& p, const Task& task) {
+SLIP_INLINE Int8Dot int8_dot(const Problem<T, KV>& p, const Task& task) {
 #if SLIPSTREAM_BF16_DOT
-  if constexpr (std::is_same_v<T, bf16_bits> && std::is_same_v<KV, int8_t>)
-    return task.num_tokens * p.group < kMinTiledRows &&
-           p.head_dim % Int8DotRows::kPairWidth == 0 && p.head_dim <= 256;
+  if constexpr (std::is_same_v<T, bf16_bits> && std::is_same_v<KV, int8_t>) {
+    if (p.head_dim % Int8DotRows::kPairWidth != 0) return Int8Dot::kNone;
+    if (task.num_tokens * p.group < kMinTiledRows)
+      return p.head_dim <= 256 ? Int8Dot::kRows : Int8Dot::kNone;
+    return g_bf16_prefill.load(std::memory_order_relaxed) == kDotTiles ? Int8Dot::kTiles
+                                                                       : Int8Dot::kNone;
+  }
 #endif
-  return false;
+  return Int8Dot::kNone;
+}
+
+// Whether int8_dot has a way: run_plan, outside the variant's target, asks
+// (so not inlined).
+template <typename T, typename KV>
+__attribute__((noinline)) bool takes_int8_dot(const Problem<T, KV>& p, const Task& task) {
+  return int8_dot(p, task) != Int8Dot::kNone;
 }
 
 template <typename T, typename KV>
 __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& task,
                                         const Task* upcoming, Scratch& scratch) {
 #if SLIPSTREAM_BF16_DOT
-  if constexpr (std::is_same_v<KV, int8_t>)
-    if (int8_dot_rows(p, task)) return run_task_rows<T, KV, Int8DotRows>(p, task, upcoming, scratch);
+  if constexpr (std::is_same_v<T, bf16_bits> && std::is_same_v<KV, int8_t>) {
+    switch (int8_dot(p, task)) {
+      case Int8Dot::kRows: return run_task_rows<T, KV, Int8DotRows>(p, task, upcoming, scratch);
+      case Int8Dot::kTiles: return run_task_tiles<T, KV, true>(p, task, upcoming, scratch);
+      case Int8Dot::kNone: break;
+    }
+  }
 #endif
   if constexpr (std::is_same_v<KV, bf16_bits>) {
     const bool readable = p.block_size % 8 == 0;

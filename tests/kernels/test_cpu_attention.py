@@ -335,6 +335,25 @@ def test_int8_rows_match_attention_over_the_values_they_hold(
 
 
 @pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("mode", ["dot", "tiles", "dot-tiles"])
+def test_int8_prefill_under_each_bf16_prefill_mode(mode: str) -> None:
+    """Int8 K/V prefill chunks of a bf16 q in the AVX-512 variant, whichever
+    way bf16 prefill runs there (the CPU's own choice is one of them): on
+    the vdpbf16ps tiles with the rows' scales under ``dot-tiles``, widened
+    into fp32 tiles otherwise; each against float64 over the dequantized rows."""
+    q, batch, _ = _case(MIXED, 9, 3, 64, 16, torch.float32, seed=11)
+    batch = quantized(batch)
+    q = q.to(torch.bfloat16)
+    try:
+        assert cpu_attention.set_bf16_prefill(mode) == mode
+        out = run_variant("avx512", q, batch, _meta(batch), 0.125)
+    finally:
+        loaded = _loaded_bf16_prefill()
+        assert cpu_attention.set_bf16_prefill(loaded) == loaded
+    _assert_matches_dense(out, q, batch, 0.125)
+
+
+@pytest.mark.usefixtures("fused")
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype"),
     [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
