@@ -166,7 +166,7 @@ struct Scratch {
   std::vector<int> visible;       // Bf16DotRows: keys of the tile each row sees
   std::vector<float> l_lanes;     // Bf16DotRows: l per row as 16 partial sums
   std::vector<float> st, pos;     // tiled tasks: scores [keys][rows], row positions
-  std::vector<float> k_scales, v_scales;  // Int8DotRows: the tile's row scales
+  std::vector<float> k_scales, v_scales;  // int8 tiles on vdpbf16ps: the rows' scales
   void reserve(int64_t rows, int64_t head_dim) {
     auto grow = [](auto& b, int64_t n) {
       if (int64_t(b.size()) < n) b.resize(n);
@@ -1253,6 +1253,30 @@ SLIP_INLINE void int8_tile_bf16(const int8_t* src, int64_t n, int64_t rows, int6
   std::fill(out + n * d, out + rows * d, bf16_bits{0});
   std::fill(scales + n, scales + rows, 0.0f);
 }
+
+// A tile's K and V rows for the vdpbf16ps loops, and their row scales (null
+// for bf16, which is read in place: run_task checked block_size % 8 == 0).
+struct DotTile {
+  const bf16_bits* k;
+  const bf16_bits* v;
+  const float* k_scales;
+  const float* v_scales;
+};
+
+// An int8 tile's integers as bf16 in scratch: K to a multiple of 8 rows
+// (the loops read keys 8 at a time), V its n rows.
+template <typename T, typename KV>
+SLIP_INLINE DotTile dot_tile(const Problem<T, KV>& p, int64_t offset, int64_t n, Scratch& sc) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    bf16_bits* k = reinterpret_cast<bf16_bits*>(sc.k.data());
+    bf16_bits* v = reinterpret_cast<bf16_bits*>(sc.v.data());
+    int8_tile_bf16(p.k + offset, n, (n + 7) / 8 * 8, p.head_dim, k, sc.k_scales.data());
+    int8_tile_bf16(p.v + offset, n, n, p.head_dim, v, sc.v_scales.data());
+    return {k, v, sc.k_scales.data(), sc.v_scales.data()};
+  } else {
+    return {p.k + offset, p.v + offset, nullptr, nullptr};
+  }
+}
 #endif
 
 // One row against the first n keys of a tile whose k rows are readable up to
@@ -1464,29 +1488,13 @@ SLIP_INLINE void run_task_rows(const Problem<T, KV>& p, const Task& task, const 
   for_each_tile(p, task, upcoming, ahead, [&](int64_t key, int64_t n, int64_t offset) {
 #if SLIPSTREAM_BF16_DOT
     if constexpr (kDot<R>) {
-      const bf16_bits* kt;
-      const bf16_bits* vt;
-      const float* k_scales = nullptr;
-      const float* v_scales = nullptr;
-      if constexpr (std::is_same_v<R, Int8DotRows>) {  // into scratch, K to a multiple of 8
-        bf16_bits* kb = reinterpret_cast<bf16_bits*>(scratch.k.data());
-        bf16_bits* vb = reinterpret_cast<bf16_bits*>(scratch.v.data());
-        int8_tile_bf16(p.k + offset, n, (n + 7) / 8 * 8, d, kb, scratch.k_scales.data());
-        int8_tile_bf16(p.v + offset, n, n, d, vb, scratch.v_scales.data());
-        kt = kb;
-        vt = vb;
-        k_scales = scratch.k_scales.data();
-        v_scales = scratch.v_scales.data();
-      } else {  // in place: run_task checked block_size % 8 == 0
-        kt = p.k + offset;
-        vt = p.v + offset;
-      }
+      const DotTile tile = dot_tile(p, offset, n, scratch);
       int* visible = scratch.visible.data();
       for (int64_t r = 0; r < rows; ++r)  // causal
         visible[r] = int(std::min(n, task.pos0 + r / g + 1 - key));
-      attend_tile_dot_any(q, kt, vt, d, rows, visible, int(n), p.qk_scale, k_scales, v_scales,
-                          m, scratch.l_lanes.data(), o, scratch.p_pairs.data(),
-                          scratch.alpha.data(), ahead);
+      attend_tile_dot_any(q, tile.k, tile.v, d, rows, visible, int(n), p.qk_scale,
+                          tile.k_scales, tile.v_scales, m, scratch.l_lanes.data(), o,
+                          scratch.p_pairs.data(), scratch.alpha.data(), ahead);
     }
 #endif
     if constexpr (!kDot<R>) {
@@ -1812,31 +1820,17 @@ SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const
     };
 #if SLIPSTREAM_BF16_DOT
     if constexpr (kDotTiles) {
-      const bf16_bits* kt;
-      const float* k_scales = nullptr;
-      const float* v_scales = nullptr;
-      if constexpr (std::is_same_v<KV, int8_t>) {  // into scratch, K to a multiple of 8
-        bf16_bits* kb = reinterpret_cast<bf16_bits*>(sc.k.data());
-        bf16_bits* vb = reinterpret_cast<bf16_bits*>(sc.v.data());
-        int8_tile_bf16(p.k + offset, n, (n + 7) / 8 * 8, d, kb, sc.k_scales.data());
-        int8_tile_bf16(p.v + offset, n, n, d, vb, sc.v_scales.data());
-        pair_v_rows(vb, d, int(n), sc.v_pairs.data());
-        kt = kb;
-        k_scales = sc.k_scales.data();
-        v_scales = sc.v_scales.data();
-      } else {
-        kt = p.k + offset;  // in place: run_task checked block_size % 8 == 0
-        pair_v_rows(p.v + offset, d, int(n), sc.v_pairs.data());
-      }
+      const DotTile tile = dot_tile(p, offset, n, sc);
+      pair_v_rows(tile.v, d, int(n), sc.v_pairs.data());
       for (; jb + kTileRowVecs <= vecs; jb += kTileRowVecs) {
         ahead.step(kRowLines);
-        tile_block_dot<kTileRowVecs>(sc, rs, jb, last_pos(kTileRowVecs), kt, d, int(n), key,
-                                     p.qk_scale, k_scales, v_scales);
+        tile_block_dot<kTileRowVecs>(sc, rs, jb, last_pos(kTileRowVecs), tile.k, d, int(n), key,
+                                     p.qk_scale, tile.k_scales, tile.v_scales);
       }
       for (; jb < vecs; ++jb) {
         ahead.step(kRowLines);
-        tile_block_dot<1>(sc, rs, jb, last_pos(1), kt, d, int(n), key, p.qk_scale, k_scales,
-                          v_scales);
+        tile_block_dot<1>(sc, rs, jb, last_pos(1), tile.k, d, int(n), key, p.qk_scale,
+                          tile.k_scales, tile.v_scales);
       }
       return;
     }
