@@ -234,9 +234,7 @@ def test_each_instruction_set_variant(isa: str, dtype: torch.dtype, head_dim: in
 
 
 @pytest.mark.usefixtures("fused")
-@pytest.mark.parametrize(
-    ("head_dim", "block_size"), [(64, 16), (96, 8), (18, 24), (80, 16)]
-)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (96, 8), (18, 24), (80, 16)])
 def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int) -> None:
     """set_bf16_prefill: bf16 prefill chunks of the AVX512-BF16 variant take
     the dot product rows, the fp32 tiles or the vdpbf16ps
