@@ -18,10 +18,15 @@ linear_cpu.cpp`` says why). One layout serves every batch size, so the
 weights are held once.
 
 bf16 panels (the library's ``avx512`` variant: AVX512-BF16 dot products)
-serve calls of at most ``MAX_BF16_PANEL_ROWS`` rows; larger calls stay on
+serve calls of at most ``max_bf16_panel_rows()`` rows; larger calls stay on
 oneDNN, so a bf16 weight with panels is held twice (panels and oneDNN's
 layout). Measured on an AMD EPYC (Zen 5, avx512_bf16, no AMX), 2 threads,
-the ``small`` model's four projections of one layer: see docs/kernels.md.
+``smollm2``'s projections over its 30 layers and its LM head (``python -m
+slipstream.kernels.bench_linear``): the panels take 0.80-0.94 of oneDNN's
+time from 1 to 128 rows, about the same at 192-256, 1.05x at 512
+(docs/kernels.md). Where the CPU has AMX-BF16, oneDNN's tiles do the
+arithmetic of the larger calls, and the panels keep the calls of up to 4
+rows (not yet measured against AMX beyond that).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from slipstream.kernels import extensions
+from slipstream.kernels import cpu_features, extensions
+from slipstream.kernels.cpu_features import CpuFeatures
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "linear_cpu.cpp"
 EXTENSION = extensions.Extension(
@@ -46,8 +52,9 @@ EXTENSION = extensions.Extension(
 )
 PANEL = 16  # output features per panel (csrc/linear_cpu.cpp)
 # bf16 calls of up to this many rows take the panels, larger ones oneDNN
-# (docs/kernels.md: the crossover on an AMD EPYC Zen 5).
-MAX_BF16_PANEL_ROWS = 4
+# (docs/kernels.md: the crossover on an AMD EPYC Zen 5); with AMX, up to 4.
+MAX_BF16_PANEL_ROWS = 128
+MAX_BF16_PANEL_ROWS_AMX = 4
 NO_AVX2 = "the CPU has no AVX2"
 
 
@@ -93,6 +100,14 @@ def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     padded = weight.new_zeros(num_panels * PANEL, k)
     padded[:n] = weight
     return padded.view(num_panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def max_bf16_panel_rows(cpu: CpuFeatures | None = None) -> int:
+    """The most rows a bf16 call sends to the panels on ``cpu`` (default: the
+    answer ``cpu_features.detect()`` gives): fewer where AMX-BF16 does
+    oneDNN's arithmetic."""
+    flags = (cpu or cpu_features.detect()).flags
+    return MAX_BF16_PANEL_ROWS_AMX if "amx_bf16" in flags else MAX_BF16_PANEL_ROWS
 
 
 class WeightPackingFailed(ValueError):
@@ -150,7 +165,7 @@ class Linear:
             self.max_panel_rows = sys.maxsize
         elif bf16_panels:
             self.panels = pack_bf16_panels(weight)
-            self.max_panel_rows = MAX_BF16_PANEL_ROWS
+            self.max_panel_rows = max_bf16_panel_rows()
         self.is_packed = (
             not fp32_panels and pack and on_cpu and weight.dtype in (torch.bfloat16, torch.float32)
         )

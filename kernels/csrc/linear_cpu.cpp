@@ -33,8 +33,9 @@
 // machine's CPU; kernels/linear.py uses it only where the AVX2 variant runs.
 //
 // bf16 panels (panel_linear_bf16, the "avx512" variant: AVX-512 F/BW/VL and
-// AVX512-BF16) serve the few-row calls of bf16 weights, where oneDNN reads
-// the weights at about half the memory rate. Pairs of k sit side by side so
+// AVX512-BF16) serve the decode-sized calls of bf16 weights (kernels/linear.py
+// says which), where oneDNN is short of the weights' read time or of the dot
+// products' rate. Pairs of k sit side by side so
 // one vdpbf16ps takes a whole 64-byte row of the panel:
 //
 //   panels [P = ceil(N / 16), K / 2, 16, 2]   panels[p, i, j, t] = W[16 p + j, 2 i + t]
@@ -45,8 +46,10 @@
 // A tile is up to 8 rows against two adjacent panels, so each broadcast of
 // x feeds two dot products. With one row, two accumulators would be chains
 // of dependent vdpbf16ps (latency-bound), so k-pairs also rotate over S
-// accumulator sets, summed at the end. Products of bf16 are exact in fp32; sums are fp32,
-// rounded once to bf16 (round to nearest even) after the bias, as oneDNN does.
+// accumulator sets, summed at the end. More rows walk k in blocks of 64
+// pairs, every row tile over a block in turn while the next block is
+// prefetched (run_blocks_bf16). Products of bf16 are exact in fp32; sums are
+// fp32, rounded once to bf16 (round to nearest even) after the bias, as oneDNN does.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -62,6 +65,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace slipstream {
 namespace {
@@ -202,6 +206,27 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dot_pair(
   }
 }
 
+// y[r, q * 16 + j] = bf16(sum[q][r][j] + bias), the columns past N masked off.
+template <int R, int NP>
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void write_rows_bf16(
+    __m512 (*sum)[R], uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+#pragma GCC unroll 2
+  for (int q = 0; q < NP; ++q) {
+    const int64_t left = cols - q * kPanel;  // columns of this panel inside N
+    const __mmask16 keep = static_cast<__mmask16>(left >= kPanel ? 0xffff : (1u << left) - 1);
+    __m512 b = _mm512_setzero_ps();
+    if (bias != nullptr) {  // bf16 -> fp32 is a 16-bit shift
+      b = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + q * kPanel)), 16));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(sum[q][r], b));
+      _mm256_mask_storeu_epi16(y + r * ldy + q * kPanel, keep, (__m256i)out);
+    }
+  }
+}
+
 template <int R, int NP>
 SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void tile_bf16(
     const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_pairs, uint16_t* y,
@@ -223,58 +248,129 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void tile_bf16(
     for (int s = 0; s < S; ++s) dot_pair<R, NP>(acc[s], x, ldx, panel, stride, i + s);
   }
   for (; i < k_pairs; ++i) dot_pair<R, NP>(acc[0], x, ldx, panel, stride, i);
+  __m512 sum[NP][R];
 #pragma GCC unroll 2
   for (int q = 0; q < NP; ++q) {
-    const int64_t left = cols - q * kPanel;  // columns of this panel inside N
-    const __mmask16 keep = static_cast<__mmask16>(left >= kPanel ? 0xffff : (1u << left) - 1);
-    __m512 b = _mm512_setzero_ps();
-    if (bias != nullptr) {  // bf16 -> fp32 is a 16-bit shift
-      b = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + q * kPanel)), 16));
-    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      __m512 sum = acc[0][q][r];
+      sum[q][r] = acc[0][q][r];
 #pragma GCC unroll 4
-      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[s][q][r]);
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(sum, b));
-      _mm256_mask_storeu_epi16(y + r * ldy + q * kPanel, keep, (__m256i)out);
+      for (int s = 1; s < S; ++s) sum[q][r] = _mm512_add_ps(sum[q][r], acc[s][q][r]);
     }
+  }
+  write_rows_bf16<R, NP>(sum, y, ldy, cols, bias);
+}
+
+// Calls of more than one row walk k in blocks, and every row tile takes its
+// share of a block while the block sits in L1, its sums parked in `partial`
+// between blocks. Row tile after row tile over the whole of k, the first tile
+// waited on memory and the others then computed on a cached panel, the two
+// never overlapping (16 rows of smollm2's projections: 1.6x the weights'
+// read time). Here the tiles of a block share out the prefetches of the
+// next one, so the weights stream in while every row's dot products run.
+constexpr int64_t kBf16BlockPairs = 64;  // k-pairs a block: 8 KB of a panel pair
+
+template <int R, int NP>
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void block_tile_bf16(
+    const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t stride, int64_t i0,
+    int64_t i1, int64_t prefetch_end, int tile, int tiles, float* partial, bool first, bool last,
+    uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+  __m512 acc[NP][R];
+#pragma GCC unroll 2
+  for (int q = 0; q < NP; ++q) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+      acc[q][r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(partial + (q * R + r) * kPanel);
+  }
+  int turn = tile;  // this tile prefetches every tiles-th pair of the next block
+  for (int64_t i = i0; i < i1; ++i) {
+    if (turn == 0) {
+      turn = tiles;
+      const int64_t ahead = i + kBf16BlockPairs;
+      if (ahead < prefetch_end) {
+#pragma GCC unroll 2
+        for (int q = 0; q < NP; ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(panel + q * stride + ahead * 2 * kPanel),
+                       _MM_HINT_T0);
+      }
+    }
+    --turn;
+    dot_pair<R, NP>(acc, x, ldx, panel, stride, i);
+  }
+  if (last) {
+    write_rows_bf16<R, NP>(acc, y, ldy, cols, bias);
+    return;
+  }
+#pragma GCC unroll 2
+  for (int q = 0; q < NP; ++q) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(partial + (q * R + r) * kPanel, acc[q][r]);
   }
 }
 
 template <int R, int NP>
-SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dispatch_bf16(
-    int rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_pairs,
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dispatch_block_bf16(
+    int rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t stride, int64_t i0,
+    int64_t i1, int64_t prefetch_end, int tile, int tiles, float* partial, bool first, bool last,
     uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
   if constexpr (R > 1) {
     if (rows < R) {
-      dispatch_bf16<R - 1, NP>(rows, x, ldx, panel, k_pairs, y, ldy, cols, bias);
+      dispatch_block_bf16<R - 1, NP>(rows, x, ldx, panel, stride, i0, i1, prefetch_end, tile,
+                                     tiles, partial, first, last, y, ldy, cols, bias);
       return;
     }
   }
-  tile_bf16<R, NP>(x, ldx, panel, k_pairs, y, ldy, cols, bias);
+  block_tile_bf16<R, NP>(x, ldx, panel, stride, i0, i1, prefetch_end, tile, tiles, partial, first,
+                         last, y, ldy, cols, bias);
+}
+
+template <int NP>
+SLIPSTREAM_AVX512_BF16 void run_blocks_bf16(const uint16_t* x, int64_t ldx, int64_t m,
+                                            const uint16_t* panel, int64_t k_pairs, uint16_t* y,
+                                            int64_t ldy, int64_t cols, const uint16_t* bias,
+                                            float* partial) {
+  const int64_t stride = k_pairs * 2 * kPanel;
+  constexpr int64_t kTileFloats = 2 * kBf16TileRows * kPanel;
+  const int tiles = static_cast<int>((m + kBf16TileRows - 1) / kBf16TileRows);
+  for (int64_t i0 = 0; i0 < k_pairs; i0 += kBf16BlockPairs) {
+    const int64_t i1 = std::min(i0 + kBf16BlockPairs, k_pairs);
+    for (int64_t r = 0; r < m; r += kBf16TileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m - r));
+      const int tile = static_cast<int>(r / kBf16TileRows);
+      dispatch_block_bf16<kBf16TileRows, NP>(rows, x + r * ldx, ldx, panel, stride, i0, i1,
+                                             k_pairs, tile, tiles, partial + tile * kTileFloats,
+                                             i0 == 0, i1 == k_pairs, y + r * ldy, ldy, cols, bias);
+    }
+  }
 }
 
 SLIPSTREAM_AVX512_BF16 void run_panels_bf16(const uint16_t* x, int64_t ldx, int64_t m,
                                             const uint16_t* panels, int64_t k_pairs, uint16_t* y,
                                             int64_t n, const uint16_t* bias, int64_t p_begin,
                                             int64_t p_end) {
+  const bool blocked = m > 1;
+  std::vector<float> partial(
+      blocked ? static_cast<size_t>((m + kBf16TileRows - 1) / kBf16TileRows) * 2 *
+                    kBf16TileRows * kPanel
+              : 0);
   for (int64_t p = p_begin; p < p_end; p += 2) {
     const uint16_t* panel = panels + p * k_pairs * 2 * kPanel;
     const int64_t col = p * kPanel;
     const int64_t cols = std::min(2 * kPanel, n - col);
     const uint16_t* pb = bias != nullptr ? bias + col : nullptr;
     const bool pair = p + 1 < p_end;
-    for (int64_t r = 0; r < m; r += kBf16TileRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m - r));
-      const uint16_t* xr = x + r * ldx;
-      uint16_t* yr = y + r * n + col;
+    if (blocked) {
       if (pair) {
-        dispatch_bf16<kBf16TileRows, 2>(rows, xr, ldx, panel, k_pairs, yr, n, cols, pb);
+        run_blocks_bf16<2>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, partial.data());
       } else {
-        dispatch_bf16<kBf16TileRows, 1>(rows, xr, ldx, panel, k_pairs, yr, n, cols, pb);
+        run_blocks_bf16<1>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, partial.data());
       }
+      continue;
+    }
+    if (pair) {
+      tile_bf16<1, 2>(x, ldx, panel, k_pairs, y + col, n, cols, pb);
+    } else {
+      tile_bf16<1, 1>(x, ldx, panel, k_pairs, y + col, n, cols, pb);
     }
   }
 }

@@ -130,11 +130,15 @@ def _bf16_case(rows: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]
 
 @pytest.mark.usefixtures("bf16_panels")
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
-@pytest.mark.parametrize(("out_features", "in_features"), [(16, 8), (37, 50), (80, 2), (1024, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 43, 130])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(16, 8), (37, 50), (80, 2), (48, 300), (1024, 576)]
+)
 def test_bf16_panels_match_float64(rows: int, out_features: int, in_features: int, threads: int):
-    """The op itself, at any row count (Linear sends it at most 4); 37 and 80
-    features leave a partial panel and an odd number of panels (one unpaired)."""
+    """The op itself, at any row count; 37 and 80 features leave a partial
+    panel and an odd number of panels (one unpaired); 300 and 576 inputs span
+    several blocks of k (64 pairs), the last one partial, whose sums carry
+    from block to block for every row tile (43 and 130 rows: 6 and 17)."""
     torch.set_num_threads(threads)
     x, w, b = _bf16_case(rows, out_features, in_features, rows * 1000 + out_features)
     panels = pack_bf16_panels(w)
@@ -150,11 +154,12 @@ def test_bf16_panels_match_float64(rows: int, out_features: int, in_features: in
 def test_bf16_calls_of_few_rows_take_the_panels_and_the_rest_onednn() -> None:
     if not detect().can_pack_bf16:
         pytest.skip("oneDNN cannot pack bf16 weights on this CPU (as reported)")
-    x, w, b = _bf16_case(linear.MAX_BF16_PANEL_ROWS + 1, 48, 64, 3)
+    most = linear.max_bf16_panel_rows()
+    x, w, b = _bf16_case(most + 1, 48, 64, 3)
     layer = Linear(w, b, pack=True, panels=True)
     plain = Linear(w, b, pack=True)
-    assert layer.uses_panels and layer.is_packed
-    few = x[: linear.MAX_BF16_PANEL_ROWS]
+    assert layer.uses_panels and layer.is_packed and layer.max_panel_rows == most
+    few = x[:most]
     on_panels = torch.ops.slipstream.panel_linear_bf16(few, layer.panels, b, 48)
     assert torch.equal(layer(few), on_panels)
     assert torch.equal(layer(x), plain(x))
@@ -165,6 +170,13 @@ def test_bf16_calls_of_few_rows_take_the_panels_and_the_rest_onednn() -> None:
 
 def _answer(*flags: str) -> CpuFeatures:
     return CpuFeatures("forced", flags, "DEFAULT", can_pack_bf16=False)
+
+
+def test_bf16_calls_leave_the_panels_sooner_where_amx_does_onednns_arithmetic() -> None:
+    avx512 = _answer("avx512_bf16", "avx512f", "avx2")
+    amx = _answer("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+    assert linear.max_bf16_panel_rows(avx512) == linear.MAX_BF16_PANEL_ROWS == 128
+    assert linear.max_bf16_panel_rows(amx) == linear.MAX_BF16_PANEL_ROWS_AMX == 4
 
 
 def test_an_avx2_answer_keeps_bf16_weights_off_the_panels() -> None:
