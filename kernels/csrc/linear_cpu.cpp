@@ -124,19 +124,112 @@ __attribute__((target("avx2,fma"), always_inline)) inline void dispatch_avx2(
   tile_avx2<R>(x, ldx, panel, k_size, y, ldy, cols, bias);
 }
 
+// As the bf16 panels below do, a call of 2 to kMaxBlockedRows rows walks k in
+// blocks, every row tile over a block while it sits in L1 (sums parked
+// between blocks, each accumulator still summed in k order: the same
+// results), the tiles sharing out the prefetches of the next block, so the
+// weights stream in while every row's products run rather than before the
+// tiles after the first: 0.75-0.9 of the time at 4-64 rows (Zen 5, AVX2
+// code). Larger calls (prefill chunks) are bound by their arithmetic, and
+// the walk tile by tile over the whole of k is ~3 % faster at 512 rows.
+constexpr int64_t kBlockK = 64;  // k a block: 4 KB of a panel
+constexpr int64_t kMaxBlockedRows = 128;
+
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void block_tile_avx2(
+    const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, int64_t k_size,
+    int tile, int tiles, float* partial, bool first, bool last, float* y, int64_t ldy,
+    int64_t cols, const float* bias) {
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + r * kPanel);
+    acc1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + r * kPanel + 8);
+  }
+  int turn = tile;  // this tile prefetches every tiles-th line of the next block
+  for (int64_t k = k0; k < k1; ++k) {
+    if (turn == 0) {
+      turn = tiles;
+      if (k + kBlockK < k_size)
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kBlockK) * kPanel), _MM_HINT_T0);
+    }
+    --turn;
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+      acc0[r] = _mm256_fmadd_ps(b, w0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(b, w1, acc1[r]);
+    }
+  }
+  if (!last) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(partial + r * kPanel, acc0[r]);
+      _mm256_storeu_ps(partial + r * kPanel + 8, acc1[r]);
+    }
+    return;
+  }
+  alignas(32) float row[kPanel];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(row, acc0[r]);
+    _mm256_store_ps(row + 8, acc1[r]);
+    float* yr = y + r * ldy;
+    if (bias != nullptr) {
+      for (int64_t j = 0; j < cols; ++j) yr[j] = row[j] + bias[j];
+    } else {
+      std::memcpy(yr, row, cols * sizeof(float));
+    }
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void dispatch_block_avx2(
+    int rows, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
+    int64_t k_size, int tile, int tiles, float* partial, bool first, bool last, float* y,
+    int64_t ldy, int64_t cols, const float* bias) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      dispatch_block_avx2<R - 1>(rows, x, ldx, panel, k0, k1, k_size, tile, tiles, partial, first,
+                                 last, y, ldy, cols, bias);
+      return;
+    }
+  }
+  block_tile_avx2<R>(x, ldx, panel, k0, k1, k_size, tile, tiles, partial, first, last, y, ldy,
+                     cols, bias);
+}
+
 __attribute__((target("avx2,fma"))) void run_panels_avx2(const float* x, int64_t ldx, int64_t m,
                                                           const float* panels, int64_t k_size,
                                                           float* y, int64_t n, const float* bias,
                                                           int64_t p_begin, int64_t p_end) {
+  const int tiles = static_cast<int>((m + kTileRows - 1) / kTileRows);
+  const bool blocked = m > 1 && m <= kMaxBlockedRows;
+  std::vector<float> partial(blocked ? static_cast<size_t>(tiles) * kTileRows * kPanel : 0);
   for (int64_t p = p_begin; p < p_end; ++p) {
     const float* panel = panels + p * k_size * kPanel;
     const int64_t col = p * kPanel;
     const int64_t cols = std::min(kPanel, n - col);
     const float* pb = bias != nullptr ? bias + col : nullptr;
-    for (int64_t r = 0; r < m; r += kTileRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r));
-      dispatch_avx2<kTileRows>(rows, x + r * ldx, ldx, panel, k_size, y + r * n + col, n, cols,
-                               pb);
+    if (!blocked) {
+      for (int64_t r = 0; r < m; r += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r));
+        dispatch_avx2<kTileRows>(rows, x + r * ldx, ldx, panel, k_size, y + r * n + col, n, cols,
+                                 pb);
+      }
+      continue;
+    }
+    for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
+      const int64_t k1 = std::min(k0 + kBlockK, k_size);
+      for (int64_t r = 0; r < m; r += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r));
+        const int tile = static_cast<int>(r / kTileRows);
+        dispatch_block_avx2<kTileRows>(rows, x + r * ldx, ldx, panel, k0, k1, k_size, tile, tiles,
+                                       partial.data() + tile * kTileRows * kPanel, k0 == 0,
+                                       k1 == k_size, y + r * n + col, n, cols, pb);
+      }
     }
   }
 }

@@ -48,9 +48,13 @@ def test_packing_lays_out_panels_k_major_and_zero_pads() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 64, 131])
-@pytest.mark.parametrize(("out_features", "in_features"), [(16, 8), (37, 50), (960, 576)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 64, 128, 131])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(16, 8), (37, 50), (48, 300), (960, 576)]
+)
 def test_matches_float64(rows: int, out_features: int, in_features: int, threads: int) -> None:
+    """2-128 rows walk k in blocks of 64 (300: the last one partial), the
+    sums carried from block to block; 1 row and 131 walk it whole."""
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=gen)
@@ -61,6 +65,16 @@ def test_matches_float64(rows: int, out_features: int, in_features: int, threads
         assert got.shape == (rows, out_features)
         # fp32 FMA sums over K terms: error ~ sqrt(K) * eps * |terms|.
         torch.testing.assert_close(got, _reference(x, w, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("in_features", [300, 576])
+def test_blocks_of_k_sum_in_the_same_order_as_the_whole_walk(in_features: int) -> None:
+    """128 rows take the blocks, 129 the walk tile by tile over the whole of
+    k: each output is the same sum in the same order, so the same bits."""
+    gen = torch.Generator().manual_seed(in_features)
+    layer = Linear(torch.randn(80, in_features, generator=gen), panels=True)
+    x = torch.randn(129, in_features, generator=gen)
+    assert torch.equal(layer(x[:128]), layer(x)[:128])
 
 
 def test_strided_rows_and_a_non_contiguous_view() -> None:
