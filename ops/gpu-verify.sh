@@ -99,6 +99,10 @@ cpu)
         "$py" -m slipstream.kernels.bench_cpu_attention --threads 2 --reps 10 --kind prefill \
             --bf16-prefill "$mode"
     done
+    # bf16 projections, panels against oneDNN (AMX) per row count: where the
+    # panels' cut (kernels/linear.py, 4 rows with AMX) belongs on such a CPU
+    "$py" -m slipstream.kernels.bench_linear --rows 1,4,8,16,32,64,128 --rounds 3 \
+        --json "$out/linear-cpu.json"
     # the compiled step alone took over 70 s there (batch 256 on two cores)
     bench step --device cpu --threads 2 --model "$model" --batch 1,64,256 --context 300 \
         --modes compiled --json "$out/step-cpu.json" --plot "$out/step-cpu.png"
