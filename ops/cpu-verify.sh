@@ -39,6 +39,12 @@ step)
         bench step --model "$model" --batch 1,64,256 --context 300 --modes compiled \
             --json "$out/cpu-step-$model.json"
     done
+    # bf16 projections, panels against oneDNN per row count (AVX512-BF16 only):
+    # where kernels/linear.py's cut belongs on this CPU
+    if grep -q -w avx512_bf16 /proc/cpuinfo; then
+        "$py" -m slipstream.kernels.bench_linear --rows 1,4,8,16,32,64,128,256 --rounds 3 \
+            --json "$out/cpu-linear.json"
+    fi
     ;;
 offline)
     for model in small smollm2; do
