@@ -23,7 +23,7 @@ oneDNN, so a bf16 weight with panels is held twice (panels and oneDNN's
 layout). Measured on an AMD EPYC (Zen 5, avx512_bf16, no AMX), 2 threads,
 ``smollm2``'s projections over its 30 layers and its LM head (``python -m
 slipstream.kernels.bench_linear``): the panels take 0.80-0.94 of oneDNN's
-time from 1 to 128 rows, about the same at 192-256, 1.05x at 512
+time from 1 to 128 rows, about the same at 192-256, 1.02-1.05x at 512
 (docs/kernels.md). Where the CPU has AMX-BF16, oneDNN's tiles do the
 arithmetic of the larger calls, and the panels keep the calls of up to 4
 rows (not yet measured against AMX beyond that).

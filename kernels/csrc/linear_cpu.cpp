@@ -21,6 +21,8 @@
 //
 // The panel (K x 64 bytes: 36 KB at K = 576) stays in L1/L2 while the row
 // tiles reuse it, so every weight leaves memory once per call whatever M is.
+// Calls of 2 to 128 rows walk k in blocks instead, every tile over a block in
+// turn while the next one is prefetched (run_panels_avx2 says why).
 //
 // Rounding: fp32 products summed in k order with fused multiply-adds, one
 // accumulator per output; a different order than oneDNN's or MKL's, so
