@@ -129,17 +129,18 @@ __attribute__((target("avx2,fma"), always_inline)) inline void dispatch_avx2(
 // As the bf16 panels below do, a call of 2 to kMaxBlockedRows rows walks k in
 // blocks, every row tile over a block while it sits in L1 (sums parked
 // between blocks, each accumulator still summed in k order: the same
-// results), the tiles sharing out the prefetches of the next block, so the
-// weights stream in while every row's products run rather than before the
-// tiles after the first: 0.75-0.9 of the time at 4-64 rows (Zen 5, AVX2
-// code). Larger calls (prefill chunks) are bound by their arithmetic, and
-// the walk tile by tile over the whole of k is ~3 % faster at 512 rows.
+// results), the tiles sharing out the prefetches of the next block (the last
+// block's, of the next panel's first), so the weights stream in while every
+// row's products run rather than before the tiles after the first: 0.7-0.9
+// of the time at 4-64 rows (Zen 5, AVX2 code). Larger calls (prefill chunks)
+// are bound by their arithmetic, and the walk tile by tile over the whole of
+// k is ~3 % faster at 512 rows.
 constexpr int64_t kBlockK = 64;  // k a block: 4 KB of a panel
 constexpr int64_t kMaxBlockedRows = 128;
 
 template <int R>
 __attribute__((target("avx2,fma"), always_inline)) inline void block_tile_avx2(
-    const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, int64_t k_size,
+    const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1, int64_t prefetch_end,
     int tile, int tiles, float* partial, bool first, bool last, float* y, int64_t ldy,
     int64_t cols, const float* bias) {
   __m256 acc0[R], acc1[R];
@@ -152,7 +153,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_tile_avx2(
   for (int64_t k = k0; k < k1; ++k) {
     if (turn == 0) {
       turn = tiles;
-      if (k + kBlockK < k_size)
+      if (k + kBlockK < prefetch_end)  // past k_size: the next panel's first block
         _mm_prefetch(reinterpret_cast<const char*>(panel + (k + kBlockK) * kPanel), _MM_HINT_T0);
     }
     --turn;
@@ -190,17 +191,17 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_tile_avx2(
 template <int R>
 __attribute__((target("avx2,fma"), always_inline)) inline void dispatch_block_avx2(
     int rows, const float* x, int64_t ldx, const float* panel, int64_t k0, int64_t k1,
-    int64_t k_size, int tile, int tiles, float* partial, bool first, bool last, float* y,
+    int64_t prefetch_end, int tile, int tiles, float* partial, bool first, bool last, float* y,
     int64_t ldy, int64_t cols, const float* bias) {
   if constexpr (R > 1) {
     if (rows < R) {
-      dispatch_block_avx2<R - 1>(rows, x, ldx, panel, k0, k1, k_size, tile, tiles, partial, first,
-                                 last, y, ldy, cols, bias);
+      dispatch_block_avx2<R - 1>(rows, x, ldx, panel, k0, k1, prefetch_end, tile, tiles, partial,
+                                 first, last, y, ldy, cols, bias);
       return;
     }
   }
-  block_tile_avx2<R>(x, ldx, panel, k0, k1, k_size, tile, tiles, partial, first, last, y, ldy,
-                     cols, bias);
+  block_tile_avx2<R>(x, ldx, panel, k0, k1, prefetch_end, tile, tiles, partial, first, last, y,
+                     ldy, cols, bias);
 }
 
 __attribute__((target("avx2,fma"))) void run_panels_avx2(const float* x, int64_t ldx, int64_t m,
@@ -223,13 +224,15 @@ __attribute__((target("avx2,fma"))) void run_panels_avx2(const float* x, int64_t
       }
       continue;
     }
+    // Panels lie end to end: the last block prefetches the next panel's first.
+    const int64_t prefetch_end = p + 1 < p_end ? 2 * k_size : k_size;
     for (int64_t k0 = 0; k0 < k_size; k0 += kBlockK) {
       const int64_t k1 = std::min(k0 + kBlockK, k_size);
       for (int64_t r = 0; r < m; r += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r));
         const int tile = static_cast<int>(r / kTileRows);
-        dispatch_block_avx2<kTileRows>(rows, x + r * ldx, ldx, panel, k0, k1, k_size, tile, tiles,
-                                       partial.data() + tile * kTileRows * kPanel, k0 == 0,
+        dispatch_block_avx2<kTileRows>(rows, x + r * ldx, ldx, panel, k0, k1, prefetch_end, tile,
+                                       tiles, partial.data() + tile * kTileRows * kPanel, k0 == 0,
                                        k1 == k_size, y + r * n + col, n, cols, pb);
       }
     }
@@ -362,14 +365,15 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void tile_bf16(
 // waited on memory and the others then computed on a cached panel, the two
 // never overlapping (16 rows of smollm2's projections: 1.6x the weights'
 // read time). Here the tiles of a block share out the prefetches of the
-// next one, so the weights stream in while every row's dot products run.
+// next one (the last block's, of the next panel pair's first), so the
+// weights stream in while every row's dot products run.
 constexpr int64_t kBf16BlockPairs = 64;  // k-pairs a block: 8 KB of a panel pair
 
 template <int R, int NP>
 SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void block_tile_bf16(
     const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t stride, int64_t i0,
-    int64_t i1, int64_t prefetch_end, int tile, int tiles, float* partial, bool first, bool last,
-    uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+    int64_t i1, int64_t k_pairs, int next_panels, int tile, int tiles, float* partial, bool first,
+    bool last, uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
   __m512 acc[NP][R];
 #pragma GCC unroll 2
   for (int q = 0; q < NP; ++q) {
@@ -382,11 +386,19 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void block_tile_bf1
     if (turn == 0) {
       turn = tiles;
       const int64_t ahead = i + kBf16BlockPairs;
-      if (ahead < prefetch_end) {
+      if (ahead < k_pairs) {
 #pragma GCC unroll 2
         for (int q = 0; q < NP; ++q)
           _mm_prefetch(reinterpret_cast<const char*>(panel + q * stride + ahead * 2 * kPanel),
                        _MM_HINT_T0);
+      } else if (ahead < 2 * k_pairs) {  // the next pair's first block: 2 panels on
+#pragma GCC unroll 2
+        for (int q = 0; q < NP; ++q) {
+          if (q < next_panels)
+            _mm_prefetch(reinterpret_cast<const char*>(panel + (q + 2) * stride +
+                                                       (ahead - k_pairs) * 2 * kPanel),
+                         _MM_HINT_T0);
+        }
       }
     }
     --turn;
@@ -406,24 +418,24 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void block_tile_bf1
 template <int R, int NP>
 SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dispatch_block_bf16(
     int rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t stride, int64_t i0,
-    int64_t i1, int64_t prefetch_end, int tile, int tiles, float* partial, bool first, bool last,
-    uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+    int64_t i1, int64_t k_pairs, int next_panels, int tile, int tiles, float* partial, bool first,
+    bool last, uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
   if constexpr (R > 1) {
     if (rows < R) {
-      dispatch_block_bf16<R - 1, NP>(rows, x, ldx, panel, stride, i0, i1, prefetch_end, tile,
-                                     tiles, partial, first, last, y, ldy, cols, bias);
+      dispatch_block_bf16<R - 1, NP>(rows, x, ldx, panel, stride, i0, i1, k_pairs, next_panels,
+                                     tile, tiles, partial, first, last, y, ldy, cols, bias);
       return;
     }
   }
-  block_tile_bf16<R, NP>(x, ldx, panel, stride, i0, i1, prefetch_end, tile, tiles, partial, first,
-                         last, y, ldy, cols, bias);
+  block_tile_bf16<R, NP>(x, ldx, panel, stride, i0, i1, k_pairs, next_panels, tile, tiles,
+                         partial, first, last, y, ldy, cols, bias);
 }
 
 template <int NP>
 SLIPSTREAM_AVX512_BF16 void run_blocks_bf16(const uint16_t* x, int64_t ldx, int64_t m,
                                             const uint16_t* panel, int64_t k_pairs, uint16_t* y,
                                             int64_t ldy, int64_t cols, const uint16_t* bias,
-                                            float* partial) {
+                                            int next_panels, float* partial) {
   const int64_t stride = k_pairs * 2 * kPanel;
   constexpr int64_t kTileFloats = 2 * kBf16TileRows * kPanel;
   const int tiles = static_cast<int>((m + kBf16TileRows - 1) / kBf16TileRows);
@@ -432,9 +444,9 @@ SLIPSTREAM_AVX512_BF16 void run_blocks_bf16(const uint16_t* x, int64_t ldx, int6
     for (int64_t r = 0; r < m; r += kBf16TileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m - r));
       const int tile = static_cast<int>(r / kBf16TileRows);
-      dispatch_block_bf16<kBf16TileRows, NP>(rows, x + r * ldx, ldx, panel, stride, i0, i1,
-                                             k_pairs, tile, tiles, partial + tile * kTileFloats,
-                                             i0 == 0, i1 == k_pairs, y + r * ldy, ldy, cols, bias);
+      dispatch_block_bf16<kBf16TileRows, NP>(
+          rows, x + r * ldx, ldx, panel, stride, i0, i1, k_pairs, next_panels, tile, tiles,
+          partial + tile * kTileFloats, i0 == 0, i1 == k_pairs, y + r * ldy, ldy, cols, bias);
     }
   }
 }
@@ -454,11 +466,13 @@ SLIPSTREAM_AVX512_BF16 void run_panels_bf16(const uint16_t* x, int64_t ldx, int6
     const int64_t cols = std::min(2 * kPanel, n - col);
     const uint16_t* pb = bias != nullptr ? bias + col : nullptr;
     const bool pair = p + 1 < p_end;
+    // The next pair's panels in this range, whose first block the last block prefetches.
+    const int next = static_cast<int>(std::clamp<int64_t>(p_end - p - 2, 0, 2));
     if (blocked) {
       if (pair) {
-        run_blocks_bf16<2>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, partial.data());
+        run_blocks_bf16<2>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, next, partial.data());
       } else {
-        run_blocks_bf16<1>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, partial.data());
+        run_blocks_bf16<1>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, next, partial.data());
       }
       continue;
     }
