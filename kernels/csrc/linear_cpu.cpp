@@ -77,55 +77,6 @@ constexpr int kTileRows = 6;    // rows of x per register tile: 12 accumulators
 
 // ------------------------------------------------------------------ AVX2 + FMA
 
-template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void tile_avx2(
-    const float* x, int64_t ldx, const float* panel, int64_t k_size, float* y, int64_t ldy,
-    int64_t cols, const float* bias) {
-  // Every loop over R fully unrolled, so the accumulators live in registers.
-  __m256 acc0[R], acc1[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    acc0[r] = _mm256_setzero_ps();
-    acc1[r] = _mm256_setzero_ps();
-  }
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < k_size; ++k) {
-    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
-      acc0[r] = _mm256_fmadd_ps(b, w0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(b, w1, acc1[r]);
-    }
-  }
-  alignas(32) float row[kPanel];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(row, acc0[r]);
-    _mm256_store_ps(row + 8, acc1[r]);
-    float* yr = y + r * ldy;
-    if (bias != nullptr) {
-      for (int64_t j = 0; j < cols; ++j) yr[j] = row[j] + bias[j];
-    } else {
-      std::memcpy(yr, row, cols * sizeof(float));
-    }
-  }
-}
-
-template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void dispatch_avx2(
-    int rows, const float* x, int64_t ldx, const float* panel, int64_t k_size, float* y,
-    int64_t ldy, int64_t cols, const float* bias) {
-  if constexpr (R > 1) {
-    if (rows < R) {
-      dispatch_avx2<R - 1>(rows, x, ldx, panel, k_size, y, ldy, cols, bias);
-      return;
-    }
-  }
-  tile_avx2<R>(x, ldx, panel, k_size, y, ldy, cols, bias);
-}
-
 // As the bf16 panels below do, a call of 2 to kMaxBlockedRows rows walks k in
 // blocks, every row tile over a block while it sits in L1 (sums parked
 // between blocks, each accumulator still summed in k order: the same
@@ -150,6 +101,7 @@ __attribute__((target("avx2,fma"), always_inline)) inline void block_tile_avx2(
     acc1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(partial + r * kPanel + 8);
   }
   int turn = tile;  // this tile prefetches every tiles-th line of the next block
+#pragma GCC unroll 4
   for (int64_t k = k0; k < k1; ++k) {
     if (turn == 0) {
       turn = tiles;
@@ -216,11 +168,11 @@ __attribute__((target("avx2,fma"))) void run_panels_avx2(const float* x, int64_t
     const int64_t col = p * kPanel;
     const int64_t cols = std::min(kPanel, n - col);
     const float* pb = bias != nullptr ? bias + col : nullptr;
-    if (!blocked) {
+    if (!blocked) {  // the whole of k as one block, no prefetches: the hardware's stream
       for (int64_t r = 0; r < m; r += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r));
-        dispatch_avx2<kTileRows>(rows, x + r * ldx, ldx, panel, k_size, y + r * n + col, n, cols,
-                                 pb);
+        dispatch_block_avx2<kTileRows>(rows, x + r * ldx, ldx, panel, 0, k_size, 0, 0, 1, nullptr,
+                                       true, true, y + r * n + col, n, cols, pb);
       }
       continue;
     }
