@@ -1,7 +1,7 @@
 """Micro-benchmark: bf16 projections on the panels against oneDNN, per row count.
 
     python -m slipstream.kernels.bench_linear [--rows 1,2,4,8,16,32,64,128,256,512]
-        [--threads 2] [--rounds 6] [--json PATH]
+        [--threads 2] [--rounds 6] [--layers 30] [--json PATH]
 
 SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down
 1536->576) over 30 layers of random bf16 weights, then its LM head
@@ -30,7 +30,7 @@ HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49_152
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
 
 
-def _projections() -> list[Linear]:
+def _projections(layers: int) -> list[Linear]:
     gen = torch.Generator().manual_seed(0)
 
     def weight(n: int, k: int) -> torch.Tensor:
@@ -56,18 +56,19 @@ def _pass_ms(projections: list[Linear], xs: dict[int, torch.Tensor]) -> float:
     return statistics.median(times) * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--layers", type=int, default=LAYERS, help="of smollm2's shape")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cpu = cpu_features.detect()
     if not (linear.bf16_panels_available() and cpu.can_pack_bf16):
         raise SystemExit("bf16 panels and oneDNN's bf16 packing are both needed (AVX512-BF16)")
-    projections = _projections()
+    projections = _projections(args.layers)
     weight_bytes = sum(2 * p.out_features * p.panels.shape[1] * 2 for p in projections)  # type: ignore[union-attr]
     macs_per_row = sum(p.out_features * p.panels.shape[1] * 2 for p in projections)  # type: ignore[union-attr]
     print(
@@ -111,6 +112,7 @@ def main() -> None:
             "parameters": {
                 "threads": args.threads,
                 "rounds": args.rounds,
+                "layers": args.layers,
                 "model": "smollm2 shape",
             },
             "rows": rows_out,
