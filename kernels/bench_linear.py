@@ -4,13 +4,14 @@
         [--threads 2] [--rounds 6] [--layers 30] [--json PATH]
 
 SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down
-1536->576) over 30 layers of random bf16 weights, then its LM head
-(576->49,152): 270 MB of weights, read from memory as in a step. For each row
-count, oneDNN's packed weights and the bf16 panels (``linear_cpu.cpp``)
-alternate ``--rounds`` times, a median of 5 passes each; prints the median ms
-a pass, panels / oneDNN, the weights' read floor (one row on the panels is
-near it) and the arithmetic rate. This is what ``linear.max_bf16_panel_rows``
-is set from; it needs AVX512-BF16 and oneDNN's bf16 packing.
+1536->576) over ``--layers`` (30) layers of random bf16 weights, then its LM
+head (576->49,152): 270 MB of weights at 30 layers, read from memory as in a
+step. For each row count, oneDNN's packed weights and the bf16 panels
+(``linear_cpu.cpp``) alternate ``--rounds`` times, a median of 5 passes
+each; prints the median ms a pass, panels / oneDNN, the weights' read rate
+(one row on the panels is near the floor) and the arithmetic rate. This is
+what ``linear.max_bf16_panel_rows`` is set from; it needs AVX512-BF16 and
+oneDNN's bf16 packing.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ def _projections(layers: int) -> list[Linear]:
     def weight(n: int, k: int) -> torch.Tensor:
         return (torch.randn(n, k, generator=gen) * 0.02).bfloat16()
 
-    layers = [
-        Linear(weight(n, k), pack=True, panels=True) for _ in range(LAYERS) for n, k in SHAPES
+    projections = [
+        Linear(weight(n, k), pack=True, panels=True) for _ in range(layers) for n, k in SHAPES
     ]
-    return [*layers, Linear(weight(VOCAB, HIDDEN), pack=True, panels=True)]
+    return [*projections, Linear(weight(VOCAB, HIDDEN), pack=True, panels=True)]
 
 
 def _pass_ms(projections: list[Linear], xs: dict[int, torch.Tensor]) -> float:
