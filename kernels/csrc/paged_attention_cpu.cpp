@@ -1380,20 +1380,23 @@ template <typename T, typename KV, typename F>
 SLIP_INLINE void for_each_tile(const Problem<T, KV>& p, const Task& task, const Task* upcoming,
                                LinePrefetcher& ahead, F&& f) {
   const TileWalk<T, KV> walk(p, task);
-  for (int64_t key = task.key_begin; key < task.key_end;) {
-    const int64_t n = walk.length(key), next = key + n;
+  int64_t key = task.key_begin;
+  int64_t n = key < task.key_end ? walk.length(key) : 0;
+  while (key < task.key_end) {
+    const int64_t next = key + n, next_n = next < task.key_end ? walk.length(next) : 0;
     ahead.finish();  // what the last tile's steps left of the one aimed at
-    if (key == task.key_begin && next < task.key_end) {
+    if (key == task.key_begin && next_n > 0) {
       walk.aim(ahead, next);
       ahead.finish();
     }
-    const int64_t after = next < task.key_end ? next + walk.length(next) : next;
+    const int64_t after = next + next_n;
     if (after < task.key_end)
       walk.aim(ahead, after);
     else if (upcoming != nullptr)
       TileWalk<T, KV>(p, *upcoming).aim(ahead, upcoming->key_begin);
     f(key, n, walk.offset(key));
     key = next;
+    n = next_n;
   }
 }
 
