@@ -229,6 +229,7 @@ void run_panels_portable(const float* x, int64_t ldx, int64_t m, const float* pa
 #endif
 
 constexpr int kBf16TileRows = 8;  // rows of x per register tile
+constexpr int64_t kBf16TileFloats = 2 * kBf16TileRows * kPanel;  // a tile's parked sums
 
 // A tile is R rows against NP adjacent panels (NP <= 2): each broadcast pair
 // of x feeds NP dot products. With few rows the k-pairs also rotate over S
@@ -389,7 +390,6 @@ SLIPSTREAM_AVX512_BF16 void run_blocks_bf16(const uint16_t* x, int64_t ldx, int6
                                             int64_t ldy, int64_t cols, const uint16_t* bias,
                                             int next_panels, float* partial) {
   const int64_t stride = k_pairs * 2 * kPanel;
-  constexpr int64_t kTileFloats = 2 * kBf16TileRows * kPanel;
   const int tiles = static_cast<int>((m + kBf16TileRows - 1) / kBf16TileRows);
   for (int64_t i0 = 0; i0 < k_pairs; i0 += kBf16BlockPairs) {
     const int64_t i1 = std::min(i0 + kBf16BlockPairs, k_pairs);
@@ -398,7 +398,7 @@ SLIPSTREAM_AVX512_BF16 void run_blocks_bf16(const uint16_t* x, int64_t ldx, int6
       const int tile = static_cast<int>(r / kBf16TileRows);
       dispatch_block_bf16<kBf16TileRows, NP>(
           rows, x + r * ldx, ldx, panel, stride, i0, i1, k_pairs, next_panels, tile, tiles,
-          partial + tile * kTileFloats, i0 == 0, i1 == k_pairs, y + r * ldy, ldy, cols, bias);
+          partial + tile * kBf16TileFloats, i0 == 0, i1 == k_pairs, y + r * ldy, ldy, cols, bias);
     }
   }
 }
@@ -409,8 +409,7 @@ SLIPSTREAM_AVX512_BF16 void run_panels_bf16(const uint16_t* x, int64_t ldx, int6
                                             int64_t p_end) {
   const bool blocked = m > 1;
   std::vector<float> partial(
-      blocked ? static_cast<size_t>((m + kBf16TileRows - 1) / kBf16TileRows) * 2 *
-                    kBf16TileRows * kPanel
+      blocked ? static_cast<size_t>((m + kBf16TileRows - 1) / kBf16TileRows * kBf16TileFloats)
               : 0);
   for (int64_t p = p_begin; p < p_end; p += 2) {
     const uint16_t* panel = panels + p * k_pairs * 2 * kPanel;
