@@ -33,9 +33,10 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from slipstream.scheduler.cost_model import CostCoefficients, CostModel
 from slipstream.scheduler.errors import SchedulerError
@@ -74,6 +75,7 @@ from slipstream.service.bench.slo_twin import (
 from slipstream.service.bench.slo_workload import (
     as_scheduled,
     make_requests,
+    percentile,
     saturating_requests,
     scored_metrics,
 )
@@ -365,7 +367,7 @@ def _engine_run(
     # one), on the replay's clock, whose zero is ``started``.
     carried = carried_state(sched.policy, -started)
     try:
-        outcomes = _replay(engine, submissions, started)
+        outcomes, lags = _replay(engine, submissions, started)
     finally:
         rig.listeners.remove(listen)
     for plan, seconds in measured:
@@ -395,12 +397,26 @@ def _engine_run(
             "num_disagreements": len(scored_differently(outcomes, twin_refit.outcomes, requests)),
         },
         "host_ms_per_step": host_ms_per_step(before, after),
+        "submit_lag_ms": submit_lag_ms(lags.values()),
         "num_twin_disagreements": len(disagreements),
         "twin_disagreements": disagreements[:MAX_LISTED_DISAGREEMENTS],
         "class0_misses": class0_misses(
-            outcomes, requests, [(at - started, sec, n) for at, sec, n in steps], twin.outcomes
+            outcomes,
+            requests,
+            [(at - started, sec, n) for at, sec, n in steps],
+            twin.outcomes,
+            lags,
         )[:MAX_LISTED_DISAGREEMENTS],
     }
+
+
+def submit_lag_ms(lags: Iterable[float]) -> dict[str, float] | None:
+    """How late the replay's submissions were, ms: median, 99th percentile
+    and largest; None without a submission."""
+    ms = [1e3 * lag for lag in lags]
+    if not ms:
+        return None
+    return {"p50": statistics.median(ms), "p99": percentile(ms, 99) or 0.0, "max": max(ms)}
 
 
 def host_ms_per_step(before: EngineStats, after: EngineStats) -> dict[str, float] | None:
@@ -428,12 +444,24 @@ def _submissions(
     return list(zip(requests, prompts, strict=True))
 
 
+class Replay(NamedTuple):
+    """A replay's outcomes in its submissions' order, and how late each
+    request reached ``engine.submit`` after its arrival (seconds, by req_id):
+    the replaying thread's own delay (its sleep's wake-up, the interpreter
+    shared with the engine thread), which a deadline counted from the
+    arrival pays."""
+
+    outcomes: list[SimOutcome]
+    submit_lag_s: dict[str, float]
+
+
 def _replay(
     engine: Engine, submissions: Sequence[tuple[SimRequest, list[int]]], t0: float
-) -> list[SimOutcome]:
+) -> Replay:
     """Submits each request with its prompt at ``t0 + arrival``; waits for
-    every finish. Outcomes in ``submissions``' order."""
+    every finish."""
     requests = [spec for spec, _ in submissions]
+    lags: dict[str, float] = {}
     done = threading.Event()
     lock = threading.Lock()
     first_token: dict[str, float] = {}
@@ -466,6 +494,7 @@ def _replay(
             expected_output_tokens=spec.expected_output_tokens,
             arrival_time=t0 + spec.arrival,
         )
+        lags[spec.req_id] = time.monotonic() - request.arrival_time
         try:
             engine.submit(request, on_event)
         except SchedulerError as exc:
@@ -474,9 +503,10 @@ def _replay(
                 if len(finished) == len(requests):
                     done.set()
     done.wait()
-    return [
+    outcomes = [
         _outcome(spec, t0, finished[spec.req_id], first_token.get(spec.req_id)) for spec in requests
     ]
+    return Replay(outcomes, lags)
 
 
 def _outcome(

@@ -250,12 +250,21 @@ def _host_lines(runs: Sequence[dict[str, object]]) -> list[str]:
     rows = [(r, h) for r, h in rows if isinstance(h, dict)]
     if not rows:
         return []
-    lines = ["engine thread, ms a step (planning ahead, a device wait near 0: the host's pace):"]
+    lines = [
+        "engine thread, ms a step (planning ahead, a device wait near 0: the host's pace),"
+        " and the replay's ms late to submit:"
+    ]
     for run, host in rows:
         phases = "  ".join(f"{name} {host[name]:.3f}" for name in HostTimes.__slots__)
+        lag = run.get("submit_lag_ms")
+        late = (
+            f"; submissions late p50 {lag['p50']:.2f} / p99 {lag['p99']:.2f} / max {lag['max']:.2f}"
+            if isinstance(lag, dict)
+            else ""
+        )
         lines.append(
             f"  cv {run['cv']:g} load {run['load']:g} {run['policy']:<8} "
-            f"{str(run['deadlines'])[:4]:<4} {phases}  ({host['steps']:.0f} steps)"
+            f"{str(run['deadlines'])[:4]:<4} {phases}  ({host['steps']:.0f} steps){late}"
         )
     return lines
 
@@ -332,6 +341,11 @@ def _class0_miss_lines(runs: Sequence[dict[str, object]]) -> list[str]:
             f"{_num(row['ttft_s'])}s, preempted {row['preemptions']}x, held back "
             f"{row.get('held_back_steps', 0)} steps"
             + (f" (twin {row['twin_held_back_steps']})" if "twin_held_back_steps" in row else "")
+            + (
+                f", submitted {row['submit_lag_ms']:.1f} ms late"
+                if isinstance(row.get("submit_lag_ms"), float)
+                else ""
+            )
         ),
     )
 

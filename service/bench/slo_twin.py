@@ -6,7 +6,7 @@ engine's own replays are next to each twin's distance from them."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from slipstream.scheduler.simulator import SimOutcome, SimRequest, SimResult
 from slipstream.service.bench.slo_report import side_attainment
@@ -78,6 +78,7 @@ def class0_misses(
     requests: Sequence[SimRequest],
     steps: Sequence[StepRecord] = (),
     twin: Sequence[SimOutcome] = (),
+    submit_lag_s: Mapping[str, float] | None = None,
 ) -> list[dict[str, object]]:
     """Every class-0 request that missed on the engine, with what happened
     to it and what it asked for: the first place to look when class 0 falls
@@ -85,7 +86,8 @@ def class0_misses(
     live (how many, their median and longest, their median batch) beside
     the whole run's median step: whether it met slow steps or only many.
     With its ``twin``'s outcomes, the steps the twin held it back in beside
-    the engine's."""
+    the engine's. With the replay's ``submit_lag_s``, how late it reached
+    the engine (time its deadline lost before the engine saw it)."""
     rows: list[dict[str, object]] = []
     twin_held = {o.req_id: o.num_held_back for o in twin}
     run_step_ms = 1e3 * statistics.median(s for _, s, _ in steps) if steps else None
@@ -110,6 +112,8 @@ def class0_misses(
         }
         if spec.req_id in twin_held:
             row["twin_held_back_steps"] = twin_held[spec.req_id]
+        if submit_lag_s is not None and spec.req_id in submit_lag_s:
+            row["submit_lag_ms"] = 1e3 * submit_lag_s[spec.req_id]
         if steps:
             row.update(_steps_while_live(steps, spec.arrival, outcome.finish_time))
             row["run_step_ms_p50"] = run_step_ms

@@ -299,6 +299,10 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(
         host = run["host_ms_per_step"]
         assert host["steps"] > 0 and host["planning"] > 0 and host["launch"] > 0
         assert host["device_wait"] == 0
+        # how late the replay reached engine.submit, and each class-0 miss's own lag
+        lag = run["submit_lag_ms"]
+        assert 0.0 <= lag["p50"] <= lag["p99"] <= lag["max"]
+        assert all(0.0 <= row["submit_lag_ms"] <= lag["max"] for row in misses)
     # every cell replayed a second time on the same requests
     again = report["repeat_runs"]
     assert [(r["policy"], r["repeat"]) for r in again] == [("priority", 1), ("deadline", 1)]
@@ -320,7 +324,7 @@ def test_engine_mode_replays_on_the_real_engine_with_a_sim_twin(
     assert "engine vs its simulated twin" in summary and "capacity: engine" in summary
     assert "isolated requests measured: 32x8 " in summary
     assert "the engine replaying the same requests" in summary
-    assert "engine thread, ms a step" in summary
+    assert "engine thread, ms a step" in summary and "; submissions late p50 " in summary
     png = tmp_path / "slo.png"
     slo_report.plot_attainment(report, str(png))  # the replays drawn next to the first runs
     assert png.stat().st_size > 1000
@@ -464,3 +468,29 @@ def test_a_class0_miss_lists_the_steps_it_lived_through() -> None:
     assert row["run_step_ms_p50"] == pytest.approx(2.0)
     (bare,) = class0_misses([missed], [spec])
     assert "steps_while_live" not in bare and bare["ttft_s"] == pytest.approx(0.008)
+    assert "submit_lag_ms" not in bare
+    (late,) = class0_misses([missed], [spec], steps, [twin], {"r": 0.0045, "other": 1.0})
+    assert late["submit_lag_ms"] == pytest.approx(4.5)  # its deadline lost that before the engine
+
+
+def test_a_class0_miss_line_says_how_late_it_was_submitted() -> None:
+    row = {
+        "req_id": "r7",
+        "arrival_s": 0.5,
+        "fate": "deadline_exceeded after 0.02s",
+        "deadline_s": 0.02,
+        "prompt_len": 40,
+        "output_len": 12,
+        "queue_wait_s": 0.0,
+        "ttft_s": 0.004,
+        "preemptions": 0,
+        "held_back_steps": 3,
+        "twin_held_back_steps": 0,
+    }
+    run = {"cv": 1.0, "load": 1.5, "policy": "deadline", "deadlines": "enforced"}
+    (header, line) = slo_report._class0_miss_lines([{**run, "class0_misses": [row]}])
+    assert header.strip().startswith("class-0 misses on the engine, cv 1 load 1.5")
+    assert line.endswith("held back 3 steps (twin 0)")  # a report from before the lag was kept
+    late = {**row, "submit_lag_ms": 6.25}
+    (_, line) = slo_report._class0_miss_lines([{**run, "class0_misses": [late]}])
+    assert line.endswith("held back 3 steps (twin 0), submitted 6.2 ms late")
