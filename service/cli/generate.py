@@ -2,7 +2,10 @@
 (``--local``) or a server (``--server HOST:PORT``). Both print the same
 output, so local and remote runs compare line for line; with ``--json`` one
 object per prompt, in prompt order: ``{"index", "token_ids", "text",
-"finish_reason"}``.
+"finish_reason"}``, and for a request that did not finish OK its
+``status_code``, ``reject_reason`` (if refused) and ``message`` (a
+cancelled one: none). The exit status is 1 when any request did not finish
+OK (cancelled by ``--cancel-after`` counts as OK).
 
 A prompts file is JSON Lines: each line a JSON string, or an object with
 ``prompt`` (text) or ``prompt_token_ids`` and optionally ``max_tokens``,
@@ -45,20 +48,43 @@ class PromptSpec:
 
 @dataclass(frozen=True, slots=True)
 class Output:
+    """One prompt's outcome. A request that failed also says why: its gRPC
+    status, the reject reason if it was refused, the server's (or the local
+    engine's) message. A cancelled one says "cancelled" and no more."""
+
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str
+    status_code: str = "OK"
+    reject_reason: str | None = None
+    message: str = ""
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "index": self.index,
-                "token_ids": self.token_ids,
-                "text": self.text,
-                "finish_reason": self.finish_reason,
-            }
-        )
+        out: dict[str, object] = {
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
+        if self.failed:
+            out["status_code"] = self.status_code
+            if self.reject_reason is not None:
+                out["reject_reason"] = self.reject_reason
+            if self.message:
+                out["message"] = self.message
+        return json.dumps(out)
+
+    @property
+    def failed(self) -> bool:
+        return self.status_code not in ("OK", "CANCELLED")
+
+    def to_text(self) -> str:
+        if not self.failed:
+            return f"[{self.index}] ({self.finish_reason}) {self.text}"
+        why = ", ".join(x for x in (self.status_code, self.reject_reason) if x)
+        detail = f": {self.message}" if self.message else ""
+        return f"[{self.index}] ({self.finish_reason}, {why}{detail}) {self.text}"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -168,8 +194,8 @@ def _spec(
 
 
 def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]:
-    from slipstream.scheduler.request import FinishReason, SamplingParams
-    from slipstream.service.engine.events import FinishEvent, RequestSpec
+    from slipstream.scheduler.request import SamplingParams
+    from slipstream.service.engine.events import RequestSpec
     from slipstream.service.engine.loader import load_engine
 
     engine = load_engine(engine_config(args))
@@ -197,8 +223,7 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
                 )
                 engine.submit(request, collector.on_event)
             except Exception as exc:  # a bad prompt fails alone, as over the wire
-                reject = FinishEvent(collector.req_id, FinishReason.REJECTED, str(exc))
-                collector.on_event(reject)
+                collector.reject(exc)
         return [c.wait(i) for i, c in enumerate(collectors)]
     finally:
         engine.shutdown()
@@ -212,7 +237,7 @@ def _local_prompt_ids(spec: PromptSpec, tokenizer: object) -> list[int]:
     if spec.messages is not None:
         return render_chat(tokenizer, spec.messages)
     if not spec.text and not spec.token_ids:
-        raise ValueError("prompt is empty")
+        raise ValueError("prompt text is empty")  # the server's words
     return list(spec.token_ids) if spec.text is None else encode_prompt(tokenizer, spec.text)
 
 
@@ -224,23 +249,52 @@ class _LocalCollector:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._reason = ""
+        self._status = "OK"
+        self._reject_reason: str | None = None
+        self._message = ""
         self._done = threading.Event()
 
     def on_event(self, event: object) -> None:
+        from slipstream.service.api.status import finish_status, rejection_for_cause
         from slipstream.service.engine.events import FinishEvent
 
         self._text.append(event.text)  # type: ignore[attr-defined]
         if isinstance(event, FinishEvent):
             self._reason = event.reason.name.lower()
+            self._status = finish_status(event).name
+            if event.reject_cause is not None:
+                self._reject_reason = rejection_for_cause(event.reject_cause).reason_name
+            self._message = event.message
             self._done.set()
             return
         self._token_ids.extend(event.token_ids)  # type: ignore[attr-defined]
         if self._cancel_after is not None and len(self._token_ids) >= self._cancel_after:
             self._engine.abort(self.req_id)  # type: ignore[attr-defined]
 
+    def reject(self, error: Exception) -> None:
+        """A submit the engine refused: the status and reason the server's
+        table gives the same error."""
+        from slipstream.service.api.status import INVALID, rejection_for
+
+        rejection = rejection_for(error) or INVALID
+        self._reason = "rejected"
+        self._status = rejection.status.name
+        self._reject_reason = rejection.reason_name
+        self._message = str(error)
+        self._done.set()
+
     def wait(self, index: int) -> Output:
         self._done.wait()
-        return Output(index, self._token_ids, "".join(self._text), self._reason)
+        text = "".join(self._text)
+        return Output(
+            index,
+            self._token_ids,
+            text,
+            self._reason,
+            self._status,
+            self._reject_reason,
+            self._message,
+        )
 
 
 # ---------------------------------------------------------------- remote
@@ -284,7 +338,10 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
         if stream is not None:
             await stream.close()
         results = await asyncio.gather(*(_follow(g, args.cancel_after) for g in generations))
-    return [Output(i, r.token_ids, r.text, r.finish_reason) for i, r in enumerate(results)]
+    return [
+        Output(i, r.token_ids, r.text, r.finish_reason, r.status_code, r.reject_reason, r.message)
+        for i, r in enumerate(results)
+    ]
 
 
 def _remote_prompt(spec: PromptSpec) -> str | list[int] | Conversation:
@@ -327,9 +384,19 @@ def run(args: argparse.Namespace) -> int:
             print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
             return 1
     for out in outputs:
-        if args.json:
-            print(out.to_json())
-        else:
-            print(f"[{out.index}] ({out.finish_reason}) {out.text}")
+        print(out.to_json() if args.json else out.to_text())
     sys.stdout.flush()
+    # Cancelled by --cancel-after is what was asked for; anything else not OK failed.
+    asked = {"OK", "CANCELLED"} if args.cancel_after is not None else {"OK"}
+    failed = [out for out in outputs if out.status_code not in asked]
+    if failed:
+        first = failed[0]
+        print(
+            f"slipstream: error: {len(failed)} of {len(outputs)} requests did not finish OK "
+            f"(the first, [{first.index}]: {first.status_code}"
+            + (f": {first.message}" if first.message else "")
+            + ")",
+            file=sys.stderr,
+        )
+        return 1
     return 0

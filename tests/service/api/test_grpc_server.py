@@ -192,6 +192,12 @@ def test_a_stream_that_asks_for_batches_reads_the_same_events(
 # ---------------------------------------------------------------- local parity
 
 
+def json_lines(out: str) -> list[dict]:
+    """The CLI's JSON lines from captured stdout, where the server running in
+    this process may log lines of its own."""
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
 def test_greedy_over_the_wire_matches_local_cli(
     server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -208,7 +214,7 @@ def test_greedy_over_the_wire_matches_local_cli(
         ["--local", "--model", "tiny", "--dtype", "float32"],
     ):
         assert main(["generate", *where, *common]) == 0
-        outputs[where[0]] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        outputs[where[0]] = json_lines(capsys.readouterr().out)
     assert outputs["--server"] == outputs["--local"]
     assert [o["index"] for o in outputs["--local"]] == list(range(8))
     assert len(outputs["--local"][1]["token_ids"]) <= 9
@@ -242,7 +248,7 @@ def test_cli_cancel_after(server: ServerThread, capsys: pytest.CaptureFixture[st
     argv = ["generate", "--server", server.target, "--prompt", "Hello", "--prompt", "Bye"]
     argv += ["--max-tokens", str(LONG), "--ignore-eos", "--cancel-after", "3", "--json"]
     assert main(argv) == 0
-    outputs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    outputs = json_lines(capsys.readouterr().out)
     assert [o["finish_reason"] for o in outputs] == ["cancelled", "cancelled"]
     assert all(3 <= len(o["token_ids"]) < LONG for o in outputs)
 
@@ -251,11 +257,42 @@ def test_cli_first_token_timeout(server: ServerThread, capsys: pytest.CaptureFix
     from slipstream.service.cli import main
 
     argv = ["generate", "--server", server.target, "--prompt", "Hello", "--json"]
-    assert main([*argv, "--max-tokens", "4", "--first-token-timeout", "0.000001"]) == 0
+    assert main([*argv, "--max-tokens", "4", "--first-token-timeout", "0.000001"]) == 1
     assert main([*argv, "--max-tokens", "4", "--first-token-timeout", "60000"]) == 0
-    late, ok = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    late, ok = json_lines(capsys.readouterr().out)
     assert late["finish_reason"] == "deadline_exceeded" and late["token_ids"] == []
-    assert ok["finish_reason"] in ("max_tokens", "eos")
+    assert late["status_code"] == "DEADLINE_EXCEEDED"
+    assert ok["finish_reason"] in ("max_tokens", "eos") and "status_code" not in ok
+
+
+def test_cli_says_why_a_request_failed_and_exits_1(
+    server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refused prompt's line carries the status, reason and message the
+    server gave (the same from the in-process engine); the others print as
+    before, and the exit status says one failed."""
+    from slipstream.service.cli import main
+
+    common = ["--prompt", "", "--prompt", "Hello", "--max-tokens", "4", "--json"]
+    outputs = {}
+    for where in (
+        ["--server", server.target],
+        ["--local", "--model", "tiny", "--dtype", "float32"],
+    ):
+        assert main(["generate", *where, *common]) == 1
+        captured = capsys.readouterr()
+        outputs[where[0]] = json_lines(captured.out)
+        assert "slipstream: error: 1 of 2 requests did not finish OK" in captured.err
+        assert "INVALID_ARGUMENT: prompt text is empty" in captured.err
+    assert outputs["--server"] == outputs["--local"]
+    refused, fine = outputs["--server"]
+    assert refused["finish_reason"] == "rejected" and refused["status_code"] == "INVALID_ARGUMENT"
+    assert refused["reject_reason"] == "invalid" and refused["message"] == "prompt text is empty"
+    assert fine["token_ids"] and set(fine) == {"index", "token_ids", "text", "finish_reason"}
+    # the text form says the same
+    assert main(["generate", "--server", server.target, "--prompt", ""]) == 1
+    out = capsys.readouterr().out
+    assert "\n[0] (rejected, INVALID_ARGUMENT, invalid: prompt text is empty)" in "\n" + out
 
 
 def test_client_disconnect_aborts_all_its_requests(client: Client, server: ServerThread) -> None:
