@@ -76,6 +76,7 @@ def channel_target(addresses: str | Sequence[str]) -> str:
     (``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``); a list of IP
     ``host:port`` literals becomes an ``ipv4:``/``ipv6:`` target."""
     if isinstance(addresses, str):
+        _check_port(addresses.rpartition(":")[2], addresses)
         return addresses
     if not addresses:
         raise ValueError("no server addresses given")
@@ -100,4 +101,11 @@ def _split_host_port(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"address {address!r} is not HOST:PORT")
+    _check_port(port, address)
     return host.strip("[]"), int(port)
+
+
+def _check_port(port: str, address: str) -> None:
+    """A numeric port past 65535 is refused: gRPC would take 70000 as 4464."""
+    if port.isdigit() and int(port) > 65535:
+        raise ValueError(f"address {address!r}: a port is 0-65535, got {int(port)}")

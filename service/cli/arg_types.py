@@ -23,3 +23,12 @@ def int_at_least(low: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
+
+
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port, 0-65535 (0: the caller's meaning, a free
+    port or off). gRPC would take 70000 as 70000 - 65536 and listen there."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
+    return value

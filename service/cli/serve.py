@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from slipstream.scheduler.policy_registry import POLICY_NAMES
-from slipstream.service.cli.arg_types import non_negative_int, positive_int
+from slipstream.service.cli.arg_types import non_negative_int, positive_int, tcp_port
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
@@ -204,10 +204,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("serve", help="serve a model over gRPC")
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
+    parser.add_argument("--port", type=tcp_port, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument(
         "--http-port",
-        type=int,
+        type=tcp_port,
         default=DEFAULT_HTTP_PORT,
         help=f"OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
         f"port of --host, same engine (default {DEFAULT_HTTP_PORT}; 0: off)",
@@ -342,7 +342,10 @@ def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
         "telemetry", "tracing is configured by the standard OTEL_* environment variables"
     )
     group.add_argument(
-        "--metrics-port", type=int, default=None, help="serve Prometheus /metrics here (0: any)"
+        "--metrics-port",
+        type=tcp_port,
+        default=None,
+        help="serve Prometheus /metrics here (0: any)",
     )
     group.add_argument("--metrics-host", default=None, help="default: the --host address")
     group.add_argument(

@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from slipstream.clients.balancing import channel_target
 from slipstream.clients.security import secure_channel, with_token
 from slipstream.clients.wire import call_metadata
 from slipstream.service.cli.connect import add_connection_args, client_tls
@@ -72,7 +73,7 @@ def _table(stats: dict[str, object]) -> str:
 def run(args: argparse.Namespace) -> int:
     metadata = call_metadata(with_token(None, args.token))
     try:
-        with secure_channel(args.server, client_tls(args), None) as channel:
+        with secure_channel(channel_target(args.server), client_tls(args), None) as channel:
             stub = pb_grpc.InferenceStub(channel)
             response = stub.GetServerStats(
                 pb.GetServerStatsRequest(), timeout=args.timeout_s, metadata=metadata

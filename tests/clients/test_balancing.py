@@ -88,6 +88,12 @@ def test_targets_and_service_config() -> None:
         channel_target(["localhost:1"])
     with pytest.raises(ValueError, match="HOST:PORT"):
         channel_target(["127.0.0.1"])
+    # gRPC would take port 70000 as 4464: refused, a string target as a list's
+    for target in ("localhost:70000", ["127.0.0.1:65536"], "dns:///slipstream:99999"):
+        with pytest.raises(ValueError, match="a port is 0-65535"):
+            channel_target(target)
+    assert channel_target("localhost:65535") == "localhost:65535"
+    assert channel_target("unix:/run/slipstream.sock") == "unix:/run/slipstream.sock"
     config = json.loads(service_config())
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
     assert config["healthCheckConfig"] == {"serviceName": "slipstream.v1.Inference"}

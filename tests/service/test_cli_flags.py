@@ -1,0 +1,34 @@
+"""Flag values every command shares: refused at parsing, with the flag named."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from slipstream.service.cli.arg_types import tcp_port
+
+
+@pytest.mark.parametrize("text", ["0", "50051", "65535"])
+def test_a_port_is_0_to_65535(text: str) -> None:
+    assert tcp_port(text) == int(text)
+
+
+@pytest.mark.parametrize("text", ["65536", "70000", "-1", "http"])
+def test_a_port_out_of_range_is_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        tcp_port(text)
+
+
+@pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
+def test_serve_refuses_a_port_grpc_would_wrap(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC takes port 70000 as 70000 - 65536 and listens on 4464: the
+    command must refuse it before anything starts."""
+    from slipstream.service.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "tiny", flag, "70000"])
+    assert exited.value.code == 2
+    assert f"argument {flag}: a port is 0-65535, got 70000" in capsys.readouterr().err
