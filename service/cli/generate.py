@@ -255,11 +255,12 @@ class _LocalCollector:
         self._done = threading.Event()
 
     def on_event(self, event: object) -> None:
-        from slipstream.service.api.status import finish_status, rejection_for_cause
         from slipstream.service.engine.events import FinishEvent
 
         self._text.append(event.text)  # type: ignore[attr-defined]
         if isinstance(event, FinishEvent):
+            from slipstream.service.api.status import finish_status, rejection_for_cause
+
             self._reason = event.reason.name.lower()
             self._status = finish_status(event).name
             if event.reject_cause is not None:
@@ -285,11 +286,10 @@ class _LocalCollector:
 
     def wait(self, index: int) -> Output:
         self._done.wait()
-        text = "".join(self._text)
         return Output(
             index,
             self._token_ids,
-            text,
+            "".join(self._text),
             self._reason,
             self._status,
             self._reject_reason,
