@@ -144,20 +144,48 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
         return [_spec(text, None, {}, args) for text in args.prompt]
     if args.messages_file:
         return [_spec(None, None, {}, args, load_messages(args.messages_file))]
+    path = args.prompts_file
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"{path}: cannot read it: {exc.strerror}") from None
     specs = []
-    for line_no, line in enumerate(args.prompts_file.read_text().splitlines(), start=1):
+    for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        item = json.loads(line)
+        where = f"{path}:{line_no}"
+        try:
+            item = json.loads(line)
+        except ValueError as exc:
+            raise SystemExit(f"{where}: not JSON ({exc})") from None
         if isinstance(item, str):
             specs.append(_spec(item, None, {}, args))
         elif isinstance(item, dict) and ("prompt" in item or "prompt_token_ids" in item):
+            _check_item(item, where)
             specs.append(_spec(item.get("prompt"), item.get("prompt_token_ids"), item, args))
         else:
-            raise SystemExit(
-                f"{args.prompts_file}:{line_no}: need a string or prompt/prompt_token_ids"
-            )
+            raise SystemExit(f"{where}: need a string or prompt/prompt_token_ids")
     return specs
+
+
+def _check_item(item: dict, where: str) -> None:
+    """A prompts file's object: each field of the type it must have, else
+    ``SystemExit`` naming the line and the field."""
+
+    def integer(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    prompt, ids = item.get("prompt"), item.get("prompt_token_ids")
+    if prompt is not None and not isinstance(prompt, str):
+        raise SystemExit(f"{where}: prompt must be a string")
+    if ids is not None and not (isinstance(ids, list) and all(integer(t) for t in ids)):
+        raise SystemExit(f"{where}: prompt_token_ids must be a list of integers")
+    for key in ("max_tokens", "seed"):
+        if item.get(key) is not None and not integer(item[key]):
+            raise SystemExit(f"{where}: {key} must be an integer")
+    temperature = item.get("temperature")
+    if temperature is not None and not (integer(temperature) or isinstance(temperature, float)):
+        raise SystemExit(f"{where}: temperature must be a number")
 
 
 def load_messages(path: Path) -> tuple[tuple[str, str], ...]:

@@ -1,0 +1,59 @@
+"""``slipstream generate``'s prompts file: a bad file or line is refused
+before any model loads, naming the file, the line and what is wrong."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from slipstream.service.cli.generate import load_prompts
+
+
+def _args(path: Path) -> argparse.Namespace:
+    return argparse.Namespace(
+        prompt=None,
+        messages_file=None,
+        prompts_file=path,
+        max_tokens=16,
+        temperature=0.0,
+        seed=None,
+    )
+
+
+def test_a_good_file_gives_one_spec_a_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('"Hello"\n\n{"prompt_token_ids": [1, 2], "max_tokens": 3, "temperature": 1}\n')
+    first, second = load_prompts(_args(path))
+    assert first.text == "Hello" and first.max_tokens == 16
+    assert second.token_ids == [1, 2] and second.max_tokens == 3 and second.temperature == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "complaint"),
+    [
+        ("not json", ":2: not JSON (Expecting value"),
+        ('{"prompt": 5}', ":2: prompt must be a string"),
+        ('{"prompt_token_ids": [1, "2"]}', ":2: prompt_token_ids must be a list of integers"),
+        ('{"prompt_token_ids": 7}', ":2: prompt_token_ids must be a list of integers"),
+        ('{"prompt": "x", "max_tokens": "5"}', ":2: max_tokens must be an integer"),
+        ('{"prompt": "x", "max_tokens": true}', ":2: max_tokens must be an integer"),
+        ('{"prompt": "x", "seed": 1.5}', ":2: seed must be an integer"),
+        ('{"prompt": "x", "temperature": "hot"}', ":2: temperature must be a number"),
+        ("[1, 2]", ":2: need a string or prompt/prompt_token_ids"),
+    ],
+)
+def test_a_bad_line_is_named(tmp_path: Path, line: str, complaint: str) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(f'"fine"\n{line}\n')
+    with pytest.raises(SystemExit) as exited:
+        load_prompts(_args(path))
+    assert str(exited.value).startswith(f"{path}{complaint}")
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "absent.jsonl"
+    with pytest.raises(SystemExit) as exited:
+        load_prompts(_args(path))
+    assert str(exited.value) == f"{path}: cannot read it: No such file or directory"
