@@ -30,6 +30,7 @@ from slipstream.service.bench.report import hardware
 from slipstream.service.bench.serve_load import LoadShape, Trace, metrics, run_local, run_remote
 from slipstream.service.bench.serve_process import spawned_serve
 from slipstream.service.bench.workload import WorkloadRequest, make_workload, workload_summary
+from slipstream.service.cli.arg_types import non_negative_int, positive_float, positive_int
 from slipstream.service.engine.config import DTYPE_CHOICES
 
 # ---------------------------------------------------------------- the server
@@ -98,18 +99,24 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     )
     parser.add_argument("--model", default=None, help="serve (and run in-process) this model")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument(
         "--no-prefix-cache", dest="prefix_cache", action="store_false", help="prefix caching off"
     )
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=positive_int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--rate", type=float, default=math.inf, help="requests/s; inf = all at once"
+        "--rate", type=positive_float, default=math.inf, help="requests/s; inf = all at once"
     )
-    parser.add_argument("--burstiness", type=float, default=1.0, help="Gamma shape; 1 = Poisson")
-    parser.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
-    parser.add_argument("--streams", type=int, default=1, help="gRPC streams to spread over")
+    parser.add_argument(
+        "--burstiness", type=positive_float, default=1.0, help="Gamma shape; 1 = Poisson"
+    )
+    parser.add_argument(
+        "--concurrency", type=positive_int, default=None, help="max requests in flight"
+    )
+    parser.add_argument(
+        "--streams", type=positive_int, default=1, help="gRPC streams to spread over"
+    )
     parser.add_argument(
         "--per-request",
         action="store_true",
@@ -129,7 +136,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
         "and send it the same workload over HTTP (after Slipstream's server stopped)",
     )
     parser.add_argument("--vllm-log", type=Path, default=None, help="keep vLLM's server log here")
-    parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
+    parser.add_argument("--warmup", type=non_negative_int, default=4, help="untimed requests first")
     parser.add_argument("--no-local", action="store_true", help="skip the in-process run")
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
     parser.add_argument(
@@ -139,7 +146,7 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     )
     parser.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=1,
         help="off/on pairs (--trace-overhead); gRPC/HTTP pairs, alternating (--protocol both)",
     )

@@ -60,7 +60,7 @@ from slipstream.service.bench.slo_report import (
     plot_capacity,
 )
 from slipstream.service.bench.slo_sim import run_sim_bench, run_sim_capacity
-from slipstream.service.cli.arg_types import non_negative_int
+from slipstream.service.cli.arg_types import non_negative_int, positive_float, positive_int
 from slipstream.service.engine.config import DTYPE_CHOICES, PREFILL_GRAPH_TOKENS, EngineConfig
 from slipstream.service.engine.device import resolve_device
 
@@ -76,9 +76,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         description=__doc__,
     )
     parser.add_argument("--sim", action="store_true", help="simulate (default: the real engine)")
-    parser.add_argument("--requests", type=int, default=None, help="10000 sim, 200 engine")
-    parser.add_argument("--load", type=float, action="append", help="x capacity (repeatable)")
-    parser.add_argument("--cv", type=float, action="append", help="arrival CV (repeatable)")
+    parser.add_argument("--requests", type=positive_int, default=None, help="10000 sim, 200 engine")
+    parser.add_argument(
+        "--load", type=positive_float, action="append", help="x capacity (repeatable)"
+    )
+    parser.add_argument(
+        "--cv", type=positive_float, action="append", help="arrival CV (repeatable)"
+    )
     parser.add_argument("--policy", action="append", choices=POLICY_NAMES)
     parser.add_argument(
         "--baseline-deadlines",
@@ -89,15 +93,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=1,
         help="engine mode: replay every cell N times (the engine's run-to-run spread)",
     )
-    parser.add_argument("--slack", type=float, nargs=3, metavar=("S0", "S1", "S2"))
+    parser.add_argument("--slack", type=positive_float, nargs=3, metavar=("S0", "S1", "S2"))
     parser.add_argument("--num-device-blocks", type=int, default=None)
     parser.add_argument("--num-host-blocks", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--max-queue-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=32)
+    parser.add_argument("--max-queue-len", type=positive_int, default=4096)
     parser.add_argument("--aging-s", type=float, default=None, help="0 disables aging")
     parser.add_argument("--no-reject-infeasible", action="store_true")
     parser.add_argument(
@@ -143,13 +147,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument(
         "--capacity-loads",
-        type=float,
+        type=positive_float,
         nargs="+",
         metavar="LOAD",
         help="ascending loads the capacity sweep tries before bisecting",
     )
     parser.add_argument("--capacity-bisections", type=int, default=None)
-    parser.add_argument("--capacity-requests", type=int, default=None)
+    parser.add_argument("--capacity-requests", type=positive_int, default=None)
     parser.add_argument("--model", default="small")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     parser.add_argument(

@@ -59,6 +59,7 @@ from slipstream.service.bench.soak_clients import (
     own_stream,
     stalled_client,
 )
+from slipstream.service.cli.arg_types import positive_float, positive_int
 from slipstream.service.engine.config import DTYPE_CHOICES
 
 KINDS = ("plain", "mixed", "cancel", "deadline", "disconnect", "slow")
@@ -360,15 +361,23 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser = bench_subparsers.add_parser("soak", help="long mixed load: does anything accumulate?")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--minutes", type=float, default=30.0)
-    parser.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity")
-    parser.add_argument("--calibrate-s", type=float, default=15.0, help="capacity measurement")
-    parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
-    parser.add_argument("--slow-reader-grace", type=float, default=5.0, help="the server's")
+    parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument("--minutes", type=positive_float, default=30.0)
+    parser.add_argument(
+        "--load", type=positive_float, default=0.8, help="fraction of measured capacity"
+    )
+    parser.add_argument(
+        "--calibrate-s", type=positive_float, default=15.0, help="capacity measurement"
+    )
+    parser.add_argument(
+        "--interval", type=positive_float, default=5.0, help="seconds between samples"
+    )
+    parser.add_argument(
+        "--slow-reader-grace", type=positive_float, default=5.0, help="the server's"
+    )
     parser.add_argument(
         "--max-outbox-events",
-        type=int,
+        type=positive_int,
         default=64,
         help="the server's (small, so the stopped readers reach it soon)",
     )

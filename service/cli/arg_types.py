@@ -25,6 +25,17 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (``inf`` included), else a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def tcp_port(text: str) -> int:
     """An argparse type: a TCP port, 0-65535 (0: the caller's meaning, a free
     port or off). gRPC would take 70000 as 70000 - 65536 and listen there."""

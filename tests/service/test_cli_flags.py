@@ -32,3 +32,28 @@ def test_serve_refuses_a_port_grpc_would_wrap(
         main(["serve", "--model", "tiny", flag, "70000"])
     assert exited.value.code == 2
     assert f"argument {flag}: a port is 0-65535, got 70000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["bench", "slo", "--sim", "--requests", "0"], "argument --requests: must be >= 1"),
+        (["bench", "slo", "--sim", "--load", "0"], "argument --load: must be > 0"),
+        (["bench", "slo", "--sim", "--slack", "4", "0", "16"], "argument --slack: must be > 0"),
+        (["bench", "serve", "--model", "tiny", "--requests", "0"], "argument --requests"),
+        (["bench", "serve", "--model", "tiny", "--rate", "0"], "argument --rate: must be > 0"),
+        (["bench", "soak", "--minutes", "0"], "argument --minutes: must be > 0"),
+        (["bench", "soak", "--load", "nan"], "argument --load: must be > 0, got nan"),
+    ],
+)
+def test_a_benchmark_refuses_a_value_it_cannot_run(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each of these hung (slo --requests 0), divided by zero (serve
+    --requests 0, --rate 0) or failed deep inside a run (soak --minutes 0)."""
+    from slipstream.service.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert complaint in capsys.readouterr().err
