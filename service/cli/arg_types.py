@@ -25,14 +25,34 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a number > 0 (``inf`` included), else a usage error."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0 (``inf`` included), else a usage error."""
+    value = _number(text)
     if not value > 0:  # NaN too
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0, else a usage error."""
+    value = _number(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a share in (0, 1], else a usage error."""
+    value = _number(text)
+    if not 0 < value <= 1:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 

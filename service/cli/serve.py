@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 
 from slipstream.scheduler.policy_registry import POLICY_NAMES
-from slipstream.service.cli.arg_types import non_negative_int, positive_int, tcp_port
+from slipstream.service.cli.arg_types import (
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    tcp_port,
+)
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.engine.config import (
     DTYPE_CHOICES,
@@ -116,7 +123,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--gpu-memory-fraction",
-        type=float,
+        type=fraction,
         default=defaults.gpu_memory_fraction,
         help="on CUDA: the share of the GPU's free memory, after the weights, that the KV "
         "pool, a step's activations and the CUDA-graph pool may take",
@@ -142,7 +149,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="plan and launch step N+1 while the device runs step N, so the host's "
         "scheduling and publishing overlap the GPU (auto: on a GPU only)",
     )
-    group.add_argument("--kv-cache-gb", type=float, default=defaults.kv_cache_memory_gb)
+    group.add_argument("--kv-cache-gb", type=positive_float, default=defaults.kv_cache_memory_gb)
     group.add_argument(
         "--kv-cache-dtype",
         default=defaults.kv_cache_dtype,
@@ -214,7 +221,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument(
         "--grace-s",
-        type=float,
+        type=non_negative_float,
         default=30.0,
         help="on SIGTERM, how long running requests may finish",
     )

@@ -57,3 +57,23 @@ def test_a_benchmark_refuses_a_value_it_cannot_run(
         main(argv)
     assert exited.value.code == 2
     assert complaint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "complaint"),
+    [
+        ("--kv-cache-gb", "0", "must be > 0, got 0"),  # was one sequence's worth of blocks
+        ("--kv-cache-gb", "-2", "must be > 0, got -2"),
+        ("--gpu-memory-fraction", "2", "must be in (0, 1], got 2"),
+        ("--grace-s", "-1", "must be >= 0, got -1"),
+    ],
+)
+def test_serve_refuses_a_size_or_time_out_of_range(
+    flag: str, value: str, complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slipstream.service.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "tiny", flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: {complaint}" in capsys.readouterr().err
