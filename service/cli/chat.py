@@ -18,6 +18,7 @@ from typing import TextIO
 import grpc
 
 from slipstream.clients import Client, Result, StreamError
+from slipstream.service.cli.arg_types import non_negative_float, non_negative_int, positive_int
 
 PROMPT = "you> "
 RESET, EXIT = "/reset", "/exit"
@@ -28,9 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser = subparsers.add_parser("chat", help="chat with a server's model in the terminal")
     parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     parser.add_argument("--system", default=None, help="a system message opening the chat")
-    parser.add_argument("--max-tokens", type=int, default=512, help="per answer")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=positive_int, default=512, help="per answer")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
+    parser.add_argument("--seed", type=non_negative_int, default=None)
     parser.set_defaults(func=run)
 
 

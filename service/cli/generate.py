@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.service.cli.arg_types import non_negative_float, non_negative_int, positive_int
 from slipstream.service.cli.connect import add_connection_args, client_tls
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
@@ -105,22 +106,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         type=Path,
         help='a conversation: a JSON list of {"role": ..., "content": ...}',
     )
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-tokens", type=positive_int, default=64)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
+    parser.add_argument("--seed", type=non_negative_int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--priority", type=int, default=0, help="0 = most urgent")
-    parser.add_argument("--deadline-ms", type=float, default=None, help="per-request deadline")
+    parser.add_argument("--priority", type=non_negative_int, default=0, help="0 = most urgent")
+    parser.add_argument(
+        "--deadline-ms", type=non_negative_float, default=None, help="per-request deadline"
+    )
     parser.add_argument(
         "--first-token-timeout",
-        type=float,
+        type=non_negative_float,
         default=None,
         metavar="MS",
         help="time-to-first-token limit per request, in ms",
     )
-    parser.add_argument("--expected-tokens", type=int, default=None, help="output-length hint")
     parser.add_argument(
-        "--cancel-after", type=int, default=None, metavar="N", help="cancel after N tokens"
+        "--expected-tokens", type=positive_int, default=None, help="output-length hint"
+    )
+    parser.add_argument(
+        "--cancel-after", type=positive_int, default=None, metavar="N", help="cancel after N tokens"
     )
     parser.add_argument(
         "--per-request",

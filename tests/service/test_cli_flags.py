@@ -77,3 +77,29 @@ def test_serve_refuses_a_size_or_time_out_of_range(
         main(["serve", "--model", "tiny", flag, value])
     assert exited.value.code == 2
     assert f"argument {flag}: {complaint}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        # protobuf's own "Value out of range: -3", naming no flag, before these
+        (["generate", "--max-tokens", "-3"], "argument --max-tokens: must be >= 1, got -3"),
+        (["generate", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+        (["generate", "--expected-tokens", "-1"], "argument --expected-tokens: must be >= 1"),
+        (["generate", "--cancel-after", "0"], "argument --cancel-after: must be >= 1, got 0"),
+        (["generate", "--deadline-ms", "-5"], "argument --deadline-ms: must be >= 0, got -5"),
+        (["chat", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
+        (["chat", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+    ],
+)
+def test_a_client_command_refuses_a_value_the_server_would(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slipstream.service.cli import main
+
+    command, *flags = argv
+    where = ["--server", "127.0.0.1:1"] + (["--prompt", "hi"] if command == "generate" else [])
+    with pytest.raises(SystemExit) as exited:
+        main([command, *where, *flags])
+    assert exited.value.code == 2
+    assert complaint in capsys.readouterr().err

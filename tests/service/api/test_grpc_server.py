@@ -143,7 +143,8 @@ def test_events_interleave_and_are_tagged(stub: pb_grpc.InferenceStub) -> None:
                 submit=pb.Submit(
                     request_id=rid,
                     token_ids=pb.TokenIds(ids=[7, 8, 9]),
-                    stopping=pb.StoppingCriteria(max_new_tokens=20, ignore_eos=True),
+                    # long enough that "a" is still running when "b" arrives on a busy machine
+                    stopping=pb.StoppingCriteria(max_new_tokens=200, ignore_eos=True),
                 )
             )
 
