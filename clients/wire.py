@@ -99,9 +99,24 @@ class GenerateOptions:
     first_token_timeout_s: float | None = None
 
 
+# Keyword arguments the wire carries unsigned: (name, largest value).
+_UNSIGNED = (("max_tokens", 2**32 - 1), ("expected_tokens", 2**32 - 1), ("top_k", 2**32 - 1))
+_UNSIGNED += (("seed", 2**64 - 1),)
+
+
+def _check_unsigned(options: GenerateOptions) -> None:
+    """A negative count, or one past its field, raises naming the argument
+    (protobuf's own error names none: "Value out of range: -1")."""
+    for name, largest in _UNSIGNED:
+        value = getattr(options, name)
+        if value is not None and not 0 <= value <= largest:
+            raise ValueError(f"{name} must be in [0, {largest}], got {value}")
+
+
 def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
+    _check_unsigned(options)
     submit = pb.Submit(
         request_id=request_id,
         priority=options.priority,

@@ -127,6 +127,26 @@ def test_keyword_arguments_reach_the_wire() -> None:
     assert not bare.stopping.HasField("max_new_tokens")
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "field_range"),
+    [
+        ("max_tokens", -1, "[0, 4294967295]"),
+        ("expected_tokens", -5, "[0, 4294967295]"),
+        ("top_k", 2**32, "[0, 4294967295]"),
+        ("seed", -1, "[0, 18446744073709551615]"),
+    ],
+)
+def test_a_count_the_wire_cannot_carry_is_refused_by_name(
+    option: str, value: int, field_range: str
+) -> None:
+    """Protobuf's own error ("Value out of range: -1") names no argument."""
+    options = GenerateOptions(**{option: value})
+    with pytest.raises(
+        ValueError, match=rf"^{option} must be in \{field_range[:-1]}\], got {value}$"
+    ):
+        build_submit("a", "hi", options)
+
+
 def test_finish_reason_names_match_the_domain() -> None:
     for reason in FinishReason:
         wire_reason, _ = wire_finish(reason)
