@@ -100,8 +100,12 @@ class GenerateOptions:
 
 
 # Keyword arguments the wire carries unsigned: (name, largest value).
-_UNSIGNED = (("max_tokens", 2**32 - 1), ("expected_tokens", 2**32 - 1), ("top_k", 2**32 - 1))
-_UNSIGNED += (("seed", 2**64 - 1),)
+_UNSIGNED = (
+    ("max_tokens", 2**32 - 1),
+    ("expected_tokens", 2**32 - 1),
+    ("top_k", 2**32 - 1),
+    ("seed", 2**64 - 1),
+)
 
 
 def _check_unsigned(options: GenerateOptions) -> None:
