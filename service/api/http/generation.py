@@ -143,6 +143,13 @@ class Generations:
                 param="model",
                 code="model_not_found",
             )
+        stopping, longest = parsed.submit.stopping, engine.info.max_model_len
+        if stopping.HasField("max_new_tokens") and stopping.max_new_tokens > longest:
+            # In the caller's words (the wire's check would name max_new_tokens).
+            raise invalid(
+                f"max_tokens must be in [1, {longest}], got {stopping.max_new_tokens}",
+                "max_tokens",
+            )
         envelope = Envelope.new(parsed.model, is_chat)
         try:
             gen_request = await self._request(engine, parsed, envelope, now)

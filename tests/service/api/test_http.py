@@ -473,6 +473,10 @@ def test_traceparent_joins_the_callers_trace(
         ({"frobnicate": 1}, "frobnicate"),
         ({"max_tokens": "8"}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
+        (
+            {"max_tokens": 100_000},
+            "max_tokens",
+        ),  # past tiny's context: was "max_new_tokens", param null
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"seed": -1}, "seed"),
