@@ -25,35 +25,25 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+def float_where(holds: Callable[[float], bool], rule: str) -> Callable[[str], float]:
+    """An argparse type: a number for which ``holds`` is true (NaN never
+    is, as no comparison holds for it), else a usage error ``must be {rule}``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not holds(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
 
 
-def positive_float(text: str) -> float:
-    """An argparse type: a number > 0 (``inf`` included), else a usage error."""
-    value = _number(text)
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a number >= 0, else a usage error."""
-    value = _number(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """An argparse type: a share in (0, 1], else a usage error."""
-    value = _number(text)
-    if not 0 < value <= 1:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+positive_float = float_where(lambda v: v > 0, "> 0")  # inf included
+non_negative_float = float_where(lambda v: v >= 0, ">= 0")
+fraction = float_where(lambda v: 0 < v <= 1, "in (0, 1]")  # a share
 
 
 def tcp_port(text: str) -> int:

@@ -421,11 +421,11 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     # Cancelled by --cancel-after is what was asked for; anything else not OK failed.
     asked = {"OK", "CANCELLED"} if args.cancel_after is not None else {"OK"}
-    failed = [out for out in outputs if out.status_code not in asked]
-    if failed:
-        first = failed[0]
+    not_ok = [out for out in outputs if out.status_code not in asked]
+    if not_ok:
+        first = not_ok[0]
         print(
-            f"slipstream: error: {len(failed)} of {len(outputs)} requests did not finish OK "
+            f"slipstream: error: {len(not_ok)} of {len(outputs)} requests did not finish OK "
             f"(the first, [{first.index}]: {first.status_code}"
             + (f": {first.message}" if first.message else "")
             + ")",
