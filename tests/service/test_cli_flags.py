@@ -9,6 +9,16 @@ import pytest
 from slipstream.service.cli.arg_types import tcp_port
 
 
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What the command printed when it refused ``argv`` at parsing (exit 2)."""
+    from slipstream.service.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["0", "50051", "65535"])
 def test_a_port_is_0_to_65535(text: str) -> None:
     assert tcp_port(text) == int(text)
@@ -26,12 +36,8 @@ def test_serve_refuses_a_port_grpc_would_wrap(
 ) -> None:
     """gRPC takes port 70000 as 70000 - 65536 and listens on 4464: the
     command must refuse it before anything starts."""
-    from slipstream.service.cli import main
-
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", "--model", "tiny", flag, "70000"])
-    assert exited.value.code == 2
-    assert f"argument {flag}: a port is 0-65535, got 70000" in capsys.readouterr().err
+    err = usage_error(["serve", "--model", "tiny", flag, "70000"], capsys)
+    assert f"argument {flag}: a port is 0-65535, got 70000" in err
 
 
 @pytest.mark.parametrize(
@@ -51,12 +57,7 @@ def test_a_benchmark_refuses_a_value_it_cannot_run(
 ) -> None:
     """Each of these hung (slo --requests 0), divided by zero (serve
     --requests 0, --rate 0) or failed deep inside a run (soak --minutes 0)."""
-    from slipstream.service.cli import main
-
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    assert exited.value.code == 2
-    assert complaint in capsys.readouterr().err
+    assert complaint in usage_error(argv, capsys)
 
 
 @pytest.mark.parametrize(
@@ -71,12 +72,8 @@ def test_a_benchmark_refuses_a_value_it_cannot_run(
 def test_serve_refuses_a_size_or_time_out_of_range(
     flag: str, value: str, complaint: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from slipstream.service.cli import main
-
-    with pytest.raises(SystemExit) as exited:
-        main(["serve", "--model", "tiny", flag, value])
-    assert exited.value.code == 2
-    assert f"argument {flag}: {complaint}" in capsys.readouterr().err
+    err = usage_error(["serve", "--model", "tiny", flag, value], capsys)
+    assert f"argument {flag}: {complaint}" in err
 
 
 @pytest.mark.parametrize(
@@ -95,11 +92,6 @@ def test_serve_refuses_a_size_or_time_out_of_range(
 def test_a_client_command_refuses_a_value_the_server_would(
     argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from slipstream.service.cli import main
-
     command, *flags = argv
     where = ["--server", "127.0.0.1:1"] + (["--prompt", "hi"] if command == "generate" else [])
-    with pytest.raises(SystemExit) as exited:
-        main([command, *where, *flags])
-    assert exited.value.code == 2
-    assert complaint in capsys.readouterr().err
+    assert complaint in usage_error([command, *where, *flags], capsys)
