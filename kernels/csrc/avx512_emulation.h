@@ -245,4 +245,11 @@ SLIP_EMU void _mm256_mask_storeu_epi16(void* p, __mmask16 k, __m256i a) {
     if ((k >> i) & 1) dst[i] = v[i];
 }
 
+SLIP_EMU void _mm512_mask_storeu_ps(void* p, __mmask16 k, __m512 a) {
+  const slip_emu_v16f v = (slip_emu_v16f)a;
+  float* dst = static_cast<float*>(p);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) dst[i] = v[i];
+}
+
 #undef SLIP_EMU

@@ -56,6 +56,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
@@ -66,6 +67,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -257,10 +259,51 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dot_pair(
   }
 }
 
-// y[r, q * 16 + j] = bf16(sum[q][r][j] + bias), the columns past N masked off.
-template <int R, int NP>
+// Row r's 16 sums of one panel into y (the `keep` columns): rounded to bf16,
+// or as they are where y is float32 (the logits: rounding them to bf16 ties
+// tokens 1/8 apart near 20, which greedy decoding then breaks by token id).
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void store_sums(
+    uint16_t* y, __mmask16 keep, __m512 v) {
+  _mm256_mask_storeu_epi16(y, keep, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void store_sums(
+    float* y, __mmask16 keep, __m512 v) {
+  _mm512_mask_storeu_ps(y, keep, v);
+}
+
+// Or not stored at all: each row keeps its greatest sum and its column (a
+// greedy row's token), where y would have been [m, n] at `offset`. Columns
+// reach a row in increasing order within a thread's panels, so the first
+// maximum wins; a NaN never does (a row of NaNs picks column 0).
+struct RowMax {
+  float value;
+  int64_t column;
+};
+
+struct ArgmaxOut {
+  RowMax* rows;
+  int64_t n;
+  int64_t offset;
+  ArgmaxOut operator+(int64_t d) const { return {rows, n, offset + d}; }
+};
+
+SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void store_sums(
+    ArgmaxOut y, __mmask16 keep, __m512 v) {
+  RowMax& best = y.rows[y.offset / y.n];
+  if (keep == 0xffff && !(_mm512_reduce_max_ps(v) > best.value)) return;  // the usual case
+  alignas(64) float sums[kPanel];
+  _mm512_storeu_ps(sums, v);
+  const int64_t column = y.offset % y.n;
+  for (int j = 0; j < kPanel; ++j) {
+    if ((keep >> j) & 1 && sums[j] > best.value) best = {sums[j], column + j};
+  }
+}
+
+// y[r, q * 16 + j] = sum[q][r][j] + bias, the columns past N masked off.
+template <int R, int NP, typename Y>
 SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void write_rows_bf16(
-    __m512 (*sum)[R], uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+    __m512 (*sum)[R], Y y, int64_t ldy, int64_t cols, const uint16_t* bias) {
 #pragma GCC unroll 2
   for (int q = 0; q < NP; ++q) {
     const int64_t left = cols - q * kPanel;  // columns of this panel inside N
@@ -271,16 +314,13 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void write_rows_bf1
           _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + q * kPanel)), 16));
     }
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(sum[q][r], b));
-      _mm256_mask_storeu_epi16(y + r * ldy + q * kPanel, keep, (__m256i)out);
-    }
+    for (int r = 0; r < R; ++r) store_sums(y + r * ldy + q * kPanel, keep, _mm512_add_ps(sum[q][r], b));
   }
 }
 
-template <int R, int NP>
+template <int R, int NP, typename Y>
 SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void tile_bf16(
-    const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_pairs, uint16_t* y,
+    const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t k_pairs, Y y,
     int64_t ldy, int64_t cols, const uint16_t* bias) {
   constexpr int S = sets_for<R, NP>();
   __m512 acc[S][NP][R];
@@ -309,7 +349,7 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void tile_bf16(
       for (int s = 1; s < S; ++s) sum[q][r] = _mm512_add_ps(sum[q][r], acc[s][q][r]);
     }
   }
-  write_rows_bf16<R, NP>(sum, y, ldy, cols, bias);
+  write_rows_bf16<R, NP, Y>(sum, y, ldy, cols, bias);
 }
 
 // Calls of more than one row walk k in blocks, and every row tile takes its
@@ -322,11 +362,11 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void tile_bf16(
 // weights stream in while every row's dot products run.
 constexpr int64_t kBf16BlockPairs = 64;  // k-pairs a block: 8 KB of a panel pair
 
-template <int R, int NP>
+template <int R, int NP, typename Y>
 SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void block_tile_bf16(
     const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t stride, int64_t i0,
     int64_t i1, int64_t k_pairs, int next_panels, int tile, int tiles, float* partial, bool first,
-    bool last, uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+    bool last, Y y, int64_t ldy, int64_t cols, const uint16_t* bias) {
   __m512 acc[NP][R];
 #pragma GCC unroll 2
   for (int q = 0; q < NP; ++q) {
@@ -358,7 +398,7 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void block_tile_bf1
     dot_pair<R, NP>(acc, x, ldx, panel, stride, i);
   }
   if (last) {
-    write_rows_bf16<R, NP>(acc, y, ldy, cols, bias);
+    write_rows_bf16<R, NP, Y>(acc, y, ldy, cols, bias);
     return;
   }
 #pragma GCC unroll 2
@@ -368,25 +408,25 @@ SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void block_tile_bf1
   }
 }
 
-template <int R, int NP>
+template <int R, int NP, typename Y>
 SLIPSTREAM_AVX512_BF16 __attribute__((always_inline)) inline void dispatch_block_bf16(
     int rows, const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t stride, int64_t i0,
     int64_t i1, int64_t k_pairs, int next_panels, int tile, int tiles, float* partial, bool first,
-    bool last, uint16_t* y, int64_t ldy, int64_t cols, const uint16_t* bias) {
+    bool last, Y y, int64_t ldy, int64_t cols, const uint16_t* bias) {
   if constexpr (R > 1) {
     if (rows < R) {
-      dispatch_block_bf16<R - 1, NP>(rows, x, ldx, panel, stride, i0, i1, k_pairs, next_panels,
+      dispatch_block_bf16<R - 1, NP, Y>(rows, x, ldx, panel, stride, i0, i1, k_pairs, next_panels,
                                      tile, tiles, partial, first, last, y, ldy, cols, bias);
       return;
     }
   }
-  block_tile_bf16<R, NP>(x, ldx, panel, stride, i0, i1, k_pairs, next_panels, tile, tiles,
+  block_tile_bf16<R, NP, Y>(x, ldx, panel, stride, i0, i1, k_pairs, next_panels, tile, tiles,
                          partial, first, last, y, ldy, cols, bias);
 }
 
-template <int NP>
+template <int NP, typename Y>
 SLIPSTREAM_AVX512_BF16 void run_blocks_bf16(const uint16_t* x, int64_t ldx, int64_t m,
-                                            const uint16_t* panel, int64_t k_pairs, uint16_t* y,
+                                            const uint16_t* panel, int64_t k_pairs, Y y,
                                             int64_t ldy, int64_t cols, const uint16_t* bias,
                                             int next_panels, float* partial) {
   const int64_t stride = k_pairs * 2 * kPanel;
@@ -396,15 +436,16 @@ SLIPSTREAM_AVX512_BF16 void run_blocks_bf16(const uint16_t* x, int64_t ldx, int6
     for (int64_t r = 0; r < m; r += kBf16TileRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m - r));
       const int tile = static_cast<int>(r / kBf16TileRows);
-      dispatch_block_bf16<kBf16TileRows, NP>(
+      dispatch_block_bf16<kBf16TileRows, NP, Y>(
           rows, x + r * ldx, ldx, panel, stride, i0, i1, k_pairs, next_panels, tile, tiles,
           partial + tile * kBf16TileFloats, i0 == 0, i1 == k_pairs, y + r * ldy, ldy, cols, bias);
     }
   }
 }
 
+template <typename Y>
 SLIPSTREAM_AVX512_BF16 void run_panels_bf16(const uint16_t* x, int64_t ldx, int64_t m,
-                                            const uint16_t* panels, int64_t k_pairs, uint16_t* y,
+                                            const uint16_t* panels, int64_t k_pairs, Y y,
                                             int64_t n, const uint16_t* bias, int64_t p_begin,
                                             int64_t p_end) {
   const bool blocked = m > 1;
@@ -421,16 +462,16 @@ SLIPSTREAM_AVX512_BF16 void run_panels_bf16(const uint16_t* x, int64_t ldx, int6
     const int next = static_cast<int>(std::clamp<int64_t>(p_end - p - 2, 0, 2));
     if (blocked) {
       if (pair) {
-        run_blocks_bf16<2>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, next, partial.data());
+        run_blocks_bf16<2, Y>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, next, partial.data());
       } else {
-        run_blocks_bf16<1>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, next, partial.data());
+        run_blocks_bf16<1, Y>(x, ldx, m, panel, k_pairs, y + col, n, cols, pb, next, partial.data());
       }
       continue;
     }
     if (pair) {
-      tile_bf16<1, 2>(x, ldx, panel, k_pairs, y + col, n, cols, pb);
+      tile_bf16<1, 2, Y>(x, ldx, panel, k_pairs, y + col, n, cols, pb);
     } else {
-      tile_bf16<1, 1>(x, ldx, panel, k_pairs, y + col, n, cols, pb);
+      tile_bf16<1, 1, Y>(x, ldx, panel, k_pairs, y + col, n, cols, pb);
     }
   }
 }
@@ -517,8 +558,18 @@ void panel_linear_out(const at::Tensor& x, const at::Tensor& panels,
   panel_linear_into(x, panels, bias, out.size(1), out);
 }
 
-at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels,
-                             const c10::optional<at::Tensor>& bias, int64_t out_features) {
+// A bf16 panel call's operands, checked.
+struct Bf16Call {
+  const uint16_t* x;
+  int64_t ldx, m, k_pairs, n;
+  const uint16_t* panels;
+  int64_t num_panels;
+  const uint16_t* bias;
+  int64_t grain;  // panels a thread takes at least
+};
+
+Bf16Call bf16_call(const at::Tensor& x, const at::Tensor& panels,
+                   const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(isa() == kAvx512, "panel_linear_bf16 needs the avx512 variant (AVX512-BF16); ",
               "this CPU, as capped, runs ", kIsaNames[isa()]);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16,
@@ -533,19 +584,87 @@ at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels,
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0),
               "out_features does not match the number of panels");
   const auto* bp = reinterpret_cast<const uint16_t*>(checked_bias(bias, at::kBFloat16, n));
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
-  const auto* xp = static_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = static_cast<const uint16_t*>(panels.data_ptr());
-  auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  const int64_t ldx = x.stride(0), k_pairs = k_size / 2;
   // Chunks of >= 64 KiB of weights per thread: below that the fork costs more
   // than the second core's reads gain.
-  const int64_t grain = 2 * std::max<int64_t>(1, 32768 / (k_size * 2 * kPanel * m));
-  at::parallel_for(0, panels.size(0), grain, [&](int64_t b, int64_t e) {
-    run_panels_bf16(xp, ldx, m, wp, k_pairs, yp, n, bp, b, e);
+  const int64_t per_panel = k_size * 2 * kPanel * std::max<int64_t>(m, 1);
+  const int64_t grain = 2 * std::max<int64_t>(1, 32768 / per_panel);
+  return {static_cast<const uint16_t*>(x.data_ptr()),
+          x.stride(0),
+          m,
+          k_size / 2,
+          n,
+          static_cast<const uint16_t*>(panels.data_ptr()),
+          panels.size(0),
+          bp,
+          grain};
+}
+
+// y = x @ W^T (+ bias) into y [M, out_features] with packed rows: bfloat16,
+// or float32 (the sums as they are: a bf16 model's logits).
+void panel_linear_bf16_into(const at::Tensor& x, const at::Tensor& panels,
+                            const c10::optional<at::Tensor>& bias, int64_t out_features,
+                            const at::Tensor& y) {
+  const Bf16Call c = bf16_call(x, panels, bias, out_features);
+  const bool to_float = y.scalar_type() == at::kFloat;
+  TORCH_CHECK((to_float || y.scalar_type() == at::kBFloat16) && y.dim() == 2 &&
+                  y.size(0) == c.m && y.size(1) == c.n && y.stride(1) == 1 && y.stride(0) == c.n,
+              "out must be a contiguous bfloat16 or float32 [tokens, out_features] tensor");
+  if (c.m == 0) return;
+  at::parallel_for(0, c.num_panels, c.grain, [&](int64_t b, int64_t e) {
+    if (to_float) {
+      run_panels_bf16(c.x, c.ldx, c.m, c.panels, c.k_pairs, y.data_ptr<float>(), c.n, c.bias, b, e);
+    } else {
+      auto* yp = static_cast<uint16_t*>(y.data_ptr());
+      run_panels_bf16(c.x, c.ldx, c.m, c.panels, c.k_pairs, yp, c.n, c.bias, b, e);
+    }
   });
+}
+
+// The column of each row's greatest float32 sum (the first of equals): a bf16
+// model's greedy tokens, with no [m, n] logits written and read again. Every
+// range of panels a thread takes keeps its rows' maxima; they are merged in
+// column order.
+at::Tensor panel_linear_bf16_argmax(const at::Tensor& x, const at::Tensor& panels,
+                                    const c10::optional<at::Tensor>& bias,
+                                    int64_t out_features) {
+  const Bf16Call c = bf16_call(x, panels, bias, out_features);
+  at::Tensor ids = at::zeros({c.m}, x.options().dtype(at::kLong));
+  if (c.m == 0) return ids;
+  std::vector<std::vector<RowMax>> ranges(c.num_panels);  // at each range's first panel
+  at::parallel_for(0, c.num_panels, c.grain, [&](int64_t b, int64_t e) {
+    std::vector<RowMax> rows(c.m, RowMax{-std::numeric_limits<float>::infinity(), b * kPanel});
+    run_panels_bf16(c.x, c.ldx, c.m, c.panels, c.k_pairs, ArgmaxOut{rows.data(), c.n, 0}, c.n,
+                    c.bias, b, e);
+    ranges[b] = std::move(rows);
+  });
+  std::vector<const RowMax*> taken;
+  for (const auto& range : ranges) {
+    if (!range.empty()) taken.push_back(range.data());
+  }
+  auto* out = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < c.m; ++r) {
+    RowMax best = taken[0][r];
+    for (size_t t = 1; t < taken.size(); ++t) {
+      if (taken[t][r].value > best.value) best = taken[t][r];
+    }
+    out[r] = best.column;
+  }
+  return ids;
+}
+
+at::Tensor panel_linear_bf16(const at::Tensor& x, const at::Tensor& panels,
+                             const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, in_features] with packed rows");
+  at::Tensor y = at::empty({x.size(0), std::max<int64_t>(out_features, 0)}, x.options());
+  panel_linear_bf16_into(x, panels, bias, out_features, y);
   return y;
+}
+
+// The same into a buffer the caller keeps, bfloat16 or float32.
+void panel_linear_bf16_out(const at::Tensor& x, const at::Tensor& panels,
+                           const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  TORCH_CHECK(out.dim() == 2, "out must be [tokens, out_features]");
+  panel_linear_bf16_into(x, panels, bias, out.size(1), out);
 }
 
 std::string linear_isa() { return kIsaNames[isa()]; }
@@ -569,6 +688,8 @@ TORCH_LIBRARY_FRAGMENT(slipstream, m) {
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("panel_linear_bf16(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("panel_linear_out(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("panel_linear_bf16_out(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("panel_linear_bf16_argmax(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
   m.def("linear_cpu_isa() -> str", &slipstream::linear_isa);
   m.def("linear_set_max_isa(str isa) -> str", &slipstream::linear_set_max_isa);
 }
@@ -577,4 +698,6 @@ TORCH_LIBRARY_IMPL(slipstream, CPU, m) {
   m.impl("panel_linear", &slipstream::panel_linear);
   m.impl("panel_linear_bf16", &slipstream::panel_linear_bf16);
   m.impl("panel_linear_out", &slipstream::panel_linear_out);
+  m.impl("panel_linear_bf16_out", &slipstream::panel_linear_bf16_out);
+  m.impl("panel_linear_bf16_argmax", &slipstream::panel_linear_bf16_argmax);
 }

@@ -6,8 +6,9 @@ Two passes over the same synthetic plan:
 - **plain**: ``runner.execute(plan)`` wall time per step, nothing added. This
   is the step time a report quotes.
 - **hooked**: the same steps with ``perf_counter_ns`` accumulators around the
-  model's paged-attention callable, every ``Linear.__call__`` (lm_head
-  included), ``LlamaModel.forward`` and the runner's ``sample`` call. The
+  model's paged-attention callable, every ``Linear.__call__`` and
+  ``Linear.argmax`` (lm_head included), ``LlamaModel.forward`` and the
+  runner's ``sample`` call. The
   hooks cost a few microseconds per call, so this pass is slower than the
   plain one and only its *split* is reported::
 
@@ -15,7 +16,8 @@ Two passes over the same synthetic plan:
                ├─ forward ──┬─ attention   (paged attention calls)
                │            ├─ linears     (every projection, lm_head included)
                │            └─ rest        (embedding, norms, RoPE, KV write, residuals)
-               └─ sample    (argmax over the logits)
+               └─ sample    (argmax over the logits; none where the LM head
+                             picks a greedy step's tokens, ``Linear.argmax``)
 
   ``host`` and ``rest`` are residuals (execute minus what is hooked inside
   it); the other parts are timed directly. Where the layer loop is one
@@ -168,14 +170,23 @@ def _hooks(model: LlamaModel, clock: _Clock) -> Iterator[None]:
 
     forward = clock.timed("forward", model.forward)
 
+    argmax = clock.timed("linears", Linear.argmax)
+
     def forward_keeping_logits(*args: Any) -> torch.Tensor:
-        clock.last_logits = forward(*args)
-        return clock.last_logits
+        out = forward(*args)
+        if out.is_floating_point():  # not a greedy step's tokens
+            clock.last_logits = out
+        return out
+
+    def argmax_keeping_rows(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        clock.last_logits = x  # greedy tokens picked in the LM head: its rows stand in
+        return argmax(linear, x)
 
     # Linear defines __slots__, and Python looks __call__ up on the type: the
     # class attribute is the one place every projection goes through.
     with (
         _replaced(Linear, "__call__", clock.timed("linears", Linear.__call__)),
+        _replaced(Linear, "argmax", argmax_keeping_rows),
         _replaced(model, "_paged_attention", clock.timed("attention", model._paged_attention)),
         _replaced(model, "forward", forward_keeping_logits),
         _replaced(runner_module, "sample", clock.timed("sample", runner_module.sample)),

@@ -171,23 +171,30 @@ class ModelRunner:
             self.model.dtype,
             for_torch_path=self.model.attention_backend == "torch",
         )
+        # Every row greedy: the LM head picks the tokens without logits where it can.
+        greedy = self.model.picks_greedy and all(s.sampling.is_greedy for s in sampled_seqs)
         logits = self.model.forward(
             torch.tensor(token_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             self.device_pool,
             meta,
             torch.tensor(sample_rows, dtype=torch.long),
+            greedy,
         )
         if not sampled_seqs:
             return StepResult({}, len(token_ids))
-        tokens = sample(
-            logits,
-            [s.sampling.temperature for s in sampled_seqs],
-            [s.sampling.top_k for s in sampled_seqs],
-            [s.sampling.top_p for s in sampled_seqs],
-            [s.sampling.seed for s in sampled_seqs],
-            [s.output_index for s in sampled_seqs],
-            scratch=self._scratch(len(sampled_seqs) * logits.shape[-1]),
+        tokens = (
+            logits.tolist()
+            if greedy
+            else sample(
+                logits,
+                [s.sampling.temperature for s in sampled_seqs],
+                [s.sampling.top_k for s in sampled_seqs],
+                [s.sampling.top_p for s in sampled_seqs],
+                [s.sampling.seed for s in sampled_seqs],
+                [s.output_index for s in sampled_seqs],
+                scratch=self._scratch(len(sampled_seqs) * logits.shape[-1]),
+            )
         )
         return StepResult(
             {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}, len(token_ids)

@@ -187,7 +187,9 @@ class LlamaModel:
         self.layers = [self._load_layer(weights, i) for i in range(cfg.num_layers)]
         self.norm = weights.get("model.norm.weight", dtype)
         tied = cfg.tie_word_embeddings or not weights.has("lm_head.weight")
-        self.lm_head = self._linear(self.embed if tied else weights.get("lm_head.weight", dtype))
+        lm_head = self.embed if tied else weights.get("lm_head.weight", dtype)
+        # float32 logits out of bf16 panels where they run (see _logits)
+        self.lm_head = Linear(lm_head, pack=pack_weights, panels=panel_linears, float_out=True)
         inv_freq, scaling = rope_inv_freq(model_dir)
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -251,12 +253,16 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         sample_indices: torch.Tensor,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """Returns the logits ``[len(sample_indices), vocab]`` for the packed
-        tokens ``input_ids`` at ``positions``: float32, or on the CPU the
-        model's dtype (``_logits``)."""
+        tokens ``input_ids`` at ``positions``: float32, but bf16 for a bf16
+        model on the CPU without panels (``_logits``). ``greedy`` (only where
+        ``picks_greedy``): each sampled row's greedy token instead, int64."""
         if self.fused or self.triton_elementwise:
-            return self._forward_fused(input_ids, positions, kv_caches, meta, sample_indices)
+            return self._forward_fused(
+                input_ids, positions, kv_caches, meta, sample_indices, greedy
+            )
         cfg = self.config
         num_tokens = input_ids.shape[0]
         cos = self.rope_cos[positions].unsqueeze(1)
@@ -278,7 +284,7 @@ class LlamaModel:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         x = self._rms_norm(x[sample_indices], self.norm)
-        return self._logits(x)
+        return self.lm_head.argmax(x) if greedy else self._logits(x)
 
     def _forward_fused(
         self,
@@ -287,6 +293,7 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         sample_indices: torch.Tensor,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """``forward`` with one fused kernel per elementwise stage: RoPE in
         place on the projection's output, the residual add folded into the
@@ -298,21 +305,29 @@ class LlamaModel:
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         if self.native_layers:
             self._native_layers(x, positions, kv_caches, meta)
-            return self.sampled_logits(x, sample_indices, fused_ops)
+            return self.sampled_logits(x, sample_indices, fused_ops, greedy)
         h = ops.rms_norm(x, layers[0].input_norm, eps)
         for i, (k_cache, v_cache) in zip(range(len(layers)), kv_caches, strict=True):
             q, k, v = self.attention_inputs(i, h, positions, ops)
             self._write_kv(k_cache, v_cache, k, v, meta)
             attn = self._paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = self.after_attention(i, x, attn, ops)
-        return self.sampled_logits(x, sample_indices, ops)
+        return self.sampled_logits(x, sample_indices, ops, greedy)
+
+    @property
+    def picks_greedy(self) -> bool:
+        """Whether ``forward(..., greedy=True)`` can return greedy tokens: the
+        LM head on bf16 panels takes each row's argmax without logits."""
+        return self.lm_head.has_argmax
 
     def sampled_logits(
-        self, x: torch.Tensor, sample_indices: torch.Tensor, ops: Any
+        self, x: torch.Tensor, sample_indices: torch.Tensor, ops: Any, greedy: bool = False
     ) -> torch.Tensor:
         """The fused forward's end: the final norm and the LM head over the
-        rows ``sample_indices`` of the residual stream ``x``."""
-        return self._logits(ops.rms_norm(x[sample_indices], self.norm, self.config.rms_norm_eps))
+        rows ``sample_indices`` of the residual stream ``x`` (``greedy``: their
+        greedy tokens, see ``forward``)."""
+        rows = ops.rms_norm(x[sample_indices], self.norm, self.config.rms_norm_eps)
+        return self.lm_head.argmax(rows) if greedy else self._logits(rows)
 
     def fused_elementwise_ops(self) -> Any:
         """The module of fused elementwise ops the fused forward calls."""
@@ -388,20 +403,21 @@ class LlamaModel:
         )
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits of the sampled rows: float32, but a low-precision
-        model's on the CPU stay in its dtype. The sampler reads them as they
-        are for the greedy argmax and widens only the rows that sample:
-        widening every row cost more than the argmax itself (256 rows of a
-        49k-token vocabulary in bf16, one Zen 3 core: widening 4.7 ms and the
-        argmax over float32 4.4, against 2.7 for the argmax over bf16).
-        A float32 model's logits on the CPU land in a buffer kept from step
-        to step, valid until the next ``forward``, written by the panel
-        kernel: a fresh one (50 MB for 256 rows) is above glibc's largest
-        mmap threshold, so it was mapped and its every page faulted in each
-        step."""
+        """The logits of the sampled rows, float32. On the CPU the LM head on
+        panels (a compiled engine's) writes them into a buffer kept from step
+        to step, valid until the next ``forward``: a fresh one (50 MB for 256
+        rows) is above glibc's largest mmap threshold, so it was mapped and
+        its every page faulted in each step. A bf16 model's panels write their
+        float32 sums there unrounded: bf16 logits are 1/8 apart near 20, and
+        SmolLM2's first answer to "What is the capital of France?" was then a
+        tie ("The" and "L", 0.045 apart in float32) that greedy decoding broke
+        by token id, to "L'Étoile, la Marseillaise" (docs/kernels.md, "The
+        logits in float32"). A bf16 model without panels (eager, or a CPU
+        without AVX512-BF16) keeps oneDNN's bf16 logits, which the sampler
+        widens only for the rows that sample."""
         if x.device.type != "cpu":
             return self.lm_head(x).float()
-        if x.dtype != torch.float32 or not self.lm_head.uses_panels:
+        if not self.lm_head.uses_panels:
             return self.lm_head(x)
         rows, vocab = x.shape[0], self.lm_head.out_features
         buffer = self._logits_buffer

@@ -3,7 +3,8 @@ against a float64 reference: float32 at every row-tile remainder (1..6
 rows), bf16 (AVX512-BF16) at every row count of its 8-row tiles and a panel
 left unpaired, widths that are not a multiple of the 16-feature panel, bias
 or none, strided rows, and both thread counts; which calls take the bf16
-panels (rows, the variant as capped by a forced CPU answer).
+panels (rows, the variant as capped by a forced CPU answer), and their float32
+sums for a bf16 model's logits or its greedy tokens (each row's argmax).
 
 Built once into ``$SLIPSTREAM_HOME/cache/extensions`` (the test home); a
 machine without a C++ compiler or without AVX2 skips.
@@ -162,6 +163,11 @@ def test_bf16_panels_match_float64(rows: int, out_features: int, in_features: in
         want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
         # Exact products, fp32 sums, one rounding to bf16 (half an ulp: 2^-9).
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-3)
+        # Into a float32 buffer: the same sums, unrounded (fp32's sums alone).
+        sums = torch.full((rows, out_features), float("nan"))
+        torch.ops.slipstream.panel_linear_bf16_out(x, panels, bias, sums)
+        torch.testing.assert_close(sums.double(), want, rtol=1e-5, atol=1e-4)
+        assert torch.equal(sums.bfloat16(), got)
 
 
 @pytest.mark.usefixtures("bf16_panels")
@@ -180,6 +186,56 @@ def test_bf16_calls_of_few_rows_take_the_panels_and_the_rest_onednn() -> None:
     strided = torch.randn(2, 100).bfloat16()[:, 10:74]
     want = F.linear(strided.double(), w.double(), b.double())
     torch.testing.assert_close(layer(strided).double(), want, rtol=2**-8, atol=1e-3)
+
+
+@pytest.mark.usefixtures("bf16_panels")
+def test_a_float_out_layer_takes_every_call_on_the_panels_and_keeps_no_other_copy() -> None:
+    """The LM head of a bf16 model: float32 logits out of the panels at any
+    row count (more than a projection's cut too), the weight held once."""
+    most = linear.max_bf16_panel_rows()
+    x, w, b = _bf16_case(most + 3, 48, 64, 5)
+    layer = Linear(w, b, pack=detect().can_pack_bf16, panels=True, float_out=True)
+    assert layer.uses_panels and not layer.is_packed and layer.weight is layer.panels
+    out = torch.empty(most + 3, 48)
+    assert layer(x, out=out) is out
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer(x), out.bfloat16())  # without a buffer: bf16, as before
+
+
+@pytest.mark.usefixtures("bf16_panels")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "out_features"), [(0, 16), (1, 37), (9, 80), (130, 4000)])
+def test_bf16_argmax_is_the_float32_sums_first_maximum(rows, out_features, threads) -> None:
+    """Each row's column of its greatest float32 sum, none stored: the argmax
+    of what ``panel_linear_bf16_out`` writes, exactly (the same sums); ties
+    go to the first column, across panels and threads' ranges too."""
+    torch.set_num_threads(threads)
+    x, w, b = _bf16_case(rows, out_features, 64, rows + out_features)
+    w[out_features - 1] = w[out_features // 2] = w[3]  # three columns alike
+    x[: rows // 2] = w[3]  # half the rows lean on them
+    panels = pack_bf16_panels(w)
+    for bias in (None, b):
+        if bias is not None:
+            bias[out_features - 1] = bias[out_features // 2] = bias[3]
+        sums = torch.empty(rows, out_features)
+        torch.ops.slipstream.panel_linear_bf16_out(x, panels, bias, sums)
+        got = torch.ops.slipstream.panel_linear_bf16_argmax(x, panels, bias, out_features)
+        assert got.dtype == torch.int64 and torch.equal(got, sums.argmax(dim=-1))
+    assert (got[: rows // 2] == 3).all()
+
+
+@pytest.mark.usefixtures("bf16_panels")
+def test_argmax_is_only_for_a_float_out_layer() -> None:
+    w = torch.randn(32, 64).bfloat16()
+    x = torch.randn(3, 100).bfloat16()[:, 20:84]  # strided rows: copied first
+    head = Linear(w, panels=True, float_out=True)
+    assert head.has_argmax
+    assert torch.equal(head.argmax(x), F.linear(x.float(), w.float()).argmax(dim=-1))
+    for layer in (Linear(w, panels=True), Linear(w.float(), panels=True)):
+        assert not layer.has_argmax
+        with pytest.raises(ValueError, match="float_out"):
+            layer.argmax(x)
 
 
 def _answer(*flags: str) -> CpuFeatures:
@@ -232,6 +288,13 @@ def test_bad_bf16_arguments_are_errors_not_crashes() -> None:
         torch.ops.slipstream.panel_linear_bf16(x, panels, None, 40)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.slipstream.panel_linear_bf16(x, panels, torch.ones(20), 20)
+    for out in (
+        torch.empty(2, 20, dtype=torch.float16),
+        torch.empty(3, 20),
+        torch.empty(20, 2).t(),
+    ):
+        with pytest.raises(RuntimeError, match="out must be"):
+            torch.ops.slipstream.panel_linear_bf16_out(x, panels, None, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

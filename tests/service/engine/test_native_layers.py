@@ -50,6 +50,7 @@ def _logits_both_ways(model: LlamaModel, shapes: list[tuple[int, int]]) -> list[
         return out
 
     model._logits = keep  # type: ignore[method-assign]
+    model.lm_head.has_argmax = False  # the greedy steps' logits, not their tokens
     generator = torch.Generator().manual_seed(0)
     for native in (True, False):
         model.native_layers = native
@@ -87,6 +88,48 @@ def test_native_loop_gives_the_python_loops_logits(tiny_model_dir, shapes, dtype
     assert model.native_layers  # the default where every op is a CPU kernel
     native, python = _logits_both_ways(model, shapes)
     assert torch.equal(native, python)
+
+
+def test_a_bf16_model_on_panels_samples_float32_logits(tiny_model_dir) -> None:
+    """Its LM head writes the float32 sums of the final normed rows, unrounded
+    (rounded to bf16, logits 1/8 apart near 20 tie, and greedy decoding breaks
+    the tie by token id); without panels the logits stay oneDNN's bf16."""
+    if not linear.bf16_panels_available():
+        pytest.skip("bf16 panels need AVX512-BF16 (this CPU, as reported, has none)")
+    model = _model(
+        tiny_model_dir, torch.bfloat16, panel_linears=True, pack_weights=detect().can_pack_bf16
+    )
+    rows = torch.randn(300, model.config.hidden_size).bfloat16()  # past a projection's cut
+    logits = model._logits(rows)
+    assert logits.dtype == torch.float32 and logits.shape == (300, model.config.vocab_size)
+    plain = _model(tiny_model_dir, torch.bfloat16)
+    want = rows.double() @ plain.lm_head.weight.double().T
+    torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(logits, logits.bfloat16().float())  # not bf16 values
+    assert plain._logits(rows).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shapes", PLANS, ids=["decodes", "mixed"])
+def test_a_bf16_greedy_step_takes_its_tokens_from_the_lm_head(tiny_model_dir, shapes) -> None:
+    """Without logits: the tokens the float32 logits' argmax picks."""
+    if not linear.bf16_panels_available():
+        pytest.skip("bf16 panels need AVX512-BF16 (this CPU, as reported, has none)")
+    model = _model(
+        tiny_model_dir, torch.bfloat16, panel_linears=True, pack_weights=detect().can_pack_bf16
+    )
+    assert model.picks_greedy
+    runner = ModelRunner(model, NUM_BLOCKS, 0, BLOCK)
+    plan = synthetic_plan(shapes, BLOCK, NUM_BLOCKS)
+    generator = torch.Generator()
+    sampled = []
+    for picks in (True, False):
+        model.lm_head.has_argmax = picks
+        for k_cache, v_cache in runner.device_pool:
+            generator.manual_seed(1)
+            fill_normal_(k_cache, generator)
+            fill_normal_(v_cache, generator)
+        sampled.append(runner.execute(plan).sampled)
+    assert sampled[0] == sampled[1] and len(sampled[0]) == len(shapes)
 
 
 def test_a_bias_and_an_int8_cache_take_the_same_path(tiny_model_dir) -> None:
