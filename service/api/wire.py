@@ -22,6 +22,7 @@ from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.status import rejection_for_cause, wire_finish
 from slipstream.service.engine.chat import render_chat
+from slipstream.service.engine.encoding import token_ids
 from slipstream.service.engine.events import (
     EngineStats,
     FinishEvent,
@@ -42,7 +43,7 @@ TIMESTAMP_RANGE = (-62_135_596_800, 253_402_300_799, 0)
 def encode_prompt(tokenizer: object, text: str) -> list[int]:
     """Token ids of a text prompt as ``AutoTokenizer`` gives them by default
     (special tokens added); ``slipstream generate --local`` uses the same."""
-    return list(tokenizer.encode(text))  # type: ignore[attr-defined]
+    return token_ids(tokenizer, text)
 
 
 def _reject_unknown_fields(message: Message, where: str) -> None:

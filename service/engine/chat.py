@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from slipstream.service.engine.encoding import token_ids
+
 # Roles a ChatML-style template understands; anything else is a typo the
 # template would silently render as text.
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -58,4 +60,4 @@ def render_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int
     except TemplateError as exc:  # a template may refuse a conversation ("roles must alternate")
         raise ChatError(f"the chat template refused these messages: {exc}") from None
     # The template already holds any special tokens the model wants.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return token_ids(tokenizer, text, add_special_tokens=False)
