@@ -2,15 +2,21 @@
 tokenizing and chat-rendering prompts, the ``Tokenize`` call — so none of it
 runs on the event loop.
 
-    event loop                       worker threads (nice +5)
+    event loop                       worker threads (nice +19)
       await pool.run(fn, size) ──▶     fn()            HF fast tokenizers release
       ◀── result / exception ────                      the GIL while they work
                                        malloc_trim(0)  after a large input
 
 At most ``num_workers`` jobs run and ``max_queued`` wait; one more raises
 ``WorkersBusy`` (a ``QueueFull``: the submit is rejected, nothing waits
-unboundedly). The workers run at a lower CPU priority than the engine thread,
-so a long tokenization takes the cores the model step leaves over.
+unboundedly). The workers run at the lowest CPU priority, so a long
+tokenization takes only the cores the model step leaves over: a CPU step's
+threads work in lock-step, and one of them losing its core to a tokenizer
+for a time slice stalls every region of the step. 4 MB of text beside a
+streaming request on a 2-core Zen 5 (`serve --model smollm2`, the library's
+own thread pool off, as `serve` sets): the stream's longest gap between
+tokens 150-190 ms at nice 5, 20-28 ms at 19, the prompt's refusal 3.9-4.9 s
+later at nice 5 and 7.7-9.1 s at 19 (docs/operations.md).
 
 Memory: tokenizing a few MB of text allocates hundreds of MB (tokens,
 offsets, per-token strings) that glibc keeps in the worker thread's arena
@@ -44,7 +50,7 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-WORKER_NICE = 5  # relative to the process; Linux priorities are per thread
+WORKER_NICE = 19  # relative to the process; Linux priorities are per thread
 
 
 class WorkersBusy(QueueFull):

@@ -245,6 +245,21 @@ def test_worker_pool_is_bounded_and_trims_after_large_inputs(
     assert trims == [1]  # only the large input released memory
 
 
+def test_tokenizer_workers_run_at_the_lowest_priority() -> None:
+    """A worker holding a core for a time slice would stall every region of
+    a CPU step: the workers take only what the step leaves over."""
+    pool = WorkerPool(num_workers=1, max_queued=0, trim_after_bytes=2**40)
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    try:
+        nice = asyncio.run(pool.run(priority))
+    finally:
+        pool.shutdown()
+    assert nice == 19  # the most Linux allows, whatever the process's own
+
+
 # ---------------------------------------------------------------- slow readers
 
 

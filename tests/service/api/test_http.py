@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from server_thread import hold_every_submit
 
 from slipstream.clients import Client
+from slipstream.service.api import wire
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.events import RequestSpec
@@ -574,17 +575,16 @@ def test_models_health_and_metrics(oai: openai.OpenAI, servers: Servers) -> None
 
 
 def test_tokenizing_runs_off_the_event_loop(
-    oai: openai.OpenAI, servers: Servers, engine: object, monkeypatch: pytest.MonkeyPatch
+    oai: openai.OpenAI, servers: Servers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     threads: list[threading.Thread] = []
-    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
-    original = tokenizer.encode
+    original = wire.token_ids
 
-    def encode(*args: object, **kwargs: object) -> list[int]:
+    def token_ids(*args: object, **kwargs: object) -> list[int]:
         threads.append(threading.current_thread())
-        return original(*args, **kwargs)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tokenizer, "encode", encode)
+    monkeypatch.setattr(wire, "token_ids", token_ids)
     oai.completions.create(model="tiny", prompt="a text prompt", max_tokens=2)
     # On the server's tokenizer pool, the one gRPC uses, not a thread of its own.
     assert threads and servers.thread not in threads
