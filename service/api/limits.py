@@ -40,8 +40,9 @@ class Limits:
     num_tokenizer_workers: int = 1
     max_queued_prompts: int = 64
     inline_prompt_bytes: int = 16 * 1024
-    # Inputs at least this large make the worker return freed memory to the
-    # system afterwards (malloc_trim).
+    # Inputs at least this large are tokenized on a worker of their own at the
+    # lowest CPU priority, which returns freed memory to the system afterwards
+    # (malloc_trim).
     trim_after_bytes: int = 1 * MiB
 
     def __post_init__(self) -> None:

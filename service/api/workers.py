@@ -2,21 +2,23 @@
 tokenizing and chat-rendering prompts, the ``Tokenize`` call — so none of it
 runs on the event loop.
 
-    event loop                       worker threads (nice +19)
+    event loop                       worker threads (nice +5; +19 for a large input)
       await pool.run(fn, size) ──▶     fn()            HF fast tokenizers release
       ◀── result / exception ────                      the GIL while they work
                                        malloc_trim(0)  after a large input
 
 At most ``num_workers`` jobs run and ``max_queued`` wait; one more raises
 ``WorkersBusy`` (a ``QueueFull``: the submit is rejected, nothing waits
-unboundedly). The workers run at the lowest CPU priority, so a long
-tokenization takes only the cores the model step leaves over: a CPU step's
-threads work in lock-step, and one of them losing its core to a tokenizer
-for a time slice stalls every region of the step. 4 MB of text beside a
-streaming request on a 2-core Zen 5 (`serve --model smollm2`, the library's
-own thread pool off, as `serve` sets): the stream's longest gap between
-tokens 150-190 ms at nice 5, 20-28 ms at 19, the prompt's refusal 3.9-4.9 s
-later at nice 5 and 7.7-9.1 s at 19 (docs/operations.md).
+unboundedly). The workers run at a lower CPU priority than the engine thread,
+so a tokenization takes the cores the model step leaves over; a large input
+(``trim_after_bytes``, 1 MiB) runs on a worker of its own at the lowest
+priority. A CPU step's threads work in lock-step, and one of them losing its
+core to a long tokenization stalls every region of the step: 4 MB of text
+beside a streaming request on a 2-core Zen 5 (`serve --model smollm2`)
+stopped the stream for 150-190 ms at nice 5, at most 20-28 ms at 19, and
+was refused 3.9-4.9 s or 7.7-9.1 s later. At 19 an ordinary prompt would
+wait too long behind the step (20 KB: 80-230 ms to be accepted against
+10-15 at nice 5; 256 KB: 2.7-3.2 s against 0.16-0.25; docs/operations.md).
 
 Memory: tokenizing a few MB of text allocates hundreds of MB (tokens,
 offsets, per-token strings) that glibc keeps in the worker thread's arena
@@ -50,7 +52,8 @@ log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
-WORKER_NICE = 19  # relative to the process; Linux priorities are per thread
+WORKER_NICE = 5  # relative to the process; Linux priorities are per thread
+LARGE_INPUT_NICE = 19  # the lowest Linux allows
 
 
 class WorkersBusy(QueueFull):
@@ -81,9 +84,9 @@ def release_memory() -> bool:
     return True
 
 
-def _lower_priority() -> None:
+def _lower_priority(nice: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.nice(0) + WORKER_NICE)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.nice(0) + nice)
 
 
 class WorkerPool:
@@ -92,6 +95,13 @@ class WorkerPool:
             max_workers=num_workers,
             thread_name_prefix="slipstream-tokenizer",
             initializer=_lower_priority,
+            initargs=(WORKER_NICE,),
+        )
+        self._large = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="slipstream-tokenizer-large",
+            initializer=_lower_priority,
+            initargs=(LARGE_INPUT_NICE,),
         )
         self._capacity = num_workers + max_queued
         self._num_pending = 0  # queued or running; a cancelled caller's job still counts
@@ -110,14 +120,16 @@ class WorkerPool:
     async def run(self, fn: Callable[[], T], input_bytes: int = 0) -> T:
         """``fn()`` on a worker; raises ``WorkersBusy`` at once when the pool
         is full, else whatever ``fn`` raises. ``input_bytes`` at or over the
-        trim threshold make the worker release memory afterwards."""
+        trim threshold take the large input's worker, which releases memory
+        afterwards."""
         with self._pending_lock:
             if self._num_pending >= self._capacity:
                 raise WorkersBusy(
                     f"the server is tokenizing {self._num_pending} prompts; retry shortly"
                 )
             self._num_pending += 1
-        future = self._executor.submit(self._call, fn, input_bytes)
+        large = input_bytes >= self._trim_after_bytes
+        future = (self._large if large else self._executor).submit(self._call, fn, input_bytes)
         future.add_done_callback(self._done)
         return await asyncio.wrap_future(future)
 
@@ -149,3 +161,4 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._large.shutdown(wait=False, cancel_futures=True)

@@ -21,7 +21,7 @@ import structlog
 from server_thread import ServerThread
 from structlog.testing import capture_logs
 
-from slipstream.service.api import wire
+from slipstream.service.api import wire, workers
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.service.engine.config import EngineConfig
@@ -220,8 +220,6 @@ def test_a_large_prompt_is_converted_on_a_worker_thread(
 def test_worker_pool_is_bounded_and_trims_after_large_inputs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from slipstream.service.api import workers
-
     trims: list[int] = []
     monkeypatch.setattr(workers, "release_memory", lambda: trims.append(1) or True)
     pool = WorkerPool(num_workers=1, max_queued=1, trim_after_bytes=100)
@@ -230,34 +228,43 @@ def test_worker_pool_is_bounded_and_trims_after_large_inputs(
     async def scenario() -> list[object]:
         loop_thread = threading.current_thread()
         first = asyncio.ensure_future(pool.run(lambda: gate.wait(5) and threading.current_thread()))
-        second = asyncio.ensure_future(pool.run(lambda: "queued", input_bytes=100))
+        second = asyncio.ensure_future(pool.run(lambda: "queued"))
         await asyncio.sleep(0.05)
-        with pytest.raises(WorkersBusy):
-            await pool.run(lambda: "one too many")
+        with pytest.raises(WorkersBusy):  # a large input counts against the bound too
+            await pool.run(lambda: "one too many", input_bytes=100)
         gate.set()
-        results = [await first, await second]
+        results = [await first, await second, await pool.run(lambda: "large", input_bytes=100)]
         assert results[0] is not loop_thread
         return results
 
     results = asyncio.run(scenario())
     pool.shutdown()
-    assert results[1] == "queued" and pool.num_pending == 0
+    assert results[1:] == ["queued", "large"] and pool.num_pending == 0
     assert trims == [1]  # only the large input released memory
 
 
-def test_tokenizer_workers_run_at_the_lowest_priority() -> None:
-    """A worker holding a core for a time slice would stall every region of
-    a CPU step: the workers take only what the step leaves over."""
-    pool = WorkerPool(num_workers=1, max_queued=0, trim_after_bytes=2**40)
+def test_a_large_input_is_tokenized_at_the_lowest_priority() -> None:
+    """A worker holding a core for long stalls every region of a CPU step: a
+    large input takes only what the step leaves over, an ordinary one waits
+    less (a lower priority than the engine, not the lowest)."""
+    pool = WorkerPool(num_workers=1, max_queued=1, trim_after_bytes=100)
 
-    def priority() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    def where() -> tuple[str, int]:
+        thread = threading.current_thread().name
+        return thread, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def both() -> list[tuple[str, int]]:
+        return [await pool.run(where, 99), await pool.run(where, 100)]
 
     try:
-        nice = asyncio.run(pool.run(priority))
+        (ordinary, ordinary_nice), (large, large_nice) = asyncio.run(both())
     finally:
         pool.shutdown()
-    assert nice == 19  # the most Linux allows, whatever the process's own
+    assert ordinary.startswith("slipstream-tokenizer_") and large.startswith(
+        "slipstream-tokenizer-large"
+    )
+    assert large_nice == 19  # the most Linux allows, whatever the process's own
+    assert ordinary_nice == min(19, os.nice(0) + workers.WORKER_NICE) < 19
 
 
 # ---------------------------------------------------------------- slow readers
