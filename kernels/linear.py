@@ -190,17 +190,12 @@ class Linear:
         if self.panels is not None and x.shape[0] <= self.max_panel_rows:
             if x.stride(-1) != 1:
                 x = x.contiguous()
-            fp32 = x.dtype == torch.float32
+            ops, fp32 = torch.ops.slipstream, x.dtype == torch.float32
             if out is not None:
-                ops = torch.ops.slipstream
                 into = ops.panel_linear_out if fp32 else ops.panel_linear_bf16_out
                 into(x, self.panels, self.bias, out)
                 return out
-            op = (
-                torch.ops.slipstream.panel_linear
-                if fp32
-                else torch.ops.slipstream.panel_linear_bf16
-            )
+            op = ops.panel_linear if fp32 else ops.panel_linear_bf16
             return op(x, self.panels, self.bias, self.out_features)
         if self.is_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
