@@ -105,7 +105,20 @@ def _split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+MAX_PORT = 65535
+
+
+def check_port(port: int) -> int:
+    """``port`` where it is a TCP port, else ValueError: gRPC would take 70000
+    as 70000 - 65536 and dial (or listen on) 4464."""
+    if not 0 <= port <= MAX_PORT:
+        raise ValueError(f"a port is 0-{MAX_PORT}, got {port}")
+    return port
+
+
 def _check_port(port: str, address: str) -> None:
-    """A numeric port past 65535 is refused: gRPC would take 70000 as 4464."""
-    if port.isdigit() and int(port) > 65535:
-        raise ValueError(f"address {address!r}: a port is 0-65535, got {int(port)}")
+    if port.isdigit():
+        try:
+            check_port(int(port))
+        except ValueError as exc:
+            raise ValueError(f"address {address!r}: {exc}") from None

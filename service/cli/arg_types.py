@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from slipstream.clients.balancing import check_port
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``low``, else a usage error naming it."""
@@ -48,8 +50,8 @@ fraction = float_where(lambda v: 0 < v <= 1, "in (0, 1]")  # a share
 
 def tcp_port(text: str) -> int:
     """An argparse type: a TCP port, 0-65535 (0: the caller's meaning, a free
-    port or off). gRPC would take 70000 as 70000 - 65536 and listen there."""
-    value = non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {value}")
-    return value
+    port or off), as the clients check a target's (``check_port``)."""
+    try:
+        return check_port(non_negative_int(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
