@@ -467,10 +467,10 @@ def run(args: argparse.Namespace) -> int:
     def on_http(port: int) -> None:
         print(http_hint(args.host, port), flush=True)
 
-    # Prompts are tokenized on the server's own workers, at the lowest CPU
-    # priority (service/api/workers.py); the tokenizers library would hand
-    # each call to a thread pool of its own, at whatever priority its first
-    # caller had. An operator's own setting stands.
+    # Prompts are tokenized on the server's own workers, below the engine's
+    # CPU priority (a large input at the lowest; service/api/workers.py); the
+    # tokenizers library would hand each call to a thread pool of its own, at
+    # whatever priority its first caller had. An operator's own setting stands.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         asyncio.run(
