@@ -51,20 +51,35 @@ def _logits_both_ways(model: LlamaModel, shapes: list[tuple[int, int]]) -> list[
 
     model._logits = keep  # type: ignore[method-assign]
     model.lm_head.has_argmax = False  # the greedy steps' logits, not their tokens
-    generator = torch.Generator().manual_seed(0)
     for native in (True, False):
         model.native_layers = native
-        for k_cache, v_cache in runner.device_pool:
-            generator.manual_seed(1)  # the same prefix contents for both
-            fill_normal_(k_cache, generator)
-            fill_normal_(v_cache, generator)
+        _fill_pool(runner)  # the same prefix contents for both
         runner.execute(plan)
     del model._logits
     return kept
 
 
+def _fill_pool(runner: ModelRunner) -> None:
+    """The same random K/V in every layer's cache, each time it is called."""
+    generator = torch.Generator()
+    for k_cache, v_cache in runner.device_pool:
+        generator.manual_seed(1)
+        fill_normal_(k_cache, generator)
+        fill_normal_(v_cache, generator)
+
+
 def _model(tiny_model_dir: Path, dtype: torch.dtype, **options: bool) -> LlamaModel:
     return LlamaModel(tiny_model_dir, dtype, "cpu", fused=True, **options)
+
+
+def _bf16_panels_model(tiny_model_dir: Path) -> LlamaModel:
+    """A bf16 model with its projections on panels (oneDNN packing where the
+    CPU allows); skips where the CPU runs no bf16 panels."""
+    if not linear.bf16_panels_available():
+        pytest.skip("bf16 panels need AVX512-BF16 (this CPU, as reported, has none)")
+    return _model(
+        tiny_model_dir, torch.bfloat16, panel_linears=True, pack_weights=detect().can_pack_bf16
+    )
 
 
 @pytest.mark.parametrize("shapes", PLANS, ids=["decodes", "mixed"])
@@ -94,11 +109,7 @@ def test_a_bf16_model_on_panels_samples_float32_logits(tiny_model_dir) -> None:
     """Its LM head writes the float32 sums of the final normed rows, unrounded
     (rounded to bf16, logits 1/8 apart near 20 tie, and greedy decoding breaks
     the tie by token id); without panels the logits stay oneDNN's bf16."""
-    if not linear.bf16_panels_available():
-        pytest.skip("bf16 panels need AVX512-BF16 (this CPU, as reported, has none)")
-    model = _model(
-        tiny_model_dir, torch.bfloat16, panel_linears=True, pack_weights=detect().can_pack_bf16
-    )
+    model = _bf16_panels_model(tiny_model_dir)
     rows = torch.randn(300, model.config.hidden_size).bfloat16()  # past a projection's cut
     logits = model._logits(rows)
     assert logits.dtype == torch.float32 and logits.shape == (300, model.config.vocab_size)
@@ -112,22 +123,14 @@ def test_a_bf16_model_on_panels_samples_float32_logits(tiny_model_dir) -> None:
 @pytest.mark.parametrize("shapes", PLANS, ids=["decodes", "mixed"])
 def test_a_bf16_greedy_step_takes_its_tokens_from_the_lm_head(tiny_model_dir, shapes) -> None:
     """Without logits: the tokens the float32 logits' argmax picks."""
-    if not linear.bf16_panels_available():
-        pytest.skip("bf16 panels need AVX512-BF16 (this CPU, as reported, has none)")
-    model = _model(
-        tiny_model_dir, torch.bfloat16, panel_linears=True, pack_weights=detect().can_pack_bf16
-    )
+    model = _bf16_panels_model(tiny_model_dir)
     assert model.picks_greedy
     runner = ModelRunner(model, NUM_BLOCKS, 0, BLOCK)
     plan = synthetic_plan(shapes, BLOCK, NUM_BLOCKS)
-    generator = torch.Generator()
     sampled = []
     for picks in (True, False):
         model.lm_head.has_argmax = picks
-        for k_cache, v_cache in runner.device_pool:
-            generator.manual_seed(1)
-            fill_normal_(k_cache, generator)
-            fill_normal_(v_cache, generator)
+        _fill_pool(runner)
         sampled.append(runner.execute(plan).sampled)
     assert sampled[0] == sampled[1] and len(sampled[0]) == len(shapes)
 
