@@ -128,10 +128,15 @@ class Linear:
     call, which may then write float32 sums (a bf16 model's logits; no oneDNN
     copy is kept), and pick each row's greatest output (``argmax``: a bf16
     model's greedy tokens). Other weights ignore it.
+
+    ``float_out`` on a GPU: a bf16 or fp16 weight's calls write float32 sums
+    (cuBLAS's ``mm`` with ``out_dtype``, where torch has it), so a 16-bit
+    model's logits are not rounded before the sampler sees them.
     """
 
     __slots__ = (
         "bias",
+        "float_mm",
         "has_argmax",
         "is_packed",
         "max_panel_rows",
@@ -173,6 +178,12 @@ class Linear:
             self.max_panel_rows = sys.maxsize if float_out else max_bf16_panel_rows()
         every_call = fp32_panels or (bf16_panels and float_out)
         self.has_argmax = bf16_panels and float_out
+        self.float_mm = (
+            float_out
+            and not on_cpu
+            and weight.dtype in (torch.bfloat16, torch.float16)
+            and mm_writes_float32(weight.device)
+        )
         self.is_packed = (
             not every_call and pack and on_cpu and weight.dtype in (torch.bfloat16, torch.float32)
         )
@@ -199,6 +210,9 @@ class Linear:
             return op(x, self.panels, self.bias, self.out_features)
         if self.is_packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+        if self.float_mm:
+            y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
+            return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +228,24 @@ class Linear:
         return torch.ops.slipstream.panel_linear_bf16_argmax(
             x, self.panels, self.bias, self.out_features
         )
+
+
+_MM_WRITES_FLOAT32: dict[str, bool] = {}
+
+
+def mm_writes_float32(device: torch.device) -> bool:
+    """Whether torch multiplies 16-bit matrices into float32 on ``device``'s
+    kind (``torch.mm(..., out_dtype=torch.float32)``: CUDA in recent torch,
+    not the CPU), asked once per kind with two 2x2 bf16 matrices."""
+    kind = device.type
+    if kind not in _MM_WRITES_FLOAT32:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        try:
+            ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _MM_WRITES_FLOAT32[kind] = ok
+    return _MM_WRITES_FLOAT32[kind]
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:

@@ -71,9 +71,9 @@ def move_model_to(model: LlamaModel, device: torch.device) -> None:
         raise ValueError("a device model needs plain weights: build it with pack_weights=False, "
                          "panel_linears=False, fused=False")  # fmt: skip
 
-    def linear(layer: Linear) -> Linear:
+    def linear(layer: Linear, float_out: bool = False) -> Linear:
         bias = None if layer.bias is None else layer.bias.to(device)
-        return Linear(layer.weight.to(device), bias)
+        return Linear(layer.weight.to(device), bias, float_out=float_out)
 
     old_embed = model.embed
     model.embed = old_embed.to(device)
@@ -91,7 +91,9 @@ def move_model_to(model: LlamaModel, device: torch.device) -> None:
     ]
     model.norm = model.norm.to(device)
     tied = model.lm_head.weight is old_embed
-    model.lm_head = Linear(model.embed) if tied else linear(model.lm_head)
+    # float32 logits from 16-bit weights where cuBLAS writes them (LlamaModel._logits)
+    lm_head = model.lm_head
+    model.lm_head = Linear(model.embed, float_out=True) if tied else linear(lm_head, True)
     model.rope_cos = model.rope_cos.to(device)
     model.rope_signed_sin = model.rope_signed_sin.to(device)
 

@@ -205,7 +205,7 @@ class LayerGraphs:
                 )  # fmt: skip
         rows = sampled_rows_for(size, self._max_seqs)
         h = self._x[:size][views["sample_indices"][:rows]]
-        # LlamaModel.sampled_logits' norm and LM head; widened into the kept buffer
+        # LlamaModel.sampled_logits' norm and LM head (float32 where Linear.float_mm)
         h = ops.rms_norm(h, model.norm, model.config.rms_norm_eps)
         self._logits[:rows].copy_(model.lm_head(h))
 

@@ -414,7 +414,9 @@ class LlamaModel:
         by token id, to "L'Étoile, la Marseillaise" (docs/kernels.md, "The
         logits in float32"). A bf16 model without panels (eager, or a CPU
         without AVX512-BF16) keeps oneDNN's bf16 logits, which the sampler
-        widens only for the rows that sample."""
+        widens only for the rows that sample. On a GPU a 16-bit model's LM
+        head writes float32 where torch's ``mm`` can (``Linear.float_mm``),
+        else its logits are rounded and widened."""
         if x.device.type != "cpu":
             return self.lm_head(x).float()
         if not self.lm_head.uses_panels:

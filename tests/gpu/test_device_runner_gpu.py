@@ -92,6 +92,27 @@ def test_greedy_tokens_with_layer_graphs_equal_eager(tiny_model_dir):
         assert _greedy(pieces, [prompt], 4, drop_rows=False) == [eager[prompts.index(prompt)][:4]]
 
 
+def test_a_bf16_models_logits_are_float32_sums_with_and_without_graphs(tiny_model_dir):
+    """The LM head of a bf16 model writes float32 on the GPU (cuBLAS's mm
+    with ``out_dtype``): within float32 rounding of the float64 sums, not
+    rounded to bf16 (where two tokens 1/8 apart near 20 tie); graphed
+    steps, which replay that call, give the eager steps' greedy tokens."""
+    runner = _runner(tiny_model_dir, use_cuda_graphs=True, dtype=torch.bfloat16)
+    head = runner.model.lm_head
+    assert head.float_mm
+    model, ops = runner.model, runner.model.fused_elementwise_ops()
+    h = torch.randn(64, head.weight.shape[1], device=CUDA).bfloat16()
+    logits = model.sampled_logits(h, torch.arange(64, device=CUDA), ops)
+    assert logits.dtype == torch.float32
+    normed = ops.rms_norm(h.clone(), model.norm, model.config.rms_norm_eps)
+    want = normed.double() @ head.weight.double().t()
+    torch.testing.assert_close(logits.double(), want, rtol=1e-4, atol=1e-3)
+    assert not torch.equal(logits, logits.bfloat16().float())
+    prompts = [[3 + i, 17, 29 + i, 4] * (1 + i) for i in range(11)]
+    eager = _runner(tiny_model_dir, use_cuda_graphs=False, dtype=torch.bfloat16)
+    assert _greedy(runner, prompts, 12) == _greedy(eager, prompts, 12)
+
+
 def test_swap_out_and_in_is_bit_exact(tiny_model_dir):
     runner = _runner(tiny_model_dir, use_cuda_graphs=False, dtype=torch.bfloat16)
     seq = ScheduledSeq("a", list(range(5, 45)), 0, [3, 7, 9], True, 0, SamplingParams())
