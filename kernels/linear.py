@@ -55,6 +55,8 @@ PANEL = 16  # output features per panel (csrc/linear_cpu.cpp)
 # (docs/kernels.md: the crossover on an AMD EPYC Zen 5); with AMX, up to 4.
 MAX_BF16_PANEL_ROWS = 128
 MAX_BF16_PANEL_ROWS_AMX = 4
+# Columns a row that Linear._near_max looks among first for sums near its maximum.
+NEAR_MAX_SCAN = 8
 NO_AVX2 = "the CPU has no AVX2"
 
 
@@ -127,7 +129,11 @@ class Linear:
     oneDNN (or plain) weight for the rest, or, with ``float_out``, for every
     call, which may then write float32 sums (a bf16 model's logits; no oneDNN
     copy is kept), and pick each row's greatest output (``argmax``: a bf16
-    model's greedy tokens). Other weights ignore it.
+    model's greedy tokens). Other weights ignore it. Where AMX does oneDNN's
+    arithmetic a ``float_out`` weight keeps the cut: its larger calls return
+    oneDNN's sums widened to float32, those near each row's maximum re-scored
+    in float32 (``_near_max``), and so does any ``float_out`` bf16 CPU weight
+    off the panels.
 
     ``float_out`` on a GPU: a bf16 or fp16 weight's calls write float32 sums
     (cuBLAS's ``mm`` with ``out_dtype``, where torch has it), so a 16-bit
@@ -142,6 +148,7 @@ class Linear:
         "max_panel_rows",
         "out_features",
         "panels",
+        "plain",
         "uses_panels",
         "weight",
     )
@@ -175,9 +182,22 @@ class Linear:
             self.max_panel_rows = sys.maxsize
         elif bf16_panels:
             self.panels = pack_bf16_panels(weight)
-            self.max_panel_rows = sys.maxsize if float_out else max_bf16_panel_rows()
-        every_call = fp32_panels or (bf16_panels and float_out)
+            cut = max_bf16_panel_rows()
+            # float32 sums on the panels at every row count, except where AMX
+            # does oneDNN's arithmetic (4x the panels' speed at 64 rows on a
+            # Xeon): there the larger calls stay on oneDNN and are re-scored
+            every_row = float_out and cut >= MAX_BF16_PANEL_ROWS
+            self.max_panel_rows = sys.maxsize if every_row else cut
+        every_call = fp32_panels or (bf16_panels and self.max_panel_rows == sys.maxsize)
         self.has_argmax = bf16_panels and float_out
+        # A float_out bf16 CPU weight whose calls (some or all) leave the
+        # panels: their bf16 sums are widened and the columns near each row's
+        # maximum re-scored in float32 from the plain weight (``_rescored``).
+        self.plain = (
+            weight
+            if float_out and on_cpu and weight.dtype == torch.bfloat16 and not every_call
+            else None
+        )
         self.float_mm = (
             float_out
             and not on_cpu
@@ -194,8 +214,9 @@ class Linear:
         """``out``: a contiguous float32 ``[tokens, out_features]`` buffer
         the caller keeps, which a call on panels writes and returns instead
         of a fresh tensor (a large one is mapped and faulted in on every
-        call): a float32 call's result, or a bf16 call's sums unrounded. The
-        other paths leave it untouched."""
+        call): a float32 call's result, or a bf16 call's sums unrounded, or
+        a ``float_out`` call's re-scored sums off the panels. The other paths
+        leave it untouched."""
         # ``panels is not None`` first: with no panels max_panel_rows is 0, and
         # a step that samples nothing (a prefill chunk) calls with 0 rows.
         if self.panels is not None and x.shape[0] <= self.max_panel_rows:
@@ -208,12 +229,59 @@ class Linear:
                 return out
             op = ops.panel_linear if fp32 else ops.panel_linear_bf16
             return op(x, self.panels, self.bias, self.out_features)
-        if self.is_packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
         if self.float_mm:
             y = torch.mm(x, self.weight.t(), out_dtype=torch.float32)
             return y if self.bias is None else y.add_(self.bias)
+        y = self._off_panels(x)
+        return y if self.plain is None else self._rescored(x, y, out)
+
+    def _off_panels(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _near_max(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rows, columns and float32 sums of every bf16 sum in ``y`` near its
+        row's maximum, the only columns that can hold the float32 maximum.
+
+        A bf16 sum is its float32 value rounded to 8 significant bits, within
+        2**-8 of its size; a column more than 2**-7 of the row's rounded
+        maximum below it cannot be the greatest float32 sum. The cut is set
+        at 2**-6 (rounded to bf16, within 2**-9 of it): one or two columns a
+        row, found among each row's 8 greatest (a row whose eighth is still
+        near is scanned whole). 256 rows of SmolLM2's vocabulary on a Zen 5,
+        2 threads: 4 ms for the 8 greatest, where a whole-row compare and
+        ``nonzero`` took 9."""
+        k = min(NEAR_MAX_SCAN, y.shape[-1])
+        values, columns = y.topk(k, dim=-1)
+        top = values[:, :1].float()
+        cut = (top - top.abs() * 2**-6).to(y.dtype)
+        near = values >= cut
+        rows, nth = near.nonzero(as_tuple=True)
+        cols = columns[rows, nth]
+        whole = near[:, -1] if k < y.shape[-1] else near[:, :0].any(dim=-1)
+        if bool(whole.any()):
+            keep = ~whole[rows]
+            scanned = whole.nonzero().squeeze(1)
+            more_rows, more_cols = (y[scanned] >= cut[scanned]).nonzero(as_tuple=True)
+            rows = torch.cat((rows[keep], scanned[more_rows]))
+            cols = torch.cat((cols[keep], more_cols))
+        plain = self.plain
+        assert plain is not None
+        sums = torch.einsum("ck,ck->c", x[rows].float(), plain[cols].float())
+        if self.bias is not None:
+            sums += self.bias[cols].float()
+        return rows, cols, sums
+
+    def _rescored(self, x: torch.Tensor, y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """oneDNN's bf16 sums ``y`` widened (into ``out`` where given), the
+        columns near each row's maximum re-scored in float32: the greatest of
+        them is the float32 maximum, as the panels would write it, where two
+        sums 1/8 apart near 20 would otherwise tie (docs/kernels.md)."""
+        rows, cols, sums = self._near_max(x, y)
+        wide = y.float() if out is None else out.copy_(y)
+        wide[rows, cols] = sums
+        return wide
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """int64 ``[tokens]``: the column of each row's greatest output (the
@@ -225,9 +293,27 @@ class Linear:
             raise ValueError("argmax needs a bf16 weight on panels with float_out")
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if x.shape[0] > self.max_panel_rows:
+            return self._rescored_argmax(x)
         return torch.ops.slipstream.panel_linear_bf16_argmax(
             x, self.panels, self.bias, self.out_features
         )
+
+    def _rescored_argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``argmax`` off the panels: oneDNN's bf16 sums, then the float32
+        maximum among each row's near-maximum columns (the first of equals),
+        with no ``[rows, out_features]`` float32 logits written."""
+        y = self._off_panels(x)
+        rows, cols, sums = self._near_max(x, y)
+        n = x.shape[0]
+        best = torch.full((n,), -torch.inf).scatter_reduce_(0, rows, sums, "amax")
+        at_best = sums == best[rows]
+        first = torch.full((n,), self.out_features, dtype=torch.int64)
+        first.scatter_reduce_(0, rows[at_best], cols[at_best], "amin")
+        missing = first == self.out_features  # a row with a NaN has no column near its maximum
+        if bool(missing.any()):
+            first[missing] = y[missing].argmax(dim=-1)
+        return first
 
 
 _MM_WRITES_FLOAT32: dict[str, bool] = {}

@@ -412,9 +412,11 @@ class LlamaModel:
         SmolLM2's first answer to "What is the capital of France?" was then a
         tie ("The" and "L", 0.045 apart in float32) that greedy decoding broke
         by token id, to "L'Étoile, la Marseillaise" (docs/kernels.md, "The
-        logits in float32"). A bf16 model without panels (eager, or a CPU
-        without AVX512-BF16) keeps oneDNN's bf16 logits, which the sampler
-        widens only for the rows that sample. On a GPU a 16-bit model's LM
+        logits in float32"). Off the panels (a bf16 model run eagerly or on a
+        CPU without AVX512-BF16, or a call of more than 4 rows where AMX does
+        oneDNN's arithmetic) oneDNN's bf16 logits are widened with the columns
+        near each row's maximum re-scored in float32 (``Linear._near_max``):
+        greedy decoding picks the float32 maximum there too. On a GPU a 16-bit model's LM
         head writes float32 where torch's ``mm`` can (``Linear.float_mm``),
         else its logits are rounded and widened."""
         if x.device.type != "cpu":

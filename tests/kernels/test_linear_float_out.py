@@ -38,6 +38,6 @@ def test_other_layers_keep_their_dtype() -> None:
     ):
         assert not layer.float_mm
     assert Linear(torch.empty(40, 8, dtype=torch.bfloat16, device=META))(x).dtype == torch.bfloat16
-    cpu_head = Linear(torch.randn(40, 8).bfloat16(), float_out=True)  # no panels asked
-    assert not cpu_head.float_mm
-    assert cpu_head(torch.randn(3, 8).bfloat16()).dtype == torch.bfloat16
+    # on the CPU no float32 mm: oneDNN's bf16 sums, re-scored (test_panel_linear.py)
+    cpu_head = Linear(torch.randn(40, 8).bfloat16(), float_out=True)
+    assert not cpu_head.float_mm and cpu_head.plain is not None

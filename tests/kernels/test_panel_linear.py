@@ -302,3 +302,64 @@ def test_a_call_with_no_rows_on_a_layer_without_panels(dtype: torch.dtype) -> No
     # A step that samples nothing (a prefill chunk) calls the LM head with 0 rows.
     layer = Linear(torch.randn(8, 16, dtype=dtype), pack=False, panels=False)
     assert layer(torch.empty(0, 16, dtype=dtype)).shape == (0, 8)
+
+
+def _near_tie_case(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of x equal to weight row 3, so columns 3 and 7 lead with float32
+    sums ~60 and 7's greater by a hair (weight row 7 is row 3 with one
+    element nudged up): bf16 rounds both to one value (1/4 apart there),
+    and the bf16 argmax is 3 where the float32 one is 7."""
+    x, w, b = _bf16_case(rows, 300, 64, rows)
+    w[7] = w[3]
+    w[7, 0] = w[3, 0] + w[3, 0].abs().clamp(min=0.05)  # x[:, 0] = w[3, 0], > 0 after
+    w[3, 0] = w[7, 0] - 2.0**-6 * torch.sign(w[7, 0])  # the nudge: one bf16 step or so
+    x[:] = w[3]
+    x[:, 0] = w[3, 0].abs()
+    return x, w, b
+
+
+@pytest.mark.usefixtures("bf16_panels")
+def test_a_float_out_layer_where_amx_does_onednns_arithmetic_re_scores_its_near_maximum(
+    monkeypatch,
+) -> None:
+    """Where AMX does oneDNN's arithmetic the LM head keeps the panels' cut:
+    calls of more than 4 rows return oneDNN's bf16 sums widened, with the
+    columns near each row's maximum re-scored in float32, so the logits'
+    argmax and ``argmax`` are the float32 sums' (7 here), not the bf16
+    tie's lower id (3); calls of up to 4 rows stay on the panels."""
+    monkeypatch.setattr(linear, "max_bf16_panel_rows", lambda cpu=None: 4)
+    x, w, b = _near_tie_case(9)
+    sums64 = F.linear(x.double(), w.double())
+    assert sums64[:, 7].gt(sums64[:, 3]).all() and sums64.argmax(dim=-1).eq(7).all()
+    plain = F.linear(x, w)
+    assert torch.equal(plain[:, 3], plain[:, 7])  # the tie a bf16 LM head made
+    head = Linear(w, pack=detect().can_pack_bf16, panels=True, float_out=True)
+    assert head.uses_panels and head.max_panel_rows == 4 and head.plain is w
+    out = torch.empty(9, 300)
+    logits = head(x, out=out)
+    assert logits is out and logits.argmax(dim=-1).eq(7).all()
+    torch.testing.assert_close(logits[:, [3, 7]].double(), sums64[:, [3, 7]], rtol=1e-6, atol=0)
+    assert torch.equal(head(x), logits)  # without a buffer: the same, fresh
+    assert head.argmax(x).eq(7).all()
+    assert head.argmax(x[:4]).eq(7).all()  # on the panels
+    crowded = w.clone()
+    crowded[20:40] = w[3]  # 21 columns at the rounded maximum: rows scanned whole
+    head = Linear(crowded, pack=detect().can_pack_bf16, panels=True, float_out=True)
+    assert head.argmax(x).eq(7).all() and head(x).argmax(dim=-1).eq(7).all()
+    for bias in (b, None):  # every row's tokens against the float64 sums
+        xs, ws, _ = _bf16_case(40, 300, 64, 11)
+        layer = Linear(ws, bias, pack=detect().can_pack_bf16, panels=True, float_out=True)
+        want = F.linear(xs.double(), ws.double(), None if bias is None else bias.double())
+        assert torch.equal(layer.argmax(xs), want.argmax(dim=-1))
+        assert torch.equal(layer(xs).argmax(dim=-1), want.argmax(dim=-1))
+
+
+def test_a_float_out_bf16_layer_off_the_panels_re_scores_too() -> None:
+    """A bf16 model's LM head without panels (eager, or a CPU without
+    AVX512-BF16): float32 logits whose argmax is the float32 sums'."""
+    x, w, _ = _near_tie_case(5)
+    head = Linear(w, float_out=True)
+    assert not head.uses_panels and head.plain is w and not head.has_argmax
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits.argmax(dim=-1).eq(7).all()
+    assert Linear(w)(x).dtype == torch.bfloat16 and Linear(w).plain is None

@@ -108,7 +108,8 @@ def test_native_loop_gives_the_python_loops_logits(tiny_model_dir, shapes, dtype
 def test_a_bf16_model_on_panels_samples_float32_logits(tiny_model_dir) -> None:
     """Its LM head writes the float32 sums of the final normed rows, unrounded
     (rounded to bf16, logits 1/8 apart near 20 tie, and greedy decoding breaks
-    the tie by token id); without panels the logits stay oneDNN's bf16."""
+    the tie by token id); without panels oneDNN's bf16 logits are re-scored
+    near each row's maximum, and both argmaxes are the float64 sums'."""
     model = _bf16_panels_model(tiny_model_dir)
     rows = torch.randn(300, model.config.hidden_size).bfloat16()  # past a projection's cut
     logits = model._logits(rows)
@@ -117,7 +118,11 @@ def test_a_bf16_model_on_panels_samples_float32_logits(tiny_model_dir) -> None:
     want = rows.double() @ plain.lm_head.weight.double().T
     torch.testing.assert_close(logits.double(), want, rtol=1e-5, atol=1e-4)
     assert not torch.equal(logits, logits.bfloat16().float())  # not bf16 values
-    assert plain._logits(rows).dtype == torch.bfloat16
+    # without panels: oneDNN's bf16 sums widened, each row's near-maximum re-scored
+    widened = plain._logits(rows)
+    assert widened.dtype == torch.float32
+    assert torch.equal(widened.argmax(dim=-1), want.argmax(dim=-1))
+    assert torch.equal(logits.argmax(dim=-1), want.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("shapes", PLANS, ids=["decodes", "mixed"])
