@@ -135,20 +135,14 @@ class Generations:
             except Exception as exc:
                 raise _domain(exc) from None
             gate = TenantGate(self._tenants, tenant)
-        parsed = parse(await _json(request), request.headers, is_chat)
+        longest = engine.info.max_model_len
+        parsed = parse(await _json(request), request.headers, is_chat, longest)
         if parsed.model != engine.info.name:
             raise ApiError(
                 404,
                 f"model {parsed.model!r} is not served here",
                 param="model",
                 code="model_not_found",
-            )
-        stopping, longest = parsed.submit.stopping, engine.info.max_model_len
-        if stopping.HasField("max_new_tokens") and stopping.max_new_tokens > longest:
-            # In the caller's words (the wire's check would name max_new_tokens).
-            raise invalid(
-                f"max_tokens must be in [1, {longest}], got {stopping.max_new_tokens}",
-                "max_tokens",
             )
         envelope = Envelope.new(parsed.model, is_chat)
         try:

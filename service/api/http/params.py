@@ -74,8 +74,13 @@ class OpenAIRequest:
     include_usage: bool
 
 
-def parse(body: object, headers: Mapping[str, str], is_chat: bool) -> OpenAIRequest:
-    """Raises ``ApiError`` (400) naming the first field that is wrong."""
+def parse(
+    body: object, headers: Mapping[str, str], is_chat: bool, max_model_len: int = MAX_UINT32
+) -> OpenAIRequest:
+    """Raises ``ApiError`` (400) naming the first field that is wrong.
+    ``max_model_len``: the served model's context, the most tokens a
+    request may ask for (in the field it used: ``max_tokens`` or
+    ``max_completion_tokens``)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
@@ -93,7 +98,7 @@ def parse(body: object, headers: Mapping[str, str], is_chat: bool) -> OpenAIRequ
     if priority is not None:
         submit.priority = priority
     _sampling(body, submit.sampling)
-    _stopping(body, submit.stopping, is_chat)
+    _stopping(body, submit.stopping, is_chat, max_model_len)
     deadline_ms = _deadline_ms(body, headers)
     if deadline_ms is not None:
         submit.timeout.FromNanoseconds(round(deadline_ms * 1e6))
@@ -238,10 +243,12 @@ def _sampling(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
         sampling.seed = seed
 
 
-def _stopping(body: Mapping[str, object], stopping: pb.StoppingCriteria, is_chat: bool) -> None:
-    max_tokens = _int(body, "max_tokens", 1, MAX_UINT32)
+def _stopping(
+    body: Mapping[str, object], stopping: pb.StoppingCriteria, is_chat: bool, longest: int
+) -> None:
+    max_tokens = _int(body, "max_tokens", 1, longest)
     if is_chat:
-        newer = _int(body, "max_completion_tokens", 1, MAX_UINT32)
+        newer = _int(body, "max_completion_tokens", 1, longest)
         if newer is not None and max_tokens is not None and newer != max_tokens:
             raise invalid("max_tokens and max_completion_tokens differ", "max_completion_tokens")
         max_tokens = newer if newer is not None else max_tokens

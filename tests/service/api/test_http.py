@@ -524,6 +524,31 @@ def test_bad_chat_fields_are_400_naming_the_field(
     assert json.loads(reply)["error"]["param"] == param
 
 
+@pytest.mark.parametrize("value", [-1, 0, 100_000])
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/v1/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+    ],
+)
+def test_a_token_limit_out_of_range_names_its_field_and_the_models_context(
+    servers: Servers, path: str, field: str, value: int
+) -> None:
+    """Below 1 or past the context, one message: the field the caller used
+    and the model's range (not the wire's 2**32 - 1, nor max_new_tokens)."""
+    prompt = (
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    )
+    body = {"model": "tiny", **prompt, field: value}
+    status, _, reply = raw(servers, path, json.dumps(body).encode())
+    assert status == 400, reply
+    error = json.loads(reply)["error"]
+    assert error["param"] == field
+    assert error["message"] == f"{field} must be in [1, 1024], got {value}"
+
+
 def test_sdk_sees_400_404_and_413(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         oai.completions.create(model="tiny", prompt="x", logprobs=1)
