@@ -11,32 +11,37 @@ from __future__ import annotations
 import heapq
 
 from .config import SchedulerConfig
-from .errors import DeadlineInfeasible, DuplicateRequest, Overloaded, PromptTooLong, QueueFull
+from .errors import (
+    DeadlineInfeasible,
+    DuplicateRequest,
+    InvalidRequest,
+    Overloaded,
+    PromptTooLong,
+    QueueFull,
+)
 from .plan import FinishedRequest
 from .prefix_sharing import PrefixSharing
 from .request import FinishReason, RejectCause, Request, RequestStatus
 
 
 def check_request_shape(req: Request) -> None:
-    """ValueError for a malformed request (caller bug, not a capacity issue)."""
+    """InvalidRequest (a ValueError) for a malformed request (caller bug,
+    not a capacity issue)."""
     if not req.req_id:
         raise ValueError("req_id must be a non-empty string")
-    if not req.prompt_token_ids:
-        raise ValueError(f"request {req.req_id!r} has an empty prompt")
-    if req.max_new_tokens < 1:
-        raise ValueError(f"request {req.req_id!r}: max_new_tokens must be >= 1")
     sampling = req.sampling
     bad = (
+        (not req.prompt_token_ids, "the prompt is empty"),
+        (req.max_new_tokens < 1, "max_new_tokens must be >= 1"),
         (sampling.temperature < 0, "temperature must be >= 0"),
         (not 0.0 < sampling.top_p <= 1.0, "top_p must be in (0, 1]"),
         (sampling.top_k < 0, "top_k must be >= 0"),
         (req.priority < 0, "priority must be >= 0"),
+        (req.has_scheduling_state, "it was already scheduled once; submit a fresh one"),
     )
-    for failed, message in bad:
+    for failed, detail in bad:
         if failed:
-            raise ValueError(f"request {req.req_id!r}: {message}")
-    if req.has_scheduling_state:
-        raise ValueError(f"request {req.req_id!r} was already scheduled once; submit a fresh one")
+            raise InvalidRequest(req.req_id, detail)
 
 
 def check_request_fits(req: Request, config: SchedulerConfig) -> None:

@@ -10,6 +10,16 @@ class SchedulerError(Exception):
     """Base of every error a caller can cause."""
 
 
+class InvalidRequest(ValueError):
+    """A malformed request (a caller's bug, not a capacity issue). ``detail``
+    says what is wrong without the request's id, for a front door whose
+    caller knows which request it sent (and knows it by another id)."""
+
+    def __init__(self, req_id: str, detail: str) -> None:
+        super().__init__(f"request {req_id!r}: {detail}")
+        self.detail = detail
+
+
 class PromptTooLong(SchedulerError):
     """The prompt (plus max_new_tokens) cannot fit the model's context or KV pool."""
 

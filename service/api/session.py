@@ -37,7 +37,7 @@ from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.outbox import Outbox, event_bytes
-from slipstream.service.api.status import Rejection, rejection_for
+from slipstream.service.api.status import Rejection, caller_message, rejection_for
 from slipstream.service.engine.events import Event, EventCallback, FinishEvent, TokenEvent
 from slipstream.v1 import inference_pb2 as pb
 
@@ -158,13 +158,14 @@ class StreamSession:
             rejection = rejection_for(exc)
             if rejection is None:
                 raise
-            self._reject(request_id, rejection, str(exc), exc)
+            message = caller_message(exc)
+            self._reject(request_id, rejection, message, exc)
             if self._telemetry is not None:
                 self._telemetry.rejected(
                     request_id,
                     rejection.reason_name,
                     rejection.wire_status,
-                    str(exc),
+                    message,
                     self._metadata,
                     submit.trace_context,
                     tenant="" if self._gate is None else self._gate.tenant.name,

@@ -19,6 +19,7 @@ from slipstream.scheduler.errors import (
     DeadlineInfeasible,
     Draining,
     DuplicateRequest,
+    InvalidRequest,
     Overloaded,
     PromptTooLong,
     QueueFull,
@@ -105,6 +106,12 @@ _FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     ),
 }
+
+
+def caller_message(error: Exception) -> str:
+    """What a rejected caller is told: the scheduler's own checks without the
+    engine's id for the request (stream-scoped, not the caller's)."""
+    return error.detail if isinstance(error, InvalidRequest) else str(error)
 
 
 def rejection_for(error: Exception) -> Rejection | None:

@@ -19,6 +19,7 @@ from slipstream.scheduler import (
     DuplicateRequest,
     FcfsPolicy,
     FinishReason,
+    InvalidRequest,
     PriorityPolicy,
     PromptTooLong,
     QueueFull,
@@ -436,7 +437,7 @@ def test_a_request_object_cannot_be_submitted_twice() -> None:
         ({"sampling": SamplingParams(top_p=1.5)}, "top_p"),
         ({"sampling": SamplingParams(top_k=-1)}, "top_k"),
         ({"priority": -1}, "priority"),
-        ({"prompt_token_ids": []}, "empty prompt"),
+        ({"prompt_token_ids": []}, "prompt is empty"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
     ],
 )
@@ -445,8 +446,9 @@ def test_admission_refuses_parameters_no_policy_could_serve(
 ) -> None:
     sched = make_scheduler()
     req = dataclasses.replace(make_request("bad", 3, 2), **change)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidRequest, match=message) as refused:
         sched.add_request(req)
+    assert str(refused.value) == f"request 'bad': {refused.value.detail}"
     assert (
         not sched.has_unfinished()
         and sched.num_free_device_blocks == sched.config.num_device_blocks

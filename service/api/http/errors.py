@@ -21,7 +21,13 @@ from slipstream.scheduler.errors import (
     QueueFull,
 )
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
-from slipstream.service.api.status import INVALID, Rejection, rejection_for, retry_after_ms
+from slipstream.service.api.status import (
+    INVALID,
+    Rejection,
+    caller_message,
+    rejection_for,
+    retry_after_ms,
+)
 from slipstream.service.engine.chat import ChatError
 
 # What a client told "the queue is full" should wait before trying again.
@@ -106,5 +112,5 @@ def from_domain(error: Exception, param: str | None = None) -> ApiError | None:
             is_quota = isinstance(error, QuotaExceeded)
             hint_s = math.ceil(retry_after_ms(error) / 1000) if is_quota else RETRY_AFTER_S
             headers = {"Retry-After": str(hint_s)} if status == 429 else {}
-            return ApiError(status, str(error), kind, param, code, headers, rejection)
+            return ApiError(status, caller_message(error), kind, param, code, headers, rejection)
     return None

@@ -513,6 +513,9 @@ def test_each_malformed_submit_is_rejected_alone(
         assert rid in rejected, rid
         assert rejected[rid].reject_reason == reason, (rid, rejected[rid])
         assert rejected[rid].message
+    # The scheduler's own checks speak of the request, not of its stream-scoped id.
+    assert rejected["negative-priority"].message == "priority must be >= 0"
+    assert rejected["negative-temperature"].message == "temperature must be >= 0"
     assert chunks.get("neighbour", 0) >= 1
 
 
