@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -85,7 +86,12 @@ def test_another_streams_pace_holds_while_4mb_is_tokenized(spawn_server: Callabl
         f"{p99(during) * 1e3:.1f} ms during; max {max(during) * 1e3:.0f} ms"
     )
     assert len(during) > 100
-    assert p99(during) <= 2 * p99(baseline)
+    # Twice the pace alone, or, where a step takes about a millisecond (tiny),
+    # the pace alone plus two of the interpreter's switch intervals (5 ms
+    # each): the tokenizing worker and the event loop may each hold the GIL
+    # that long. A stall of the kind this guards against took 150-190 ms.
+    allowance = max(p99(baseline), 2 * sys.getswitchinterval())
+    assert p99(during) <= p99(baseline) + allowance
 
 
 def rss(pid: int) -> float:
