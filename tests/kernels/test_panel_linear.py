@@ -342,6 +342,9 @@ def test_a_float_out_layer_where_amx_does_onednns_arithmetic_re_scores_its_near_
     assert torch.equal(head(x), logits)  # without a buffer: the same, fresh
     assert head.argmax(x).eq(7).all()
     assert head.argmax(x[:4]).eq(7).all()  # on the panels
+    broken = x.clone()
+    broken[0] = float("nan")  # a row of NaNs has no near column: its bf16 argmax, the others theirs
+    assert head.argmax(broken)[1:].eq(7).all() and head.argmax(x[:0]).shape == (0,)
     crowded = w.clone()
     crowded[20:40] = w[3]  # 21 columns at the rounded maximum: rows scanned whole
     head = Linear(crowded, pack=detect().can_pack_bf16, panels=True, float_out=True)
