@@ -135,8 +135,8 @@ class Generations:
             except Exception as exc:
                 raise _domain(exc) from None
             gate = TenantGate(self._tenants, tenant)
-        longest = engine.info.max_model_len
-        parsed = parse(await _json(request), request.headers, is_chat, longest)
+        body = await _json(request)
+        parsed = parse(body, request.headers, is_chat, engine.info.max_model_len)
         if parsed.model != engine.info.name:
             raise ApiError(
                 404,
