@@ -214,8 +214,8 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
             if now + needed > first_token_deadline:
                 return Infeasible(
                     ExpiredLimit.FIRST_TOKEN,
-                    f"first-token deadline in {first_token_deadline - now:.3f}s, but the "
-                    f"prompt alone needs an estimated {needed:.3f}s",
+                    f"first-token deadline in {duration(first_token_deadline - now)}, but the "
+                    f"prompt alone needs an estimated {duration(needed)}",
                 )
         if req.deadline is None:
             return None
@@ -224,8 +224,8 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
             return None
         return Infeasible(
             ExpiredLimit.DEADLINE,
-            f"deadline in {req.deadline - now:.3f}s, but running alone it needs "
-            f"an estimated {remaining:.3f}s",
+            f"deadline in {duration(req.deadline - now)}, but running alone it needs "
+            f"an estimated {duration(remaining)}",
         )
 
     def overload_refusal(self, req: Request, now: float) -> str:
@@ -321,13 +321,13 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
             left = req.first_token_deadline - now
             needed = max(entry.first_token_isolated_s, entry.first_token_steps * self.loaded_step_s)
             return (
-                f"cannot meet first-token deadline: {left:.3f}s left, an estimated "
-                f"{needed:.3f}s needed at the current load"
+                f"cannot meet first-token deadline: {duration(left)} left, an estimated "
+                f"{duration(needed)} needed at the current load"
             )
         assert req.deadline is not None
         return (
-            f"cannot meet deadline: {req.deadline - now:.3f}s left, an estimated "
-            f"{self.loaded_remaining_seconds(req):.3f}s needed at the current load"
+            f"cannot meet deadline: {duration(req.deadline - now)} left, an estimated "
+            f"{duration(self.loaded_remaining_seconds(req))} needed at the current load"
         )
 
     def shed_victim(
@@ -379,3 +379,14 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
     @property
     def is_urgency_driven(self) -> bool:
         return True
+
+
+def duration(seconds: float) -> str:
+    """A time for a caller to read, three significant digits: "1.28 ms",
+    "45 ms", "12.3 s" (a deadline of 1 ms against an estimate of 1.3 ms read
+    "0.001s" and "0.001s" at three decimals)."""
+    if abs(seconds) < 0.9995:
+        return f"{seconds * 1e3:.3g} ms"
+    if abs(seconds) < 999.5:
+        return f"{seconds:.3g} s"
+    return f"{seconds:.0f} s"

@@ -21,6 +21,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     StepShape,
 )
+from slipstream.scheduler.deadline_policy import duration
 
 # One step costs 1 s plus 0.01 s per prefill token: easy to reason about.
 COEFFS = CostCoefficients(1.0, 0.01, 0.0, 0.0, 0.001)
@@ -151,8 +152,9 @@ def test_same_class_waiting_work_does_not_preempt() -> None:
 def test_infeasible_deadline_is_rejected_early_unless_switched_off() -> None:
     # Alone, 8 prompt tokens + 4 outputs take 4 steps of >= 1 s.
     sched = make_sched()
-    with pytest.raises(DeadlineInfeasible, match="needs an estimated"):
+    with pytest.raises(DeadlineInfeasible, match="needs an estimated") as refused:
         sched.add_request(make_request("x", 8, 4, arrival=10.0, deadline=12.0))
+    assert str(refused.value).startswith("deadline in 2 s, but running alone it needs")
     assert sched.get_request("x") is None and sched.num_waiting == 0
     sched.add_request(make_request("ok", 8, 4, arrival=10.0, deadline=15.0))
     permissive = make_sched(reject_infeasible=False)
@@ -355,3 +357,13 @@ def test_cost_model_predictions_follow_every_refit() -> None:
     model.set_swap_cost(0.5)
     assert model.coefficients.swap_s_per_block == 0.5
     assert model.swap_seconds(2) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.001, "1 ms"), (0.00128, "1.28 ms"), (0.045, "45 ms"), (0.9996, "1 s"), (12.3456, "12.3 s"),
+     (1234.4, "1234 s")],
+)  # fmt: skip
+def test_times_in_messages_keep_three_significant_digits(seconds: float, text: str) -> None:
+    """A 1 ms deadline against a 1.3 ms estimate read "0.001s" twice."""
+    assert duration(seconds) == text
