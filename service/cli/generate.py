@@ -100,7 +100,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="a prompt (repeatable)")
-    prompts.add_argument("--prompts-file", type=Path, help="JSON Lines of prompts")
+    prompts.add_argument(
+        "--prompts-file",
+        type=Path,
+        help='JSON Lines of prompts: a string, or an object with "prompt", "prompt_token_ids" '
+        'or "messages" (a conversation), and optionally max_tokens, temperature, seed',
+    )
     prompts.add_argument(
         "--messages-file",
         type=Path,
@@ -165,11 +170,16 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
             raise SystemExit(f"{where}: not JSON ({exc})") from None
         if isinstance(item, str):
             specs.append(_spec(item, None, {}, args))
+        elif isinstance(item, dict) and "messages" in item:
+            if "prompt" in item or "prompt_token_ids" in item:
+                raise SystemExit(f"{where}: messages or a prompt, not both")
+            _check_item(item, where)
+            specs.append(_spec(None, None, item, args, _conversation(item["messages"], where)))
         elif isinstance(item, dict) and ("prompt" in item or "prompt_token_ids" in item):
             _check_item(item, where)
             specs.append(_spec(item.get("prompt"), item.get("prompt_token_ids"), item, args))
         else:
-            raise SystemExit(f"{where}: need a string or prompt/prompt_token_ids")
+            raise SystemExit(f"{where}: need a string or prompt/prompt_token_ids/messages")
     return specs
 
 
@@ -195,15 +205,24 @@ def _check_item(item: dict, where: str) -> None:
 
 def load_messages(path: Path) -> tuple[tuple[str, str], ...]:
     """A conversation file; ``SystemExit`` naming the file when malformed."""
+    try:
+        items = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise SystemExit(f"{path}: {exc}") from None
+    return _conversation(items, str(path))
+
+
+def _conversation(items: object, where: str) -> tuple[tuple[str, str], ...]:
+    """A JSON list of {"role", "content"} as (role, content) pairs;
+    ``SystemExit`` naming ``where`` when malformed."""
     from slipstream.clients.wire import Conversation
 
     try:
-        items = json.loads(path.read_text())
         if not isinstance(items, list):
             raise ValueError('need a JSON list of {"role": ..., "content": ...}')
         return Conversation.of(items).messages
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise SystemExit(f"{path}: {exc}") from None
+    except ValueError as exc:
+        raise SystemExit(f"{where}: {exc}") from None
 
 
 def _spec(

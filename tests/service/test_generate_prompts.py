@@ -30,6 +30,18 @@ def test_a_good_file_gives_one_spec_a_line(tmp_path: Path) -> None:
     assert second.token_ids == [1, 2] and second.max_tokens == 3 and second.temperature == 1
 
 
+def test_a_line_may_be_a_conversation(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(
+        '{"messages": [{"role": "system", "content": "Be brief."}, '
+        '{"role": "user", "content": "Hi"}], "max_tokens": 4}\n"Hello"\n'
+    )
+    chat, text = load_prompts(_args(path))
+    assert chat.messages == (("system", "Be brief."), ("user", "Hi")) and chat.max_tokens == 4
+    assert chat.text is None and chat.token_ids is None
+    assert text.text == "Hello" and text.messages is None
+
+
 @pytest.mark.parametrize(
     ("line", "complaint"),
     [
@@ -41,7 +53,11 @@ def test_a_good_file_gives_one_spec_a_line(tmp_path: Path) -> None:
         ('{"prompt": "x", "max_tokens": true}', ":2: max_tokens must be an integer"),
         ('{"prompt": "x", "seed": 1.5}', ":2: seed must be an integer"),
         ('{"prompt": "x", "temperature": "hot"}', ":2: temperature must be a number"),
-        ("[1, 2]", ":2: need a string or prompt/prompt_token_ids"),
+        ("[1, 2]", ":2: need a string or prompt/prompt_token_ids/messages"),
+        ('{"messages": "hi"}', ':2: need a JSON list of {"role"'),
+        ('{"messages": [{"role": "user"}]}', ":2: "),
+        ('{"messages": [], "prompt": "x"}', ":2: messages or a prompt, not both"),
+        ('{"messages": [{"role": "user", "content": "x"}], "seed": "1"}', ":2: seed must be"),
     ],
 )
 def test_a_bad_line_is_named(tmp_path: Path, line: str, complaint: str) -> None:
