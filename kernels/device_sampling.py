@@ -171,8 +171,8 @@ def sample_tensors(
 ) -> torch.Tensor:
     """int64 ``[N]`` on the logits' device: one token per row of ``logits
     [N, vocab]``, by the batch's plan (the module docstring says how).
-    float32 logits, or a low-precision model's (the CPU runner leaves a bf16
-    model's as they are): the argmax reads them as they are, which gives the
+    float32 logits (every runner's since the LM heads write float32), or
+    low-precision ones: the argmax reads them as they are, which gives the
     indices it gives over their exact float32 widening, and the rows that
     sample are widened by their division by the (float32) temperatures.
     ``generator`` (on the logits' device; default: its global RNG) draws

@@ -256,9 +256,9 @@ class LlamaModel:
         greedy: bool = False,
     ) -> torch.Tensor:
         """Returns the logits ``[len(sample_indices), vocab]`` for the packed
-        tokens ``input_ids`` at ``positions``: float32, but bf16 for a bf16
-        model on the CPU without panels (``_logits``). ``greedy`` (only where
-        ``picks_greedy``): each sampled row's greedy token instead, int64."""
+        tokens ``input_ids`` at ``positions``, float32 (``_logits``).
+        ``greedy`` (only where ``picks_greedy``): each sampled row's greedy
+        token instead, int64."""
         if self.fused or self.triton_elementwise:
             return self._forward_fused(
                 input_ids, positions, kv_caches, meta, sample_indices, greedy
@@ -416,9 +416,9 @@ class LlamaModel:
         CPU without AVX512-BF16, or a call of more than 4 rows where AMX does
         oneDNN's arithmetic) oneDNN's bf16 logits are widened with the columns
         near each row's maximum re-scored in float32 (``Linear._near_max``):
-        greedy decoding picks the float32 maximum there too. On a GPU a 16-bit model's LM
-        head writes float32 where torch's ``mm`` can (``Linear.float_mm``),
-        else its logits are rounded and widened."""
+        greedy decoding picks the float32 maximum there too. On a GPU a
+        16-bit model's LM head writes float32 where torch's ``mm`` can
+        (``Linear.float_mm``), else its logits are rounded and widened."""
         if x.device.type != "cpu":
             return self.lm_head(x).float()
         if not self.lm_head.uses_panels:
