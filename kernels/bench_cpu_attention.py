@@ -1,7 +1,7 @@
 """Micro-benchmark: the fused CPU kernel against the torch path, one layer call.
 
     python -m slipstream.kernels.bench_cpu_attention [--threads 2] [--reps 30] [--home DIR]
-        [--max-isa avx512|avx2|portable] [--bf16-prefill dot|tiles|dot-tiles]
+        [--max-isa avx512|avx2|portable] [--bf16-prefill dot|tiles|dot-tiles|brgemm]
         [--kind decode|prefill]
 
 8 query heads, 4 KV heads, head_dim 64, block_size 32, float32 and bfloat16
@@ -121,8 +121,9 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=None, help="extension cache root")
     parser.add_argument("--max-isa", choices=("avx512", "avx2", "portable"), default=None,
                         help="cap the kernel's variant (default: the CPU's)")  # fmt: skip
-    parser.add_argument("--bf16-prefill", choices=("dot", "tiles", "dot-tiles"), default=None,
-                        help="AVX512-BF16: bf16 prefill on dot rows, fp32/dot tiles "
+    parser.add_argument("--bf16-prefill", choices=("dot", "tiles", "dot-tiles", "brgemm"),
+                        default=None,
+                        help="AVX512-BF16: bf16 prefill on dot rows, fp32/dot/brgemm tiles "
                              "(default: the CPU's, cpu_attention.bf16_prefill_for)")  # fmt: skip
     parser.add_argument("--kind", choices=("decode", "prefill"), default=None,
                         help="only the decode or the prefill cases")  # fmt: skip

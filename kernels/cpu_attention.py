@@ -16,6 +16,7 @@ failure it logs one line and returns False, and callers use the torch path.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ EXTENSION = extensions.Extension(
 DTYPES = (torch.float32, torch.bfloat16)
 
 _fake_registered = False
+log = logging.getLogger(__name__)
 
 __all__ = ["default_home", "failure", "is_available", "paged_attention", "write_kv"]
 
@@ -71,8 +73,20 @@ def _after_load() -> bool:
     if not _fake_registered:
         torch.library.register_fake("slipstream::paged_attention", _fake_paged_attention)
         _fake_registered = True
-    set_bf16_prefill(bf16_prefill_for(cpu_features.detect()))
+    set_cpu_bf16_prefill()
     return True
+
+
+def set_cpu_bf16_prefill() -> str:
+    """Puts this CPU's bf16 prefill mode in force (``bf16_prefill_for``), or
+    the fp32 tiles where that mode is refused (one log line); returns the mode
+    in force. Needs ``is_available()`` first."""
+    wanted = bf16_prefill_for(cpu_features.detect())
+    try:
+        return set_bf16_prefill(wanted)
+    except RuntimeError as error:  # brgemm refused: oneDNN's check failed on this machine
+        log.warning("bf16 prefill %s unavailable (%s); using the fp32 tiles", wanted, error)
+        return set_bf16_prefill("tiles")
 
 
 def _fake_paged_attention(
@@ -113,22 +127,32 @@ def paged_attention(
 
 
 def bf16_prefill_for(cpu: CpuFeatures) -> str:
-    """The bf16 prefill mode the kernel is loaded with on ``cpu``: the fastest
-    measured on its kind (2 threads, bench_cpu_attention --kind prefill, a
-    512-token chunk over a 512-token prefix). With AMX-BF16 (a Xeon): the fp32
-    tiles, 5.4 ms, against 10.4 as dot product rows and 9.7 as vdpbf16ps
-    tiles. With AVX512-BF16 and no AMX (an AMD Zen 5): the vdpbf16ps tiles,
-    2.0-2.1 ms, against 2.4 as fp32 tiles and 3.0-4.5 as dot product rows.
-    Below AVX512-BF16 the mode does nothing."""
+    """The bf16 prefill mode the kernel is loaded with on ``cpu``.
+
+    With AMX-BF16 (a Xeon): the brgemm tiles, whose two products oneDNN runs
+    on AMX tiles. Chosen without a measurement on such a CPU: there the fp32
+    tiles took 5.4 ms (2 threads, bench_cpu_attention --kind prefill, a
+    512-token chunk over a 512-token prefix) against 10.4 as dot product rows
+    and 9.7 as vdpbf16ps tiles, and torch's own attention, on the same
+    oneDNN products, 3.0-3.9 ms with a gather of K/V included. If the
+    loader's check of oneDNN's products fails, the fp32 tiles.
+
+    With AVX512-BF16 and no AMX (an AMD Zen 5): the vdpbf16ps tiles, 1.4 ms
+    on that case, against 1.8 as brgemm tiles (the same products at the
+    same rate, the softmax between them unfused), 2.4 as fp32 tiles and 3.0-4.5
+    as dot product rows. Below AVX512-BF16 the mode does nothing."""
     if "amx_bf16" in cpu.flags:
-        return "tiles"
+        return "brgemm"
     return "dot-tiles" if "avx512_bf16" in cpu.flags else "dot"
 
 
 def set_bf16_prefill(mode: str) -> str:
     """How bf16 prefill tasks run on an AVX512-BF16 CPU: ``"dot"`` (dot
     product rows), ``"tiles"`` (tiles over fp32 copies of K/V, as below
-    AVX512-BF16) or ``"dot-tiles"`` (tiles on vdpbf16ps over K/V in place).
+    AVX512-BF16), ``"dot-tiles"`` (tiles on vdpbf16ps over K/V in place) or
+    ``"brgemm"`` (those tiles' products on oneDNN's batch-reduce GEMM, AMX
+    tiles where the CPU has them; refused with a RuntimeError where oneDNN's
+    bf16 brgemm does not run or does not give the tiles' products).
     Process-wide; returns the mode in force. Loading the kernel sets
     ``bf16_prefill_for(cpu_features.detect())``; this compares them
     (``bench_cpu_attention --bf16-prefill``). Needs ``is_available()`` first."""

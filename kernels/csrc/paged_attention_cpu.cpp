@@ -57,8 +57,10 @@
 
 #ifndef SLIPSTREAM_VARIANT  // ============================== shared code, first pass
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -143,6 +145,7 @@ struct Problem {
   int64_t num_blocks;
   float qk_scale;    // scale * log2(e): scores in base 2
   float* partials;
+  int bf16_prefill;  // Bf16Prefill: how this call's bf16 tasks of many rows run
 };
 
 // A KV write (write_kv): rows (token, kv head) of k and v into their slots.
@@ -163,6 +166,7 @@ struct Scratch {
   std::vector<float> q, o, m, l, k, v, alpha;
   std::vector<uint32_t> p_pairs;  // Bf16DotRows: p as bf16 pairs, per row
   std::vector<uint32_t> v_pairs;  // bf16 dot tiles: V's rows t, t + 1 paired, per column
+  std::vector<uint32_t> v_cols;   // brgemm tiles: V transposed, a column's keys paired
   std::vector<int> visible;       // Bf16DotRows: keys of the tile each row sees
   std::vector<float> l_lanes;     // Bf16DotRows: l per row as 16 partial sums
   std::vector<float> st, pos;     // tiled tasks: scores [keys][rows], row positions
@@ -185,6 +189,7 @@ struct Scratch {
     grow(l_lanes, rows * 16);
     grow(p_pairs, rows * kKeyTile / 2);
     grow(v_pairs, head_dim * kKeyTile / 2);
+    grow(v_cols, head_dim * kKeyTile / 2);
     grow(k_scales, kKeyTile);
     grow(v_scales, kKeyTile);
   }
@@ -208,13 +213,60 @@ inline bf16_bits to_bf16(float f) {
 
 // bf16 K/V tasks of many rows (prefill chunks) on AVX512-BF16: the dot
 // product rows (Bf16DotRows: the default), the tiles over fp32 copies of K/V
-// (run_task_tiles), or the tiles on vdpbf16ps over K/V in place
-// (run_task_tiles with kDotTiles). paged_attention_set_bf16_prefill switches
-// it; the loader picks per CPU what was measured fastest there
-// (cpu_attention.bf16_prefill_for).
-enum Bf16Prefill : int { kDotRows, kFloatTiles, kDotTiles };
-constexpr const char* kBf16PrefillNames[] = {"dot", "tiles", "dot-tiles"};
+// (run_task_tiles), the tiles on vdpbf16ps over K/V in place
+// (run_task_tiles with kDotTiles), or the same tiles with both products on
+// oneDNN's batch-reduce GEMM (run_task_brgemm: AMX tiles where the CPU has
+// AMX-BF16). paged_attention_set_bf16_prefill switches it; the loader picks
+// per CPU what was measured fastest there (cpu_attention.bf16_prefill_for).
+enum Bf16Prefill : int { kDotRows, kFloatTiles, kDotTiles, kBrgemm };
+constexpr const char* kBf16PrefillNames[] = {"dot", "tiles", "dot-tiles", "brgemm"};
 std::atomic<int> g_bf16_prefill{kDotRows};
+
+// Whether ATen's bf16 brgemm runs here as run_task_brgemm calls it; the
+// reason when it does not ("" when it does). It needs oneDNN's ukernel
+// (AVX-512) and oneDNN enabled, and throws otherwise, which must never happen
+// inside the task loop; and its B must be the layout the tiles build (pairs
+// of k per column, "pack32", leading dimension 16-64), which AMX's kernels
+// read differently from vdpbf16ps's if at all. So: the tiles' two product
+// shapes, small integers (exact in bf16 and fp32) against plain sums.
+std::string brgemm_failure() {
+  if (!at::globalContext().userEnabledMkldnn()) return "oneDNN is disabled (torch.backends.mkldnn)";
+  struct Shape {
+    int64_t m, n, k;
+    bool add;
+  };
+  try {
+    for (const Shape shape : {Shape{32, 64, 64, false}, Shape{64, 48, 32, true}, Shape{5, 16, 32, false}}) {
+      const int64_t m = shape.m, n = shape.n, k = shape.k;
+      std::vector<at::BFloat16> a(m * k), b(k * n);
+      std::vector<float> c(m * n), want(m * n);
+      auto value = [](int64_t i, int64_t j) { return float((i * 7 + j * 3) % 5) - 2.0f; };
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t t = 0; t < k; ++t) a[i * k + t] = at::BFloat16(value(i, t));
+      for (int64_t t = 0; t < k; ++t)
+        for (int64_t j = 0; j < n; ++j) b[(t / 2) * 2 * n + 2 * j + t % 2] = at::BFloat16(value(t, j + 1));
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          c[i * n + j] = shape.add ? float(i - j) : 0.0f;
+          float sum = c[i * n + j];
+          for (int64_t t = 0; t < k; ++t) sum += value(i, t) * value(t, j + 1);
+          want[i * n + j] = sum;
+        }
+      at::native::cpublas::brgemm(m, n, k, k, n, n, shape.add, a.data(), b.data(), c.data(), true);
+      at::native::cpublas::brgemm_release(true);
+      if (c != want) return "oneDNN's bf16 brgemm did not give the tiles' products";
+    }
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    return error.what();
+  }
+  return "";
+}
+
+// Set by a task loop's thread that ran brgemm, which releases the AMX state
+// (cpublas::brgemm_release) when its tasks are done.
+thread_local bool t_used_brgemm = false;
 
 inline void store_row(float* dst, const float* src, float mul, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
@@ -317,12 +369,18 @@ std::string set_max_isa(c10::string_view name) {
   return cpu_isa();
 }
 
-// "dot", "tiles" or "dot-tiles" (see g_bf16_prefill); returns the mode now in force.
+// "dot", "tiles", "dot-tiles" or "brgemm" (see g_bf16_prefill); returns the
+// mode now in force. "brgemm" is refused where ATen's bf16 brgemm does not run.
 std::string set_bf16_prefill(c10::string_view mode) {
   int chosen = -1;
   for (int i = 0; i < int(std::size(kBf16PrefillNames)); ++i)
     if (mode == kBf16PrefillNames[i]) chosen = i;
-  TORCH_CHECK(chosen >= 0, "paged_attention_set_bf16_prefill: dot, tiles or dot-tiles, got ", mode);
+  TORCH_CHECK(chosen >= 0,
+              "paged_attention_set_bf16_prefill: dot, tiles, dot-tiles or brgemm, got ", mode);
+  if (chosen == kBrgemm) {
+    const std::string why = brgemm_failure();
+    TORCH_CHECK(why.empty(), "paged_attention_set_bf16_prefill: brgemm does not run here: ", why);
+  }
   g_bf16_prefill.store(chosen);
   return kBf16PrefillNames[g_bf16_prefill.load()];
 }
@@ -468,6 +526,10 @@ void run_plan(const Problem<T, KV>& p, const Plan& plan, Isa isa, int64_t num_th
 #endif
       portable::run_task(p, task, upcoming, scratch);
     }
+    if (t_used_brgemm) {
+      at::native::cpublas::brgemm_release(true);
+      t_used_brgemm = false;
+    }
   }
   const int64_t num_merges = int64_t(plan.merges.size());
 #pragma omp parallel for num_threads(int(num_threads)) if (parallel && num_merges > 1)
@@ -551,6 +613,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_storage,
       make_plan(lens, qsl, num_seqs, num_kv_heads, group, head_dim, block_size, num_threads);
   std::vector<float> partials(plan.partial_floats);
   const float qk_scale = float(scale * 1.4426950408889634);  // log2(e)
+  int bf16_prefill = g_bf16_prefill.load();
+  if (bf16_prefill == kBrgemm && !at::globalContext().userEnabledMkldnn())
+    bf16_prefill = kDotTiles;  // oneDNN switched off since the mode was set
 
   auto run = [&](auto element, auto kv_element) {
     using T = decltype(element);
@@ -569,7 +634,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_storage,
                            block_size,
                            num_blocks,
                            qk_scale,
-                           partials.data()};
+                           partials.data(),
+                           bf16_prefill};
     run_plan(p, plan, isa, num_threads);
   };
   if (dtype == at::kFloat)
@@ -688,6 +754,14 @@ namespace SLIPSTREAM_VARIANT {
 
 #if SLIPSTREAM_LANES == 16 && defined(SLIPSTREAM_EMULATE_AVX512)
 #include "avx512_emulation.h"
+#endif
+
+// The brgemm tiles (run_task_brgemm): the AVX-512 variant, not its emulated
+// test build (ATen's bf16 brgemm needs AVX-512 itself).
+#if SLIPSTREAM_BF16_DOT && !defined(SLIPSTREAM_EMULATE_AVX512)
+#define SLIPSTREAM_BRGEMM 1
+#else
+#define SLIPSTREAM_BRGEMM 0
 #endif
 
 // Scores are handled 8 keys at a time (v8f) in every variant; head_dim is
@@ -1578,13 +1652,14 @@ SLIP_INLINE void tile_scores(const float* qt, int64_t rs, const float* k, int64_
 // Online softmax of one row vector over the tile's first n keys (key0 is
 // the first one's position): st's scores become p in place; m, l updated,
 // alpha = 2^(m_old - m_new). Rows that have seen no key keep m = -inf and
-// p = 0 (their alpha only ever scales zeros).
+// p = 0 (their alpha only ever scales zeros). scale: what the scores are
+// multiplied by first (the brgemm tiles' products are unscaled).
 SLIP_INLINE void tile_softmax(float* st, int64_t rs, int n, float key0, vf row_pos, float* m,
-                              float* l, float* alpha) {
+                              float* l, float* alpha, float scale = 1.0f) {
   const vf neg_inf = splatv(kNegInf);
   vf top = neg_inf;
   for (int t = 0; t < n; ++t) {
-    const vf s = loadv(st + t * rs);
+    const vf s = loadv(st + t * rs) * scale;
     const vf masked = splatv(key0 + float(t)) <= row_pos ? s : neg_inf;  // causal
     storev(st + t * rs, masked);
     top = top > masked ? top : masked;
@@ -1865,6 +1940,159 @@ SLIP_INLINE void run_task_tiles(const Problem<T, KV>& p, const Task& task, const
   write_result(p, task, row_at, sc.m.data(), sc.l.data(), sc.k.data());  // k: free by now
 }
 
+#if SLIPSTREAM_BRGEMM
+// ---- Tiles on oneDNN's batch-reduce GEMM (ATen's cpublas::brgemm), kBrgemm:
+// the dot tiles' layouts, each of a tile's two products one call, which
+// oneDNN runs on AMX tiles where the CPU has AMX-BF16 and on vdpbf16ps
+// where it has AVX512-BF16 only:
+//
+//   st [n][rs]   = K [n][d] . q2               A: K in place; B: q2 [d/2][rs] pairs
+//   online softmax down the keys, as the other tiles (scale applied there)
+//   p2 [16][rs]  pairs of p as the dot tiles', zero past the tile's pairs
+//   ot [d][rs]   = ot * alpha + Vt [d][32] . p2   A: V transposed; B: p2
+//
+// B's leading dimension is rs, a multiple of 16 up to kMaxBrgemmRows: AMX's
+// kernels take packed B ("pack32": pairs of k per column) at 16, 32, 48 or
+// 64 only. Vt's rows are V's columns in pair_slot order (transposed from
+// v_pairs), so ot's are too; the task unpermutes them when it writes.
+constexpr int64_t kMaxBrgemmRows = 64;
+
+// 16 x 16 32-bit words: rows r[i] become columns.
+SLIP_INLINE void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // rows 4 g .. 4 g + 3, word j of each 128-bit lane L: b[4 g + j] holds
+  // column 4 L + j of those rows in lane L
+  __m512i b[16];
+  for (int i = 0; i < 16; i += 4) {
+    b[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    b[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    b[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    b[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i x = _mm512_shuffle_i32x4(b[j], b[4 + j], 0x88);
+    const __m512i y = _mm512_shuffle_i32x4(b[j], b[4 + j], 0xDD);
+    const __m512i z = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0x88);
+    const __m512i w = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], 0xDD);
+    r[j] = _mm512_shuffle_i32x4(x, z, 0x88);       // column j
+    r[4 + j] = _mm512_shuffle_i32x4(y, w, 0x88);   // column 4 + j
+    r[8 + j] = _mm512_shuffle_i32x4(x, z, 0xDD);   // column 8 + j
+    r[12 + j] = _mm512_shuffle_i32x4(y, w, 0xDD);  // column 12 + j
+  }
+}
+
+// V's first n rows (stride d) as Vt [d][kKeyTile] bf16, row pair_slot(c)
+// holding column c's keys in order, zero past n; vp: scratch for the pairs.
+SLIP_INLINE void transpose_v(const bf16_bits* v, int64_t d, int n, uint32_t* vp, uint32_t* vt) {
+  const int n2 = (n + 1) / 2;
+  pair_v_rows(v, d, n, vp);
+  std::fill(vp + n2 * d, vp + (kKeyTile / 2) * d, 0u);
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512i r[16];
+    for (int t2 = 0; t2 < 16; ++t2) r[t2] = _mm512_loadu_si512(vp + t2 * d + c);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(vt + (c + i) * (kKeyTile / 2), r[i]);
+  }
+}
+
+// p (st, n keys, rs rows) as bf16 pairs of keys per row, zero up to 16 pairs.
+SLIP_INLINE void pair_p(const float* st, int64_t rs, int n, uint32_t* p2) {
+  for (int t2 = 0; t2 < kKeyTile / 2; ++t2)
+    for (int64_t r = 0; r < rs; r += 16) {
+      __m512i pair = _mm512_setzero_si512();
+      if (2 * t2 < n) {
+        pair = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(st + 2 * t2 * rs + r)));
+        if (2 * t2 + 1 < n) {
+          const __m512i hi = _mm512_cvtepu16_epi32(
+              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(st + (2 * t2 + 1) * rs + r)));
+          pair = _mm512_or_si512(pair, _mm512_slli_epi32(hi, 16));
+        }
+      }
+      _mm512_storeu_si512(p2 + t2 * rs + r, pair);
+    }
+}
+
+// ot [d][rs] *= alpha [rs], each row; nothing where every alpha is 1 (no
+// row's maximum moved: most tiles after a row's first few).
+template <int NV>
+SLIP_INLINE void rescale_columns_of(float* __restrict ot, int64_t d, const float* alpha) {
+  __m512 a[NV];
+  __mmask16 moved = 0;
+  for (int j = 0; j < NV; ++j) {
+    a[j] = _mm512_loadu_ps(alpha + 16 * j);
+    moved |= _mm512_cmp_ps_mask(a[j], _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
+  }
+  if (moved == 0) return;
+  for (int64_t c = 0; c < d; ++c, ot += 16 * NV)
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(ot + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(ot + 16 * j), a[j]));
+}
+
+SLIP_INLINE void rescale_columns(float* ot, int64_t rs, int64_t d, const float* alpha) {
+  switch (rs / 16) {
+    case 1: return rescale_columns_of<1>(ot, d, alpha);
+    case 2: return rescale_columns_of<2>(ot, d, alpha);
+    case 3: return rescale_columns_of<3>(ot, d, alpha);
+    default: return rescale_columns_of<4>(ot, d, alpha);
+  }
+}
+
+template <typename T, typename KV>
+SLIP_INLINE void run_task_brgemm(const Problem<T, KV>& p, const Task& task, const Task* upcoming,
+                                 Scratch& sc) {
+  static_assert(std::is_same_v<T, bf16_bits> && std::is_same_v<KV, bf16_bits>);
+  using at::native::cpublas::brgemm;
+  const auto as_bf16 = [](const void* x) { return static_cast<const at::BFloat16*>(x); };
+  const int64_t d = p.head_dim, g = p.group;
+  const int64_t rows = task.num_tokens * g;
+  const int64_t rs = (rows + 15) / 16 * 16;
+  uint32_t* q2 = reinterpret_cast<uint32_t*>(sc.q.data());
+  for (int64_t r = 0; r < rs; ++r) {  // rows (token, head of the group), token-major
+    const T* src = r < rows ? p.q + (task.token0 + r / g) * p.q_stride +
+                                  (task.kv_head * g + r % g) * d
+                            : nullptr;
+    sc.pos[r] = src != nullptr ? float(task.pos0 + r / g) : -1.0f;
+    for (int64_t i = 0; i < d / 2; ++i) q2[i * rs + r] = src == nullptr ? 0u : load_pair(src + 2 * i);
+  }
+  float* ot = sc.o.data();
+  float* st = sc.st.data();
+  uint32_t* p2 = sc.p_pairs.data();
+  std::fill(ot, ot + d * rs, 0.0f);
+  std::fill(sc.m.data(), sc.m.data() + rs, kNegInf);
+  std::fill(sc.l.data(), sc.l.data() + rs, 0.0f);
+  const int64_t last_pos = task.pos0 + (rows - 1) / g;
+  t_used_brgemm = true;
+
+  LinePrefetcher ahead;
+  for_each_tile(p, task, upcoming, ahead, [&](int64_t key, int64_t n, int64_t offset) {
+    const int seen = int(std::min<int64_t>(n, last_pos - key + 1));  // keys any row sees
+    if (seen <= 0) return;
+    brgemm(seen, rs, d, p.row_stride, rs, rs, false, as_bf16(p.k + offset), as_bf16(q2), st, true);
+    ahead.step(kRowLines);
+    for (int64_t j = 0; j < rs; j += 16)
+      tile_softmax(st + j, rs, seen, float(key), loadv(sc.pos.data() + j), sc.m.data() + j,
+                   sc.l.data() + j, sc.alpha.data() + j, p.qk_scale);
+    ahead.step(kRowLines);
+    pair_p(st, rs, seen, p2);
+    transpose_v(p.v + offset, d, seen, sc.v_pairs.data(), sc.v_cols.data());
+    ahead.step(kRowLines);
+    rescale_columns(ot, rs, d, sc.alpha.data());
+    brgemm(d, rs, kKeyTile, kKeyTile, rs, rs, true, as_bf16(sc.v_cols.data()), as_bf16(p2), ot,
+           true);
+  });
+
+  auto row_at = [&](int64_t r, float* tmp) {  // column r of ot, its rows unpermuted
+    for (int64_t c = 0; c < d; ++c) tmp[c] = ot[pair_slot(c, d) * rs + r];
+    return static_cast<const float*>(tmp);
+  };
+  write_result(p, task, row_at, sc.m.data(), sc.l.data(), sc.k.data());  // k: free
+}
+#endif  // SLIPSTREAM_BRGEMM
+
 // Bf16 rows are read in place when every tile is readable to a multiple of 8
 // rows and head_dim is a multiple of the layout's width. With AVX512-BF16
 // (Bf16DotRows) that is every task: no widening at all. Otherwise, as lane
@@ -1939,8 +2167,7 @@ SLIP_INLINE Int8Dot int8_dot(const Problem<T, KV>& p, const Task& task) {
     if (p.head_dim % Int8DotRows::kPairWidth != 0) return Int8Dot::kNone;
     if (task.num_tokens * p.group < kMinTiledRows)
       return p.head_dim <= 256 ? Int8Dot::kRows : Int8Dot::kNone;
-    return g_bf16_prefill.load(std::memory_order_relaxed) == kDotTiles ? Int8Dot::kTiles
-                                                                       : Int8Dot::kNone;
+    return p.bf16_prefill == kDotTiles ? Int8Dot::kTiles : Int8Dot::kNone;
   }
 #endif
   return Int8Dot::kNone;
@@ -1968,12 +2195,16 @@ __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& tas
   if constexpr (std::is_same_v<KV, bf16_bits>) {
     const bool readable = p.block_size % 8 == 0;
 #if SLIPSTREAM_BF16_DOT
-    const int mode = task.num_tokens * p.group >= kMinTiledRows
-                         ? g_bf16_prefill.load(std::memory_order_relaxed)
-                         : int(kDotRows);
-    if constexpr (std::is_same_v<T, bf16_bits>)
-      if (mode == kDotTiles && readable && p.head_dim % 2 == 0)
+    const int mode = task.num_tokens * p.group >= kMinTiledRows ? p.bf16_prefill : int(kDotRows);
+    if constexpr (std::is_same_v<T, bf16_bits>) {
+#if SLIPSTREAM_BRGEMM
+      if (mode == kBrgemm && readable && p.head_dim % 16 == 0 &&
+          task.num_tokens * p.group <= kMaxBrgemmRows)
+        return run_task_brgemm(p, task, upcoming, scratch);
+#endif
+      if ((mode == kDotTiles || mode == kBrgemm) && readable && p.head_dim % 2 == 0)
         return run_task_tiles<T, KV, true>(p, task, upcoming, scratch);
+    }
     if (mode == kDotRows && readable && p.head_dim % Bf16DotRows::kPairWidth == 0 &&
         p.head_dim <= 256)
       return run_task_rows<T, KV, Bf16DotRows>(p, task, upcoming, scratch);
@@ -1989,6 +2220,7 @@ __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& tas
 
 #undef SLIP_INLINE
 #undef SLIP_INLINE_LAMBDA
+#undef SLIPSTREAM_BRGEMM
 #undef SLIP_REDUCE8
 
 }  // namespace SLIPSTREAM_VARIANT

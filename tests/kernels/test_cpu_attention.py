@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -50,8 +51,18 @@ def fused(home: Path) -> None:
 
 
 def _loaded_bf16_prefill() -> str:
-    """The bf16 prefill mode loading the kernel set on this CPU's answer."""
-    return cpu_attention.bf16_prefill_for(cpu_features.detect())
+    """The bf16 prefill mode loading the kernel sets on this CPU's answer (put back in force)."""
+    return cpu_attention.set_cpu_bf16_prefill()
+
+
+def _set_bf16_prefill_or_skip(mode: str) -> None:
+    """Puts ``mode`` in force; skips where it is refused (brgemm: no oneDNN bf16 brgemm here)."""
+    try:
+        assert cpu_attention.set_bf16_prefill(mode) == mode
+    except RuntimeError as error:
+        if "does not run here" not in str(error):
+            raise
+        pytest.skip(f"bf16 prefill {mode} is refused on this CPU ({error})")
 
 
 def _meta(batch: PagedBatch) -> AttentionMetadata:
@@ -119,15 +130,16 @@ def test_two_threads_split_long_contexts(kind: str) -> None:
         (torch.bfloat16, "tiles"),
         (torch.bfloat16, "dot"),
         (torch.bfloat16, "dot-tiles"),
+        (torch.bfloat16, "brgemm"),
     ],
-    ids=["fp32", "bf16", "bf16-dot-rows", "bf16-dot-tiles"],
+    ids=["fp32", "bf16", "bf16-dot-rows", "bf16-dot-tiles", "bf16-brgemm"],
 )
 def test_two_threads_split_a_long_prefill_chunk(kv_dtype: torch.dtype, bf16_prefill: str) -> None:
     """A chunk at the end of a long prefix: its tasks (64 rows, the tiled path)
     are cut over keys, their partial records merged (bf16 prefill as the
-    AVX512-BF16 variant's dot product rows and vdpbf16ps tiles too, where
-    that variant runs)."""
-    cpu_attention.set_bf16_prefill(bf16_prefill)
+    AVX512-BF16 variant's dot product rows, vdpbf16ps tiles and brgemm tiles
+    too, where that variant runs)."""
+    _set_bf16_prefill_or_skip(bf16_prefill)
     try:
         _split_long_prefill_chunk(kv_dtype)
     finally:
@@ -186,13 +198,13 @@ def run_variant(isa: str, q: torch.Tensor, batch: PagedBatch, meta: AttentionMet
 
 
 def test_bf16_prefill_mode_is_picked_per_cpu() -> None:
-    """The fp32 tiles where AMX-BF16 is (measured fastest on such a Xeon),
-    the vdpbf16ps tiles on other AVX512-BF16 CPUs (measured on a Zen 5)."""
+    """The brgemm tiles where AMX-BF16 is (their products on AMX tiles), the
+    vdpbf16ps tiles on other AVX512-BF16 CPUs (measured fastest on a Zen 5)."""
 
     def cpu(*flags: str) -> cpu_features.CpuFeatures:
         return cpu_features.CpuFeatures("Some CPU", flags, "AVX512", can_pack_bf16=True)
 
-    assert cpu_attention.bf16_prefill_for(cpu("amx_bf16", "avx512_bf16", "avx512f")) == "tiles"
+    assert cpu_attention.bf16_prefill_for(cpu("amx_bf16", "avx512_bf16", "avx512f")) == "brgemm"
     assert cpu_attention.bf16_prefill_for(cpu("avx512_bf16", "avx512f", "avx2")) == "dot-tiles"
     assert cpu_attention.bf16_prefill_for(cpu("avx2")) == "dot"
 
@@ -261,8 +273,68 @@ def test_bf16_prefill_modes_of_the_avx512_variant(head_dim: int, block_size: int
     for i in (i for i, n in enumerate(MIXED[0]) if n == 1):  # decodes: rows in every mode
         assert torch.equal(out["tiles"][starts[i]], out["dot"][starts[i]])
         assert torch.equal(out["dot-tiles"][starts[i]], out["dot"][starts[i]])
-    with pytest.raises(RuntimeError, match="dot, tiles or dot-tiles"):
+    with pytest.raises(RuntimeError, match="dot, tiles, dot-tiles or brgemm"):
         cpu_attention.set_bf16_prefill("rows")
+
+
+@pytest.mark.usefixtures("fused")
+@pytest.mark.parametrize("kind", ["prefill", "prefix", "mixed"])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(8, 2, 64, 16), (9, 3, 64, 32), (14, 2, 64, 32), (8, 4, 128, 32), (8, 2, 48, 16),
+     (8, 2, 80, 8), (8, 2, 18, 24), (8, 2, 64, 5)],
+    ids=lambda v: str(v),
+)  # fmt: skip
+def test_bf16_prefill_on_brgemm(
+    kind: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """The brgemm tiles (oneDNN's products; AMX tiles where the CPU has them)
+    against float64, where oneDNN's bf16 brgemm runs: tasks of 16 to 64 rows
+    (groups of 4, 3 and 7: rows padded to 16, 48 and 64), head dims of one to
+    eight 16-column blocks, V's columns interleaved 32 at a time and then
+    not (48, 80); blocks of 8 and 16 keys leave partial tiles. Unlike the
+    fp32 tiles (p rounded to bf16), so the mode reaches the kernel; head_dim
+    18 and blocks of 5 keys (not readable in 8-row steps) take the vdpbf16ps
+    tiles' or rows' way, as under dot-tiles."""
+    lens = BATCHES[kind]
+    q, batch, meta = _case(lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16)
+    out = {}
+    try:
+        for mode in ("tiles", "dot-tiles", "brgemm"):
+            _set_bf16_prefill_or_skip(mode)
+            out[mode] = run_variant("avx512", q, batch, meta, 0.1)
+    finally:
+        _loaded_bf16_prefill()
+    _assert_matches_dense(out["brgemm"], q, batch, 0.1)
+    if head_dim % 16 or block_size % 8:
+        assert torch.equal(out["brgemm"], out["dot-tiles"])
+    else:
+        assert not torch.equal(out["brgemm"], out["tiles"])
+
+
+@pytest.mark.usefixtures("fused")
+def test_brgemm_gives_way_when_onednn_is_switched_off() -> None:
+    """oneDNN switched off after brgemm was put in force: calls take the
+    vdpbf16ps tiles (the same output) instead of throwing inside the task
+    loop; putting brgemm in force again is refused, saying why; the loader then
+    keeps the fp32 tiles."""
+    q, batch, meta = _case(PREFIX_PREFILLS, 8, 2, 64, 16, torch.bfloat16, seed=4)
+    try:
+        _set_bf16_prefill_or_skip("dot-tiles")
+        dot_tiles = run_variant("avx512", q, batch, meta, 0.1)
+        _set_bf16_prefill_or_skip("tiles")
+        tiles = run_variant("avx512", q, batch, meta, 0.1)
+        _set_bf16_prefill_or_skip("brgemm")
+        with torch.backends.mkldnn.flags(enabled=False):
+            assert torch.equal(run_variant("avx512", q, batch, meta, 0.1), dot_tiles)
+            with pytest.raises(RuntimeError, match="does not run here: oneDNN is disabled"):
+                cpu_attention.set_bf16_prefill("brgemm")
+            with mock.patch.object(cpu_attention, "bf16_prefill_for", return_value="brgemm"):
+                assert cpu_attention.set_cpu_bf16_prefill() == "tiles"
+            assert torch.equal(run_variant("avx512", q, batch, meta, 0.1), tiles)
+    finally:
+        _loaded_bf16_prefill()
+    _assert_matches_dense(dot_tiles, q, batch, 0.1)
 
 
 @pytest.mark.usefixtures("fused")
@@ -333,7 +405,7 @@ def test_int8_rows_match_attention_over_the_values_they_hold(
 
 
 @pytest.mark.usefixtures("fused")
-@pytest.mark.parametrize("mode", ["dot", "tiles", "dot-tiles"])
+@pytest.mark.parametrize("mode", ["dot", "tiles", "dot-tiles", "brgemm"])
 def test_int8_prefill_under_each_bf16_prefill_mode(mode: str) -> None:
     """Int8 K/V prefill chunks of a bf16 q in the AVX-512 variant, whichever
     way bf16 prefill runs there (the CPU's own choice is one of them): on
@@ -343,7 +415,7 @@ def test_int8_prefill_under_each_bf16_prefill_mode(mode: str) -> None:
     batch = quantized(batch)
     q = q.to(torch.bfloat16)
     try:
-        assert cpu_attention.set_bf16_prefill(mode) == mode
+        _set_bf16_prefill_or_skip(mode)
         out = run_variant("avx512", q, batch, _meta(batch), 0.125)
     finally:
         loaded = _loaded_bf16_prefill()
