@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from slipstream.kernels import cpu_attention, cpu_features
+from slipstream.kernels import cpu_attention
 from slipstream.kernels.attention import build_attention_metadata, paged_attention
 from slipstream.kernels.kv_layout import allocate_kv_cache, fill_normal_
 from slipstream.kernels.workspace import Workspace
@@ -134,9 +134,13 @@ def main() -> None:
     isa = torch.ops.slipstream.paged_attention_cpu_isa()
     if args.max_isa is not None:
         isa = torch.ops.slipstream.paged_attention_set_max_isa(args.max_isa)
-    bf16_prefill = cpu_attention.set_bf16_prefill(
-        args.bf16_prefill or cpu_attention.bf16_prefill_for(cpu_features.detect())
-    )
+    if args.bf16_prefill is None:
+        bf16_prefill = cpu_attention.set_cpu_bf16_prefill()
+    else:
+        try:
+            bf16_prefill = cpu_attention.set_bf16_prefill(args.bf16_prefill)
+        except RuntimeError as error:  # brgemm where oneDNN's bf16 brgemm does not run
+            raise SystemExit(str(error).splitlines()[0]) from None
     print(f"CPU: {_cpu_name()}; threads {args.threads}; kernel variant {isa}; "
           f"bf16 prefill {bf16_prefill}")  # fmt: skip
     print(f"heads {NUM_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, block {BLOCK_SIZE}; "

@@ -105,10 +105,11 @@ cpu)
     grep -m1 "model name" /proc/cpuinfo
     grep -o -w -E "avx2|avx512f|avx512_bf16|amx_bf16" /proc/cpuinfo | sort | uniq -c
     "$py" -m slipstream.service.cli kernels build  # ~80 s on a fresh machine
-    # bf16 prefill on AVX512-BF16: fp32 tiles (the default), dot product rows, vdpbf16ps tiles
-    for mode in tiles dot dot-tiles; do
+    # bf16 prefill on AVX512-BF16: brgemm tiles (the AMX default, whose products run on
+    # AMX tiles), fp32 tiles (the AMX default before), vdpbf16ps tiles; alternated
+    for mode in brgemm tiles dot-tiles brgemm tiles; do
         "$py" -m slipstream.kernels.bench_cpu_attention --threads 2 --reps 10 --kind prefill \
-            --bf16-prefill "$mode"
+            --bf16-prefill "$mode" || echo "bf16 prefill $mode: refused here"
     done
     # bf16 projections, panels against oneDNN (AMX) per row count: where the
     # panels' cut (kernels/linear.py, 4 rows with AMX) belongs on such a CPU
