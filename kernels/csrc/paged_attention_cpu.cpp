@@ -76,6 +76,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -267,6 +268,21 @@ std::string brgemm_failure() {
 // Set by a task loop's thread that ran brgemm, which releases the AMX state
 // (cpublas::brgemm_release) when its tasks are done.
 thread_local bool t_used_brgemm = false;
+
+// A brgemm call that threw inside the task loop (oneDNN switched off since
+// set_bf16_prefill checked it, or a shape its check did not try refused):
+// the task is redone on the vdpbf16ps tiles, the mode falls back to them
+// process-wide, and the op warns, on the calling thread, with the reason.
+std::atomic<bool> g_brgemm_threw{false};
+std::mutex g_brgemm_reason_lock;
+std::string g_brgemm_reason;
+
+void note_brgemm_failure(const char* reason) {
+  std::lock_guard<std::mutex> hold(g_brgemm_reason_lock);
+  if (g_brgemm_reason.empty()) g_brgemm_reason = reason;
+  g_bf16_prefill.store(kDotTiles);
+  g_brgemm_threw.store(true);
+}
 
 inline void store_row(float* dst, const float* src, float mul, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
@@ -613,9 +629,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_storage,
       make_plan(lens, qsl, num_seqs, num_kv_heads, group, head_dim, block_size, num_threads);
   std::vector<float> partials(plan.partial_floats);
   const float qk_scale = float(scale * 1.4426950408889634);  // log2(e)
-  int bf16_prefill = g_bf16_prefill.load();
-  if (bf16_prefill == kBrgemm && !at::globalContext().userEnabledMkldnn())
-    bf16_prefill = kDotTiles;  // oneDNN switched off since the mode was set
+  const int bf16_prefill = g_bf16_prefill.load();
 
   auto run = [&](auto element, auto kv_element) {
     using T = decltype(element);
@@ -642,6 +656,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_storage,
     int8_kv ? run(float{}, int8_t{}) : run(float{}, float{});
   else
     int8_kv ? run(bf16_bits{}, int8_t{}) : run(bf16_bits{}, bf16_bits{});
+  if (g_brgemm_threw.exchange(false)) {
+    std::lock_guard<std::mutex> hold(g_brgemm_reason_lock);
+    TORCH_WARN("paged_attention: oneDNN's brgemm failed (", g_brgemm_reason,
+               "); bf16 prefill runs on the vdpbf16ps tiles from now on");
+    g_brgemm_reason.clear();
+  }
   return out;
 }
 
@@ -2091,6 +2111,22 @@ SLIP_INLINE void run_task_brgemm(const Problem<T, KV>& p, const Task& task, cons
   };
   write_result(p, task, row_at, sc.m.data(), sc.l.data(), sc.k.data());  // k: free
 }
+
+// run_task_brgemm, or false when oneDNN threw (noted; the task wrote nothing,
+// its result is written last): the caller runs it another way.
+template <typename T, typename KV>
+__attribute__((noinline)) bool run_task_brgemm_or_note(const Problem<T, KV>& p, const Task& task,
+                                                       const Task* upcoming, Scratch& sc) {
+  try {
+    run_task_brgemm(p, task, upcoming, sc);
+    return true;
+  } catch (const c10::Error& error) {
+    note_brgemm_failure(error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    note_brgemm_failure(error.what());
+  }
+  return false;
+}
 #endif  // SLIPSTREAM_BRGEMM
 
 // Bf16 rows are read in place when every tile is readable to a multiple of 8
@@ -2198,9 +2234,10 @@ __attribute__((noinline)) void run_task(const Problem<T, KV>& p, const Task& tas
     const int mode = task.num_tokens * p.group >= kMinTiledRows ? p.bf16_prefill : int(kDotRows);
     if constexpr (std::is_same_v<T, bf16_bits>) {
 #if SLIPSTREAM_BRGEMM
-      if (mode == kBrgemm && readable && p.head_dim % 16 == 0 &&
-          task.num_tokens * p.group <= kMaxBrgemmRows)
-        return run_task_brgemm(p, task, upcoming, scratch);
+      // (and not since fallen back: a brgemm call of this op threw)
+      if (mode == kBrgemm && g_bf16_prefill.load(std::memory_order_relaxed) == kBrgemm &&
+          readable && p.head_dim % 16 == 0 && task.num_tokens * p.group <= kMaxBrgemmRows)
+        if (run_task_brgemm_or_note(p, task, upcoming, scratch)) return;
 #endif
       if ((mode == kDotTiles || mode == kBrgemm) && readable && p.head_dim % 2 == 0)
         return run_task_tiles<T, KV, true>(p, task, upcoming, scratch);
