@@ -103,7 +103,11 @@ def build_server(
     inference call needs a bearer token of one of them; ``workers``: the
     tokenizer pool (one of its own when not given)."""
     limits = limits or Limits()
-    server = grpc.aio.server(options=[*_channel_options(limits), *options])
+    # No SO_REUSEPORT (gRPC's default): a second server on a busy port must
+    # fail to start, not share the port and split its clients between them.
+    server = grpc.aio.server(
+        options=[*_channel_options(limits), ("grpc.so_reuseport", 0), *options]
+    )
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
     servicer = InferenceServicer(lifecycle, telemetry, limits, tenants, workers)
@@ -111,10 +115,13 @@ def build_server(
     health_pb2_grpc.add_HealthServicer_to_server(lifecycle.health, server)
     reflection.enable_server_reflection(SERVICE_NAMES, server)
     address = f"{host}:{port}"
-    if tls is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, CertificateFiles(tls).credentials())
+    try:
+        if tls is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, CertificateFiles(tls).credentials())
+    except RuntimeError:  # grpc's "Failed to bind": in use, or a host that does not resolve
+        bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return server, bound
@@ -251,17 +258,20 @@ async def run(
     # One bounded tokenizer pool for both front doors: a flood on one cannot
     # take more threads than the limits allow.
     workers = WorkerPool.for_limits(limits or Limits())
-    server, bound = build_server(
-        lifecycle,
-        host,
-        port,
-        telemetry,
-        options,
-        limits,
-        tls=tls,
-        tenants=tenants,
-        workers=workers,
-    )
+    try:
+        server, bound = build_server(
+            lifecycle,
+            host,
+            port,
+            telemetry,
+            options,
+            limits,
+            tls=tls,
+            tenants=tenants,
+            workers=workers,
+        )
+    except OSError as exc:
+        raise StartupFailed(f"{exc} (in use, or the host does not resolve)") from None
     http = (
         None if not http_port else HttpFront(lifecycle, telemetry, tenants=tenants, workers=workers)
     )
