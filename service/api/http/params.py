@@ -181,8 +181,10 @@ def _prompt(body: Mapping[str, object]) -> str | list[int]:
             raise invalid("prompt is empty", "prompt")
         return prompt
     if isinstance(prompt, list) and prompt:
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise invalid("a token-id prompt must be a list of non-negative integers", "prompt")
+        # < 2**32: the wire's uint32 (the model's vocabulary is checked later)
+        ids_ok = (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
+        if not all(ids_ok):
+            raise invalid("a token-id prompt must be a list of integers in [0, 2**32)", "prompt")
         return prompt
     raise invalid("prompt must be a non-empty string or list of token ids", "prompt")
 

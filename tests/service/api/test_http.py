@@ -489,6 +489,8 @@ def test_traceparent_joins_the_callers_trace(
         ({"prompt": ""}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": [2**32]}, "prompt"),  # was a plain-text 500: the wire's uint32
+        ({"prompt": [[1, 10**20]]}, "prompt"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )
