@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import structlog
 from transformers import PreTrainedTokenizerBase
 
-from slipstream.scheduler.errors import Draining
+from slipstream.scheduler.errors import Draining, InvalidRequest
 from slipstream.scheduler.plan import FinishedRequest, RequestOutput, StepPlan
 from slipstream.scheduler.request import FinishReason, Request
 from slipstream.scheduler.scheduler import Scheduler
@@ -153,6 +153,13 @@ class Engine:
             self._thread.start()
 
     def submit(self, request: RequestSpec, on_event: EventCallback) -> None:
+        # An id outside the vocabulary would fail the whole step (the embedding's
+        # index), so every request in it; the wire checks too, in-process callers may not.
+        vocab = self.info.vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise InvalidRequest(
+                request.req_id, f"prompt token ids must be in [0, vocab size {vocab})"
+            )
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         eos = () if request.ignore_eos else tuple(self.info.eos_token_ids)
         sched_request = Request.from_spec(request, eos, arrival)

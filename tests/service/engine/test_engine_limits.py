@@ -80,3 +80,18 @@ def test_shed_and_first_token_expiry_reach_the_finish_event(engine: object) -> N
     expired = finishes.wait("late")
     assert expired.reason is FinishReason.DEADLINE_EXCEEDED
     assert expired.expired_limit is ExpiredLimit.FIRST_TOKEN
+
+
+def test_a_prompt_id_outside_the_vocabulary_is_refused_at_submit(engine: object) -> None:
+    """Refused alone at submit; it had reached the step and failed every request
+    in it (the embedding's index) when an in-process caller sent it."""
+    from slipstream.scheduler.errors import InvalidRequest
+
+    vocab = engine.info.vocab_size  # type: ignore[attr-defined]
+    for ids in ([5, vocab], [-1, 5]):
+        spec = RequestSpec("oov", ids, 4, ignore_eos=True)
+        with pytest.raises(InvalidRequest, match=f"in \\[0, vocab size {vocab}\\)"):
+            engine.submit(spec, lambda event: None)  # type: ignore[attr-defined]
+    finishes = Finishes()
+    engine.submit(request("fine", 0), finishes.on_event)  # type: ignore[attr-defined]
+    assert finishes.wait("fine").reason is FinishReason.MAX_TOKENS
