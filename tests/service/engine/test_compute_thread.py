@@ -70,9 +70,14 @@ def test_after_a_load_another_threads_parallel_regions_keep_their_workers_awake(
     switches, warned = _switches_per_region("on-its-own-thread")
     assert switches < SLEEPING_WORKERS and not warned
     # The check can tell: loaded on the caller's thread, the regions sleep,
-    # and the engine says so in its log.
-    switches, warned = _switches_per_region("on-the-caller")
-    assert switches > SLEEPING_WORKERS and warned
+    # and the engine says so in its log. The engine's own probe is short, so
+    # under a loaded machine (xdist's other workers) one start can miss it:
+    # the control gets three tries, each a fresh interpreter.
+    tries = [_switches_per_region("on-the-caller")]
+    while len(tries) < 3 and not (tries[-1][0] > SLEEPING_WORKERS and tries[-1][1]):
+        tries.append(_switches_per_region("on-the-caller"))
+    switches, warned = tries[-1]
+    assert switches > SLEEPING_WORKERS and warned, tries
 
 
 def test_on_own_thread_returns_raises_and_carries_the_callers_context() -> None:
