@@ -13,6 +13,16 @@ from dataclasses import dataclass
 MiB = 2**20
 
 
+class OverLimit(ValueError):
+    """A request over one of the limits. ``field`` names the ``Submit`` field
+    at fault (``prompt``, ``stop_sequences``, ``trace_context``), so each
+    front door can name its own parameter."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     # gRPC's own cap on one message, in either direction (grpc.max_*_message_length).

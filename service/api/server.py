@@ -272,9 +272,9 @@ async def run(
         )
     except OSError as exc:
         raise StartupFailed(f"{exc} (in use, or the host does not resolve)") from None
-    http = (
-        None if not http_port else HttpFront(lifecycle, telemetry, tenants=tenants, workers=workers)
-    )
+    http: HttpFront | None = None
+    if http_port:  # the same limits as gRPC: a size refused there is refused here
+        http = HttpFront(lifecycle, telemetry, tenants=tenants, workers=workers, limits=limits)
     await server.start()
     if http is not None:
         try:

@@ -19,7 +19,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from slipstream.scheduler.errors import AtCapacity, DeadlineInfeasible, PromptTooLong
 from slipstream.scheduler.request import ExpiredLimit, FinishReason, SamplingParams
 from slipstream.service.api.auth import QuotaExceeded
-from slipstream.service.api.limits import Limits
+from slipstream.service.api.limits import Limits, OverLimit
 from slipstream.service.api.status import rejection_for_cause, wire_finish
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.encoding import token_ids
@@ -88,7 +88,7 @@ def parse_generate_request(data: bytes) -> pb.GenerateRequest | BadFrame:
         return BadFrame(f"{detail} (not valid protobuf, or a string that is not UTF-8)", len(data))
 
 
-def _utf8_len(text: str) -> int:
+def utf8_len(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
@@ -96,38 +96,53 @@ def prompt_bytes(submit: pb.Submit) -> int:
     """How much text the prompt conversion will read (0 for token ids)."""
     kind = submit.WhichOneof("prompt")
     if kind == "text":
-        return _utf8_len(submit.text)
+        return utf8_len(submit.text)
     if kind == "messages":
-        return sum(_utf8_len(m.role) + _utf8_len(m.content) for m in submit.messages.messages)
+        return sum(utf8_len(m.role) + utf8_len(m.content) for m in submit.messages.messages)
     return 0
 
 
 def check_limits(request: pb.GenerateRequest, submit: pb.Submit, limits: Limits) -> None:
     """Size limits of ``limits``, checked on the cheap fields before any
-    tokenizing; raises ValueError naming the limit."""
+    tokenizing; raises ValueError (``OverLimit`` for a limit) naming it."""
     if len(UnknownFieldSet(request)):
         raise ValueError("the GenerateRequest has fields this server does not understand")
-    size = prompt_bytes(submit)
-    if size > limits.max_prompt_bytes:
-        raise ValueError(
-            f"prompt is {size} bytes, over this server's limit of {limits.max_prompt_bytes}"
+    check_sizes(submit, prompt_bytes(submit), limits)
+    if any(not s for s in submit.stopping.stop_sequences):
+        raise ValueError("stop sequences must be non-empty")
+
+
+def check_sizes(submit: pb.Submit, num_prompt_bytes: int, limits: Limits) -> None:
+    """``OverLimit`` naming the first limit of ``limits`` the submit is over;
+    its prompt is ``num_prompt_bytes`` of text (passed in: the HTTP front
+    holds its prompt beside the submit until it is tokenized)."""
+    if num_prompt_bytes > limits.max_prompt_bytes:
+        raise OverLimit(
+            f"prompt is {num_prompt_bytes} bytes, over this server's limit of "
+            f"{limits.max_prompt_bytes}",
+            "prompt",
         )
     stops = submit.stopping.stop_sequences
     if len(stops) > limits.max_stop_sequences:
-        raise ValueError(
-            f"{len(stops)} stop sequences, over this server's limit of {limits.max_stop_sequences}"
+        raise OverLimit(
+            f"{len(stops)} stop sequences, over this server's limit of {limits.max_stop_sequences}",
+            "stop_sequences",
         )
-    if any(not s for s in stops):
-        raise ValueError("stop sequences must be non-empty")
-    if any(_utf8_len(s) > limits.max_stop_sequence_bytes for s in stops):
-        raise ValueError(f"a stop sequence is longer than {limits.max_stop_sequence_bytes} bytes")
+    if any(utf8_len(s) > limits.max_stop_sequence_bytes for s in stops):
+        raise OverLimit(
+            f"a stop sequence is longer than {limits.max_stop_sequence_bytes} bytes",
+            "stop_sequences",
+        )
     trace = submit.trace_context
     if len(trace) > limits.max_trace_context_entries:
-        raise ValueError(
-            f"trace_context has {len(trace)} entries, over {limits.max_trace_context_entries}"
+        raise OverLimit(
+            f"trace_context has {len(trace)} entries, over {limits.max_trace_context_entries}",
+            "trace_context",
         )
-    if sum(_utf8_len(k) + _utf8_len(v) for k, v in trace.items()) > limits.max_trace_context_bytes:
-        raise ValueError(f"trace_context is longer than {limits.max_trace_context_bytes} bytes")
+    if sum(utf8_len(k) + utf8_len(v) for k, v in trace.items()) > limits.max_trace_context_bytes:
+        raise OverLimit(
+            f"trace_context is longer than {limits.max_trace_context_bytes} bytes", "trace_context"
+        )
 
 
 def _seconds(value: Message, what: str, valid: tuple[int, int, int]) -> float:

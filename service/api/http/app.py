@@ -24,6 +24,7 @@ from slipstream.service.api.auth import Tenants
 from slipstream.service.api.http.errors import ApiError, too_large
 from slipstream.service.api.http.generation import Authenticator, Generations
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
+from slipstream.service.api.limits import Limits
 
 if TYPE_CHECKING:
     from slipstream.service.api.workers import WorkerPool
@@ -80,11 +81,12 @@ class HttpFront:
         authenticate: Authenticator | None = None,
         tenants: Tenants | None = None,
         workers: WorkerPool | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._created = int(time.time())
-        generations = Generations(lifecycle, telemetry, authenticate, tenants, workers)
+        generations = Generations(lifecycle, telemetry, authenticate, tenants, workers, limits)
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[openai_errors(max_body_bytes)]
         )

@@ -1,5 +1,6 @@
-"""``POST /v1/completions`` and ``POST /v1/chat/completions``: parse, turn
-the prompt into token ids off the event loop, build the engine request with
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: parse, check
+the server's size limits (``wire.check_sizes``, as gRPC), turn the prompt
+into token ids off the event loop, build the engine request with
 the gRPC service's own ``wire.to_generation_request``, submit, and relay
 the engine's events as one JSON body or as server-sent events.
 
@@ -33,6 +34,7 @@ from slipstream.service.api.http.responses import (
     error_line,
 )
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
+from slipstream.service.api.limits import Limits, OverLimit
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.events import FinishEvent, RequestSpec, TokenEvent
 
@@ -91,6 +93,15 @@ async def prompt_token_ids(
     return await workers.run(lambda: _encode(engine.tokenizer, prompt), num_chars)
 
 
+def prompt_bytes(prompt: Prompt) -> int:
+    """The UTF-8 bytes ``wire.prompt_bytes`` counts for the same prompt over
+    gRPC: the text, or every role and content; 0 for token ids."""
+    if isinstance(prompt, str):
+        return wire.utf8_len(prompt)
+    pairs = (p for p in prompt if isinstance(p, tuple))
+    return sum(wire.utf8_len(role) + wire.utf8_len(content) for role, content in pairs)
+
+
 def finish_error(event: FinishEvent) -> ApiError:
     status, kind, code = _FAILED[event.reason]
     message = event.message or f"the request ended: {event.reason.name.lower()}"
@@ -107,12 +118,14 @@ class Generations:
         authenticate: Authenticator | None = None,
         tenants: Tenants | None = None,
         workers: WorkerPool | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._authenticate = authenticate
         self._tenants = tenants  # bearer tokens and limits, as on gRPC
         self._workers = workers  # the server's tokenizer pool, shared with gRPC
+        self._limits = limits or Limits()  # the sizes gRPC enforces, from serve's flags
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, is_chat=False)
@@ -179,6 +192,10 @@ class Generations:
     async def _request(
         self, engine: Engine, parsed: OpenAIRequest, envelope: Envelope, now: float
     ) -> RequestSpec:
+        try:
+            wire.check_sizes(parsed.submit, prompt_bytes(parsed.prompt), self._limits)
+        except OverLimit as exc:
+            raise _domain(exc, _param(exc.field, parsed)) from None
         try:
             ids = await prompt_token_ids(engine, parsed.prompt, self._workers)
         except (ValueError, QueueFull) as exc:  # ChatError: bad roles, no template; pool full
@@ -267,6 +284,16 @@ async def _json(request: web.Request) -> object:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON") from None
+
+
+def _param(field: str, parsed: OpenAIRequest) -> str:
+    """The request's own name (parameter or header) for a ``Submit`` field."""
+    if field == "stop_sequences":
+        return "stop"
+    if field == "trace_context":  # the larger of the two headers
+        trace = parsed.submit.trace_context
+        return max(trace, key=lambda name: len(trace[name]))
+    return "messages" if parsed.is_chat else "prompt"
 
 
 def _domain(exc: Exception, param: str | None = None) -> ApiError:

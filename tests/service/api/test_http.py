@@ -22,6 +22,7 @@ from server_thread import hold_every_submit
 
 from slipstream.clients import Client
 from slipstream.service.api import wire
+from slipstream.service.api.http import generation
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.events import RequestSpec
@@ -42,13 +43,19 @@ class Servers:
     """gRPC and HTTP around one engine, on one event loop thread."""
 
     def __init__(
-        self, engine: object, telemetry: Telemetry | None = None, workers: object = None
+        self,
+        engine: object,
+        telemetry: Telemetry | None = None,
+        workers: object = None,
+        limits: object = None,
     ) -> None:
         from slipstream.service.api.limits import Limits
         from slipstream.service.api.workers import WorkerPool
 
-        # One tokenizer pool for both front doors, as ``slipstream serve`` has.
-        self.workers = workers or WorkerPool.for_limits(Limits())
+        # One tokenizer pool and one set of limits for both front doors, as
+        # ``slipstream serve`` has.
+        self.limits = limits or Limits()
+        self.workers = workers or WorkerPool.for_limits(self.limits)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -67,13 +74,22 @@ class Servers:
 
         self.lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
         self.server, self.grpc_port = build_server(
-            self.lifecycle, "127.0.0.1", 0, self.telemetry, workers=self.workers
+            self.lifecycle,
+            "127.0.0.1",
+            0,
+            self.telemetry,
+            limits=self.limits,  # type: ignore[arg-type]
+            workers=self.workers,
         )
         if self.telemetry is not None:
             self.telemetry.attach(engine)  # type: ignore[arg-type]
         await self.server.start()
         self.http = HttpFront(
-            self.lifecycle, self.telemetry, max_body_bytes=MAX_BODY_BYTES, workers=self.workers
+            self.lifecycle,
+            self.telemetry,
+            max_body_bytes=MAX_BODY_BYTES,
+            workers=self.workers,
+            limits=self.limits,  # type: ignore[arg-type]
         )
         self.http_port = await self.http.start("127.0.0.1", 0)
         await self.lifecycle.serve()
@@ -574,6 +590,51 @@ def test_too_large_and_too_long_prompts(servers: Servers) -> None:
     body = json.dumps({"model": "tiny", "prompt": [7, 5000]}).encode()
     status, _, reply = raw(servers, "/v1/completions", body)
     assert status == 400 and "vocab" in json.loads(reply)["error"]["message"]
+
+
+def test_the_servers_size_limits_are_400_naming_the_param_before_tokenizing(
+    engine: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The limits gRPC enforces (--max-prompt-bytes, --max-stop-sequences,
+    --max-stop-sequence-bytes, trace-context size) hold over HTTP too, with
+    gRPC's own message, and nothing is tokenized for a refused request."""
+    from slipstream.service.api.limits import Limits
+
+    limits = Limits(
+        max_prompt_bytes=16,
+        max_stop_sequences=2,
+        max_stop_sequence_bytes=4,
+        max_trace_context_bytes=80,
+    )
+    tokenized: list[object] = []
+    monkeypatch.setattr(wire, "token_ids", lambda *args: tokenized.append(args) or [5])
+    monkeypatch.setattr(generation, "render_chat", lambda *args: tokenized.append(args) or [5])
+    srv = Servers(engine, limits=limits)
+    chat = "/v1/chat/completions"
+    parent = "00-" + "1" * 32 + "-" + "2" * 16 + "-01"  # 66 bytes with its name
+    cases = [
+        ("/v1/completions", {"prompt": "é" * 9}, {}, "prompt", "prompt is 18 bytes"),
+        (chat, {"messages": [{"role": "user", "content": "a" * 13}]}, {}, "messages", "17 bytes"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c"]}, {}, "stop", "3 stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": "abcde"}, {}, "stop", "longer than 4"),
+        ("/v1/completions", {"prompt": "hi"}, {"tracestate": "k=" + "v" * 70}, "tracestate", "80"),
+        ("/v1/completions", {"prompt": "hi"}, {"traceparent": parent, "tracestate": "k=vvvv"},
+         "traceparent", "trace_context is longer than 80 bytes"),
+    ]  # fmt: skip
+    try:
+        for path, fields, headers, param, message in cases:
+            body = json.dumps({"model": "tiny", "max_tokens": 2, **fields}).encode()
+            status, _, reply = raw(srv, path, body, headers)
+            error = json.loads(reply)["error"]
+            assert (status, error["param"]) == (400, param), (param, error)
+            assert message in error["message"], error
+            assert error["type"] == "invalid_request_error"
+        assert tokenized == []
+        body = json.dumps({"model": "tiny", "prompt": "é" * 8, "max_tokens": 2, "stop": "abcd"})
+        status, _, reply = raw(srv, "/v1/completions", body.encode(), {"tracestate": "k=v"})
+        assert status == 200, reply  # at each limit: served
+    finally:
+        srv.stop()
 
 
 def test_malformed_bodies_and_routes(servers: Servers) -> None:

@@ -94,3 +94,27 @@ def test_a_grpc_port_another_server_holds_fails_the_start_in_one_line() -> None:
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("slipstream: error:")]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
+
+
+def test_serves_size_limit_flags_hold_over_http(
+    spawn_server: Callable[..., tuple[subprocess.Popen[str], str]],
+) -> None:
+    port = free_port()
+    proc, _ = spawn_server(
+        "--model", "tiny", "--no-calibrate", "--http-port", str(port), "--max-prompt-bytes", "8"
+    )
+    body = json.dumps({"model": "tiny", "prompt": "nine byte", "max_tokens": 2}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        urllib.request.urlopen(request, timeout=30)
+        raise AssertionError("a prompt over --max-prompt-bytes was served")
+    except urllib.error.HTTPError as exc:
+        error = json.loads(exc.read())["error"]
+        assert exc.code == 400 and error["param"] == "prompt", error
+        assert error["message"] == "prompt is 9 bytes, over this server's limit of 8"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
