@@ -13,11 +13,14 @@ class SchedulerError(Exception):
 class InvalidRequest(ValueError):
     """A malformed request (a caller's bug, not a capacity issue). ``detail``
     says what is wrong without the request's id, for a front door whose
-    caller knows which request it sent (and knows it by another id)."""
+    caller knows which request it sent (and knows it by another id);
+    ``field``, where one field is at fault (``prompt_token_ids``), names it
+    so the front door can name its own parameter."""
 
-    def __init__(self, req_id: str, detail: str) -> None:
+    def __init__(self, req_id: str, detail: str, field: str | None = None) -> None:
         super().__init__(f"request {req_id!r}: {detail}")
         self.detail = detail
+        self.field = field
 
 
 class PromptTooLong(SchedulerError):

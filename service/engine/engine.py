@@ -158,7 +158,9 @@ class Engine:
         vocab = self.info.vocab_size
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise InvalidRequest(
-                request.req_id, f"prompt token ids must be in [0, vocab size {vocab})"
+                request.req_id,
+                f"prompt token ids must be in [0, vocab size {vocab})",
+                field="prompt_token_ids",
             )
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         eos = () if request.ignore_eos else tuple(self.info.eos_token_ids)

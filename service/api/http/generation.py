@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from slipstream.scheduler.errors import QueueFull, SchedulerError
+from slipstream.scheduler.errors import InvalidRequest, QueueFull, SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, TenantGate, Tenants
@@ -232,7 +232,8 @@ class Generations:
                 grant.release()
             if telemetry is not None:
                 telemetry.abandon(gen_request.req_id)
-            raise _domain(exc) from None
+            field = exc.field if isinstance(exc, InvalidRequest) else None  # ids out of vocabulary
+            raise _domain(exc, None if field is None else _param(field, parsed)) from None
 
     async def _whole(self, envelope: Envelope, relay: EventRelay) -> web.Response:
         texts: list[str] = []
@@ -287,7 +288,8 @@ async def _json(request: web.Request) -> object:
 
 
 def _param(field: str, parsed: OpenAIRequest) -> str:
-    """The request's own name (parameter or header) for a ``Submit`` field."""
+    """The request's own name (parameter or header) for a ``Submit`` field
+    (``prompt``, ``prompt_token_ids``, ``stop_sequences``, ``trace_context``)."""
     if field == "stop_sequences":
         return "stop"
     if field == "trace_context":  # the larger of the two headers

@@ -589,7 +589,8 @@ def test_too_large_and_too_long_prompts(servers: Servers) -> None:
     assert status == 400 and json.loads(reply)["error"]["code"] == "context_length_exceeded"
     body = json.dumps({"model": "tiny", "prompt": [7, 5000]}).encode()
     status, _, reply = raw(servers, "/v1/completions", body)
-    assert status == 400 and "vocab" in json.loads(reply)["error"]["message"]
+    error = json.loads(reply)["error"]
+    assert status == 400 and "vocab" in error["message"] and error["param"] == "prompt"
 
 
 def test_the_servers_size_limits_are_400_naming_the_param_before_tokenizing(
