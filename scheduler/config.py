@@ -62,7 +62,7 @@ class SchedulerConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.aging_s < 0 or self.min_residency_s < 0:
+        if not (self.aging_s >= 0 and self.min_residency_s >= 0):  # NaN included
             raise ValueError("aging_s and min_residency_s must be >= 0")
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")

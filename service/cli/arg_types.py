@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 from slipstream.clients.balancing import check_port
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``, else a usage error naming it."""
+def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (and <= ``high``, if given),
+    else a usage error naming it."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if high is not None and not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
@@ -44,7 +48,8 @@ def float_where(holds: Callable[[float], bool], rule: str) -> Callable[[str], fl
 
 
 positive_float = float_where(lambda v: v > 0, "> 0")  # inf included
-non_negative_float = float_where(lambda v: v >= 0, ">= 0")
+positive_finite_float = float_where(lambda v: 0 < v < math.inf, "> 0 and finite")
+non_negative_float = float_where(lambda v: v >= 0, ">= 0")  # inf included
 fraction = float_where(lambda v: 0 < v <= 1, "in (0, 1]")  # a share
 
 

@@ -8,13 +8,18 @@ import argparse
 import asyncio
 import os
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.scheduler.policy_registry import POLICY_NAMES
 from slipstream.service.cli.arg_types import (
+    float_where,
     fraction,
+    int_at_least,
     non_negative_float,
     non_negative_int,
+    positive_finite_float,
     positive_float,
     positive_int,
     tcp_port,
@@ -33,6 +38,20 @@ from slipstream.service.engine.config import (
 DEFAULT_PORT = 50051
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_SERVE_MODEL = "smollm2"
+# gRPC reads its server options (message sizes, connection ages in
+# milliseconds) as C ints: a larger value fails the start, so it is refused here.
+MAX_GRPC_OPTION = 2**31 - 1
+MAX_CONNECTION_AGE_S = MAX_GRPC_OPTION / 1000
+connection_age = float_where(
+    lambda v: 0 < v <= MAX_CONNECTION_AGE_S, f"in (0, {MAX_CONNECTION_AGE_S}] seconds"
+)
+connection_age_grace = float_where(
+    lambda v: 0 <= v <= MAX_CONNECTION_AGE_S, f"in [0, {MAX_CONNECTION_AGE_S}] seconds"
+)
+# Shutdown waits on a thread for up to --grace-s: threading's own bound.
+grace_seconds = float_where(
+    lambda v: 0 <= v <= threading.TIMEOUT_MAX, f"in [0, {threading.TIMEOUT_MAX:.0f}] seconds"
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -97,8 +116,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip timing synthetic steps at start-up (the cost model then learns online)",
     )
-    group.add_argument("--aging-s", type=float, default=defaults.aging_s)
-    group.add_argument("--min-residency-s", type=float, default=defaults.min_residency_s)
+    group.add_argument(
+        "--aging-s",
+        type=non_negative_float,
+        default=defaults.aging_s,
+        help="a waiting request moves up one priority class per this many seconds (0: never)",
+    )
+    group.add_argument(
+        "--min-residency-s", type=non_negative_float, default=defaults.min_residency_s
+    )
     group.add_argument(
         "--attention-backend",
         default=defaults.attention_backend,
@@ -149,7 +175,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="plan and launch step N+1 while the device runs step N, so the host's "
         "scheduling and publishing overlap the GPU (auto: on a GPU only)",
     )
-    group.add_argument("--kv-cache-gb", type=positive_float, default=defaults.kv_cache_memory_gb)
+    group.add_argument(
+        "--kv-cache-gb", type=positive_finite_float, default=defaults.kv_cache_memory_gb
+    )
     group.add_argument(
         "--kv-cache-dtype",
         default=defaults.kv_cache_dtype,
@@ -221,20 +249,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument(
         "--grace-s",
-        type=non_negative_float,
+        type=grace_seconds,
         default=30.0,
         help="on SIGTERM, how long running requests may finish",
     )
     parser.add_argument(
         "--max-connection-age-s",
-        type=float,
+        type=connection_age,
         default=None,
         help="send clients GOAWAY after this long, so they reconnect (and rebalance) "
         "for new calls (gRPC A9; default: never)",
     )
     parser.add_argument(
         "--max-connection-age-grace-s",
-        type=float,
+        type=connection_age_grace,
         default=None,
         help="after GOAWAY, how long calls on the old connection may finish "
         "(default: unlimited); cover the longest request you allow",
@@ -255,21 +283,34 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "limits", "what one caller may ask; over a limit fails that request (or stream) alone"
     )
-    flags: tuple[tuple[str, type, str], ...] = (
-        ("max_message_bytes", int, "largest gRPC message either way"),
-        ("max_prompt_bytes", int, "largest text prompt (UTF-8), checked before tokenizing"),
-        ("max_request_id_bytes", int, "longest request_id"),
-        ("max_stop_sequences", int, "most stop sequences per request"),
-        ("max_stop_sequence_bytes", int, "longest stop sequence"),
-        ("max_outbox_events", int, "unread events a stream may buffer before it is paused"),
-        ("max_outbox_bytes", int, "unread bytes a stream may buffer before it is paused"),
+    # Each type refuses what Limits would, at parsing, with the flag named.
+    flags: tuple[tuple[str, Callable[[str], object], str], ...] = (
+        ("max_message_bytes", int_at_least(1, MAX_GRPC_OPTION), "largest gRPC message either way"),
+        (
+            "max_prompt_bytes",
+            positive_int,
+            "largest text prompt (UTF-8), checked before tokenizing",
+        ),
+        ("max_request_id_bytes", positive_int, "longest request_id"),
+        ("max_stop_sequences", non_negative_int, "most stop sequences per request"),
+        ("max_stop_sequence_bytes", non_negative_int, "longest stop sequence"),
+        (
+            "max_outbox_events",
+            positive_int,
+            "unread events a stream may buffer before it is paused",
+        ),
+        ("max_outbox_bytes", positive_int, "unread bytes a stream may buffer before it is paused"),
         (
             "slow_reader_grace",
-            float,
+            positive_float,
             "seconds a stream may stay paused before its requests end SLOW_READER",
         ),
-        ("tokenizer_workers", int, "threads tokenizing large prompts and Tokenize calls"),
-        ("max_queued_prompts", int, "prompts waiting for a tokenizer thread before QUEUE_FULL"),
+        ("tokenizer_workers", positive_int, "threads tokenizing large prompts and Tokenize calls"),
+        (
+            "max_queued_prompts",
+            non_negative_int,
+            "prompts waiting for a tokenizer thread before QUEUE_FULL",
+        ),
     )
     for name, kind, text in flags:
         field = _LIMIT_FIELDS.get(name, name)

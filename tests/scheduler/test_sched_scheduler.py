@@ -479,6 +479,13 @@ def test_unknown_policy_name_is_rejected() -> None:
         )
 
 
+@pytest.mark.parametrize("field", ["aging_s", "min_residency_s"])
+@pytest.mark.parametrize("value", [-1.0, float("nan")])
+def test_a_negative_or_nan_time_is_rejected(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        SchedulerConfig(num_device_blocks=4, block_size=4, max_model_len=16, **{field: value})
+
+
 # -- pause / resume (a stream whose client stopped reading) --------------------
 
 

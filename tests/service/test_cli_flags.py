@@ -19,6 +19,17 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().err
 
 
+def parse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What parsing ``argv`` printed when it refused it (exit 2); unlike
+    ``usage_error`` nothing runs when it is accepted (no server starts)."""
+    from slipstream.service.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["0", "50051", "65535"])
 def test_a_port_is_0_to_65535(text: str) -> None:
     assert tcp_port(text) == int(text)
@@ -63,17 +74,45 @@ def test_a_benchmark_refuses_a_value_it_cannot_run(
 @pytest.mark.parametrize(
     ("flag", "value", "complaint"),
     [
-        ("--kv-cache-gb", "0", "must be > 0, got 0"),  # was one sequence's worth of blocks
-        ("--kv-cache-gb", "-2", "must be > 0, got -2"),
+        # 0 was one sequence's worth of blocks
+        ("--kv-cache-gb", "0", "must be > 0 and finite, got 0"),
+        ("--kv-cache-gb", "-2", "must be > 0 and finite, got -2"),
         ("--gpu-memory-fraction", "2", "must be in (0, 1], got 2"),
-        ("--grace-s", "-1", "must be >= 0, got -1"),
+        ("--kv-cache-gb", "inf", "must be > 0 and finite, got inf"),  # was an OverflowError
+        ("--grace-s", "-1", "must be in [0, 9223372036] seconds, got -1"),
+        ("--grace-s", "inf", "must be in [0, 9223372036] seconds, got inf"),  # failed at SIGTERM
+        # Accepted as plain floats: NaN ran, -1 failed only after loading the model.
+        ("--aging-s", "nan", "must be >= 0, got nan"),
+        ("--aging-s", "-1", "must be >= 0, got -1"),
+        ("--min-residency-s", "nan", "must be >= 0, got nan"),
+        # Refused after parsing in words naming no flag, or not at all (gRPC's C int).
+        ("--max-connection-age-s", "nan", "must be in (0, 2147483.647] seconds, got nan"),
+        ("--max-connection-age-s", "1e10", "must be in (0, 2147483.647] seconds, got 1e10"),
+        ("--max-connection-age-grace-s", "-1", "must be in [0, 2147483.647] seconds, got -1"),
+        ("--max-message-bytes", "4294967296", "must be in [1, 2147483647], got 4294967296"),
+        ("--max-prompt-bytes", "0", "must be >= 1, got 0"),
+        ("--max-stop-sequences", "-1", "must be >= 0, got -1"),
+        ("--slow-reader-grace", "nan", "must be > 0, got nan"),
+        ("--tokenizer-workers", "0", "must be >= 1, got 0"),
     ],
 )
 def test_serve_refuses_a_size_or_time_out_of_range(
     flag: str, value: str, complaint: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    err = usage_error(["serve", "--model", "tiny", flag, value], capsys)
+    """At parsing, naming the flag: before any model is loaded."""
+    err = parse_error(["serve", "--model", "tiny", flag, value], capsys)
     assert f"argument {flag}: {complaint}" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--aging-s", "0"), ("--aging-s", "inf"), ("--min-residency-s", "0"), ("--grace-s", "0")],
+)
+def test_serve_takes_zero_and_never_where_they_mean_something(flag: str, value: str) -> None:
+    from slipstream.service.cli import build_parser
+
+    args = build_parser().parse_args(["serve", flag, value])
+    assert getattr(args, flag[2:].replace("-", "_")) == float(value)
 
 
 @pytest.mark.parametrize(
