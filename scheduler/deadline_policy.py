@@ -214,8 +214,11 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
             if now + needed > first_token_deadline:
                 return Infeasible(
                     ExpiredLimit.FIRST_TOKEN,
-                    f"first-token deadline in {duration(first_token_deadline - now)}, but the "
-                    f"prompt alone needs an estimated {duration(needed)}",
+                    _missed(
+                        "first-token deadline",
+                        first_token_deadline - now,
+                        f"the prompt alone needs an estimated {duration(needed)}",
+                    ),
                 )
         if req.deadline is None:
             return None
@@ -224,8 +227,11 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
             return None
         return Infeasible(
             ExpiredLimit.DEADLINE,
-            f"deadline in {duration(req.deadline - now)}, but running alone it needs "
-            f"an estimated {duration(remaining)}",
+            _missed(
+                "deadline",
+                req.deadline - now,
+                f"running alone it needs an estimated {duration(remaining)}",
+            ),
         )
 
     def overload_refusal(self, req: Request, now: float) -> str:
@@ -379,6 +385,15 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
     @property
     def is_urgency_driven(self) -> bool:
         return True
+
+
+def _missed(limit: str, left_s: float, needs: str) -> str:
+    """Why ``limit``, ``left_s`` from now, cannot be met: what meeting it
+    ``needs``, or that it has passed already (a clock mismatch or a stale
+    absolute deadline, which no estimate explains)."""
+    if left_s < 0:
+        return f"{limit} passed {duration(-left_s)} ago"
+    return f"{limit} in {duration(left_s)}, but {needs}"
 
 
 def duration(seconds: float) -> str:

@@ -162,6 +162,19 @@ def test_infeasible_deadline_is_rejected_early_unless_switched_off() -> None:
     assert permissive.num_waiting == 1
 
 
+def test_a_deadline_already_passed_is_refused_saying_how_long_ago() -> None:
+    """Not "deadline in -1795903788 s" (an absolute deadline decades old)."""
+    sched = make_sched()
+    with pytest.raises(DeadlineInfeasible) as refused:
+        sched.add_request(make_request("old", 8, 4, arrival=10.0, deadline=10.0 - 1_795_903_788))
+    assert str(refused.value) == "deadline passed 1795903788 s ago"
+    late = make_request("late", 8, 4, arrival=10.0)
+    late.first_token_deadline = 9.5
+    with pytest.raises(DeadlineInfeasible) as refused:
+        sched.add_request(late)
+    assert str(refused.value) == "first-token deadline passed 500 ms ago"
+
+
 def test_past_deadline_finishes_deadline_exceeded_and_is_not_preempted() -> None:
     sched = make_sched(max_num_seqs=1, reject_infeasible=False)
     driver = Driver(sched)
