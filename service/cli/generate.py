@@ -8,8 +8,9 @@ cancelled one: none). The exit status is 1 when any request did not finish
 OK (cancelled by ``--cancel-after`` counts as OK).
 
 A prompts file is JSON Lines: each line a JSON string, or an object with
-``prompt`` (text) or ``prompt_token_ids`` and optionally ``max_tokens``,
-``temperature``, ``seed``. A messages file is one conversation, a JSON list
+one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` and
+optionally ``max_tokens``, ``temperature``, ``seed``; any other key is an
+error, not ignored. A messages file is one conversation, a JSON list
 of ``{"role", "content"}`` objects, rendered with the model's chat template.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import threading
 import time
@@ -37,7 +39,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class PromptSpec:
-    """One prompt and its per-prompt overrides of the command's flags."""
+    """One prompt (text, token ids or messages: at most one is set) and its
+    per-prompt overrides of the command's flags."""
 
     text: str | None
     token_ids: list[int] | None
@@ -170,37 +173,59 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
             raise SystemExit(f"{where}: not JSON ({exc})") from None
         if isinstance(item, str):
             specs.append(_spec(item, None, {}, args))
-        elif isinstance(item, dict) and "messages" in item:
-            if "prompt" in item or "prompt_token_ids" in item:
-                raise SystemExit(f"{where}: messages or a prompt, not both")
-            _check_item(item, where)
+            continue
+        if not isinstance(item, dict):
+            raise SystemExit(f"{where}: {_NO_PROMPT}")
+        _check_item(item, where)
+        if "messages" in item:
             specs.append(_spec(None, None, item, args, _conversation(item["messages"], where)))
-        elif isinstance(item, dict) and ("prompt" in item or "prompt_token_ids" in item):
-            _check_item(item, where)
-            specs.append(_spec(item.get("prompt"), item.get("prompt_token_ids"), item, args))
         else:
-            raise SystemExit(f"{where}: need a string or prompt/prompt_token_ids/messages")
+            specs.append(_spec(item.get("prompt"), item.get("prompt_token_ids"), item, args))
     return specs
 
 
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+_ITEM_KEYS = (*_PROMPT_KEYS, "max_tokens", "temperature", "seed")
+_NO_PROMPT = "need a string or prompt/prompt_token_ids/messages"
+
+
 def _check_item(item: dict, where: str) -> None:
-    """A prompts file's object: each field of the type it must have, else
-    ``SystemExit`` naming the line and the field."""
+    """A prompts file's object: known keys only, exactly one prompt, each
+    field of the type and range the server takes, else ``SystemExit``
+    naming the line and the key. (A line with both ``prompt`` and
+    ``prompt_token_ids`` would send the ids with --server, the text with
+    --local.)"""
 
-    def integer(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+    def integer(value: object, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
+    unknown = [key for key in item if key not in _ITEM_KEYS]
+    if unknown:
+        raise SystemExit(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_ITEM_KEYS)})")
+    prompts = [key for key in _PROMPT_KEYS if key in item]
+    if not prompts:
+        raise SystemExit(f"{where}: {_NO_PROMPT}")
+    if len(prompts) > 1:
+        both = "messages or a prompt" if "messages" in prompts else "prompt or prompt_token_ids"
+        raise SystemExit(f"{where}: {both}, not both")
     prompt, ids = item.get("prompt"), item.get("prompt_token_ids")
     if prompt is not None and not isinstance(prompt, str):
         raise SystemExit(f"{where}: prompt must be a string")
-    if ids is not None and not (isinstance(ids, list) and all(integer(t) for t in ids)):
-        raise SystemExit(f"{where}: prompt_token_ids must be a list of integers")
-    for key in ("max_tokens", "seed"):
-        if item.get(key) is not None and not integer(item[key]):
-            raise SystemExit(f"{where}: {key} must be an integer")
+    # < 2**32: the wire's uint32 (the model's vocabulary is checked at submit)
+    if ids is not None and not (
+        isinstance(ids, list) and all(integer(t, 0) and t < 2**32 for t in ids)
+    ):
+        raise SystemExit(f"{where}: prompt_token_ids must be a list of integers in [0, 2**32)")
+    for key, low in (("max_tokens", 1), ("seed", 0)):
+        if item.get(key) is not None and not integer(item[key], low):
+            raise SystemExit(f"{where}: {key} must be an integer >= {low}")
     temperature = item.get("temperature")
-    if temperature is not None and not (integer(temperature) or isinstance(temperature, float)):
-        raise SystemExit(f"{where}: temperature must be a number")
+    if temperature is not None and not (
+        isinstance(temperature, int | float)
+        and not isinstance(temperature, bool)
+        and 0 <= temperature < math.inf
+    ):
+        raise SystemExit(f"{where}: temperature must be a number, >= 0 and finite")
 
 
 def load_messages(path: Path) -> tuple[tuple[str, str], ...]:

@@ -58,6 +58,19 @@ def test_a_line_may_be_a_conversation(tmp_path: Path) -> None:
         ('{"messages": [{"role": "user"}]}', ":2: "),
         ('{"messages": [], "prompt": "x"}', ":2: messages or a prompt, not both"),
         ('{"messages": [{"role": "user", "content": "x"}], "seed": "1"}', ":2: seed must be"),
+        # --server sent the ids, --local the text
+        ('{"prompt": "x", "prompt_token_ids": [1]}', ":2: prompt or prompt_token_ids, not both"),
+        # silently ignored: the flag's value was used instead
+        ('{"prompt": "x", "max_token": 5}', ":2: unknown key 'max_token' (known: prompt, "),
+        ('{"promt": "x"}', ":2: unknown key 'promt'"),
+        ('{"max_tokens": 3}', ":2: need a string or prompt/prompt_token_ids/messages"),
+        # protobuf's "Value out of range: -2" over the wire, naming no line
+        ('{"prompt_token_ids": [1, -2]}', ":2: prompt_token_ids must be a list of integers in [0"),
+        ('{"prompt_token_ids": [4294967296]}', ":2: prompt_token_ids must be a list of integers"),
+        ('{"prompt": "x", "max_tokens": 0}', ":2: max_tokens must be an integer >= 1"),
+        ('{"prompt": "x", "seed": -1}', ":2: seed must be an integer >= 0"),
+        ('{"prompt": "x", "temperature": -1}', ":2: temperature must be a number, >= 0"),
+        ('{"prompt": "x", "temperature": NaN}', ":2: temperature must be a number, >= 0"),
     ],
 )
 def test_a_bad_line_is_named(tmp_path: Path, line: str, complaint: str) -> None:
