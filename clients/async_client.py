@@ -85,7 +85,7 @@ class AsyncGeneration:
             self._chunks.put_nowait(self._acc.add_chunk(response.chunk))
         elif kind == "accepted":
             self._acc.queue_position = response.accepted.queue_position
-        elif kind == "finished":
+        elif kind == "finished" and self._acc.ends_request(response.finished):
             self._settle(self._acc.finish(response.finished))
             return True
         return False

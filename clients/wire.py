@@ -283,6 +283,13 @@ class Accumulator:
         self.text.append(chunk.text)
         return Chunk(self.request_id, ids, chunk.text, chunk.index)
 
+    def ends_request(self, done: pb.Finished) -> bool:
+        """False for the rejection of a second submit under the id of this
+        request once it is accepted: that answers the other submit, and this
+        request goes on (inference.proto, ``Submit.request_id``)."""
+        is_accepted = self.queue_position is not None  # set by Accepted
+        return not (is_accepted and done.reject_reason == pb.REJECT_REASON_DUPLICATE_REQUEST_ID)
+
     def finish(self, done: pb.Finished) -> Result:
         self.text.append(done.text)
         timings = done.timings

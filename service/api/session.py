@@ -151,7 +151,10 @@ class StreamSession:
         try:
             wire.check_request_id(request_id, self._limits.max_request_id_bytes)
             if request_id in self._live:
-                raise DuplicateRequest(f"request_id {request_id!r} is already running")
+                raise DuplicateRequest(
+                    f"request_id {request_id!r} is already running on this stream; "
+                    "that request goes on, this submit is refused"
+                )
             wire.check_limits(message or pb.GenerateRequest(), submit, self._limits)
             await self._admit(submit, request_id)
         except Exception as exc:

@@ -17,6 +17,9 @@ from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 TOKEN_INTERVAL_S = 0.01
 ABORT_CALL_PROMPT = "abort the call"
+# Its request's Accepted is followed by the rejection a Slipstream server
+# sends for a second submit under the same id; then the request goes on.
+DUPLICATE_PROMPT = "someone reused my id"
 
 
 @dataclass
@@ -45,6 +48,13 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
         async def produce(submit: pb.Submit) -> None:
             rid = submit.request_id
             await out.put(pb.GenerateResponse(request_id=rid, accepted=pb.Accepted()))
+            if submit.text == DUPLICATE_PROMPT:
+                duplicate = pb.Finished(
+                    reason=pb.FINISH_REASON_REJECTED,
+                    reject_reason=pb.REJECT_REASON_DUPLICATE_REQUEST_ID,
+                    status_code="ALREADY_EXISTS",
+                )
+                await out.put(pb.GenerateResponse(request_id=rid, finished=duplicate))
             n, reason = submit.stopping.max_new_tokens, pb.FINISH_REASON_MAX_TOKENS
             for i in range(n):
                 if rid in cancelled:

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from conftest import ABORT_CALL_PROMPT, ScriptedServer
+from conftest import ABORT_CALL_PROMPT, DUPLICATE_PROMPT, ScriptedServer
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -101,6 +101,28 @@ def test_whole_call_error_fails_pending_requests(scripted: ScriptedServer) -> No
         with pytest.raises(StreamError):
             stream.generate("y", max_tokens=1)
         assert client.stream().generate("z", max_tokens=2).result(timeout=5).token_ids == [0, 1]
+
+
+def test_a_duplicate_submits_rejection_does_not_end_the_accepted_request(
+    scripted: ScriptedServer,
+) -> None:
+    """The server answers a second submit under a running request's id with
+    Finished(DUPLICATE_REQUEST_ID) under that id; the running request goes on."""
+    with Client(scripted.target) as client:
+        generation = client.generate(DUPLICATE_PROMPT, max_tokens=3)
+        assert [c.token_ids for c in generation] == [[0], [1], [2]]
+        result = generation.result(timeout=5)
+    assert (result.finish_reason, result.status_code) == ("max_tokens", "OK")
+
+    async def main() -> None:
+        async with AsyncClient(scripted.target) as client:
+            stream = client.stream()
+            generation = await stream.generate(DUPLICATE_PROMPT, max_tokens=3)
+            result = await generation.result()
+            await stream.close()
+        assert (result.finish_reason, result.token_ids) == ("max_tokens", [0, 1, 2])
+
+    asyncio.run(main())
 
 
 def test_keyword_arguments_reach_the_wire() -> None:

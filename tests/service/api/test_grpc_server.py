@@ -521,13 +521,19 @@ def test_each_malformed_submit_is_rejected_alone(
 
 def test_duplicate_id_rejected_while_original_finishes(stub: pb_grpc.InferenceStub) -> None:
     original = _submit("dup", stopping=pb.StoppingCriteria(max_new_tokens=30, ignore_eos=True))
-    events = [
-        (r.request_id, r.WhichOneof("event"), r.finished.reason, r.finished.reject_reason)
-        for r in stub.Generate(iter([original, _submit("dup")]), timeout=30)
+    responses = list(stub.Generate(iter([original, _submit("dup")]), timeout=30))
+    finished = [r.finished for r in responses if r.WhichOneof("event") == "finished"]
+    assert sorted((f.reason, f.reject_reason) for f in finished) == [
+        (pb.FINISH_REASON_MAX_TOKENS, pb.REJECT_REASON_UNSPECIFIED),
+        (pb.FINISH_REASON_REJECTED, pb.REJECT_REASON_DUPLICATE_REQUEST_ID),
     ]
-    finishes = [(reason, why) for rid, kind, reason, why in events if kind == "finished"]
-    assert (pb.FINISH_REASON_REJECTED, pb.REJECT_REASON_DUPLICATE_REQUEST_ID) in finishes
-    assert (pb.FINISH_REASON_MAX_TOKENS, pb.REJECT_REASON_UNSPECIFIED) in finishes
+    # Its message says which request it answers: the running one goes on.
+    rejected = next(f for f in finished if f.reject_reason)
+    assert rejected.status_code == "ALREADY_EXISTS"
+    assert rejected.message == (
+        "request_id 'dup' is already running on this stream; "
+        "that request goes on, this submit is refused"
+    )
 
 
 def test_message_without_submit_or_cancel_fails_the_call(stub: pb_grpc.InferenceStub) -> None:
