@@ -247,12 +247,14 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         if req.first_token_time is None:
             req.first_token_time = now
         hit_stop = is_stopped is not None and is_stopped(req.req_id, token_id)
+        # A stop sequence completed by the last allowed token is still the
+        # stop: the output was cut at it, as the caller asked.
         if not req.ignore_eos and token_id in req.eos_token_ids:
             reason: FinishReason | None = FinishReason.EOS
+        elif hit_stop:
+            reason = FinishReason.STOP_SEQUENCE
         else:
             reason = self._limit_reason(req)
-        if reason is None and hit_stop:
-            reason = FinishReason.STOP_SEQUENCE
         if reason is not None:
             self._finish(req, reason, "")
             self._note_finish(now)

@@ -376,6 +376,18 @@ def test_eos_finishes_unless_ignored_and_first_token_time_is_recorded() -> None:
     assert sched.num_used_device_blocks == 1  # only "ignores" holds a block
 
 
+def test_a_stop_sequence_on_the_last_allowed_token_finishes_as_the_stop() -> None:
+    # The output was cut at the stop, so the caller is told the stop, not the
+    # length limit that the same token also reached.
+    sched = make_scheduler()
+    last = make_request("last", 2, 1, ignore_eos=True)
+    sched.add_request(last)
+    plan = sched.schedule(1.0)
+    outputs = sched.update(plan, {"last": 7}, 1.5, is_stopped=lambda req_id, token: True)
+    assert [o.finish_reason for o in outputs] == [FinishReason.STOP_SEQUENCE]
+    assert last.status is RequestStatus.FINISHED and sched.num_used_device_blocks == 0
+
+
 def test_reference_model_depends_on_context() -> None:
     # Guards the fake: exactness checks are meaningless if the "model" ignores context.
     assert next_token([1, 2, 3]) != next_token([1, 2, 4])
