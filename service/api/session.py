@@ -172,14 +172,19 @@ class StreamSession:
                     self._metadata,
                     submit.trace_context,
                     tenant="" if self._gate is None else self._gate.tenant.name,
+                    req_id=self.engine_id(request_id),
                 )
+
+    def engine_id(self, request_id: str) -> str:
+        """The engine's id for this stream's ``request_id`` (ids are per stream)."""
+        return f"{self.stream_id}/{request_id}"
 
     async def _admit(self, submit: pb.Submit, request_id: str) -> None:
         engine = self._engine
         convert = functools.partial(
             wire.to_generation_request,
             submit,
-            f"{self.stream_id}/{request_id}",
+            self.engine_id(request_id),
             engine.tokenizer,
             engine.info,
             time.monotonic(),

@@ -180,9 +180,12 @@ class RequestTracer:
         message: str,
         parent: Context,
         tenant: str = "",
+        req_id: str = "",
     ) -> str:
         """Records a submit refused before the engine took it (``reason``, e.g.
-        ``queue_full``); returns the reason as a metric label."""
+        ``queue_full``); returns the reason as a metric label. Its log line
+        names it as ``request_finished`` lines do: ``request_id`` the server's
+        id (``req_id``, else the caller's), ``client_request_id`` the caller's."""
         tenant_attributes = {"slipstream.tenant": tenant} if tenant else {}
         span = self._tracer.start_span(
             f"{OPERATION} {self._model}",
@@ -201,7 +204,8 @@ class RequestTracer:
         span.end()
         log.info(
             "request_rejected",
-            request_id=client_request_id,
+            request_id=req_id or client_request_id,
+            client_request_id=client_request_id,
             reason=reason,
             detail=message,
             **({"tenant": tenant} if tenant else {}),

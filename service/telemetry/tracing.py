@@ -164,12 +164,17 @@ class Telemetry:
         metadata: Iterable[tuple[str, str | bytes]],
         trace_context: Mapping[str, str],
         tenant: str = "",
+        req_id: str = "",
     ) -> None:
         """A submit refused before the engine took it; ``reason`` as on the wire
         (``queue_full``), ``status`` the gRPC status it was refused with,
-        ``tenant`` the caller's (empty on a server without tenants)."""
+        ``tenant`` the caller's (empty on a server without tenants), ``req_id``
+        the server's id for it where that differs from the caller's (a gRPC
+        stream's ``<stream>/<request_id>``, as its finished line would say)."""
         parent = extract_context(metadata, trace_context)
-        reason = self.requests.rejected(client_request_id, reason, status, message, parent, tenant)
+        reason = self.requests.rejected(
+            client_request_id, reason, status, message, parent, tenant, req_id
+        )
         if self.metrics is not None:
             self.metrics.rejected(reason, tenant)
 

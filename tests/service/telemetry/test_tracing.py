@@ -237,6 +237,8 @@ def test_request_log_lines_carry_request_and_trace_ids(
     try:
         trace_id, _, metadata = caller_context()
         client.generate([5, 6, 7], metadata=metadata, max_tokens=2).result(timeout=60)
+        refused = client.generate([5] * 100_000, metadata=metadata, max_tokens=2)
+        assert refused.result(timeout=60).reject_reason == "prompt_too_long"
         assert server.telemetry.requests.flush(timeout=10)  # lines are written off-thread
     finally:
         structlog.reset_defaults()
@@ -246,6 +248,12 @@ def test_request_log_lines_carry_request_and_trace_ids(
     assert line["trace_id"] == trace_id
     assert len(line["span_id"]) == 16 and line["request_id"].endswith("/r0")
     assert line["level"] == "info" and line["output_tokens"] == 2
+    # A refusal's line names the request as a finished one does: the
+    # server's stream-scoped id, and the caller's own beside it.
+    (line,) = [x for x in lines if x["event"] == "request_rejected"]
+    stream, _, request_id = line["request_id"].rpartition("/")
+    assert stream and request_id == "r0"
+    assert line["client_request_id"] == "r0" and line["trace_id"] == trace_id
 
 
 @pytest.mark.parametrize(
