@@ -24,7 +24,8 @@ DUPLICATE_PROMPT = "someone reused my id"
 
 @dataclass
 class Recorded:
-    metadata: list[dict[str, str]] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)  # of Generate calls
+    info_metadata: list[dict[str, str]] = field(default_factory=list)  # of GetModelInfo calls
     submits: list[pb.Submit] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     batches: int = 0  # Batch responses sent
@@ -109,7 +110,8 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        return pb.ModelInfo(name="scripted")
+        self.recorded.info_metadata.append(dict(context.invocation_metadata()))
+        return pb.ModelInfo(name="scripted", has_chat_template=True)
 
 
 class ScriptedServer:
