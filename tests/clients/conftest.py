@@ -107,6 +107,20 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted abort")
         await reader
 
+    async def GenerateOne(
+        self, submit: pb.Submit, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The same tokens as ``Generate``; a cancel ends the call."""
+        self.recorded.submits.append(submit)
+        rid = submit.request_id
+        yield pb.GenerateResponse(request_id=rid, accepted=pb.Accepted())
+        for i in range(submit.stopping.max_new_tokens):
+            chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)
+            yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+            await asyncio.sleep(TOKEN_INTERVAL_S)
+        finished = pb.Finished(reason=pb.FINISH_REASON_MAX_TOKENS, status_code="OK", text="!")
+        yield pb.GenerateResponse(request_id=rid, finished=finished)
+
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
