@@ -20,6 +20,8 @@ ABORT_CALL_PROMPT = "abort the call"
 # Its request's Accepted is followed by the rejection a Slipstream server
 # sends for a second submit under the same id; then the request goes on.
 DUPLICATE_PROMPT = "someone reused my id"
+# Its tokens go out with no pause: a cancel arrives after all of them.
+BURST_PROMPT = "all at once"
 
 
 @dataclass
@@ -63,7 +65,8 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
                     break
                 chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)
                 await out.put(pb.GenerateResponse(request_id=rid, chunk=chunk))
-                await asyncio.sleep(TOKEN_INTERVAL_S)
+                if submit.text != BURST_PROMPT:
+                    await asyncio.sleep(TOKEN_INTERVAL_S)
             finished = pb.Finished(reason=reason, status_code="OK", text="!")
             finished.usage.output_tokens = len(submit.stopping.stop_sequences) or 0
             await out.put(pb.GenerateResponse(request_id=rid, finished=finished))
@@ -117,7 +120,8 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
         for i in range(submit.stopping.max_new_tokens):
             chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)
             yield pb.GenerateResponse(request_id=rid, chunk=chunk)
-            await asyncio.sleep(TOKEN_INTERVAL_S)
+            if submit.text != BURST_PROMPT:
+                await asyncio.sleep(TOKEN_INTERVAL_S)
         finished = pb.Finished(reason=pb.FINISH_REASON_MAX_TOKENS, status_code="OK", text="!")
         yield pb.GenerateResponse(request_id=rid, finished=finished)
 
