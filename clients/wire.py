@@ -118,6 +118,14 @@ def _check_unsigned(options: GenerateOptions) -> None:
             raise ValueError(f"{name} must be in [0, {largest}], got {value}")
 
 
+def _check_token_ids(token_ids: Sequence[int]) -> None:
+    """A token id the wire cannot carry (uint32) raises naming its place in
+    the prompt, as ``_check_unsigned`` does for the counts."""
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id < 2**32:
+            raise ValueError(f"prompt[{i}] must be a token id in [0, 2**32), got {token_id}")
+
+
 def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
@@ -147,6 +155,7 @@ def build_submit(
     elif isinstance(prompt, str):
         submit.text = prompt
     else:
+        _check_token_ids(prompt)
         submit.token_ids.ids.extend(prompt)
     if options.deadline_s is not None:
         submit.timeout.CopyFrom(_duration(options.deadline_s))

@@ -4,6 +4,7 @@ results, whole-call errors, metadata and OpenTelemetry propagation."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -200,6 +201,15 @@ def test_a_count_the_wire_cannot_carry_is_refused_by_name(
         ValueError, match=rf"^{option} must be in \{field_range[:-1]}\], got {value}$"
     ):
         build_submit("a", "hi", options)
+
+
+@pytest.mark.parametrize(("prompt", "bad"), [([-1], "prompt[0]"), ([5, 2**32], "prompt[1]")])
+def test_a_token_id_the_wire_cannot_carry_is_refused_by_name(prompt: list[int], bad: str) -> None:
+    message = rf"^{re.escape(bad)} must be a token id in \[0, 2\*\*32\), got {prompt[-1]}$"
+    with pytest.raises(ValueError, match=message):
+        build_submit("a", prompt, GenerateOptions())
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError, match=message):
+        client.generate_one(prompt)  # refused before any call
 
 
 def test_finish_reason_names_match_the_domain() -> None:
