@@ -37,7 +37,6 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
-    locally_cancelled,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -195,12 +194,12 @@ async def _read_one(call: grpc.aio.UnaryStreamCall, generation: AsyncGeneration)
         generation._settle(StreamError("OK", "the call ended before the request finished"))
     except grpc.RpcError as exc:
         if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
-            generation._settle(generation._acc.finish(locally_cancelled()))
+            generation._settle(generation._acc.cancelled_by_caller())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
     except asyncio.CancelledError:
         if generation._is_cancelled:
-            generation._settle(generation._acc.finish(locally_cancelled()))
+            generation._settle(generation._acc.cancelled_by_caller())
         else:
             generation._settle(StreamError("CANCELLED", "the call was cancelled"))
 

@@ -42,7 +42,6 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
-    locally_cancelled,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -209,7 +208,7 @@ def _read_one(call: grpc.Call, generation: Generation) -> None:
         generation._settle(StreamError("OK", "the call ended before the request finished"))
     except grpc.RpcError as exc:
         if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
-            generation._settle(generation._acc.finish(locally_cancelled()))
+            generation._settle(generation._acc.cancelled_by_caller())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
 

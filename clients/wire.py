@@ -3,6 +3,7 @@ arguments, and the chunk/result records a caller sees."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -117,6 +118,14 @@ def _check_unsigned(options: GenerateOptions) -> None:
             raise ValueError(f"{name} must be in [0, {largest}], got {value}")
 
 
+def _check_token_ids(token_ids: Sequence[int]) -> None:
+    """A token id the wire cannot carry (uint32) raises naming its place in
+    the prompt, as ``_check_unsigned`` does for the counts."""
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id < 2**32:
+            raise ValueError(f"prompt[{i}] must be a token id in [0, 2**32), got {token_id}")
+
+
 def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
@@ -146,6 +155,7 @@ def build_submit(
     elif isinstance(prompt, str):
         submit.text = prompt
     else:
+        _check_token_ids(prompt)
         submit.token_ids.ids.extend(prompt)
     if options.deadline_s is not None:
         submit.timeout.CopyFrom(_duration(options.deadline_s))
@@ -248,16 +258,6 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
     )
 
 
-def locally_cancelled() -> pb.Finished:
-    """How a ``GenerateOne`` call the caller cancelled ends for its request:
-    CANCELLED, as a cancel on a stream ends."""
-    return pb.Finished(
-        reason=pb.FINISH_REASON_CANCELLED,
-        status_code="CANCELLED",
-        message="cancelled by the caller",
-    )
-
-
 class StreamError(Exception):
     """The stream ended before this request finished (a whole-call error)."""
 
@@ -270,18 +270,41 @@ class StreamError(Exception):
 @dataclass(slots=True)
 class Accumulator:
     """Collects one request's events into its ``Result`` (not thread-safe:
-    fed by a single reader)."""
+    fed by a single reader). Created as its request is sent: the monotonic
+    times it keeps time ``cancelled_by_caller``'s result."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     queue_position: int | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    first_chunk_at: float | None = None
 
     def add_chunk(self, chunk: pb.TokenChunk) -> Chunk:
+        if self.first_chunk_at is None:
+            self.first_chunk_at = time.monotonic()
         ids = list(chunk.token_ids)
         self.token_ids.extend(ids)
         self.text.append(chunk.text)
         return Chunk(self.request_id, ids, chunk.text, chunk.index)
+
+    def cancelled_by_caller(self) -> Result:
+        """How a ``GenerateOne`` call the caller cancelled ends for its
+        request: CANCELLED, as a cancel on a stream ends. No ``Finished``
+        comes, so usage and timings are what this client saw: the tokens
+        received, the time to the first of them and the time until now."""
+        done = pb.Finished(
+            reason=pb.FINISH_REASON_CANCELLED,
+            status_code="CANCELLED",
+            message="cancelled by the caller",
+        )
+        done.usage.output_tokens = len(self.token_ids)
+        if self.first_chunk_at is not None:
+            done.timings.time_to_first_token.CopyFrom(
+                _duration(self.first_chunk_at - self.started_at)
+            )
+        done.timings.total.CopyFrom(_duration(time.monotonic() - self.started_at))
+        return self.finish(done)
 
     def ends_request(self, done: pb.Finished) -> bool:
         """False for the rejection of a second submit under the id of this

@@ -19,6 +19,7 @@ import grpc
 
 from slipstream.clients import Client, Result, StreamError
 from slipstream.service.cli.arg_types import non_negative_float, non_negative_int, positive_int
+from slipstream.service.cli.connect import add_connection_args, client_tls
 
 PROMPT = "you> "
 RESET, EXIT = "/reset", "/exit"
@@ -32,6 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--max-tokens", type=positive_int, default=512, help="per answer")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--seed", type=non_negative_int, default=None)
+    add_connection_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -122,7 +124,12 @@ def run(args: argparse.Namespace) -> int:
     options: dict[str, object] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.seed is not None:
         options["seed"] = args.seed
-    with Client(args.server) as client:
+    try:
+        client = Client(args.server, tls=client_tls(args), token=args.token)
+    except OSError as exc:  # a --tls-* file
+        print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
+    with client:
         try:
             info = client.model_info()
         except grpc.RpcError as exc:

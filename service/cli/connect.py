@@ -1,5 +1,5 @@
 """Flags of the commands that call a server (``generate --server``,
-``stats``): TLS to it and the bearer token to present."""
+``chat``, ``stats``): TLS to it and the bearer token to present."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ import math
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
 
 if TYPE_CHECKING:
-    from slipstream.clients import AsyncGeneration, Result
+    from slipstream.clients import AsyncGeneration
     from slipstream.clients.wire import Conversation
 
 
@@ -133,7 +134,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--expected-tokens", type=positive_int, default=None, help="output-length hint"
     )
     parser.add_argument(
-        "--cancel-after", type=positive_int, default=None, metavar="N", help="cancel after N tokens"
+        "--cancel-after",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="cancel each request once N tokens have arrived; print only those",
     )
     parser.add_argument(
         "--per-request",
@@ -267,6 +272,45 @@ def _spec(
     )
 
 
+# Finish reasons of a request that ended at a token of its own.
+_ENDED_AT_A_TOKEN = frozenset({"eos", "max_tokens", "stop_sequence"})
+
+
+@dataclass(slots=True)
+class _Received:
+    """A request's chunks under ``--cancel-after N``: those up to the one
+    that brings it to N tokens. What the engine made before the cancel
+    reached it (a server: often a dozen tokens more) is dropped, so
+    ``--local``, ``--server`` and ``--per-request`` print the same N tokens."""
+
+    cancel_after: int | None
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    num_dropped: int = 0
+
+    def add(self, token_ids: Sequence[int], text: str) -> bool:
+        """Keeps a chunk, or drops it past N; True for the chunk that reached N."""
+        if self._is_reached:
+            self.num_dropped += len(token_ids)
+            return False
+        self.token_ids.extend(token_ids)
+        self.text.append(text)
+        return self._is_reached
+
+    def is_cut(self, finish_reason: str) -> bool:
+        """Whether the output is the cancelled first N tokens: N arrived,
+        unless the request ended by itself at its N-th token."""
+        is_own_end = self.num_dropped == 0 and finish_reason in _ENDED_AT_A_TOKEN
+        return self._is_reached and not is_own_end
+
+    def cut_output(self, index: int) -> Output:
+        return Output(index, self.token_ids, "".join(self.text), "cancelled", "CANCELLED")
+
+    @property
+    def _is_reached(self) -> bool:
+        return self.cancel_after is not None and len(self.token_ids) >= self.cancel_after
+
+
 # ---------------------------------------------------------------- local
 
 
@@ -322,9 +366,8 @@ class _LocalCollector:
     def __init__(self, engine: object, req_id: str, cancel_after: int | None) -> None:
         self.req_id = req_id
         self._engine = engine
-        self._cancel_after = cancel_after
-        self._token_ids: list[int] = []
-        self._text: list[str] = []
+        self._received = _Received(cancel_after)
+        self._tail = ""  # the finish's text: held back until the end
         self._reason = ""
         self._status = "OK"
         self._reject_reason: str | None = None
@@ -334,10 +377,10 @@ class _LocalCollector:
     def on_event(self, event: object) -> None:
         from slipstream.service.engine.events import FinishEvent
 
-        self._text.append(event.text)  # type: ignore[attr-defined]
         if isinstance(event, FinishEvent):
             from slipstream.service.api.status import finish_status, rejection_for_cause
 
+            self._tail = event.text
             self._reason = event.reason.name.lower()
             self._status = finish_status(event).name
             if event.reject_cause is not None:
@@ -345,8 +388,7 @@ class _LocalCollector:
             self._message = event.message
             self._done.set()
             return
-        self._token_ids.extend(event.token_ids)  # type: ignore[attr-defined]
-        if self._cancel_after is not None and len(self._token_ids) >= self._cancel_after:
+        if self._received.add(event.token_ids, event.text):  # type: ignore[attr-defined]
             self._engine.abort(self.req_id)  # type: ignore[attr-defined]
 
     def reject(self, error: Exception) -> None:
@@ -363,10 +405,12 @@ class _LocalCollector:
 
     def wait(self, index: int) -> Output:
         self._done.wait()
+        if self._received.is_cut(self._reason):
+            return self._received.cut_output(index)
         return Output(
             index,
-            self._token_ids,
-            "".join(self._text),
+            self._received.token_ids,
+            "".join(self._received.text) + self._tail,
             self._reason,
             self._status,
             self._reject_reason,
@@ -414,11 +458,11 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
                 generations.append(await stream.generate(prompt, **options))
         if stream is not None:
             await stream.close()
-        results = await asyncio.gather(*(_follow(g, args.cancel_after) for g in generations))
-    return [
-        Output(i, r.token_ids, r.text, r.finish_reason, r.status_code, r.reject_reason, r.message)
-        for i, r in enumerate(results)
-    ]
+        return list(
+            await asyncio.gather(
+                *(_follow(i, g, args.cancel_after) for i, g in enumerate(generations))
+            )
+        )
 
 
 def _remote_prompt(spec: PromptSpec) -> str | list[int] | Conversation:
@@ -429,14 +473,17 @@ def _remote_prompt(spec: PromptSpec) -> str | list[int] | Conversation:
     return spec.token_ids if spec.token_ids is not None else spec.text or ""
 
 
-async def _follow(generation: AsyncGeneration, cancel_after: int | None) -> Result:
-    num_tokens = 0
+async def _follow(index: int, generation: AsyncGeneration, cancel_after: int | None) -> Output:
+    received = _Received(cancel_after)
     async for chunk in generation:
-        num_tokens += len(chunk.token_ids)
-        if cancel_after is not None and num_tokens >= cancel_after:
+        if received.add(chunk.token_ids, chunk.text):
             await generation.cancel()
-            cancel_after = None
-    return await generation.result()
+    r = await generation.result()
+    if received.is_cut(r.finish_reason):
+        return received.cut_output(index)
+    return Output(
+        index, r.token_ids, r.text, r.finish_reason, r.status_code, r.reject_reason, r.message
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,11 +20,14 @@ ABORT_CALL_PROMPT = "abort the call"
 # Its request's Accepted is followed by the rejection a Slipstream server
 # sends for a second submit under the same id; then the request goes on.
 DUPLICATE_PROMPT = "someone reused my id"
+# Its tokens go out with no pause: a cancel arrives after all of them.
+BURST_PROMPT = "all at once"
 
 
 @dataclass
 class Recorded:
-    metadata: list[dict[str, str]] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)  # of Generate calls
+    info_metadata: list[dict[str, str]] = field(default_factory=list)  # of GetModelInfo calls
     submits: list[pb.Submit] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
     batches: int = 0  # Batch responses sent
@@ -62,7 +65,8 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
                     break
                 chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)
                 await out.put(pb.GenerateResponse(request_id=rid, chunk=chunk))
-                await asyncio.sleep(TOKEN_INTERVAL_S)
+                if submit.text != BURST_PROMPT:
+                    await asyncio.sleep(TOKEN_INTERVAL_S)
             finished = pb.Finished(reason=reason, status_code="OK", text="!")
             finished.usage.output_tokens = len(submit.stopping.stop_sequences) or 0
             await out.put(pb.GenerateResponse(request_id=rid, finished=finished))
@@ -106,10 +110,26 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted abort")
         await reader
 
+    async def GenerateOne(
+        self, submit: pb.Submit, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The same tokens as ``Generate``; a cancel ends the call."""
+        self.recorded.submits.append(submit)
+        rid = submit.request_id
+        yield pb.GenerateResponse(request_id=rid, accepted=pb.Accepted())
+        for i in range(submit.stopping.max_new_tokens):
+            chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)
+            yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+            if submit.text != BURST_PROMPT:
+                await asyncio.sleep(TOKEN_INTERVAL_S)
+        finished = pb.Finished(reason=pb.FINISH_REASON_MAX_TOKENS, status_code="OK", text="!")
+        yield pb.GenerateResponse(request_id=rid, finished=finished)
+
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        return pb.ModelInfo(name="scripted")
+        self.recorded.info_metadata.append(dict(context.invocation_metadata()))
+        return pb.ModelInfo(name="scripted", has_chat_template=True)
 
 
 class ScriptedServer:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import io
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import ScriptedServer
 
 from slipstream.clients import AsyncClient, Client
 from slipstream.clients.wire import Conversation, GenerateOptions, build_submit
+from slipstream.service.cli import main
 from slipstream.service.cli.chat import ChatSession, chat_loop
 
 
@@ -133,3 +136,27 @@ def test_a_lost_server_ends_the_chat_with_one_line() -> None:
     with Client("127.0.0.1:1") as client:  # nothing listens there
         assert chat_loop(ChatSession(client, out), _feed(["hello"]), out) == 1  # type: ignore[arg-type]
     assert "the connection to the server failed (UNAVAILABLE" in out.getvalue()
+
+
+@pytest.mark.parametrize("flag", [[], ["--token", "from-the-flag"]])
+def test_the_command_presents_the_token_like_the_other_commands(
+    scripted: ScriptedServer, monkeypatch: pytest.MonkeyPatch, flag: list[str]
+) -> None:
+    """$SLIPSTREAM_TOKEN, or --token over it, goes with every call (a server
+    with tenants refuses a chat without it)."""
+    monkeypatch.setenv("SLIPSTREAM_TOKEN", "from-the-env")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--server", scripted.target, "--max-tokens", "2", *flag]) == 0
+    recorded = scripted.servicer.recorded
+    expected = f"Bearer {flag[1] if flag else 'from-the-env'}"
+    calls = [*recorded.info_metadata, *recorded.metadata]
+    assert len(calls) == 2 and all(m.get("authorization") == expected for m in calls)
+
+
+def test_an_unreadable_tls_file_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    missing = f"{tmp_path}/ca.pem"
+    assert main(["chat", "--server", "127.0.0.1:1", "--tls-ca", missing]) == 1
+    error = f"slipstream: error: cannot read {missing}: No such file or directory\n"
+    assert capsys.readouterr().err == error

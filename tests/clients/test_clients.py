@@ -4,15 +4,16 @@ results, whole-call errors, metadata and OpenTelemetry propagation."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
 import pytest
-from conftest import ABORT_CALL_PROMPT, DUPLICATE_PROMPT, ScriptedServer
+from conftest import ABORT_CALL_PROMPT, DUPLICATE_PROMPT, TOKEN_INTERVAL_S, ScriptedServer
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from slipstream.clients import AsyncClient, Client, StreamError
+from slipstream.clients import AsyncClient, Client, Result, StreamError
 from slipstream.clients.wire import GenerateOptions, build_submit, finish_reason_name
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api.status import wire_finish
@@ -32,6 +33,39 @@ def test_sync_client_multiplexes_iterates_and_cancels(scripted: ScriptedServer) 
     assert short_result.finish_reason == "max_tokens"
     assert len(scripted.servicer.recorded.metadata) == 1, "one shared stream"
     assert scripted.servicer.recorded.cancels == [long.request_id]
+
+
+def _assert_counts_what_arrived(result: Result, num_seen: int) -> None:
+    assert (result.finish_reason, result.status_code) == ("cancelled", "CANCELLED")
+    assert result.output_tokens == len(result.token_ids) >= num_seen
+    assert result.ttft_s is not None and result.ttft_s > 0
+    # Five chunks at least TOKEN_INTERVAL_S apart came after the first.
+    assert result.total_s - result.ttft_s >= 4 * TOKEN_INTERVAL_S
+
+
+def test_a_cancelled_call_says_what_arrived_before_the_cancel(scripted: ScriptedServer) -> None:
+    """No Finished ends a cancelled GenerateOne call: its result counts the
+    tokens and times the client saw, as a cancel on a stream reports them."""
+    with Client(scripted.target) as client:
+        generation = client.generate_one("a", max_tokens=1000)
+        num_seen = 0
+        for chunk in generation:
+            num_seen += len(chunk.token_ids)
+            if num_seen == 5:
+                generation.cancel()
+        _assert_counts_what_arrived(generation.result(timeout=5), num_seen)
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            generation = await client.generate_one("b", max_tokens=1000)
+            num_seen = 0
+            async for chunk in generation:
+                num_seen += len(chunk.token_ids)
+                if num_seen == 5:
+                    await generation.cancel()
+            _assert_counts_what_arrived(await generation.result(), num_seen)
+
+    asyncio.run(scenario())
 
 
 def test_cancel_after_close_still_reaches_the_server(scripted: ScriptedServer) -> None:
@@ -167,6 +201,15 @@ def test_a_count_the_wire_cannot_carry_is_refused_by_name(
         ValueError, match=rf"^{option} must be in \{field_range[:-1]}\], got {value}$"
     ):
         build_submit("a", "hi", options)
+
+
+@pytest.mark.parametrize(("prompt", "bad"), [([-1], "prompt[0]"), ([5, 2**32], "prompt[1]")])
+def test_a_token_id_the_wire_cannot_carry_is_refused_by_name(prompt: list[int], bad: str) -> None:
+    message = rf"^{re.escape(bad)} must be a token id in \[0, 2\*\*32\), got {prompt[-1]}$"
+    with pytest.raises(ValueError, match=message):
+        build_submit("a", prompt, GenerateOptions())
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError, match=message):
+        client.generate_one(prompt)  # refused before any call
 
 
 def test_finish_reason_names_match_the_domain() -> None:

@@ -1,0 +1,60 @@
+"""``slipstream generate --cancel-after N`` prints a request's first N
+tokens in every mode: from a scripted server that made them all before the
+cancel reached it, on a stream or a call of its own, and from a local engine
+that made one step more."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from conftest import BURST_PROMPT, ScriptedServer
+
+from slipstream.scheduler.request import FinishReason
+from slipstream.service.cli import main
+from slipstream.service.cli.generate import _LocalCollector
+from slipstream.service.engine.events import FinishEvent, TokenEvent
+
+
+def _generate(scripted: ScriptedServer, capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
+    argv = ["generate", "--server", scripted.target, "--prompt", BURST_PROMPT, "--json"]
+    assert main([*argv, *flags]) == 0
+    [output] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    return output
+
+
+@pytest.mark.parametrize("mode", [[], ["--per-request"]])
+def test_the_first_n_tokens_are_printed_and_no_more(
+    scripted: ScriptedServer, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    output = _generate(scripted, capsys, *mode, "--max-tokens", "10", "--cancel-after", "3")
+    assert output == {
+        "index": 0,
+        "token_ids": [0, 1, 2],
+        "text": "t0 t1 t2 ",
+        "finish_reason": "cancelled",
+    }
+
+
+def test_a_request_that_ended_at_its_nth_token_keeps_its_reason(
+    scripted: ScriptedServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = _generate(scripted, capsys, "--max-tokens", "3", "--cancel-after", "3")
+    assert (output["token_ids"], output["text"]) == ([0, 1, 2], "t0 t1 t2 !")
+    assert output["finish_reason"] == "max_tokens"
+
+
+def test_the_local_engine_prints_the_first_n_tokens_too() -> None:
+    aborted: list[str] = []
+    collector = _LocalCollector(SimpleNamespace(abort=aborted.append), "0", cancel_after=3)
+    for i in range(5):  # a step planned ahead made two tokens after the abort
+        collector.on_event(TokenEvent("0", [i], f"t{i} ", i, i, i, 1, 0.0))
+    collector.on_event(FinishEvent("0", FinishReason.CANCELLED))
+    output = collector.wait(0)
+    assert aborted == ["0"]
+    assert (output.token_ids, output.text, output.finish_reason) == (
+        [0, 1, 2],
+        "t0 t1 t2 ",
+        "cancelled",
+    )
