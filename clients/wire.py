@@ -94,7 +94,7 @@ class GenerateOptions:
     seed: int | None = None
     stop: Sequence[str] = ()
     ignore_eos: bool = False
-    priority: int = 0
+    priority: int | None = None  # unset: the server's default (see inference.proto)
     deadline_s: float | None = None
     expected_tokens: int | None = None
     first_token_timeout_s: float | None = None
@@ -132,7 +132,7 @@ def build_submit(
     _check_unsigned(options)
     submit = pb.Submit(
         request_id=request_id,
-        priority=options.priority,
+        priority=options.priority,  # None leaves it unset
         sampling=pb.SamplingParams(
             temperature=options.temperature,
             top_k=options.top_k,

@@ -373,6 +373,12 @@ class TenantGate:
     tenants: Tenants
     tenant: Tenant
 
+    @property
+    def default_priority(self) -> int:
+        """The class of a request that names none: the most urgent this
+        tenant may use, so a caller that never heard of priorities is served."""
+        return self.tenant.max_priority_class or 0
+
     def admit(self, request: RequestSpec) -> tuple[RequestSpec, Grant]:
         """``request`` labelled with the tenant, and its grant."""
         grant = self.tenants.admit(

@@ -189,6 +189,7 @@ class StreamSession:
             engine.info,
             time.monotonic(),
             self._call_deadline,
+            0 if self._gate is None else self._gate.default_priority,
         )
         # Tokenizing (or rendering) a large prompt would stall every stream
         # of the server: it goes to the worker pool. Submits of one stream

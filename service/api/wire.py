@@ -229,8 +229,11 @@ def to_generation_request(
     info: ModelInfo,
     now: float,
     call_deadline: float | None,
+    default_priority: int = 0,
 ) -> RequestSpec:
-    """The engine request for a submit; raises ``ValueError`` if malformed."""
+    """The engine request for a submit; raises ``ValueError`` if malformed.
+    A submit without a priority takes ``default_priority`` (a tenant's most
+    urgent permitted class, ``TenantGate.default_priority``)."""
     _reject_unknown_fields(submit, "submit")
     if submit.return_logprobs:
         raise ValueError("logprobs are not available from this server")
@@ -241,7 +244,7 @@ def to_generation_request(
         sampling=_sampling(submit.sampling),
         stop_sequences=tuple(submit.stopping.stop_sequences),
         ignore_eos=submit.stopping.ignore_eos,
-        priority=submit.priority,
+        priority=submit.priority if submit.HasField("priority") else default_priority,
         deadline=_deadline(submit, now, call_deadline),
         expected_output_tokens=(
             submit.expected_output_tokens if submit.HasField("expected_output_tokens") else None

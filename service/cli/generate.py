@@ -119,7 +119,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--seed", type=non_negative_int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--priority", type=non_negative_int, default=0, help="0 = most urgent")
+    parser.add_argument(
+        "--priority",
+        type=non_negative_int,
+        default=None,
+        help="0 = most urgent (default: the server's, 0 or your tenant's most urgent)",
+    )
     parser.add_argument(
         "--deadline-ms", type=non_negative_float, default=None, help="per-request deadline"
     )
@@ -332,7 +337,7 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
                     max_new_tokens=spec.max_tokens,
                     sampling=SamplingParams(temperature=spec.temperature, seed=spec.seed),
                     ignore_eos=args.ignore_eos,
-                    priority=args.priority,
+                    priority=args.priority or 0,
                     deadline=None if args.deadline_ms is None else now + args.deadline_ms / 1000,
                     expected_output_tokens=args.expected_tokens,
                     arrival_time=now,

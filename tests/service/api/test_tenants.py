@@ -380,6 +380,25 @@ def test_a_forbidden_request_fails_alone(served: Served) -> None:
     assert reasons == ["permission_denied", "permission_denied", "ran"]
 
 
+def test_a_request_naming_no_priority_takes_its_tenants_most_urgent_class(
+    served: Served,
+) -> None:
+    # A caller that never heard of priorities is served, not refused for
+    # class 0, the wire's zero value; one that asks for class 0 still is not.
+    with served.client(BATCH_TOKEN) as client:
+        plain = client.generate([5, 6, 7], max_tokens=2).result(timeout=60)
+        urgent = client.generate([5, 6, 7], max_tokens=2, priority=0).result(timeout=60)
+    assert plain.is_ok and urgent.reject_reason == "permission_denied"
+    served.telemetry.requests.flush(10)  # type: ignore[attr-defined]
+    classes = [
+        span.attributes.get("slipstream.request.priority")
+        for span in served.spans.get_finished_spans()  # type: ignore[attr-defined]
+        if span.attributes.get("slipstream.tenant") == "batch"
+        and "slipstream.rejection.reason" not in span.attributes
+    ]
+    assert classes == [2]  # batch's most urgent class
+
+
 def test_over_the_inflight_quota_is_resource_exhausted_with_a_hint(served: Served) -> None:
     with served.client(BATCH_TOKEN) as client:
         stream = client.stream()
