@@ -87,6 +87,7 @@ def parse(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string; see GET /v1/models)", "model")
+    _text(model, "model", "model")
     if body.get("n") not in (None, 1):
         raise invalid("only n=1 is supported", "n")
     _optional(body, "user", str)
@@ -108,8 +109,8 @@ def parse(
     if expected is not None:
         submit.expected_output_tokens = expected
     for name in TRACE_HEADERS:
-        if name in headers:
-            submit.trace_context[name] = headers[name]
+        if name in headers:  # bytes that are not UTF-8 arrive as lone surrogates
+            submit.trace_context[name] = _text(headers[name], name, name)
     return OpenAIRequest(is_chat, model, prompt, submit, is_stream, include_usage)
 
 
@@ -128,6 +129,22 @@ def _optional(body: Mapping[str, object], name: str, kind: type) -> object:
     value = body.get(name)
     if value is not None and not (isinstance(value, kind) and _not_bool_for_number(value, kind)):
         raise invalid(f"{name} must be {_KIND_NAMES.get(kind, kind.__name__)}", name)
+    if isinstance(value, str):
+        _text(value, name, name)
+    return value
+
+
+def _text(value: str, name: str, param: str) -> str:
+    """``value``, refused when it holds a lone UTF-16 surrogate (JSON's
+    ``"\\ud800"``): no UTF-8 encodes one, so protobuf and the tokenizer
+    would fail on it. ``name`` says where it is, ``param`` is the field."""
+    if value.isascii():
+        return value
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        message = f"{name} is not valid Unicode (a lone surrogate at character {exc.start})"
+        raise invalid(message, param) from None
     return value
 
 
@@ -179,7 +196,7 @@ def _prompt(body: Mapping[str, object]) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt is empty", "prompt")
-        return prompt
+        return _text(prompt, "prompt", "prompt")
     if isinstance(prompt, list) and prompt:
         # < 2**32: the wire's uint32 (the model's vocabulary is checked later)
         ids_ok = (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
@@ -205,6 +222,7 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid(f"{where}.role must be a string", "messages")
+        _text(role, f"{where}.role", "messages")
         pairs.append((role, _content(message.get("content"), where)))
     return pairs
 
@@ -212,7 +230,7 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
 def _content(content: object, where: str) -> str:
     """Text content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
     if isinstance(content, str):
-        return content
+        return _text(content, f"{where}.content", "messages")
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -222,7 +240,7 @@ def _content(content: object, where: str) -> str:
             if not isinstance(text, str):
                 raise invalid(f"{where}.content text parts need a string text", "messages")
             texts.append(text)
-        return "".join(texts)
+        return _text("".join(texts), f"{where}.content", "messages")
     raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
 
 
@@ -264,6 +282,8 @@ def _stopping(
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise invalid("stop must be a non-empty string or a list of them", "stop")
+        for i, text in enumerate(stops):
+            _text(text, "stop" if isinstance(stop, str) else f"stop[{i}]", "stop")
         stopping.stop_sequences.extend(stops)
     stopping.ignore_eos = bool(_optional(body, "ignore_eos", bool))
 

@@ -542,6 +542,45 @@ def test_bad_chat_fields_are_400_naming_the_field(
     assert json.loads(reply)["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "where"),
+    [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": ["a\ud800b"]}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": "ab", "stream": True, "stop": "a\udc00"}, "stop", "stop"),
+        ("/v1/completions", {"prompt": "ab", "stop": ["ok", "a\ud800"]}, "stop", "stop[1]"),
+        ("/v1/completions", {"prompt": "ab", "user": "a\ud800"}, "user", "user"),
+        ("/v1/completions", {"prompt": "ab", "model": "t\ud800"}, "model", "model"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+         "messages", "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "u\ud800", "content": "a"}]},
+         "messages", "messages[0].role"),
+        ("/v1/chat/completions", {"stream": True, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+         "messages", "messages[0].content"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_the_field(
+    servers: Servers, path: str, fields: dict[str, object], param: str, where: str
+) -> None:
+    """JSON's ``\\ud800`` decodes to a string no UTF-8 encodes: it was a
+    plain-text 500 from protobuf or the tokenizer."""
+    body = json.dumps({"model": "tiny", "max_tokens": 2, **fields}).encode()
+    assert b"\\ud800" in body or b"\\udc00" in body
+    status, _, reply = raw(servers, path, body)
+    assert status == 400, reply
+    error = json.loads(reply)["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error"), error
+    assert error["message"] == f"{where} is not valid Unicode (a lone surrogate at character 1)"
+
+
+def test_a_trace_header_that_is_not_utf8_is_400_naming_it(servers: Servers) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "ab", "max_tokens": 2}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body, {"tracestate": "k=\xff"})
+    assert status == 400, reply
+    assert json.loads(reply)["error"]["param"] == "tracestate"
+
+
 @pytest.mark.parametrize("value", [-1, 0, 100_000])
 @pytest.mark.parametrize(
     ("path", "field"),
