@@ -17,11 +17,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream.service.api.auth import Tenants
-from slipstream.service.api.http.errors import ApiError, too_large
+from slipstream.service.api.http.errors import ApiError, internal_error, too_large
 from slipstream.service.api.http.generation import Authenticator, Generations
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
 from slipstream.service.api.limits import Limits
@@ -40,10 +41,12 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+log = structlog.get_logger(__name__)
+
 
 def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
     """Middleware: every error, ours or aiohttp's (404 route, 405 method,
-    413 body), in OpenAI's JSON shape."""
+    413 body) or a bug's (500, its traceback logged), in OpenAI's JSON shape."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -55,6 +58,11 @@ def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResp
             return too_large(f"the request body is over {max_body_bytes} bytes").response()
         except web.HTTPException as exc:
             return _http_error(exc)
+        except Exception:
+            if request.writer.output_size > 0:
+                raise  # a stream already begun: aiohttp closes the connection
+            log.exception("http_request_failed", method=request.method, path=request.path)
+            return internal_error().response()
 
     return middleware
 

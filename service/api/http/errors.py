@@ -77,6 +77,11 @@ def too_large(message: str, param: str | None = None) -> ApiError:
     return ApiError(413, message, param=param, code="request_too_large")
 
 
+def internal_error() -> ApiError:
+    """A server bug's answer: the details go to the log, not to the caller."""
+    return ApiError(500, "the server failed on this request", "server_error", code="internal_error")
+
+
 def not_serving(message: str) -> ApiError:
     return ApiError(503, message, type="service_unavailable", code="not_serving")
 

@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from server_thread import hold_every_submit
+from structlog.testing import capture_logs
 
 from slipstream.clients import Client
 from slipstream.service.api import wire
@@ -579,6 +580,27 @@ def test_a_trace_header_that_is_not_utf8_is_400_naming_it(servers: Servers) -> N
     status, _, reply = raw(servers, "/v1/completions", body, {"tracestate": "k=\xff"})
     assert status == 400, reply
     assert json.loads(reply)["error"]["param"] == "tracestate"
+
+
+def test_a_server_bug_is_a_json_500_with_its_traceback_logged(
+    servers: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not aiohttp's plain-text "Server got itself in trouble": the SDK
+    reads OpenAI's error shape, and the log keeps what the caller is not told."""
+
+    def parse(*args: object) -> object:
+        raise TypeError("a bug in parsing")
+
+    monkeypatch.setattr(generation, "parse", parse)
+    body = json.dumps({"model": "tiny", "prompt": "ab", "max_tokens": 2}).encode()
+    with capture_logs() as logs:
+        status, headers, reply = raw(servers, "/v1/completions", body)
+    assert status == 500 and headers["Content-Type"].startswith("application/json"), reply
+    error = json.loads(reply)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+    assert "a bug" not in error["message"]
+    [line] = [entry for entry in logs if entry["event"] == "http_request_failed"]
+    assert line["exc_info"] is True and line["path"] == "/v1/completions"
 
 
 @pytest.mark.parametrize("value", [-1, 0, 100_000])
