@@ -24,7 +24,13 @@ from slipstream.scheduler.errors import InvalidRequest, QueueFull, SchedulerErro
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, TenantGate, Tenants
-from slipstream.service.api.http.errors import ApiError, from_domain, invalid, too_large
+from slipstream.service.api.http.errors import (
+    ApiError,
+    from_domain,
+    invalid,
+    retry_after,
+    too_large,
+)
 from slipstream.service.api.http.params import OpenAIRequest, Prompt, parse
 from slipstream.service.api.http.relay import EventRelay
 from slipstream.service.api.http.responses import (
@@ -105,7 +111,8 @@ def prompt_bytes(prompt: Prompt) -> int:
 def finish_error(event: FinishEvent) -> ApiError:
     status, kind, code = _FAILED[event.reason]
     message = event.message or f"the request ended: {event.reason.name.lower()}"
-    return ApiError(status, message, kind, None, code)
+    headers = {} if event.retry_after_s is None else retry_after(event.retry_after_s)  # shed
+    return ApiError(status, message, kind, None, code, headers)
 
 
 class Generations:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import re
 import threading
 import time
 import urllib.error
@@ -22,11 +24,16 @@ from server_thread import hold_every_submit
 from structlog.testing import capture_logs
 
 from slipstream.clients import Client
+from slipstream.scheduler.errors import Overloaded, QueueFull
+from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.api import wire
+from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.http import generation
+from slipstream.service.api.http.errors import from_domain
+from slipstream.service.api.workers import WorkersBusy
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.events import RequestSpec
+from slipstream.service.engine.events import FinishEvent, RequestSpec
 from slipstream.service.telemetry.metrics import ServerMetrics
 from slipstream.service.telemetry.tracing import Telemetry
 
@@ -784,6 +791,35 @@ def _give_up_after(servers: Servers, timeout_s: float, prompt: list[int]) -> Non
         )
 
 
+@pytest.mark.parametrize(
+    ("error", "retry_after"),
+    [
+        (QueueFull("waiting queue is full (4 requests); retry after 2.300s", 2.3), "3"),
+        (Overloaded("overloaded (1.30x): ...; retry after 0.050s", 0.05, 1.3), "1"),
+        (QueueFull("waiting queue is full (4 requests); retry after 3.000s", 3.0), "3"),
+        (QuotaExceeded("tenant 'a' is over its quota", 4.2), "5"),
+        (WorkersBusy("every tokenizer worker is busy"), "1"),  # no hint of its own
+    ],
+)
+def test_retry_after_is_the_refusals_own_hint(error: Exception, retry_after: str) -> None:
+    answer = from_domain(error)
+    assert answer is not None and answer.status == 429
+    assert answer.headers == {"Retry-After": retry_after}
+
+
+def test_a_shed_request_is_told_when_to_retry() -> None:
+    shed = FinishEvent(
+        "r",
+        FinishReason.REJECTED,
+        "shed from a full queue for a more urgent request; retry after 2.500s",
+        reject_cause=RejectCause.SHED,
+        retry_after_s=2.5,
+    )
+    answer = generation.finish_error(shed)
+    assert answer.status == 503 and answer.headers == {"Retry-After": "3"}
+    assert generation.finish_error(FinishEvent("r", FinishReason.ERROR)).headers == {}
+
+
 def test_queue_full_is_429_and_draining_is_503() -> None:
     from slipstream.service.engine.loader import load_engine
 
@@ -806,8 +842,13 @@ def test_queue_full_is_429_and_draining_is_503() -> None:
             assert wait_until(lambda: grpc_client.server_stats().waiting == 1)
             with pytest.raises(openai.RateLimitError) as full:
                 oai.completions.create(model="tiny", prompt="x", max_tokens=2)
-            assert full.value.response.headers["Retry-After"] == "1"
-            assert error_of(full.value)["code"] == "queue_full"
+            error = error_of(full.value)
+            assert error["code"] == "queue_full"
+            # The header says what the message says, in whole seconds rounded up.
+            hint = re.search(r"retry after ([\d.]+)s", str(error["message"]))
+            assert hint is not None, error
+            retry_after = full.value.response.headers["Retry-After"]
+            assert retry_after == str(max(1, math.ceil(float(hint.group(1))))), error
 
             srv.drain()
             status, _, reply = raw(srv, "/health")
@@ -827,8 +868,6 @@ def test_queue_full_is_429_and_draining_is_503() -> None:
 
 
 def test_bench_http_load_counts_every_token(servers: Servers) -> None:
-    import math
-
     from slipstream.service.bench.http_load import run_http
     from slipstream.service.bench.serve import LoadShape, metrics
     from slipstream.service.bench.workload import make_workload
