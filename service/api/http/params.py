@@ -290,6 +290,7 @@ def _stopping(
 
 def _deadline_ms(body: Mapping[str, object], headers: Mapping[str, str]) -> float | None:
     value = _number(body, "deadline_ms")
+    name = "deadline_ms"  # where the value came from, for the range's message
     header = headers.get(HEADER_DEADLINE_MS)
     if header is not None:
         try:
@@ -299,8 +300,9 @@ def _deadline_ms(body: Mapping[str, object], headers: Mapping[str, str]) -> floa
         if not math.isfinite(from_header):
             raise invalid(f"{HEADER_DEADLINE_MS} must be finite", HEADER_DEADLINE_MS)
         value = _agree("deadline_ms", HEADER_DEADLINE_MS, value, from_header)
+        name = HEADER_DEADLINE_MS
     if value is not None and not 0 <= value <= 1e13:  # ~300 years: Duration's range holds it
-        raise invalid("deadline_ms must be in [0, 1e13] milliseconds", "deadline_ms")
+        raise invalid(f"{name} must be in [0, 1e13] milliseconds", name)
     return value
 
 

@@ -463,6 +463,26 @@ def test_infeasible_deadline_is_refused_before_any_token(
     assert engine_idle(grpc_client)
 
 
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("-5", "must be in [0, 1e13] milliseconds"),
+        ("1e20", "must be in [0, 1e13] milliseconds"),
+        ("nan", "must be finite"),
+        ("soon", "must be a number"),
+    ],
+)
+def test_a_bad_deadline_header_is_400_naming_the_header(
+    servers: Servers, header: str, message: str
+) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "ab", "max_tokens": 2}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body, {"x-slipstream-deadline-ms": header})
+    assert status == 400, reply
+    error = json.loads(reply)["error"]
+    assert error["param"] == "x-slipstream-deadline-ms", error
+    assert error["message"] == f"x-slipstream-deadline-ms {message}"
+
+
 def test_traceparent_joins_the_callers_trace(
     oai: openai.OpenAI, servers: Servers, spans: InMemorySpanExporter
 ) -> None:
@@ -509,6 +529,7 @@ def test_traceparent_joins_the_callers_trace(
         ({"priority": -1}, "priority"),
         ({"priority": True}, "priority"),
         ({"deadline_ms": "soon"}, "deadline_ms"),
+        ({"deadline_ms": -5}, "deadline_ms"),
         ({"expected_output_tokens": -3}, "expected_output_tokens"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
