@@ -41,7 +41,7 @@ from slipstream.service.api.http.responses import (
 )
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits, OverLimit
-from slipstream.service.engine.chat import render_chat
+from slipstream.service.engine.chat import has_chat_template, render_chat
 from slipstream.service.engine.events import FinishEvent, RequestSpec, TokenEvent
 
 if TYPE_CHECKING:
@@ -203,6 +203,10 @@ class Generations:
             wire.check_sizes(parsed.submit, prompt_bytes(parsed.prompt), self._limits)
         except OverLimit as exc:
             raise _domain(exc, _param(exc.field, parsed)) from None
+        if parsed.is_chat and not has_chat_template(engine.tokenizer):
+            # render_chat's own message names the gRPC fields (text, token_ids).
+            message = "this model has no chat template; use /v1/completions with prompt"
+            raise invalid(message, "messages", "invalid_messages")
         try:
             ids = await prompt_token_ids(engine, parsed.prompt, self._workers)
         except (ValueError, QueueFull) as exc:  # ChatError: bad roles, no template; pool full
