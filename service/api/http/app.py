@@ -6,6 +6,7 @@ Routes::
     POST /v1/completions        text or token-id prompt
     POST /v1/chat/completions   messages, rendered with the model's chat template
     GET  /v1/models             the one model served
+    GET  /v1/models/{model}     that model (404 for any other)
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus, the same registry as --metrics-port
 """
@@ -22,7 +23,13 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream.service.api.auth import Tenants
-from slipstream.service.api.http.errors import ApiError, internal_error, too_large
+from slipstream.service.api.http.errors import (
+    ApiError,
+    internal_error,
+    model_not_found,
+    not_serving,
+    too_large,
+)
 from slipstream.service.api.http.generation import Authenticator, Generations
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
 from slipstream.service.api.limits import Limits
@@ -101,6 +108,7 @@ class HttpFront:
         self.app.router.add_post("/v1/completions", generations.completions)
         self.app.router.add_post("/v1/chat/completions", generations.chat)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model:.+}", self.model)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
         self._runner: web.AppRunner | None = None
@@ -129,18 +137,27 @@ class HttpFront:
             self._runner = None
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's ``models.retrieve``: the served model, as listed."""
+        model = self._model()
+        if request.match_info["model"] != model["id"]:
+            raise model_not_found(request.match_info["model"])
+        return web.json_response(model)
+
+    def _model(self) -> dict[str, object]:
         try:
             info = self._lifecycle.engine.info
         except NotServing as exc:
-            raise ApiError(503, str(exc), "service_unavailable", None, "not_serving") from None
-        model = {
+            raise not_serving(str(exc)) from None
+        return {
             "id": info.name,
             "object": "model",
             "created": self._created,
             "owned_by": "slipstream",
             "max_model_len": info.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
         phase = self._lifecycle.phase

@@ -91,6 +91,12 @@ def internal_error() -> ApiError:
     return ApiError(500, "the server failed on this request", "server_error", code="internal_error")
 
 
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404, f"model {model!r} is not served here", param="model", code="model_not_found"
+    )
+
+
 def not_serving(message: str) -> ApiError:
     return ApiError(503, message, type="service_unavailable", code="not_serving")
 

@@ -28,6 +28,7 @@ from slipstream.service.api.http.errors import (
     ApiError,
     from_domain,
     invalid,
+    model_not_found,
     retry_after,
     too_large,
 )
@@ -158,12 +159,7 @@ class Generations:
         body = await _json(request)
         parsed = parse(body, request.headers, is_chat, engine.info.max_model_len)
         if parsed.model != engine.info.name:
-            raise ApiError(
-                404,
-                f"model {parsed.model!r} is not served here",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(parsed.model)
         envelope = Envelope.new(parsed.model, is_chat)
         try:
             gen_request = await self._request(engine, parsed, envelope, now)

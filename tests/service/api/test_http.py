@@ -754,6 +754,19 @@ def test_models_health_and_metrics(oai: openai.OpenAI, servers: Servers) -> None
     assert b"slipstream_kv_blocks" in reply
 
 
+def test_the_sdk_retrieves_the_served_model_and_no_other(oai: openai.OpenAI) -> None:
+    [listed] = oai.models.list().data
+    model = oai.models.retrieve("tiny")
+    assert model.to_dict() == listed.to_dict()
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "slipstream")
+    assert isinstance(model.created, int)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        oai.models.retrieve("gpt-9")
+    error = error_of(unknown.value)
+    assert (error["param"], error["code"]) == ("model", "model_not_found"), error
+    assert "gpt-9" in str(error["message"])
+
+
 def test_tokenizing_runs_off_the_event_loop(
     oai: openai.OpenAI, servers: Servers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
