@@ -5,8 +5,8 @@ the gRPC service uses (``wire.to_generation_request``).
 Accepted: ``model``, ``prompt`` (a string, a list of token ids, or a
 one-element list of either) or ``messages``, ``stream``,
 ``stream_options.include_usage``, ``max_tokens`` / ``max_completion_tokens``,
-``temperature``, ``top_p``, ``seed``, ``stop``, ``n`` = 1, ``user``; the
-Slipstream extensions ``priority``, ``deadline_ms``,
+``temperature`` (0 to 2), ``top_p``, ``seed``, ``stop``, ``n`` = 1,
+``user``; the Slipstream extensions ``priority``, ``deadline_ms``,
 ``expected_output_tokens``, ``top_k`` and ``ignore_eos``. Anything else
 that would change the answer (``logprobs``, ``top_logprobs``, ``echo``,
 ``suffix``, ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
@@ -28,6 +28,7 @@ from slipstream.v1 import inference_pb2 as pb
 # OpenAI's documented defaults where they differ from the gRPC API's.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's bound: the SDK's callers expect a 400 past it
 MAX_INT32 = 2**31 - 1
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
@@ -247,8 +248,9 @@ def _content(content: object, where: str) -> str:
 def _sampling(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
     temperature = _number(body, "temperature")
     temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
-    if temperature < 0:
-        raise invalid("temperature must be >= 0", "temperature")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        message = f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}"
+        raise invalid(message, "temperature")
     sampling.temperature = temperature
     top_p = _number(body, "top_p")
     if top_p is not None:

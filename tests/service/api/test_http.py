@@ -525,6 +525,7 @@ def test_traceparent_joins_the_callers_trace(
             "max_tokens",
         ),  # past tiny's context: was "max_new_tokens", param null
         ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),  # OpenAI's range is [0, 2]
         ({"top_p": 0}, "top_p"),
         ({"seed": -1}, "seed"),
         ({"stop": [""]}, "stop"),
@@ -549,6 +550,17 @@ def test_bad_completion_fields_are_400_naming_the_field(
     assert status == 400, reply
     error = json.loads(reply)["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
+    """Over gRPC any temperature >= 0 samples; the OpenAI front keeps
+    OpenAI's range, so a request that works here works there too."""
+    for temperature, expected in ((2, 200), (2.5, 400)):
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": temperature}
+        status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
+        assert status == expected, reply
+    error = json.loads(reply)["error"]
+    assert error["message"] == "temperature must be in [0, 2], got 2.5", error
 
 
 @pytest.mark.parametrize(
