@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -292,6 +293,13 @@ async def _json(request: web.Request) -> object:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON") from None
+    except ValueError:  # valid JSON that Python's json refuses
+        digits = sys.get_int_max_str_digits()
+        raise invalid(f"the request body has an integer of more than {digits} digits") from None
+    except RecursionError:
+        raise invalid("the request body nests arrays or objects too deeply") from None
+    except LookupError:  # a charset in Content-Type that Python has no codec for
+        raise invalid(f"the request body's charset {request.charset!r} is unknown") from None
 
 
 def _param(field: str, parsed: OpenAIRequest) -> str:

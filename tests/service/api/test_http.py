@@ -746,6 +746,16 @@ def test_malformed_bodies_and_routes(servers: Servers) -> None:
     assert status == 400 and "JSON" in json.loads(reply)["error"]["message"]
     status, _, reply = raw(servers, "/v1/completions", b"[1, 2]")
     assert status == 400
+    # Valid JSON that Python's json refuses: it was a 500.
+    for body, words in (
+        (b"[" * 10_000 + b"]" * 10_000, "too deeply"),
+        (b'{"model": "tiny", "seed": 1' + b"0" * 5000 + b"}", "digits"),
+    ):
+        status, _, reply = raw(servers, "/v1/completions", body)
+        assert status == 400 and words in json.loads(reply)["error"]["message"], reply
+    charset = {"Content-Type": "application/json; charset=nope"}
+    status, _, reply = raw(servers, "/v1/completions", b"{}", charset)
+    assert status == 400 and "'nope' is unknown" in json.loads(reply)["error"]["message"], reply
     status, _, reply = raw(servers, "/v1/nowhere")
     assert status == 404 and "error" in json.loads(reply)
     status, headers, reply = raw(servers, "/v1/completions", method="GET")
