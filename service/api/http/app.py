@@ -6,6 +6,7 @@ Routes::
     POST /v1/completions        text or token-id prompt
     POST /v1/chat/completions   messages, rendered with the model's chat template
     GET  /v1/models             the one model served
+    GET  /v1/models/{model}     that model (404 for any other)
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus, the same registry as --metrics-port
 """
@@ -17,11 +18,18 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream.service.api.auth import Tenants
-from slipstream.service.api.http.errors import ApiError, too_large
+from slipstream.service.api.http.errors import (
+    ApiError,
+    internal_error,
+    model_not_found,
+    not_serving,
+    too_large,
+)
 from slipstream.service.api.http.generation import Authenticator, Generations
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
 from slipstream.service.api.limits import Limits
@@ -40,10 +48,12 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+log = structlog.get_logger(__name__)
+
 
 def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
     """Middleware: every error, ours or aiohttp's (404 route, 405 method,
-    413 body), in OpenAI's JSON shape."""
+    413 body) or a bug's (500, its traceback logged), in OpenAI's JSON shape."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -55,6 +65,11 @@ def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResp
             return too_large(f"the request body is over {max_body_bytes} bytes").response()
         except web.HTTPException as exc:
             return _http_error(exc)
+        except Exception:
+            if request.writer.output_size > 0:
+                raise  # a stream already begun: aiohttp closes the connection
+            log.exception("http_request_failed", method=request.method, path=request.path)
+            return internal_error().response()
 
     return middleware
 
@@ -93,6 +108,7 @@ class HttpFront:
         self.app.router.add_post("/v1/completions", generations.completions)
         self.app.router.add_post("/v1/chat/completions", generations.chat)
         self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/v1/models/{model:.+}", self.model)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
         self._runner: web.AppRunner | None = None
@@ -121,18 +137,27 @@ class HttpFront:
             self._runner = None
 
     async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """OpenAI's ``models.retrieve``: the served model, as listed."""
+        model = self._model()
+        if request.match_info["model"] != model["id"]:
+            raise model_not_found(request.match_info["model"])
+        return web.json_response(model)
+
+    def _model(self) -> dict[str, object]:
         try:
             info = self._lifecycle.engine.info
         except NotServing as exc:
-            raise ApiError(503, str(exc), "service_unavailable", None, "not_serving") from None
-        model = {
+            raise not_serving(str(exc)) from None
+        return {
             "id": info.name,
             "object": "model",
             "created": self._created,
             "owned_by": "slipstream",
             "max_model_len": info.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
         phase = self._lifecycle.phase

@@ -30,7 +30,8 @@ from slipstream.service.api.status import (
 )
 from slipstream.service.engine.chat import ChatError
 
-# What a client told "the queue is full" should wait before trying again.
+# What a client refused for want of capacity waits when the refusal has no
+# hint of its own (a full tokenizer pool).
 RETRY_AFTER_S = 1
 
 
@@ -69,12 +70,31 @@ class ApiError(Exception):
         )
 
 
+def retry_after(seconds: float | None) -> dict[str, str]:
+    """The ``Retry-After`` header for a refusal's own hint (the one its
+    message and gRPC's ``retry_after_ms`` give), in whole seconds rounded
+    up, at least 1; ``RETRY_AFTER_S`` without one."""
+    whole = RETRY_AFTER_S if seconds is None else max(1, math.ceil(seconds))
+    return {"Retry-After": str(whole)}
+
+
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 
 
 def too_large(message: str, param: str | None = None) -> ApiError:
     return ApiError(413, message, param=param, code="request_too_large")
+
+
+def internal_error() -> ApiError:
+    """A server bug's answer: the details go to the log, not to the caller."""
+    return ApiError(500, "the server failed on this request", "server_error", code="internal_error")
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(
+        404, f"model {model!r} is not served here", param="model", code="model_not_found"
+    )
 
 
 def not_serving(message: str) -> ApiError:
@@ -108,9 +128,7 @@ def from_domain(error: Exception, param: str | None = None) -> ApiError | None:
         mapped = _STATUSES.get(cls)
         if mapped is not None:
             status, kind, code = mapped
-            # A tenant's quota knows when it refills; the queue's hint stays as it was.
-            is_quota = isinstance(error, QuotaExceeded)
-            hint_s = math.ceil(retry_after_ms(error) / 1000) if is_quota else RETRY_AFTER_S
-            headers = {"Retry-After": str(hint_s)} if status == 429 else {}
+            hint_ms = retry_after_ms(error)
+            headers = retry_after(hint_ms / 1000 if hint_ms else None) if status == 429 else {}
             return ApiError(status, caller_message(error), kind, param, code, headers, rejection)
     return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -24,7 +25,14 @@ from slipstream.scheduler.errors import InvalidRequest, QueueFull, SchedulerErro
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, TenantGate, Tenants
-from slipstream.service.api.http.errors import ApiError, from_domain, invalid, too_large
+from slipstream.service.api.http.errors import (
+    ApiError,
+    from_domain,
+    invalid,
+    model_not_found,
+    retry_after,
+    too_large,
+)
 from slipstream.service.api.http.params import OpenAIRequest, Prompt, parse
 from slipstream.service.api.http.relay import EventRelay
 from slipstream.service.api.http.responses import (
@@ -35,7 +43,7 @@ from slipstream.service.api.http.responses import (
 )
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits, OverLimit
-from slipstream.service.engine.chat import render_chat
+from slipstream.service.engine.chat import has_chat_template, render_chat
 from slipstream.service.engine.events import FinishEvent, RequestSpec, TokenEvent
 
 if TYPE_CHECKING:
@@ -105,7 +113,8 @@ def prompt_bytes(prompt: Prompt) -> int:
 def finish_error(event: FinishEvent) -> ApiError:
     status, kind, code = _FAILED[event.reason]
     message = event.message or f"the request ended: {event.reason.name.lower()}"
-    return ApiError(status, message, kind, None, code)
+    headers = {} if event.retry_after_s is None else retry_after(event.retry_after_s)  # shed
+    return ApiError(status, message, kind, None, code, headers)
 
 
 class Generations:
@@ -151,12 +160,7 @@ class Generations:
         body = await _json(request)
         parsed = parse(body, request.headers, is_chat, engine.info.max_model_len)
         if parsed.model != engine.info.name:
-            raise ApiError(
-                404,
-                f"model {parsed.model!r} is not served here",
-                param="model",
-                code="model_not_found",
-            )
+            raise model_not_found(parsed.model)
         envelope = Envelope.new(parsed.model, is_chat)
         try:
             gen_request = await self._request(engine, parsed, envelope, now)
@@ -196,6 +200,10 @@ class Generations:
             wire.check_sizes(parsed.submit, prompt_bytes(parsed.prompt), self._limits)
         except OverLimit as exc:
             raise _domain(exc, _param(exc.field, parsed)) from None
+        if parsed.is_chat and not has_chat_template(engine.tokenizer):
+            # render_chat's own message names the gRPC fields (text, token_ids).
+            message = "this model has no chat template; use /v1/completions with prompt"
+            raise invalid(message, "messages", "invalid_messages")
         try:
             ids = await prompt_token_ids(engine, parsed.prompt, self._workers)
         except (ValueError, QueueFull) as exc:  # ChatError: bad roles, no template; pool full
@@ -285,6 +293,13 @@ async def _json(request: web.Request) -> object:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise invalid("the request body is not valid JSON") from None
+    except ValueError:  # valid JSON that Python's json refuses
+        digits = sys.get_int_max_str_digits()
+        raise invalid(f"the request body has an integer of more than {digits} digits") from None
+    except RecursionError:
+        raise invalid("the request body nests arrays or objects too deeply") from None
+    except LookupError:  # a charset in Content-Type that Python has no codec for
+        raise invalid(f"the request body's charset {request.charset!r} is unknown") from None
 
 
 def _param(field: str, parsed: OpenAIRequest) -> str:

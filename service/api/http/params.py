@@ -5,8 +5,8 @@ the gRPC service uses (``wire.to_generation_request``).
 Accepted: ``model``, ``prompt`` (a string, a list of token ids, or a
 one-element list of either) or ``messages``, ``stream``,
 ``stream_options.include_usage``, ``max_tokens`` / ``max_completion_tokens``,
-``temperature``, ``top_p``, ``seed``, ``stop``, ``n`` = 1, ``user``; the
-Slipstream extensions ``priority``, ``deadline_ms``,
+``temperature`` (0 to 2), ``top_p``, ``seed``, ``stop``, ``n`` = 1,
+``user``; the Slipstream extensions ``priority``, ``deadline_ms``,
 ``expected_output_tokens``, ``top_k`` and ``ignore_eos``. Anything else
 that would change the answer (``logprobs``, ``top_logprobs``, ``echo``,
 ``suffix``, ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
@@ -28,6 +28,7 @@ from slipstream.v1 import inference_pb2 as pb
 # OpenAI's documented defaults where they differ from the gRPC API's.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's bound: the SDK's callers expect a 400 past it
 MAX_INT32 = 2**31 - 1
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
@@ -87,6 +88,7 @@ def parse(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string; see GET /v1/models)", "model")
+    _text(model, "model", "model")
     if body.get("n") not in (None, 1):
         raise invalid("only n=1 is supported", "n")
     _optional(body, "user", str)
@@ -108,8 +110,8 @@ def parse(
     if expected is not None:
         submit.expected_output_tokens = expected
     for name in TRACE_HEADERS:
-        if name in headers:
-            submit.trace_context[name] = headers[name]
+        if name in headers:  # bytes that are not UTF-8 arrive as lone surrogates
+            submit.trace_context[name] = _text(headers[name], name, name)
     return OpenAIRequest(is_chat, model, prompt, submit, is_stream, include_usage)
 
 
@@ -128,6 +130,22 @@ def _optional(body: Mapping[str, object], name: str, kind: type) -> object:
     value = body.get(name)
     if value is not None and not (isinstance(value, kind) and _not_bool_for_number(value, kind)):
         raise invalid(f"{name} must be {_KIND_NAMES.get(kind, kind.__name__)}", name)
+    if isinstance(value, str):
+        _text(value, name, name)
+    return value
+
+
+def _text(value: str, name: str, param: str) -> str:
+    """``value``, refused when it holds a lone UTF-16 surrogate (JSON's
+    ``"\\ud800"``): no UTF-8 encodes one, so protobuf and the tokenizer
+    would fail on it. ``name`` says where it is, ``param`` is the field."""
+    if value.isascii():
+        return value
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        message = f"{name} is not valid Unicode (a lone surrogate at character {exc.start})"
+        raise invalid(message, param) from None
     return value
 
 
@@ -179,7 +197,7 @@ def _prompt(body: Mapping[str, object]) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt is empty", "prompt")
-        return prompt
+        return _text(prompt, "prompt", "prompt")
     if isinstance(prompt, list) and prompt:
         # < 2**32: the wire's uint32 (the model's vocabulary is checked later)
         ids_ok = (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
@@ -205,6 +223,7 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid(f"{where}.role must be a string", "messages")
+        _text(role, f"{where}.role", "messages")
         pairs.append((role, _content(message.get("content"), where)))
     return pairs
 
@@ -212,7 +231,7 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
 def _content(content: object, where: str) -> str:
     """Text content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
     if isinstance(content, str):
-        return content
+        return _text(content, f"{where}.content", "messages")
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -222,15 +241,16 @@ def _content(content: object, where: str) -> str:
             if not isinstance(text, str):
                 raise invalid(f"{where}.content text parts need a string text", "messages")
             texts.append(text)
-        return "".join(texts)
+        return _text("".join(texts), f"{where}.content", "messages")
     raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
 
 
 def _sampling(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
     temperature = _number(body, "temperature")
     temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
-    if temperature < 0:
-        raise invalid("temperature must be >= 0", "temperature")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        message = f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature:g}"
+        raise invalid(message, "temperature")
     sampling.temperature = temperature
     top_p = _number(body, "top_p")
     if top_p is not None:
@@ -264,12 +284,15 @@ def _stopping(
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise invalid("stop must be a non-empty string or a list of them", "stop")
+        for i, text in enumerate(stops):
+            _text(text, "stop" if isinstance(stop, str) else f"stop[{i}]", "stop")
         stopping.stop_sequences.extend(stops)
     stopping.ignore_eos = bool(_optional(body, "ignore_eos", bool))
 
 
 def _deadline_ms(body: Mapping[str, object], headers: Mapping[str, str]) -> float | None:
     value = _number(body, "deadline_ms")
+    name = "deadline_ms"  # where the value came from, for the range's message
     header = headers.get(HEADER_DEADLINE_MS)
     if header is not None:
         try:
@@ -279,8 +302,9 @@ def _deadline_ms(body: Mapping[str, object], headers: Mapping[str, str]) -> floa
         if not math.isfinite(from_header):
             raise invalid(f"{HEADER_DEADLINE_MS} must be finite", HEADER_DEADLINE_MS)
         value = _agree("deadline_ms", HEADER_DEADLINE_MS, value, from_header)
+        name = HEADER_DEADLINE_MS
     if value is not None and not 0 <= value <= 1e13:  # ~300 years: Duration's range holds it
-        raise invalid("deadline_ms must be in [0, 1e13] milliseconds", "deadline_ms")
+        raise invalid(f"{name} must be in [0, 1e13] milliseconds", name)
     return value
 
 

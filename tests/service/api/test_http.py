@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+import re
 import threading
 import time
 import urllib.error
@@ -19,13 +21,19 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from server_thread import hold_every_submit
+from structlog.testing import capture_logs
 
 from slipstream.clients import Client
+from slipstream.scheduler.errors import Overloaded, QueueFull
+from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.api import wire
+from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.http import generation
+from slipstream.service.api.http.errors import from_domain
+from slipstream.service.api.workers import WorkersBusy
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.config import EngineConfig
-from slipstream.service.engine.events import RequestSpec
+from slipstream.service.engine.events import FinishEvent, RequestSpec
 from slipstream.service.telemetry.metrics import ServerMetrics
 from slipstream.service.telemetry.tracing import Telemetry
 
@@ -263,7 +271,9 @@ def test_chat_on_a_model_without_template_is_400(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     error = error_of(caught.value)
-    assert error["param"] == "messages" and "chat template" in str(error["message"])
+    assert (error["param"], error["code"]) == ("messages", "invalid_messages")
+    # The HTTP way round it, not the gRPC fields (text, token_ids).
+    assert error["message"] == "this model has no chat template; use /v1/completions with prompt"
 
 
 @pytest.fixture
@@ -455,6 +465,26 @@ def test_infeasible_deadline_is_refused_before_any_token(
     assert engine_idle(grpc_client)
 
 
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("-5", "must be in [0, 1e13] milliseconds"),
+        ("1e20", "must be in [0, 1e13] milliseconds"),
+        ("nan", "must be finite"),
+        ("soon", "must be a number"),
+    ],
+)
+def test_a_bad_deadline_header_is_400_naming_the_header(
+    servers: Servers, header: str, message: str
+) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "ab", "max_tokens": 2}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body, {"x-slipstream-deadline-ms": header})
+    assert status == 400, reply
+    error = json.loads(reply)["error"]
+    assert error["param"] == "x-slipstream-deadline-ms", error
+    assert error["message"] == f"x-slipstream-deadline-ms {message}"
+
+
 def test_traceparent_joins_the_callers_trace(
     oai: openai.OpenAI, servers: Servers, spans: InMemorySpanExporter
 ) -> None:
@@ -495,12 +525,14 @@ def test_traceparent_joins_the_callers_trace(
             "max_tokens",
         ),  # past tiny's context: was "max_new_tokens", param null
         ({"temperature": -1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),  # OpenAI's range is [0, 2]
         ({"top_p": 0}, "top_p"),
         ({"seed": -1}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"priority": -1}, "priority"),
         ({"priority": True}, "priority"),
         ({"deadline_ms": "soon"}, "deadline_ms"),
+        ({"deadline_ms": -5}, "deadline_ms"),
         ({"expected_output_tokens": -3}, "expected_output_tokens"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
@@ -518,6 +550,17 @@ def test_bad_completion_fields_are_400_naming_the_field(
     assert status == 400, reply
     error = json.loads(reply)["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
+    """Over gRPC any temperature >= 0 samples; the OpenAI front keeps
+    OpenAI's range, so a request that works here works there too."""
+    for temperature, expected in ((2, 200), (2.5, 400)):
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": temperature}
+        status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
+        assert status == expected, reply
+    error = json.loads(reply)["error"]
+    assert error["message"] == "temperature must be in [0, 2], got 2.5", error
 
 
 @pytest.mark.parametrize(
@@ -540,6 +583,66 @@ def test_bad_chat_fields_are_400_naming_the_field(
     status, _, reply = raw(servers, "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400, reply
     assert json.loads(reply)["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param", "where"),
+    [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": ["a\ud800b"]}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": "ab", "stream": True, "stop": "a\udc00"}, "stop", "stop"),
+        ("/v1/completions", {"prompt": "ab", "stop": ["ok", "a\ud800"]}, "stop", "stop[1]"),
+        ("/v1/completions", {"prompt": "ab", "user": "a\ud800"}, "user", "user"),
+        ("/v1/completions", {"prompt": "ab", "model": "t\ud800"}, "model", "model"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+         "messages", "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "u\ud800", "content": "a"}]},
+         "messages", "messages[0].role"),
+        ("/v1/chat/completions", {"stream": True, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+         "messages", "messages[0].content"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_the_field(
+    servers: Servers, path: str, fields: dict[str, object], param: str, where: str
+) -> None:
+    """JSON's ``\\ud800`` decodes to a string no UTF-8 encodes: it was a
+    plain-text 500 from protobuf or the tokenizer."""
+    body = json.dumps({"model": "tiny", "max_tokens": 2, **fields}).encode()
+    assert b"\\ud800" in body or b"\\udc00" in body
+    status, _, reply = raw(servers, path, body)
+    assert status == 400, reply
+    error = json.loads(reply)["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error"), error
+    assert error["message"] == f"{where} is not valid Unicode (a lone surrogate at character 1)"
+
+
+def test_a_trace_header_that_is_not_utf8_is_400_naming_it(servers: Servers) -> None:
+    body = json.dumps({"model": "tiny", "prompt": "ab", "max_tokens": 2}).encode()
+    status, _, reply = raw(servers, "/v1/completions", body, {"tracestate": "k=\xff"})
+    assert status == 400, reply
+    assert json.loads(reply)["error"]["param"] == "tracestate"
+
+
+def test_a_server_bug_is_a_json_500_with_its_traceback_logged(
+    servers: Servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not aiohttp's plain-text "Server got itself in trouble": the SDK
+    reads OpenAI's error shape, and the log keeps what the caller is not told."""
+
+    def parse(*args: object) -> object:
+        raise TypeError("a bug in parsing")
+
+    monkeypatch.setattr(generation, "parse", parse)
+    body = json.dumps({"model": "tiny", "prompt": "ab", "max_tokens": 2}).encode()
+    with capture_logs() as logs:
+        status, headers, reply = raw(servers, "/v1/completions", body)
+    assert status == 500 and headers["Content-Type"].startswith("application/json"), reply
+    error = json.loads(reply)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "internal_error")
+    assert "a bug" not in error["message"]
+    [line] = [entry for entry in logs if entry["event"] == "http_request_failed"]
+    assert line["exc_info"] is True and line["path"] == "/v1/completions"
 
 
 @pytest.mark.parametrize("value", [-1, 0, 100_000])
@@ -643,6 +746,16 @@ def test_malformed_bodies_and_routes(servers: Servers) -> None:
     assert status == 400 and "JSON" in json.loads(reply)["error"]["message"]
     status, _, reply = raw(servers, "/v1/completions", b"[1, 2]")
     assert status == 400
+    # Valid JSON that Python's json refuses: it was a 500.
+    for body, words in (
+        (b"[" * 10_000 + b"]" * 10_000, "too deeply"),
+        (b'{"model": "tiny", "seed": 1' + b"0" * 5000 + b"}", "digits"),
+    ):
+        status, _, reply = raw(servers, "/v1/completions", body)
+        assert status == 400 and words in json.loads(reply)["error"]["message"], reply
+    charset = {"Content-Type": "application/json; charset=nope"}
+    status, _, reply = raw(servers, "/v1/completions", b"{}", charset)
+    assert status == 400 and "'nope' is unknown" in json.loads(reply)["error"]["message"], reply
     status, _, reply = raw(servers, "/v1/nowhere")
     assert status == 404 and "error" in json.loads(reply)
     status, headers, reply = raw(servers, "/v1/completions", method="GET")
@@ -661,6 +774,19 @@ def test_models_health_and_metrics(oai: openai.OpenAI, servers: Servers) -> None
     status, headers, reply = raw(servers, "/metrics")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     assert b"slipstream_kv_blocks" in reply
+
+
+def test_the_sdk_retrieves_the_served_model_and_no_other(oai: openai.OpenAI) -> None:
+    [listed] = oai.models.list().data
+    model = oai.models.retrieve("tiny")
+    assert model.to_dict() == listed.to_dict()
+    assert (model.id, model.object, model.owned_by) == ("tiny", "model", "slipstream")
+    assert isinstance(model.created, int)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        oai.models.retrieve("gpt-9")
+    error = error_of(unknown.value)
+    assert (error["param"], error["code"]) == ("model", "model_not_found"), error
+    assert "gpt-9" in str(error["message"])
 
 
 def test_tokenizing_runs_off_the_event_loop(
@@ -723,6 +849,35 @@ def _give_up_after(servers: Servers, timeout_s: float, prompt: list[int]) -> Non
         )
 
 
+@pytest.mark.parametrize(
+    ("error", "retry_after"),
+    [
+        (QueueFull("waiting queue is full (4 requests); retry after 2.300s", 2.3), "3"),
+        (Overloaded("overloaded (1.30x): ...; retry after 0.050s", 0.05, 1.3), "1"),
+        (QueueFull("waiting queue is full (4 requests); retry after 3.000s", 3.0), "3"),
+        (QuotaExceeded("tenant 'a' is over its quota", 4.2), "5"),
+        (WorkersBusy("every tokenizer worker is busy"), "1"),  # no hint of its own
+    ],
+)
+def test_retry_after_is_the_refusals_own_hint(error: Exception, retry_after: str) -> None:
+    answer = from_domain(error)
+    assert answer is not None and answer.status == 429
+    assert answer.headers == {"Retry-After": retry_after}
+
+
+def test_a_shed_request_is_told_when_to_retry() -> None:
+    shed = FinishEvent(
+        "r",
+        FinishReason.REJECTED,
+        "shed from a full queue for a more urgent request; retry after 2.500s",
+        reject_cause=RejectCause.SHED,
+        retry_after_s=2.5,
+    )
+    answer = generation.finish_error(shed)
+    assert answer.status == 503 and answer.headers == {"Retry-After": "3"}
+    assert generation.finish_error(FinishEvent("r", FinishReason.ERROR)).headers == {}
+
+
 def test_queue_full_is_429_and_draining_is_503() -> None:
     from slipstream.service.engine.loader import load_engine
 
@@ -745,8 +900,13 @@ def test_queue_full_is_429_and_draining_is_503() -> None:
             assert wait_until(lambda: grpc_client.server_stats().waiting == 1)
             with pytest.raises(openai.RateLimitError) as full:
                 oai.completions.create(model="tiny", prompt="x", max_tokens=2)
-            assert full.value.response.headers["Retry-After"] == "1"
-            assert error_of(full.value)["code"] == "queue_full"
+            error = error_of(full.value)
+            assert error["code"] == "queue_full"
+            # The header says what the message says, in whole seconds rounded up.
+            hint = re.search(r"retry after ([\d.]+)s", str(error["message"]))
+            assert hint is not None, error
+            retry_after = full.value.response.headers["Retry-After"]
+            assert retry_after == str(max(1, math.ceil(float(hint.group(1))))), error
 
             srv.drain()
             status, _, reply = raw(srv, "/health")
@@ -766,8 +926,6 @@ def test_queue_full_is_429_and_draining_is_503() -> None:
 
 
 def test_bench_http_load_counts_every_token(servers: Servers) -> None:
-    import math
-
     from slipstream.service.bench.http_load import run_http
     from slipstream.service.bench.serve import LoadShape, metrics
     from slipstream.service.bench.workload import make_workload
