@@ -163,7 +163,8 @@ class Generations:
             raise model_not_found(parsed.model)
         envelope = Envelope.new(parsed.model, is_chat)
         try:
-            gen_request = await self._request(engine, parsed, envelope, now)
+            priority = 0 if gate is None else gate.default_priority  # where none is given
+            gen_request = await self._request(engine, parsed, envelope, now, priority)
             grant = None
             if gate is not None:  # 403 never allowed, 429 over quota
                 try:
@@ -194,7 +195,12 @@ class Generations:
                 engine.abort(gen_request.req_id, message="the client disconnected")
 
     async def _request(
-        self, engine: Engine, parsed: OpenAIRequest, envelope: Envelope, now: float
+        self,
+        engine: Engine,
+        parsed: OpenAIRequest,
+        envelope: Envelope,
+        now: float,
+        default_priority: int = 0,
     ) -> RequestSpec:
         try:
             wire.check_sizes(parsed.submit, prompt_bytes(parsed.prompt), self._limits)
@@ -215,7 +221,13 @@ class Generations:
             submit.stopping.max_new_tokens = max(1, engine.info.max_model_len - len(ids))
         try:
             return wire.to_generation_request(
-                submit, f"http-{envelope.id}", engine.tokenizer, engine.info, now, None
+                submit,
+                f"http-{envelope.id}",
+                engine.tokenizer,
+                engine.info,
+                now,
+                None,
+                default_priority,
             )
         except (ValueError, SchedulerError) as exc:  # PromptTooLong: over the context
             raise _domain(exc) from None

@@ -539,6 +539,10 @@ def test_the_http_front_applies_the_same_tenants(served: Served) -> None:
     assert wait_until(lambda: served.tenants.num_inflight("batch") == 0)
     assert http_post(served, {**body, "priority": 2}, BATCH_TOKEN)[0] == 200
     assert served.tenants.num_inflight("batch") == 0
+    # An OpenAI SDK's body names no priority: the tenant's most urgent class.
+    plain = {k: v for k, v in body.items() if k != "priority"}
+    status, answer = http_post(served, plain, SEARCH_TOKEN)
+    assert status == 200, answer
 
 
 # ---------------------------------------------------------------- a real process
