@@ -133,7 +133,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             info = client.model_info()
         except grpc.RpcError as exc:
-            print(f"slipstream: error: {args.server}: {exc.code().name}", file=sys.stderr)
+            print(
+                f"slipstream: error: {args.server}: {exc.code().name}: {exc.details()}",
+                file=sys.stderr,
+            )
             return 1
         if not info.has_chat_template:
             print(f"slipstream: error: model {info.name!r} has no chat template", file=sys.stderr)

@@ -160,3 +160,12 @@ def test_an_unreadable_tls_file_is_one_line(
     assert main(["chat", "--server", "127.0.0.1:1", "--tls-ca", missing]) == 1
     error = f"slipstream: error: cannot read {missing}: No such file or directory\n"
     assert capsys.readouterr().err == error
+
+
+def test_a_server_that_cannot_be_reached_is_one_line_with_its_reason(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The status alone ("UNAVAILABLE") does not say why; grpc's details do.
+    assert main(["chat", "--server", "127.0.0.1:1"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("slipstream: error: 127.0.0.1:1: UNAVAILABLE: ") and len(line) > 45
