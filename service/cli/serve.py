@@ -409,8 +409,13 @@ def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class MetricsPortUnavailable(Exception):
+    """``--metrics-port`` could not be bound; the message says where and why."""
+
+
 def telemetry(args: argparse.Namespace) -> object:
-    """Logging configured, metrics served (if asked), tracing from OTEL_*."""
+    """Logging configured, metrics served (if asked), tracing from OTEL_*.
+    Raises MetricsPortUnavailable where the metrics port cannot be bound."""
     from slipstream.service.telemetry.logs import configure_logging
     from slipstream.service.telemetry.metrics import ServerMetrics, serve_metrics
     from slipstream.service.telemetry.tracing import Telemetry
@@ -422,7 +427,11 @@ def telemetry(args: argparse.Namespace) -> object:
         metrics = ServerMetrics()
     if args.metrics_port is not None and metrics is not None:
         host = args.metrics_host or args.host
-        _, port = serve_metrics(metrics.registry, host, args.metrics_port, metrics.is_ready)
+        try:
+            _, port = serve_metrics(metrics.registry, host, args.metrics_port, metrics.is_ready)
+        except OSError as exc:  # in use, or the host does not resolve
+            where = f"{host}:{args.metrics_port}"
+            raise MetricsPortUnavailable(f"cannot listen for metrics on {where}: {exc}") from None
         print(f"slipstream: metrics on http://{host}:{port}/metrics (readiness: /ready)")
     return Telemetry.from_env(os.environ, metrics)
 
@@ -498,7 +507,11 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
-    observability = telemetry(args)
+    try:
+        observability = telemetry(args)
+    except MetricsPortUnavailable as exc:
+        print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
+        return 1
 
     def on_ready(port: int, engine: object) -> None:
         has_template = engine.info.has_chat_template  # type: ignore[attr-defined]

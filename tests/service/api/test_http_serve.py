@@ -79,6 +79,18 @@ def test_a_busy_http_port_fails_the_start_in_one_line() -> None:
     assert len(errors) == 1 and f"cannot listen for HTTP on 127.0.0.1:{port}" in errors[0]
 
 
+def test_a_busy_metrics_port_fails_the_start_in_one_line() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
+        command += ["--model", "tiny", "--http-port", "0", "--metrics-port", str(port)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("slipstream: error:")]
+    assert len(errors) == 1 and f"cannot listen for metrics on 127.0.0.1:{port}" in errors[0]
+
+
 def test_a_grpc_port_another_server_holds_fails_the_start_in_one_line() -> None:
     """Held with SO_REUSEPORT, as another gRPC server holds its port: the start
     fails instead of sharing the port (clients split between two servers)."""
