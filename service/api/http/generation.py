@@ -24,7 +24,7 @@ from aiohttp import web
 from slipstream.scheduler.errors import InvalidRequest, QueueFull, SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
-from slipstream.service.api.auth import Grant, TenantGate, Tenants
+from slipstream.service.api.auth import Grant, TenantGate, Tenants, Unauthenticated
 from slipstream.service.api.http.errors import (
     ApiError,
     from_domain,
@@ -110,6 +110,11 @@ def prompt_bytes(prompt: Prompt) -> int:
     return sum(wire.utf8_len(role) + wire.utf8_len(content) for role, content in pairs)
 
 
+def engine_id(envelope: Envelope) -> str:
+    """The engine's (and the logs') id for an HTTP request."""
+    return f"http-{envelope.id}"
+
+
 def finish_error(event: FinishEvent) -> ApiError:
     status, kind, code = _FAILED[event.reason]
     message = event.message or f"the request ended: {event.reason.name.lower()}"
@@ -155,6 +160,10 @@ class Generations:
             try:
                 tenant = self._tenants.authenticate(request.headers.get("Authorization"))
             except Exception as exc:
+                if isinstance(exc, Unauthenticated) and self._telemetry is not None:
+                    # logged and counted, as a gRPC call's
+                    where = f"{request.method} {request.path}"
+                    self._telemetry.unauthenticated(where, request.remote or "", str(exc))
                 raise _domain(exc) from None
             gate = TenantGate(self._tenants, tenant)
         body = await _json(request)
@@ -184,6 +193,7 @@ class Generations:
                     (),
                     parsed.submit.trace_context,
                     tenant="" if gate is None else gate.tenant.name,
+                    req_id=engine_id(envelope),
                 )
             raise
         try:
@@ -222,7 +232,7 @@ class Generations:
         try:
             return wire.to_generation_request(
                 submit,
-                f"http-{envelope.id}",
+                engine_id(envelope),
                 engine.tokenizer,
                 engine.info,
                 now,

@@ -522,8 +522,11 @@ def http_post(served: Served, body: dict[str, object], token: str | None) -> tup
 
 def test_the_http_front_applies_the_same_tenants(served: Served) -> None:
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "priority": 1}
+    refused = served.metric("slipstream_rejections_total", reason="unauthenticated")
     assert http_post(served, body, None)[0] == 401
     assert http_post(served, body, "wrong")[0] == 401
+    # Counted as a gRPC call's are: token probing over HTTP shows too.
+    assert served.metric("slipstream_rejections_total", reason="unauthenticated") == refused + 2
     status, answer = http_post(served, {**body, "priority": 0}, SEARCH_TOKEN)
     assert status == 403 and "priority class 0" in answer["body"]["error"]["message"]
     status, answer = http_post(served, body, SEARCH_TOKEN)
