@@ -15,7 +15,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import structlog
@@ -166,10 +166,14 @@ class Generations:
                     self._telemetry.unauthenticated(where, request.remote or "", str(exc))
                 raise _domain(exc) from None
             gate = TenantGate(self._tenants, tenant)
-        body = await _json(request)
-        parsed = parse(body, request.headers, is_chat, engine.info.max_model_len)
-        if parsed.model != engine.info.name:
-            raise model_not_found(parsed.model)
+        try:
+            body = await _json(request)
+            parsed = parse(body, request.headers, is_chat, engine.info.max_model_len)
+            if parsed.model != engine.info.name:
+                raise model_not_found(parsed.model)
+        except ApiError as exc:  # counted and logged as a gRPC submit's refusal is
+            self._rejected(exc, Envelope.new("", is_chat), {}, gate)
+            raise
         envelope = Envelope.new(parsed.model, is_chat)
         try:
             priority = 0 if gate is None else gate.default_priority  # where none is given
@@ -183,18 +187,7 @@ class Generations:
             relay = EventRelay(asyncio.get_running_loop())
             self._submit(engine, gen_request, relay, parsed, envelope, grant)
         except ApiError as exc:
-            if self._telemetry is not None:
-                rejection = exc.rejection
-                self._telemetry.rejected(
-                    envelope.id,
-                    rejection.reason_name,
-                    rejection.wire_status,
-                    exc.message,
-                    (),
-                    parsed.submit.trace_context,
-                    tenant="" if gate is None else gate.tenant.name,
-                    req_id=engine_id(envelope),
-                )
+            self._rejected(exc, envelope, parsed.submit.trace_context, gate)
             raise
         try:
             if parsed.is_stream:
@@ -203,6 +196,28 @@ class Generations:
         finally:
             if not relay.is_finished:
                 engine.abort(gen_request.req_id, message="the client disconnected")
+
+    def _rejected(
+        self,
+        error: ApiError,
+        envelope: Envelope,
+        trace_context: Mapping[str, str],
+        gate: TenantGate | None,
+    ) -> None:
+        """A request refused before the engine took it, recorded with its reason."""
+        if self._telemetry is None:
+            return
+        rejection = error.rejection
+        self._telemetry.rejected(
+            envelope.id,
+            rejection.reason_name,
+            rejection.wire_status,
+            error.message,
+            (),
+            trace_context,
+            tenant="" if gate is None else gate.tenant.name,
+            req_id=engine_id(envelope),
+        )
 
     async def _request(
         self,

@@ -961,3 +961,23 @@ def test_chat_on_smollm2_with_its_own_template() -> None:
     finally:
         srv.stop()
         eng.shutdown()
+
+
+def test_a_body_refused_at_parsing_is_counted_as_a_rejection(servers: Servers) -> None:
+    # As a gRPC submit's INVALID_ARGUMENT is: a client sending bad bodies
+    # shows in slipstream_rejections_total, not only in its own 400s.
+    def invalid_count() -> float:
+        _, _, metrics = raw(servers, "/metrics")
+        for line in metrics.decode().splitlines():
+            if line.startswith('slipstream_rejections_total{reason="invalid"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    before = invalid_count()
+    for body in (
+        {"model": "tiny", "prompt": ""},
+        {"model": "tiny", "prompt": "x", "max_tokens": -3},
+    ):
+        status, _, _ = raw(servers, "/v1/completions", json.dumps(body).encode())
+        assert status == 400
+    assert invalid_count() == before + 2
