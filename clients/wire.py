@@ -118,11 +118,17 @@ def _check_unsigned(options: GenerateOptions) -> None:
             raise ValueError(f"{name} must be in [0, {largest}], got {value}")
 
 
+def is_token_id(value: object) -> bool:
+    """Whether ``value`` is a token id the wire carries (an int in uint32's
+    range; the model's vocabulary is the server's to check)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32
+
+
 def _check_token_ids(token_ids: Sequence[int]) -> None:
-    """A token id the wire cannot carry (uint32) raises naming its place in
-    the prompt, as ``_check_unsigned`` does for the counts."""
+    """A token id the wire cannot carry raises naming its place in the
+    prompt, as ``_check_unsigned`` does for the counts."""
     for i, token_id in enumerate(token_ids):
-        if not 0 <= token_id < 2**32:
+        if not is_token_id(token_id):
             raise ValueError(f"prompt[{i}] must be a token id in [0, 2**32), got {token_id}")
 
 

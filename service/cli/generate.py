@@ -206,6 +206,8 @@ def _check_item(item: dict, where: str) -> None:
     ``prompt_token_ids`` would send the ids with --server, the text with
     --local.)"""
 
+    from slipstream.clients.wire import is_token_id
+
     def integer(value: object, low: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
@@ -221,10 +223,7 @@ def _check_item(item: dict, where: str) -> None:
     prompt, ids = item.get("prompt"), item.get("prompt_token_ids")
     if prompt is not None and not isinstance(prompt, str):
         raise SystemExit(f"{where}: prompt must be a string")
-    # < 2**32: the wire's uint32 (the model's vocabulary is checked at submit)
-    if ids is not None and not (
-        isinstance(ids, list) and all(integer(t, 0) and t < 2**32 for t in ids)
-    ):
+    if ids is not None and not (isinstance(ids, list) and all(is_token_id(t) for t in ids)):
         raise SystemExit(f"{where}: prompt_token_ids must be a list of integers in [0, 2**32)")
     for key, low in (("max_tokens", 1), ("seed", 0)):
         if item.get(key) is not None and not integer(item[key], low):

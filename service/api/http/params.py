@@ -199,8 +199,10 @@ def _prompt(body: Mapping[str, object]) -> str | list[int]:
             raise invalid("prompt is empty", "prompt")
         return _text(prompt, "prompt", "prompt")
     if isinstance(prompt, list) and prompt:
-        # < 2**32: the wire's uint32 (the model's vocabulary is checked later)
-        ids_ok = (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
+        # the wire's uint32 (the model's vocabulary is checked later)
+        ids_ok = (
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_UINT32 for t in prompt
+        )
         if not all(ids_ok):
             raise invalid("a token-id prompt must be a list of integers in [0, 2**32)", "prompt")
         return prompt
