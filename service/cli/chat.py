@@ -19,7 +19,7 @@ import grpc
 
 from slipstream.clients import Client, Result, StreamError
 from slipstream.service.cli.arg_types import non_negative_float, non_negative_int, positive_int
-from slipstream.service.cli.connect import add_connection_args, client_tls
+from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
 
 PROMPT = "you> "
 RESET, EXIT = "/reset", "/exit"
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         client = Client(args.server, tls=client_tls(args), token=args.token)
     except OSError as exc:  # a --tls-* file
-        print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        print(unreadable_file(exc), file=sys.stderr)
         return 1
     with client:
         try:

@@ -30,6 +30,11 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def unreadable_file(exc: OSError) -> str:
+    """The one error line for a --tls-* file that cannot be read."""
+    return f"slipstream: error: cannot read {exc.filename}: {exc.strerror}"
+
+
 def client_tls(args: argparse.Namespace) -> TLS | None:
     """The TLS the flags ask for (any --tls* flag turns it on), or None."""
     if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):

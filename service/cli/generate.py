@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slipstream.service.cli.arg_types import non_negative_float, non_negative_int, positive_int
-from slipstream.service.cli.connect import add_connection_args, client_tls
+from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
 
@@ -509,7 +509,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"slipstream: error: {exc}", file=sys.stderr)
             return 1
         except OSError as exc:  # a --tls-* file
-            print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+            print(unreadable_file(exc), file=sys.stderr)
             return 1
     for out in outputs:
         print(out.to_json() if args.json else out.to_text())

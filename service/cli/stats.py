@@ -12,7 +12,7 @@ import grpc
 from slipstream.clients.balancing import channel_target
 from slipstream.clients.security import secure_channel, with_token
 from slipstream.clients.wire import call_metadata
-from slipstream.service.cli.connect import add_connection_args, client_tls
+from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"slipstream: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except OSError as exc:  # a --tls-* file
-        print(f"slipstream: error: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
+        print(unreadable_file(exc), file=sys.stderr)
         return 1
     stats = stats_dict(response)
     print(json.dumps(stats) if args.json else _table(stats))
