@@ -5,7 +5,7 @@ one bidirectional stream."""
 from slipstream.clients.async_client import AsyncClient, AsyncGeneration, AsyncStream
 from slipstream.clients.security import TLS
 from slipstream.clients.sync_client import Client, Generation, Stream
-from slipstream.clients.wire import Chunk, Result, StreamError
+from slipstream.clients.wire import Chunk, Result, StreamError, TokenLogprob
 
 __all__ = [
     "TLS",
@@ -18,4 +18,5 @@ __all__ = [
     "Result",
     "Stream",
     "StreamError",
+    "TokenLogprob",
 ]

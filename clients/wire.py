@@ -98,6 +98,8 @@ class GenerateOptions:
     deadline_s: float | None = None
     expected_tokens: int | None = None
     first_token_timeout_s: float | None = None
+    logprobs: bool = False  # each token's log-probability (Chunk.logprobs, Result.logprobs)
+    top_logprobs: int = 0  # with logprobs: this many likeliest tokens at each position (<= 20)
 
 
 # Keyword arguments the wire carries unsigned: (name, largest value).
@@ -106,6 +108,7 @@ _UNSIGNED = (
     ("expected_tokens", 2**32 - 1),
     ("top_k", 2**32 - 1),
     ("seed", 2**64 - 1),
+    ("top_logprobs", 2**32 - 1),
 )
 
 
@@ -152,6 +155,8 @@ def build_submit(
         ),
         expected_output_tokens=options.expected_tokens,
         trace_context=trace_context(),
+        return_logprobs=options.logprobs,
+        top_logprobs=options.top_logprobs,
     )
     if isinstance(prompt, Conversation):
         submit.messages.SetInParent()  # selects the oneof even for an empty conversation
@@ -197,13 +202,34 @@ def reject_reason_name(wire_reason: int) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An output token's log-probability under the model (before temperature,
+    top-k and top-p), and, if asked for, the likeliest tokens at its position
+    as ``(token_id, logprob)`` pairs, likeliest first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
-    """Tokens of one request from one engine step."""
+    """Tokens of one request from one engine step; ``logprobs``, one per
+    token id, where the request asked for them."""
 
     request_id: str
     token_ids: list[int]
     text: str
     index: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def _token_logprobs(chunk: pb.TokenChunk) -> list[TokenLogprob]:
+    tops = [list(zip(t.token_ids, t.logprobs, strict=True)) for t in chunk.top_logprobs]
+    return [
+        TokenLogprob(token_id, logprob, tops[i] if i < len(tops) else [])
+        for i, (token_id, logprob) in enumerate(zip(chunk.token_ids, chunk.logprobs, strict=False))
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +254,7 @@ class Result:
     preemptions: int = 0
     # Steps the scheduler kept it out of the batch for more urgent work.
     held_back_steps: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token id, if asked
 
     @property
     def is_ok(self) -> bool:
@@ -282,6 +309,7 @@ class Accumulator:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     queue_position: int | None = None
     started_at: float = field(default_factory=time.monotonic)
     first_chunk_at: float | None = None
@@ -292,7 +320,9 @@ class Accumulator:
         ids = list(chunk.token_ids)
         self.token_ids.extend(ids)
         self.text.append(chunk.text)
-        return Chunk(self.request_id, ids, chunk.text, chunk.index)
+        logprobs = _token_logprobs(chunk)
+        self.logprobs.extend(logprobs)
+        return Chunk(self.request_id, ids, chunk.text, chunk.index, logprobs)
 
     def cancelled_by_caller(self) -> Result:
         """How a ``GenerateOne`` call the caller cancelled ends for its
@@ -341,4 +371,5 @@ class Accumulator:
             retry_after_s=done.retry_after_ms / 1000 if done.retry_after_ms else None,
             preemptions=done.usage.preemptions,
             held_back_steps=done.usage.held_back_steps,
+            logprobs=self.logprobs,
         )

@@ -65,16 +65,23 @@ class RejectCause(enum.IntEnum):
     DEADLINE_INFEASIBLE = 2  # the cost model says it can no longer make a time limit
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probability may carry (OpenAI's bound)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the next token is drawn. ``temperature == 0`` means greedy;
     ``top_k == 0`` and ``top_p == 1.0`` disable those filters; ``seed`` makes
-    a request's draws reproducible (also across preemption)."""
+    a request's draws reproducible (also across preemption). ``logprobs``
+    asks for each sampled token's log-probability under the model (None:
+    not wanted) and that many of the most likely alternatives with theirs
+    (0: the token's alone)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:

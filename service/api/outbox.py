@@ -38,7 +38,10 @@ _EVENT_OVERHEAD_BYTES = 64  # a response's framing, ids and timings, roughly
 def event_bytes(event: Event) -> int:
     """About what ``event`` costs as a response on the wire."""
     if isinstance(event, TokenEvent):
-        return _EVENT_OVERHEAD_BYTES + 5 * len(event.token_ids) + len(event.text.encode())
+        size = _EVENT_OVERHEAD_BYTES + 5 * len(event.token_ids) + len(event.text.encode())
+        for token in event.logprobs or ():  # a float, and 10 bytes an alternative
+            size += 5 + 10 * len(token.top_token_ids)
+        return size
     assert isinstance(event, FinishEvent)
     return 2 * _EVENT_OVERHEAD_BYTES + len(event.text.encode()) + len(event.message)
 

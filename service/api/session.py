@@ -375,5 +375,10 @@ def _merge_tokens(earlier: _Item, later: _Item) -> _Item | None:
         return None
     if then.index != first.index + len(first.token_ids):
         return None
-    merged = first._replace(token_ids=first.token_ids + then.token_ids, text=first.text + then.text)
+    if (first.logprobs is None) != (then.logprobs is None):
+        return None  # never here (a request asks for every token or none); kept aligned
+    logprobs = None if first.logprobs is None else first.logprobs + (then.logprobs or [])
+    merged = first._replace(
+        token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=logprobs
+    )
     return earlier[0], merged

@@ -17,7 +17,12 @@ from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from slipstream.scheduler.errors import AtCapacity, DeadlineInfeasible, PromptTooLong
-from slipstream.scheduler.request import ExpiredLimit, FinishReason, SamplingParams
+from slipstream.scheduler.request import (
+    MAX_TOP_LOGPROBS,
+    ExpiredLimit,
+    FinishReason,
+    SamplingParams,
+)
 from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.limits import Limits, OverLimit
 from slipstream.service.api.status import rejection_for_cause, wire_finish
@@ -176,7 +181,8 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
     raise ValueError("submit has no prompt (set text, token_ids or messages)")
 
 
-def _sampling(params: pb.SamplingParams) -> SamplingParams:
+def _sampling(submit: pb.Submit) -> SamplingParams:
+    params = submit.sampling
     top_p = params.top_p if params.HasField("top_p") else 1.0
     if not (math.isfinite(params.temperature) and math.isfinite(top_p)):
         raise ValueError("temperature and top_p must be finite")
@@ -185,7 +191,21 @@ def _sampling(params: pb.SamplingParams) -> SamplingParams:
         top_k=params.top_k,
         top_p=top_p,
         seed=params.seed if params.HasField("seed") else None,
+        logprobs=_logprobs(submit),
     )
+
+
+def _logprobs(submit: pb.Submit) -> int | None:
+    """The alternatives each token's log-probability carries (None: none asked)."""
+    if submit.top_logprobs > MAX_TOP_LOGPROBS:
+        raise ValueError(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {submit.top_logprobs}"
+        )
+    if not submit.return_logprobs:
+        if submit.top_logprobs:
+            raise ValueError("top_logprobs needs return_logprobs")
+        return None
+    return submit.top_logprobs
 
 
 def _max_new_tokens(stopping: pb.StoppingCriteria, info: ModelInfo) -> int:
@@ -235,13 +255,11 @@ def to_generation_request(
     A submit without a priority takes ``default_priority`` (a tenant's most
     urgent permitted class, ``TenantGate.default_priority``)."""
     _reject_unknown_fields(submit, "submit")
-    if submit.return_logprobs:
-        raise ValueError("logprobs are not available from this server")
     return RequestSpec(
         req_id=req_id,
         prompt_token_ids=_prompt_ids(submit, tokenizer, info),
         max_new_tokens=_max_new_tokens(submit.stopping, info),
-        sampling=_sampling(submit.sampling),
+        sampling=_sampling(submit),
         stop_sequences=tuple(submit.stopping.stop_sequences),
         ignore_eos=submit.stopping.ignore_eos,
         priority=submit.priority if submit.HasField("priority") else default_priority,
@@ -303,16 +321,18 @@ def rejected(
 
 
 def token_chunk(request_id: str, event: TokenEvent) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
-        request_id=request_id,
-        chunk=pb.TokenChunk(
-            token_ids=event.token_ids,
-            text=event.text,
-            index=event.index,
-            step=event.step,
-            batch_size=event.batch_size,
-        ),
+    chunk = pb.TokenChunk(
+        token_ids=event.token_ids,
+        text=event.text,
+        index=event.index,
+        step=event.step,
+        batch_size=event.batch_size,
     )
+    for token in event.logprobs or ():
+        chunk.logprobs.append(token.logprob)
+        if token.top_token_ids:
+            chunk.top_logprobs.add(token_ids=token.top_token_ids, logprobs=token.top_logprobs)
+    return pb.GenerateResponse(request_id=request_id, chunk=chunk)
 
 
 def finished(request_id: str, event: FinishEvent) -> pb.GenerateResponse:

@@ -11,7 +11,9 @@ One step, in stream order (the compute stream unless said)::
                      graph of the whole step (decodes' contexts up to 4096),
                      or a graph per layer around eager attention (layer_graphs.py);
                      else eager, through the Triton kernels
-    sampling         on the device (kernels/device_sampling.py)
+    sampling         on the device (kernels/device_sampling.py); where a
+                     request asks, its log-probabilities around it, queued
+                     to the host behind the ids (token_logprobs.py)
     sampled ids      one device-to-host copy; ``launch`` returns here, and
                      the step's only wait is its handle's ``result()``
 
@@ -58,6 +60,7 @@ from slipstream.service.engine.staging import (
     stage_step,
 )
 from slipstream.service.engine.swap import BlockSwapper, allocate_host_pool
+from slipstream.service.engine.token_logprobs import LogprobRows, PickedLogprobs
 from slipstream.service.models.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -108,11 +111,13 @@ class LaunchedStep:
         sampled: torch.Tensor | None,
         req_ids: list[str],
         num_tokens: int,
+        logprobs: PickedLogprobs | None = None,
     ) -> None:
         self._done = done
         self._sampled = sampled
         self._req_ids = req_ids
         self._num_tokens = num_tokens
+        self._logprobs = logprobs
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
@@ -120,7 +125,11 @@ class LaunchedStep:
             if self._done is not None:
                 self._done.synchronize()
             ids = [] if self._sampled is None else self._sampled.tolist()
-            self._result = StepResult(dict(zip(self._req_ids, ids, strict=True)), self._num_tokens)
+            self._result = StepResult(
+                dict(zip(self._req_ids, ids, strict=True)),
+                self._num_tokens,
+                {} if self._logprobs is None else self._logprobs.read(),
+            )
         return self._result
 
 
@@ -337,14 +346,19 @@ class DeviceRunner:
         if not num_sampled:
             self._previous_rows = {}
             return self._launched(LaunchedStep(self._record_done(), None, [], plan.num_tokens))
+        wanted = LogprobRows.of_plan(staged.sampled_req_ids, plan.seqs)
+        taken = None if wanted is None else wanted.log_probs(logits)  # before sampling scales
         batch = self._sampling_batch(staged, views)
         ids = sample_tensors(logits, batch, self._generator)
+        picked = None if wanted is None or taken is None else wanted.pick(taken, ids)
         self._previous_ids = ids  # the next plan's pending tokens, on the device
         self._previous_rows = {req_id: row for row, req_id in enumerate(staged.sampled_req_ids)}
         host = self._sampled_host[self._parity][:num_sampled]
         self._parity ^= 1  # the step after this one copies into the other buffer
         host.copy_(ids, non_blocking=True)
-        step = LaunchedStep(self._record_done(), host, staged.sampled_req_ids, plan.num_tokens)
+        step = LaunchedStep(
+            self._record_done(), host, staged.sampled_req_ids, plan.num_tokens, picked
+        )
         return self._launched(step)
 
     def _launched(self, step: LaunchedStep) -> LaunchedStep:

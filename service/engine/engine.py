@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 from transformers import PreTrainedTokenizerBase
@@ -52,16 +52,21 @@ from slipstream.service.engine.events import (
     RequestSpec,
     StepOutOfMemory,
     TokenEvent,
+    TokenLogprobs,
 )
 from slipstream.service.engine.observer import EngineObserver
+
+if TYPE_CHECKING:
+    from slipstream.service.engine.runner import StepResult
 
 log = structlog.get_logger(__name__)
 
 
 class Runner(Protocol):
     """Executes one plan: swaps and copies, one forward, sampling (runner.py,
-    cuda_runner.py). ``execute(plan).sampled`` maps req_id to its token;
-    ``launch(plan).result()`` is the same, split where the host may go on.
+    cuda_runner.py). ``execute(plan)`` gives a ``StepResult``: ``sampled``
+    maps req_id to its token, ``logprobs`` to its log-probabilities where the
+    request asked; ``launch(plan).result()`` is the same, split where the host may go on.
     A runner may also define ``on_engine_thread()``, called once on the
     engine's thread before its first step."""
 
@@ -330,7 +335,7 @@ class Engine:
             return
         result = self._runner.execute(plan)
         host.launch += time.monotonic() - planned
-        self._settle(plan, result.sampled, started)
+        self._settle(plan, result, started)
 
     def _step_ahead(self) -> None:
         """Plan and launch step N+1, then take step N's results (see the module).
@@ -359,23 +364,23 @@ class Engine:
                 return
             finally:
                 host.device_wait += time.monotonic() - launched
-            self._settle(pending.plan, result.sampled, max(pending.started, self._last_settled))
+            self._settle(pending.plan, result, max(pending.started, self._last_settled))
         elif self._pending is None:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
 
-    def _settle(self, plan: StepPlan, sampled: dict[str, int], started: float) -> None:
+    def _settle(self, plan: StepPlan, result: StepResult, started: float) -> None:
         """A step's results: the scheduler's update, then observers and callers."""
         with self._lock:
             now = time.monotonic()
             step_s = now - started + self._last_publish_s
-            outputs = self._scheduler.update(plan, sampled, now, step_s, self._is_stopped)
+            outputs = self._scheduler.update(plan, result.sampled, now, step_s, self._is_stopped)
         self._last_settled = now
         updated = time.monotonic()
         self._host.update += updated - now
         self._observe(plan, outputs, started)
         published = time.monotonic()
-        self._publish(plan, outputs)
+        self._publish(plan, outputs, result.logprobs)
         done = time.monotonic()
         self._last_publish_s = done - published
         self._host.publish += done - updated  # the observers' share included
@@ -411,7 +416,12 @@ class Engine:
         if self.observer is not None and (plan.seqs or plan.preempted_req_ids):
             self.observer.on_step(plan, outputs, started, time.monotonic())
 
-    def _publish(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+    def _publish(
+        self,
+        plan: StepPlan,
+        outputs: list[RequestOutput],
+        logprobs: dict[str, TokenLogprobs],
+    ) -> None:
         batch_size = len(plan.seqs)
         now = time.monotonic()
         for out in outputs:
@@ -430,6 +440,7 @@ class Engine:
                         plan.step,  # batch_id
                         batch_size,  # batch_size
                         _queue_wait(live.state, now),  # queue_wait_s
+                        _token_logprobs(out, logprobs),  # logprobs
                     )
                 )
             if out.finish_reason is not None:
@@ -514,6 +525,15 @@ class _HostClock:
 
     def snapshot(self) -> HostTimes:
         return HostTimes(*(getattr(self, name) for name in self.__slots__))
+
+
+def _token_logprobs(
+    out: RequestOutput, logprobs: dict[str, TokenLogprobs]
+) -> list[TokenLogprobs] | None:
+    """The log-probabilities of a step's new tokens, for a request that asked
+    (a step samples one token a request)."""
+    token = logprobs.get(out.req_id)
+    return None if token is None or len(out.new_token_ids) != 1 else [token]
 
 
 def _queue_wait(state: Request, now: float) -> float:

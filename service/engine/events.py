@@ -32,12 +32,24 @@ class StepOutOfMemory(RuntimeError):
         self.req_ids = req_ids
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model (before temperature,
+    top-k and top-p), and the most likely tokens at its position with theirs,
+    most likely first (``SamplingParams.logprobs`` of them)."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 class TokenEvent(NamedTuple):
     """New tokens of one request from one engine step. ``index`` is the
     output index of ``token_ids[0]``; ``text`` is the detokenized delta (it
     may lag the ids by a few bytes until a UTF-8 character is complete).
     Made per request per step on the engine thread: a named tuple, built in
-    a quarter of a frozen dataclass's time and as immutable."""
+    a quarter of a frozen dataclass's time and as immutable. ``logprobs``:
+    one per token id, for a request that asked for them (else None)."""
 
     req_id: str
     token_ids: list[int]
@@ -47,6 +59,7 @@ class TokenEvent(NamedTuple):
     batch_id: int
     batch_size: int
     queue_wait_s: float
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ frees device blocks for more urgent work.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -27,6 +27,8 @@ from slipstream.kernels.compute_thread import sleeps_per_region
 from slipstream.kernels.kv_layout import allocate_kv_cache, row_width
 from slipstream.kernels.sampling import sample
 from slipstream.scheduler.plan import StepPlan, with_pending_tokens
+from slipstream.service.engine.events import TokenLogprobs
+from slipstream.service.engine.token_logprobs import LogprobRows
 from slipstream.service.models.llama import LlamaModel
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
@@ -62,10 +64,12 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Sampled token per request that sampled this step."""
+    """Sampled token per request that sampled this step, and the
+    log-probabilities of those that asked for them."""
 
     sampled: dict[str, int]
     num_tokens: int
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +175,16 @@ class ModelRunner:
             self.model.dtype,
             for_torch_path=self.model.attention_backend == "torch",
         )
-        # Every row greedy: the LM head picks the tokens without logits where it can.
-        greedy = self.model.picks_greedy and all(s.sampling.is_greedy for s in sampled_seqs)
+        wanted = LogprobRows.of(
+            [s.req_id for s in sampled_seqs], [s.sampling for s in sampled_seqs]
+        )
+        # Every row greedy and none asking for log-probabilities: the LM head
+        # picks the tokens without logits where it can.
+        greedy = (
+            self.model.picks_greedy
+            and wanted is None
+            and all(s.sampling.is_greedy for s in sampled_seqs)
+        )
         logits = self.model.forward(
             torch.tensor(token_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
@@ -183,6 +195,7 @@ class ModelRunner:
         )
         if not sampled_seqs:
             return StepResult({}, len(token_ids))
+        taken = None if wanted is None else wanted.log_probs(logits)  # before sampling scales
         tokens = (
             logits.tolist()
             if greedy
@@ -196,6 +209,8 @@ class ModelRunner:
                 scratch=self._scratch(len(sampled_seqs) * logits.shape[-1]),
             )
         )
-        return StepResult(
-            {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}, len(token_ids)
-        )
+        sampled = {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
+        if wanted is None or taken is None:
+            return StepResult(sampled, len(token_ids))
+        picked = wanted.pick(taken, torch.tensor(tokens))
+        return StepResult(sampled, len(token_ids), picked.read())

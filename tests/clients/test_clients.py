@@ -39,8 +39,9 @@ def _assert_counts_what_arrived(result: Result, num_seen: int) -> None:
     assert (result.finish_reason, result.status_code) == ("cancelled", "CANCELLED")
     assert result.output_tokens == len(result.token_ids) >= num_seen
     assert result.ttft_s is not None and result.ttft_s > 0
-    # Five chunks at least TOKEN_INTERVAL_S apart came after the first.
-    assert result.total_s - result.ttft_s >= 4 * TOKEN_INTERVAL_S
+    # Four chunks sent TOKEN_INTERVAL_S apart came after the first (the first
+    # may reach the client late and the rest on time: 39.3 ms for 4 x 10 seen).
+    assert result.total_s - result.ttft_s >= 3 * TOKEN_INTERVAL_S
 
 
 def test_a_cancelled_call_says_what_arrived_before_the_cancel(scripted: ScriptedServer) -> None:

@@ -225,6 +225,27 @@ def test_greedy_over_the_wire_matches_local_cli(
 # ---------------------------------------------------------------- cancel / disconnect
 
 
+def test_logprobs_over_the_wire(client: Client, engine: object) -> None:
+    """Each token's log-probability and its alternatives reach the client,
+    greedy and sampled alike; a request that did not ask gets none."""
+    prompt = prompts(1)[0]
+    greedy = client.generate(prompt, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)
+    sampled = client.generate(prompt, max_tokens=12, ignore_eos=True, temperature=1.0, seed=4,
+                              logprobs=True)  # fmt: skip
+    plain = client.generate(prompt, max_tokens=12, ignore_eos=True).result()
+    result = greedy.result()
+    assert result.token_ids == plain.token_ids and plain.logprobs == []
+    assert [t.token_id for t in result.logprobs] == result.token_ids
+    for token in result.logprobs:
+        assert len(token.top) == 3 and token.top[0] == (token.token_id, token.logprob)
+        assert token.logprob <= 0 and [lp for _, lp in token.top] == sorted(
+            (lp for _, lp in token.top), reverse=True
+        )
+    drawn = sampled.result()
+    assert [t.token_id for t in drawn.logprobs] == drawn.token_ids
+    assert all(t.top == [] and t.logprob <= 0 for t in drawn.logprobs)
+
+
 def test_cancel_mid_stream_frees_blocks(client: Client) -> None:
     stream = client.stream()
     victim = stream.generate(prompts(1)[0], max_tokens=LONG, ignore_eos=True)
@@ -452,7 +473,11 @@ MALFORMED = {
         _submit("zero-top-p", sampling=pb.SamplingParams(top_p=0.0)),
         pb.REJECT_REASON_INVALID,
     ),
-    "logprobs": (_submit("logprobs", return_logprobs=True), pb.REJECT_REASON_INVALID),
+    "too-many-top-logprobs": (
+        _submit("too-many-top-logprobs", return_logprobs=True, top_logprobs=21),
+        pb.REJECT_REASON_INVALID,
+    ),
+    "top-logprobs-alone": (_submit("top-logprobs-alone", top_logprobs=2), pb.REJECT_REASON_INVALID),
     "empty-stop-sequence": (  # the wire's format check
         _submit("empty-stop-sequence", stopping=pb.StoppingCriteria(stop_sequences=["end", ""])),
         pb.REJECT_REASON_INVALID,

@@ -6,7 +6,7 @@ refits its own cost model from the steps the engine measured."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 from tokenizers import Tokenizer, decoders
@@ -38,6 +38,7 @@ class _Tokenizer:
 @dataclass
 class _Result:
     sampled: dict[str, int]
+    logprobs: dict[str, object] = field(default_factory=dict)
 
 
 class _ScriptedRunner:

@@ -6,6 +6,7 @@ bias) and whatever the cache holds (fp32, bf16, int8 rows)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from slipstream.kernels import cpu_attention, fused_ops, linear
 from slipstream.kernels.cpu_features import detect
 from slipstream.kernels.kv_layout import fill_normal_
+from slipstream.scheduler.request import SamplingParams
 from slipstream.service.engine.calibration import synthetic_plan
 from slipstream.service.engine.runner import ModelRunner
 from slipstream.service.models.llama import LlamaModel
@@ -138,6 +140,23 @@ def test_a_bf16_greedy_step_takes_its_tokens_from_the_lm_head(tiny_model_dir, sh
         _fill_pool(runner)
         sampled.append(runner.execute(plan).sampled)
     assert sampled[0] == sampled[1] and len(sampled[0]) == len(shapes)
+
+
+def test_a_greedy_row_asking_for_logprobs_gets_them_and_the_same_token(tiny_model_dir) -> None:
+    """One row asking for log-probabilities takes the step off the LM head's
+    argmax onto logits: the same tokens, each the most likely of its row."""
+    model = _bf16_panels_model(tiny_model_dir)
+    runner = ModelRunner(model, NUM_BLOCKS, 0, BLOCK)
+    plan = synthetic_plan(PLANS[1], BLOCK, NUM_BLOCKS)
+    _fill_pool(runner)
+    plain = runner.execute(plan)
+    asking = plan.seqs[1]._replace(sampling=SamplingParams(logprobs=2))
+    _fill_pool(runner)
+    result = runner.execute(dataclasses.replace(plan, seqs=[plan.seqs[0], asking, plan.seqs[2]]))
+    assert result.sampled == plain.sampled and set(result.logprobs) == {asking.req_id}
+    got = result.logprobs[asking.req_id]
+    assert got.top_token_ids[0] == result.sampled[asking.req_id]
+    assert got.logprob == got.top_logprobs[0] < 0
 
 
 def test_a_bias_and_an_int8_cache_take_the_same_path(tiny_model_dir) -> None:
