@@ -313,3 +313,59 @@ def test_seeded_rows_on_the_gpu_pick_the_cpu_samplers_tokens(vocab):
     plan = plan_sampling(temps, ks, ps, seeds, indices, vocab)
     got = sample_tensors(logits.to(CUDA), sampling_batch(plan, CUDA)).tolist()
     assert sum(a != b for a, b in zip(got, expected, strict=True)) <= 2
+
+
+def test_logprobs_on_the_gpu_match_the_cpu_runners_and_wait_on_nothing_more(
+    tiny_model_dir, monkeypatch
+):
+    """Rows asking for log-probabilities beside rows that do not: the CPU
+    runner's tokens and log-probabilities, and still one wait a step (the
+    row indices go up pinned, the picks come down behind the sampled ids)."""
+    from slipstream.service.engine.runner import ModelRunner
+
+    asking = [SamplingParams(logprobs=5), SamplingParams(), SamplingParams(logprobs=0)]
+    prompt = [3, 17, 29, 4, 8]
+
+    def steps(runner, num_steps: int):
+        tokens = [list(prompt) for _ in asking]
+        computed = [0] * len(asking)
+        seen = []
+        for step in range(num_steps):
+            seqs = [
+                ScheduledSeq(f"r{i}", tokens[i][computed[i]:], computed[i],
+                             [i * 16 + j for j in range(16)], True, step, params)
+                for i, params in enumerate(asking)
+            ]  # fmt: skip
+            result = runner.execute(StepPlan(step=step, seqs=seqs))
+            for i in range(len(asking)):
+                computed[i] = len(tokens[i])
+                tokens[i].append(result.sampled[f"r{i}"])
+            seen.append(result)
+        return seen
+
+    cpu_model = LlamaModel(tiny_model_dir, torch.float32, attention_backend="triton")
+    cpu = steps(ModelRunner(cpu_model, 256, 64, BLOCK), 4)
+    runner = _runner(tiny_model_dir, use_cuda_graphs=True)
+    gpu = steps(runner, 4)  # eager prefill, then the decode graphs
+    for want, got in zip(cpu, gpu, strict=True):
+        assert got.sampled == want.sampled and set(got.logprobs) == {"r0", "r2"}
+        for req_id in ("r0", "r2"):
+            assert got.logprobs[req_id].logprob == pytest.approx(
+                want.logprobs[req_id].logprob, abs=1e-3
+            )
+            assert got.logprobs[req_id].top_token_ids == want.logprobs[req_id].top_token_ids
+    torch.cuda.synchronize()
+    waits: list[str] = []
+    event_wait = torch.cuda.Event.synchronize
+
+    def counted_event_wait(event: torch.cuda.Event) -> None:
+        waits.append("event")
+        event_wait(event)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted_event_wait)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        steps(runner, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert waits == ["event"] * 3
