@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slipstream.service.cli.arg_types import non_negative_float, non_negative_int, positive_int
+from slipstream.service.cli.arg_types import (
+    int_at_least,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
@@ -64,6 +69,7 @@ class Output:
     status_code: str = "OK"
     reject_reason: str | None = None
     message: str = ""
+    logprobs: list[dict[str, object]] | None = None  # with --logprobs: one per token id
 
     def to_json(self) -> str:
         out: dict[str, object] = {
@@ -72,6 +78,8 @@ class Output:
             "text": self.text,
             "finish_reason": self.finish_reason,
         }
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
         if self.failed:
             out["status_code"] = self.status_code
             if self.reject_reason is not None:
@@ -119,6 +127,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--seed", type=non_negative_int, default=None)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--logprobs",
+        type=int_at_least(0, 20),
+        default=None,
+        metavar="N",
+        help="each output token's log-probability and the N likeliest tokens at its "
+        "position (0: none), in the --json output",
+    )
     parser.add_argument(
         "--priority",
         type=non_negative_int,
@@ -290,15 +306,19 @@ class _Received:
     cancel_after: int | None
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, object]] = field(default_factory=list)
     num_dropped: int = 0
 
-    def add(self, token_ids: Sequence[int], text: str) -> bool:
+    def add(
+        self, token_ids: Sequence[int], text: str, logprobs: Sequence[dict[str, object]] = ()
+    ) -> bool:
         """Keeps a chunk, or drops it past N; True for the chunk that reached N."""
         if self._is_reached:
             self.num_dropped += len(token_ids)
             return False
         self.token_ids.extend(token_ids)
         self.text.append(text)
+        self.logprobs.extend(logprobs)
         return self._is_reached
 
     def is_cut(self, finish_reason: str) -> bool:
@@ -307,8 +327,10 @@ class _Received:
         is_own_end = self.num_dropped == 0 and finish_reason in _ENDED_AT_A_TOKEN
         return self._is_reached and not is_own_end
 
-    def cut_output(self, index: int) -> Output:
-        return Output(index, self.token_ids, "".join(self.text), "cancelled", "CANCELLED")
+    def cut_output(self, index: int, with_logprobs: bool) -> Output:
+        logprobs = self.logprobs if with_logprobs else None
+        text = "".join(self.text)
+        return Output(index, self.token_ids, text, "cancelled", "CANCELLED", logprobs=logprobs)
 
     @property
     def _is_reached(self) -> bool:
@@ -325,7 +347,10 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
 
     engine = load_engine(engine_config(args))
     engine.start()
-    collectors = [_LocalCollector(engine, str(i), args.cancel_after) for i in range(len(specs))]
+    collectors = [
+        _LocalCollector(engine, str(i), args.cancel_after, args.logprobs is not None)
+        for i in range(len(specs))
+    ]
     now = time.monotonic()
     try:
         for spec, collector in zip(specs, collectors, strict=True):
@@ -334,7 +359,9 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
                     req_id=collector.req_id,
                     prompt_token_ids=_local_prompt_ids(spec, engine.tokenizer),
                     max_new_tokens=spec.max_tokens,
-                    sampling=SamplingParams(temperature=spec.temperature, seed=spec.seed),
+                    sampling=SamplingParams(
+                        temperature=spec.temperature, seed=spec.seed, logprobs=args.logprobs
+                    ),
                     ignore_eos=args.ignore_eos,
                     priority=args.priority or 0,
                     deadline=None if args.deadline_ms is None else now + args.deadline_ms / 1000,
@@ -354,6 +381,11 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
         engine.shutdown()
 
 
+def _logprob(token_id: int, logprob: float, top: Sequence[tuple[int, float]]) -> dict[str, object]:
+    """One token's entry in the JSON output."""
+    return {"token_id": token_id, "logprob": logprob, "top": [list(pair) for pair in top]}
+
+
 def _local_prompt_ids(spec: PromptSpec, tokenizer: object) -> list[int]:
     """The prompt's token ids as the server would make them; ValueError if empty."""
     from slipstream.service.api.wire import encode_prompt
@@ -367,8 +399,11 @@ def _local_prompt_ids(spec: PromptSpec, tokenizer: object) -> list[int]:
 
 
 class _LocalCollector:
-    def __init__(self, engine: object, req_id: str, cancel_after: int | None) -> None:
+    def __init__(
+        self, engine: object, req_id: str, cancel_after: int | None, with_logprobs: bool
+    ) -> None:
         self.req_id = req_id
+        self._with_logprobs = with_logprobs
         self._engine = engine
         self._received = _Received(cancel_after)
         self._tail = ""  # the finish's text: held back until the end
@@ -392,7 +427,16 @@ class _LocalCollector:
             self._message = event.message
             self._done.set()
             return
-        if self._received.add(event.token_ids, event.text):  # type: ignore[attr-defined]
+        from slipstream.service.engine.events import TokenEvent
+
+        assert isinstance(event, TokenEvent)
+        logprobs = [
+            _logprob(
+                token_id, lp.logprob, list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))
+            )
+            for token_id, lp in zip(event.token_ids, event.logprobs or (), strict=False)
+        ]
+        if self._received.add(event.token_ids, event.text, logprobs):
             self._engine.abort(self.req_id)  # type: ignore[attr-defined]
 
     def reject(self, error: Exception) -> None:
@@ -410,7 +454,7 @@ class _LocalCollector:
     def wait(self, index: int) -> Output:
         self._done.wait()
         if self._received.is_cut(self._reason):
-            return self._received.cut_output(index)
+            return self._received.cut_output(index, self._with_logprobs)
         return Output(
             index,
             self._received.token_ids,
@@ -419,6 +463,7 @@ class _LocalCollector:
             self._status,
             self._reject_reason,
             self._message,
+            self._received.logprobs if self._with_logprobs else None,
         )
 
 
@@ -455,6 +500,8 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
                     None if args.first_token_timeout is None else args.first_token_timeout / 1000
                 ),
                 "expected_tokens": args.expected_tokens,
+                "logprobs": args.logprobs is not None,
+                "top_logprobs": args.logprobs or 0,
             }
             if stream is None:
                 generations.append(await client.generate_one(prompt, **options))  # type: ignore[arg-type]
@@ -464,7 +511,10 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
             await stream.close()
         return list(
             await asyncio.gather(
-                *(_follow(i, g, args.cancel_after) for i, g in enumerate(generations))
+                *(
+                    _follow(i, g, args.cancel_after, args.logprobs is not None)
+                    for i, g in enumerate(generations)
+                )
             )
         )
 
@@ -477,17 +527,21 @@ def _remote_prompt(spec: PromptSpec) -> str | list[int] | Conversation:
     return spec.token_ids if spec.token_ids is not None else spec.text or ""
 
 
-async def _follow(index: int, generation: AsyncGeneration, cancel_after: int | None) -> Output:
+async def _follow(
+    index: int, generation: AsyncGeneration, cancel_after: int | None, with_logprobs: bool
+) -> Output:
     received = _Received(cancel_after)
     async for chunk in generation:
-        if received.add(chunk.token_ids, chunk.text):
+        logprobs = [_logprob(lp.token_id, lp.logprob, lp.top) for lp in chunk.logprobs]
+        if received.add(chunk.token_ids, chunk.text, logprobs):
             await generation.cancel()
     r = await generation.result()
     if received.is_cut(r.finish_reason):
-        return received.cut_output(index)
+        return received.cut_output(index, with_logprobs)
     return Output(
-        index, r.token_ids, r.text, r.finish_reason, r.status_code, r.reject_reason, r.message
-    )
+        index, r.token_ids, r.text, r.finish_reason, r.status_code, r.reject_reason, r.message,
+        received.logprobs if with_logprobs else None,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -222,6 +222,29 @@ def test_greedy_over_the_wire_matches_local_cli(
     assert all(o["token_ids"] for o in outputs["--local"])
 
 
+def test_cli_logprobs_over_the_wire_match_local(
+    server: ServerThread, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from slipstream.service.cli import main
+
+    common = ["--prompt", "Hello there", "--max-tokens", "6", "--json", "--logprobs", "2"]
+    outputs = {}
+    for where in (
+        ["--server", server.target],
+        ["--local", "--model", "tiny", "--dtype", "float32"],
+        ["--server", server.target, "--per-request", "--cancel-after", "3"],
+    ):
+        assert main(["generate", *where, *common]) == 0
+        outputs[len(outputs)] = json_lines(capsys.readouterr().out)[0]
+    remote, local, cut = outputs.values()
+    assert remote["token_ids"] == local["token_ids"] and len(local["logprobs"]) == 6
+    for got, want in zip(remote["logprobs"], local["logprobs"], strict=True):
+        assert got["token_id"] == want["token_id"] == want["top"][0][0]
+        assert got["logprob"] == pytest.approx(want["logprob"], abs=1e-5)  # float32 on the wire
+        assert [t for t, _ in got["top"]] == [t for t, _ in want["top"]] and len(got["top"]) == 2
+    assert cut["finish_reason"] == "cancelled" and cut["logprobs"] == remote["logprobs"][:3]
+
+
 # ---------------------------------------------------------------- cancel / disconnect
 
 
