@@ -9,6 +9,7 @@ import torch
 
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan
 from slipstream.scheduler.request import SamplingParams
+from slipstream.service.engine import token_logprobs
 from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
 from slipstream.service.engine.runner import ModelRunner
 from slipstream.service.engine.token_logprobs import LogprobRows
@@ -39,6 +40,22 @@ def test_picks_against_float64_reference():
         top = torch.topk(reference[row], num_top)
         assert got.top_token_ids == top.indices.tolist()
         assert got.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def test_rows_past_one_chunk_keep_their_order(monkeypatch):
+    monkeypatch.setattr(token_logprobs, "ROWS_PER_CHUNK", 2)
+    torch.manual_seed(1)
+    logits = torch.randn(5, 30)
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    req_ids = [f"r{i}" for i in range(5)]
+    wanted = LogprobRows.of(req_ids, [SamplingParams(logprobs=2)] * 5)
+    assert wanted is not None
+    sampled = torch.tensor([4, 3, 2, 1, 0])
+    read = wanted.pick(wanted.log_probs(logits), sampled).read()
+    for row, req_id in enumerate(req_ids):
+        want = reference[row, sampled[row]].item()
+        assert read[req_id].logprob == pytest.approx(want, abs=1e-5)
+        assert read[req_id].top_token_ids == torch.topk(reference[row], 2).indices.tolist()
 
 
 def test_nobody_asking_costs_nothing():
