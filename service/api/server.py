@@ -3,7 +3,8 @@ reflection services, always on.
 
 ``create_server`` builds a server around a loaded engine (tests use it on port
 0); ``run`` is the process's life: listen while loading (health NOT_SERVING),
-serve, and on SIGTERM/SIGINT drain within a grace period, then stop; on
+serve, and on SIGTERM/SIGINT drain within a grace period, then stop (or,
+while still loading, stop at once); on
 SIGHUP re-read the tenants file.
 
 Security sits at this edge: TLS (optionally mutual) from ``tls.py``; with
@@ -17,8 +18,11 @@ as INTERNAL instead of its real status.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import ipaddress
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -218,6 +222,37 @@ async def shutdown(
         await http.stop()
 
 
+def _load_in_background(load_engine: Callable[[], Engine]) -> asyncio.Future[Engine]:
+    """``load_engine()`` on a daemon thread: a stop signal during a load of
+    minutes ends the process at once. (``asyncio.to_thread``'s threads are
+    joined when the loop closes and again at interpreter exit, so the process
+    would wait for the load to finish.)"""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Engine] = loop.create_future()
+
+    def settle(engine: Engine | None, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is None:
+            future.set_result(engine)  # type: ignore[arg-type]
+        else:
+            future.set_exception(exc)
+
+    def load() -> None:
+        engine, exc = None, None
+        try:
+            engine = load_engine()
+        except BaseException as error:  # the caller's to handle, as with to_thread
+            exc = error
+        # A closed loop: the server stopped while loading; nobody waits for it.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, engine, exc)
+
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(load,), name="slipstream-load", daemon=True).start()
+    return future
+
+
 def startup_message(exc: BaseException) -> str:
     """``exc`` from loading a model, as one line an operator can act on."""
     detail = " ".join(str(exc).split()) or type(exc).__name__
@@ -248,7 +283,9 @@ async def run(
     tls: ServerTLS | None = None,
     tenants_file: Path | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully. With an
+    """Serve until SIGTERM or SIGINT, then shut down gracefully; one that
+    comes while the model loads stops the server at once (the load's thread is
+    left to end with the process). With an
     ``http_port`` (0: none) the OpenAI-compatible front listens there too,
     on this event loop and engine; ``on_http`` gets its bound port. SIGHUP
     re-reads ``tenants_file``. A bad TLS or tenants file raises before
@@ -285,6 +322,13 @@ async def run(
         log.info("http_listening", host=host, port=http_bound)
         if on_http is not None:
             on_http(http_bound)
+    # Before server_loading is logged: from then on a stop signal is handled.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if tenants is not None and tenants_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_tenants, tenants, tenants_file)
     await lifecycle.report_loading()
     log.info(
         "server_loading",
@@ -293,14 +337,21 @@ async def run(
         tls="off" if tls is None else ("mutual" if tls.client_ca_file else "on"),
         tenants=None if tenants is None else tenants.names,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if tenants is not None and tenants_file is not None:
-        loop.add_signal_handler(signal.SIGHUP, reload_tenants, tenants, tenants_file)
+    loading = _load_in_background(load_engine)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((loading, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not loading.done():
+        # The load cannot be interrupted; its daemon thread dies with the process.
+        log.info("server_stopped_while_loading", host=host, port=bound)
+        await server.stop(None)
+        if http is not None:
+            await http.stop()
+        if telemetry is not None:
+            await asyncio.to_thread(telemetry.shutdown)
+        return
     try:
-        engine = await asyncio.to_thread(load_engine)
+        engine = loading.result()
     except Exception as exc:  # anything at all: the process must end with one clear line
         log.debug("server_start_failed", exc_info=True)  # the traceback, only when asked for
         await server.stop(None)

@@ -1,16 +1,23 @@
 """SIGTERM on a real ``slipstream serve`` process: health goes NOT_SERVING,
 new calls and submits are refused, the running request finishes, the process
-exits 0."""
+exits 0. A stop while the model is still loading ends the process at once."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import signal
+import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 
 from slipstream.clients import Client
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -58,3 +65,60 @@ def test_sigterm_drains_then_exits(
         assert proc.wait(timeout=30) == 0
     finally:
         client.close()
+
+
+def test_a_stop_while_loading_closes_the_listeners_without_waiting_for_the_load() -> None:
+    from slipstream.service.api.server import run
+
+    release = threading.Event()
+
+    def load_forever() -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # the server's own handler
+        release.wait(30)
+        raise RuntimeError("the load was released")
+
+    started = time.monotonic()
+    try:
+        with capture_logs() as logs:
+            asyncio.run(run(load_forever, "127.0.0.1", 0, 30.0))
+        assert time.monotonic() - started < 10, "run waited for the load"
+    finally:
+        release.set()
+    events = [line["event"] for line in logs]
+    assert "server_stopped_while_loading" in events and "server_serving" not in events
+    port = next(line["port"] for line in logs if line["event"] == "server_loading")
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "still listening"
+
+
+# ``slipstream serve`` whose model load never ends.
+_SERVE_LOADING_FOREVER = """
+import sys, threading
+from slipstream.service.engine import loader
+loader.load_engine = lambda config: threading.Event().wait()
+from slipstream.service.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_loading_exits_0_at_once() -> None:
+    command = [sys.executable, "-c", _SERVE_LOADING_FOREVER, "serve", "--model", "tiny"]
+    command += ["--port", "0", "--http-port", "0", "--log-format", "json"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if '"server_loading"' in line:
+                break
+        else:
+            raise AssertionError(f"the server exited before loading ({proc.wait()})")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        rest = proc.stderr.read()
+        stopped = [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
+        assert [line["event"] for line in stopped] == ["server_stopped_while_loading"]
+        assert rest.rstrip().endswith("slipstream: stopped")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
