@@ -4,7 +4,7 @@ reflection services, always on.
 ``create_server`` builds a server around a loaded engine (tests use it on port
 0); ``run`` is the process's life: listen while loading (health NOT_SERVING),
 serve, and on SIGTERM/SIGINT drain within a grace period, then stop (or,
-while still loading, stop at once); on
+while still loading or at a second signal, stop at once); on
 SIGHUP re-read the tenants file.
 
 Security sits at this edge: TLS (optionally mutual) from ``tls.py``; with
@@ -205,16 +205,32 @@ async def create_server(
 
 
 async def shutdown(
-    server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float, http: HttpFront | None = None
+    server: grpc.aio.Server,
+    lifecycle: Lifecycle,
+    grace_s: float,
+    http: HttpFront | None = None,
+    cut_short: asyncio.Event | None = None,
 ) -> None:
     """Drain: refuse new work, let running requests finish within ``grace_s``
-    (then they are cancelled), stop the server(s) and the engine."""
+    (then they are cancelled), stop the server(s) and the engine. Once
+    ``cut_short`` is set (a second stop signal) the grace ends: running
+    requests are cancelled at once."""
     await lifecycle.drain()
     deadline = time.monotonic() + grace_s
     engine = lifecycle.engine
-    await asyncio.to_thread(engine.wait_idle, grace_s)
-    # Streams whose requests all finished are ending now; give them the rest.
-    await server.stop(max(deadline - time.monotonic(), 0.5))
+    idle = asyncio.ensure_future(asyncio.to_thread(engine.wait_idle, grace_s))
+    waits = {idle} if cut_short is None else {idle, asyncio.ensure_future(cut_short.wait())}
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits - {idle}:
+        wait.cancel()
+    if idle.done():
+        # Streams whose requests all finished are ending now; give them the rest.
+        grace_left_s: float = max(deadline - time.monotonic(), 0.5)
+    else:
+        num_running = len(engine.live_output_counts())
+        log.warning("server_drain_cut_short", num_running=num_running)
+        grace_left_s = 0
+    await server.stop(grace_left_s)
     await asyncio.to_thread(engine.shutdown)
     if http is not None:
         # After the engine: HTTP requests still running past the grace have
@@ -368,7 +384,11 @@ async def run(
             on_ready(bound, engine)
         await stop.wait()
         log.info("server_draining", grace_s=grace_s)
-        await shutdown(server, lifecycle, grace_s, http)
+        # A second stop signal: the operator will not wait out the grace.
+        cut_short = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, cut_short.set)
+        await shutdown(server, lifecycle, grace_s, http, cut_short)
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)
     log.info("server_stopped")

@@ -1,6 +1,7 @@
 """SIGTERM on a real ``slipstream serve`` process: health goes NOT_SERVING,
 new calls and submits are refused, the running request finishes, the process
-exits 0. A stop while the model is still loading ends the process at once."""
+exits 0. A stop while the model is still loading ends the process at once; a
+second one during the drain ends the grace."""
 
 from __future__ import annotations
 
@@ -16,11 +17,16 @@ import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_thread import hold_every_submit
 from structlog.testing import capture_logs
 
-from slipstream.clients import Client
+from slipstream.clients import Client, StreamError
+from slipstream.service.engine.config import EngineConfig
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+CONFIG = EngineConfig(model="tiny", dtype="float32", calibrate_cost_model=False)
 
 
 def health_status(target: str) -> int:
@@ -122,3 +128,46 @@ def test_sigterm_while_loading_exits_0_at_once() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_second_sigterm_cuts_the_drain_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipstream.service.api.server import run
+    from slipstream.service.engine.loader import load_engine
+
+    def load_holding() -> object:
+        engine = load_engine(CONFIG)
+        hold_every_submit(engine, monkeypatch)  # its request never finishes by itself
+        return engine
+
+    outcome: list[object] = []
+
+    def stop_twice(target: str, engine: object) -> None:
+        with Client(target) as client:
+            stream = client.stream()
+            running = stream.generate("held", max_tokens=8)
+            while not engine.live_output_counts():  # type: ignore[attr-defined]
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            while health_status(target) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                outcome.append(running.result(timeout=30))
+            except Exception as exc:
+                outcome.append(exc)
+
+    def on_ready(port: int, engine: object) -> None:
+        target = f"127.0.0.1:{port}"
+        threading.Thread(target=stop_twice, args=(target, engine), daemon=True).start()
+
+    started = time.monotonic()
+    with capture_logs() as logs:
+        asyncio.run(run(load_holding, "127.0.0.1", 0, 30.0, on_ready=on_ready))
+    assert time.monotonic() - started < 15, "the drain waited out its grace"
+    cut = [line for line in logs if line["event"] == "server_drain_cut_short"]
+    assert [line["num_running"] for line in cut] == [1]
+    end = time.monotonic() + 10
+    while not outcome:
+        assert time.monotonic() < end, "the held request never ended"
+        time.sleep(0.01)
+    assert isinstance(outcome[0], StreamError) and outcome[0].code == "UNAVAILABLE"
