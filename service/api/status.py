@@ -26,6 +26,7 @@ from slipstream.scheduler.errors import (
 )
 from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
+from slipstream.service.api.lifecycle import NotServing
 from slipstream.service.telemetry.request_trace import WireStatus
 from slipstream.v1 import inference_pb2 as pb
 
@@ -73,6 +74,8 @@ _REJECTIONS: dict[type[Exception], Rejection] = {
         pb.REJECT_REASON_DEADLINE_INFEASIBLE, grpc.StatusCode.DEADLINE_EXCEEDED
     ),
     Draining: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
+    # A whole call refused while the server loads or drains: the same reason.
+    NotServing: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
     Unauthenticated: Rejection(pb.REJECT_REASON_UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED),
     PermissionDenied: Rejection(
         pb.REJECT_REASON_PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED
