@@ -73,6 +73,10 @@ def _channel_options(limits: Limits) -> list[tuple[str, int]]:
     ]
 
 
+# What streams get to send their cut-off requests' Finished events.
+FINISHED_SEND_S = 0.5
+
+
 def connection_age_options(max_age_s: float | None, grace_s: float | None) -> list[tuple[str, int]]:
     """Server options of gRPC's A9 proposal: after ``max_age_s`` a connection
     is sent GOAWAY (clients open a new one, maybe to another replica, for new
@@ -212,9 +216,9 @@ async def shutdown(
     cut_short: asyncio.Event | None = None,
 ) -> None:
     """Drain: refuse new work, let running requests finish within ``grace_s``
-    (then they are cancelled), stop the server(s) and the engine. Once
-    ``cut_short`` is set (a second stop signal) the grace ends: running
-    requests are cancelled at once."""
+    (then they end SHUTDOWN: CANCELLED, status UNAVAILABLE on the wire), stop
+    the server(s) and the engine. Once ``cut_short`` is set (a second stop
+    signal) the grace ends: running requests end so at once."""
     await lifecycle.drain()
     deadline = time.monotonic() + grace_s
     engine = lifecycle.engine
@@ -223,13 +227,19 @@ async def shutdown(
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for wait in waits - {idle}:
         wait.cancel()
-    if idle.done():
+    if idle.done() and idle.result():
         # Streams whose requests all finished are ending now; give them the rest.
-        grace_left_s: float = max(deadline - time.monotonic(), 0.5)
+        grace_left_s = max(deadline - time.monotonic(), 0.5)
     else:
         num_running = len(engine.live_output_counts())
-        log.warning("server_drain_cut_short", num_running=num_running)
-        grace_left_s = 0
+        if idle.done():
+            log.warning("server_grace_expired", grace_s=grace_s, num_running=num_running)
+        else:
+            log.warning("server_drain_cut_short", num_running=num_running)
+        # Ended here, SHUTDOWN, before their calls close: a call the server
+        # closes would end its requests CANCELLED, as a client's cancel does.
+        await asyncio.to_thread(engine.shutdown)
+        grace_left_s = FINISHED_SEND_S
     await server.stop(grace_left_s)
     await asyncio.to_thread(engine.shutdown)
     if http is not None:

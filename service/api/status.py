@@ -96,6 +96,9 @@ _FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
     FinishReason.MAX_TOKENS: (pb.FINISH_REASON_MAX_TOKENS, grpc.StatusCode.OK),
     FinishReason.STOP_SEQUENCE: (pb.FINISH_REASON_STOP_SEQUENCE, grpc.StatusCode.OK),
     FinishReason.CANCELLED: (pb.FINISH_REASON_CANCELLED, grpc.StatusCode.CANCELLED),
+    # Cut off by the server's shutdown: CANCELLED on the wire (no new value for
+    # clients to learn), UNAVAILABLE where a client's own cancel says CANCELLED.
+    FinishReason.SHUTDOWN: (pb.FINISH_REASON_CANCELLED, grpc.StatusCode.UNAVAILABLE),
     FinishReason.DEADLINE_EXCEEDED: (
         pb.FINISH_REASON_DEADLINE_EXCEEDED,
         grpc.StatusCode.DEADLINE_EXCEEDED,

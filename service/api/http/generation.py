@@ -65,6 +65,7 @@ SSE_HEADERS = {
 _FAILED: dict[FinishReason, tuple[int, str, str]] = {
     FinishReason.DEADLINE_EXCEEDED: (504, "deadline_exceeded", "deadline_exceeded"),
     FinishReason.CANCELLED: (503, "service_unavailable", "cancelled"),
+    FinishReason.SHUTDOWN: (503, "service_unavailable", "cancelled"),  # as before it had a name
     FinishReason.REJECTED: (503, "service_unavailable", "rejected"),
     FinishReason.ERROR: (500, "server_error", "internal_error"),
     FinishReason.OUT_OF_MEMORY: (503, "service_unavailable", "out_of_memory"),

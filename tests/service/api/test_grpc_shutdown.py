@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_thread import hold_every_submit
 from structlog.testing import capture_logs
 
-from slipstream.clients import Client, StreamError
+from slipstream.clients import Client, Result
 from slipstream.service.engine.config import EngineConfig
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -170,4 +170,59 @@ def test_a_second_sigterm_cuts_the_drain_short(monkeypatch: pytest.MonkeyPatch) 
     while not outcome:
         assert time.monotonic() < end, "the held request never ended"
         time.sleep(0.01)
-    assert isinstance(outcome[0], StreamError) and outcome[0].code == "UNAVAILABLE"
+    result = outcome[0]
+    assert isinstance(result, Result), result
+    assert (result.finish_reason, result.status_code) == ("cancelled", "UNAVAILABLE")
+
+
+def test_requests_cut_off_at_the_grace_end_shutdown_not_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Told apart from a client's cancel: reason shutdown in the metrics and
+    the log, and on the wire CANCELLED with status UNAVAILABLE."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from slipstream.service.api.server import run
+    from slipstream.service.engine.loader import load_engine
+    from slipstream.service.telemetry.metrics import ServerMetrics
+    from slipstream.service.telemetry.tracing import Telemetry
+
+    def load_holding() -> object:
+        engine = load_engine(CONFIG)
+        hold_every_submit(engine, monkeypatch)  # its request never finishes by itself
+        return engine
+
+    results: list[object] = []
+
+    def stop_once(target: str, engine: object) -> None:
+        with Client(target) as client:
+            running = client.stream().generate("held", max_tokens=8)
+            while not engine.live_output_counts():  # type: ignore[attr-defined]
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                results.append(running.result(timeout=30))
+            except Exception as exc:
+                results.append(exc)
+
+    def on_ready(port: int, engine: object) -> None:
+        target = f"127.0.0.1:{port}"
+        threading.Thread(target=stop_once, args=(target, engine), daemon=True).start()
+
+    metrics = ServerMetrics()
+    telemetry = Telemetry(TracerProvider(), metrics)
+    with capture_logs() as logs:
+        asyncio.run(run(load_holding, "127.0.0.1", 0, 0.5, on_ready=on_ready, telemetry=telemetry))
+    end = time.monotonic() + 10
+    while not results:
+        assert time.monotonic() < end, "the held request never ended"
+        time.sleep(0.01)
+    result = results[0]
+    assert isinstance(result, Result), result
+    assert (result.finish_reason, result.status_code) == ("cancelled", "UNAVAILABLE")
+    finished = [line for line in logs if line["event"] == "request_finished"]
+    assert [line["reason"] for line in finished] == ["shutdown"]
+    expired = [line for line in logs if line["event"] == "server_grace_expired"]
+    assert [line["num_running"] for line in expired] == [1]
+    labels = {"priority": "0", "reason": "shutdown"}
+    assert metrics.registry.get_sample_value("slipstream_requests_finished_total", labels) == 1
