@@ -46,6 +46,7 @@ class FinishReason(enum.IntEnum):
     ERROR = 6
     SLOW_READER = 7  # its caller stopped reading; cancelled after a grace
     OUT_OF_MEMORY = 8  # the device ran out of memory during its step
+    SHUTDOWN = 9  # the server stopped first: its drain's grace ran out
 
 
 class ExpiredLimit(enum.IntEnum):

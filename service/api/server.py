@@ -3,7 +3,8 @@ reflection services, always on.
 
 ``create_server`` builds a server around a loaded engine (tests use it on port
 0); ``run`` is the process's life: listen while loading (health NOT_SERVING),
-serve, and on SIGTERM/SIGINT drain within a grace period, then stop; on
+serve, and on SIGTERM/SIGINT drain within a grace period, then stop (or,
+while still loading or at a second signal, stop at once); on
 SIGHUP re-read the tenants file.
 
 Security sits at this edge: TLS (optionally mutual) from ``tls.py``; with
@@ -17,8 +18,11 @@ as INTERNAL instead of its real status.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import ipaddress
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -67,6 +71,10 @@ def _channel_options(limits: Limits) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", limits.max_message_bytes),
     ]
+
+
+# What streams get to send their cut-off requests' Finished events.
+FINISHED_SEND_S = 0.5
 
 
 def connection_age_options(max_age_s: float | None, grace_s: float | None) -> list[tuple[str, int]]:
@@ -201,21 +209,74 @@ async def create_server(
 
 
 async def shutdown(
-    server: grpc.aio.Server, lifecycle: Lifecycle, grace_s: float, http: HttpFront | None = None
+    server: grpc.aio.Server,
+    lifecycle: Lifecycle,
+    grace_s: float,
+    http: HttpFront | None = None,
+    cut_short: asyncio.Event | None = None,
 ) -> None:
     """Drain: refuse new work, let running requests finish within ``grace_s``
-    (then they are cancelled), stop the server(s) and the engine."""
+    (then they end SHUTDOWN: CANCELLED, status UNAVAILABLE on the wire), stop
+    the server(s) and the engine. Once ``cut_short`` is set (a second stop
+    signal) the grace ends: running requests end so at once."""
     await lifecycle.drain()
     deadline = time.monotonic() + grace_s
     engine = lifecycle.engine
-    await asyncio.to_thread(engine.wait_idle, grace_s)
-    # Streams whose requests all finished are ending now; give them the rest.
-    await server.stop(max(deadline - time.monotonic(), 0.5))
+    idle = asyncio.ensure_future(asyncio.to_thread(engine.wait_idle, grace_s))
+    waits = {idle} if cut_short is None else {idle, asyncio.ensure_future(cut_short.wait())}
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits - {idle}:
+        wait.cancel()
+    if idle.done() and idle.result():
+        # Streams whose requests all finished are ending now; give them the rest.
+        grace_left_s = max(deadline - time.monotonic(), 0.5)
+    else:
+        num_running = len(engine.live_output_counts())
+        if idle.done():
+            log.warning("server_grace_expired", grace_s=grace_s, num_running=num_running)
+        else:
+            log.warning("server_drain_cut_short", num_running=num_running)
+        # Ended here, SHUTDOWN, before their calls close: a call the server
+        # closes would end its requests CANCELLED, as a client's cancel does.
+        await asyncio.to_thread(engine.shutdown)
+        grace_left_s = FINISHED_SEND_S
+    await server.stop(grace_left_s)
     await asyncio.to_thread(engine.shutdown)
     if http is not None:
         # After the engine: HTTP requests still running past the grace have
         # been cancelled by now, and their handlers have answered.
         await http.stop()
+
+
+def _load_in_background(load_engine: Callable[[], Engine]) -> asyncio.Future[Engine]:
+    """``load_engine()`` on a daemon thread: a stop signal during a load of
+    minutes ends the process at once. (``asyncio.to_thread``'s threads are
+    joined when the loop closes and again at interpreter exit, so the process
+    would wait for the load to finish.)"""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Engine] = loop.create_future()
+
+    def settle(engine: Engine | None, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is None:
+            future.set_result(engine)  # type: ignore[arg-type]
+        else:
+            future.set_exception(exc)
+
+    def load() -> None:
+        engine, exc = None, None
+        try:
+            engine = load_engine()
+        except BaseException as error:  # the caller's to handle, as with to_thread
+            exc = error
+        # A closed loop: the server stopped while loading; nobody waits for it.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, engine, exc)
+
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(load,), name="slipstream-load", daemon=True).start()
+    return future
 
 
 def startup_message(exc: BaseException) -> str:
@@ -248,7 +309,9 @@ async def run(
     tls: ServerTLS | None = None,
     tenants_file: Path | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully. With an
+    """Serve until SIGTERM or SIGINT, then shut down gracefully; one that
+    comes while the model loads stops the server at once (the load's thread is
+    left to end with the process). With an
     ``http_port`` (0: none) the OpenAI-compatible front listens there too,
     on this event loop and engine; ``on_http`` gets its bound port. SIGHUP
     re-reads ``tenants_file``. A bad TLS or tenants file raises before
@@ -285,6 +348,13 @@ async def run(
         log.info("http_listening", host=host, port=http_bound)
         if on_http is not None:
             on_http(http_bound)
+    # Before server_loading is logged: from then on a stop signal is handled.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if tenants is not None and tenants_file is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_tenants, tenants, tenants_file)
     await lifecycle.report_loading()
     log.info(
         "server_loading",
@@ -293,14 +363,21 @@ async def run(
         tls="off" if tls is None else ("mutual" if tls.client_ca_file else "on"),
         tenants=None if tenants is None else tenants.names,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if tenants is not None and tenants_file is not None:
-        loop.add_signal_handler(signal.SIGHUP, reload_tenants, tenants, tenants_file)
+    loading = _load_in_background(load_engine)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((loading, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not loading.done():
+        # The load cannot be interrupted; its daemon thread dies with the process.
+        log.info("server_stopped_while_loading", host=host, port=bound)
+        await server.stop(None)
+        if http is not None:
+            await http.stop()
+        if telemetry is not None:
+            await asyncio.to_thread(telemetry.shutdown)
+        return
     try:
-        engine = await asyncio.to_thread(load_engine)
+        engine = loading.result()
     except Exception as exc:  # anything at all: the process must end with one clear line
         log.debug("server_start_failed", exc_info=True)  # the traceback, only when asked for
         await server.stop(None)
@@ -317,7 +394,11 @@ async def run(
             on_ready(bound, engine)
         await stop.wait()
         log.info("server_draining", grace_s=grace_s)
-        await shutdown(server, lifecycle, grace_s, http)
+        # A second stop signal: the operator will not wait out the grace.
+        cut_short = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, cut_short.set)
+        await shutdown(server, lifecycle, grace_s, http, cut_short)
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)
     log.info("server_stopped")

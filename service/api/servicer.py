@@ -18,7 +18,7 @@ from slipstream.service.api.auth import TenantGate, Tenants, Unauthenticated, au
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.session import StreamSession, wants_batches
-from slipstream.service.api.status import reject_reason_name
+from slipstream.service.api.status import reject_reason_name, rejection_for
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -52,7 +52,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._abort_not_serving(context, method, exc)
         return StreamSession(
             engine,
             asyncio.get_running_loop(),
@@ -171,7 +171,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             return self._lifecycle.engine
         except NotServing as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await self._abort_not_serving(context, method, exc)
+
+    async def _abort_not_serving(
+        self, context: grpc.aio.ServicerContext, method: str, exc: NotServing
+    ) -> None:
+        """Ends a call refused while loading or draining, UNAVAILABLE: counted,
+        logged and trailed with its reason, as a refused submit is."""
+        rejection = rejection_for(exc)
+        assert rejection is not None  # NotServing has its row in the table
+        if self._telemetry is not None:
+            self._telemetry.not_serving(method, context.peer(), rejection.reason_name, str(exc))
+        trailers = ((REJECT_REASON_KEY, rejection.reason_name),)
+        await context.abort(rejection.status, str(exc), trailing_metadata=trailers)
 
 
 REJECT_REASON_KEY = "slipstream-reject-reason"

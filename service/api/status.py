@@ -26,6 +26,7 @@ from slipstream.scheduler.errors import (
 )
 from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
+from slipstream.service.api.lifecycle import NotServing
 from slipstream.service.telemetry.request_trace import WireStatus
 from slipstream.v1 import inference_pb2 as pb
 
@@ -73,6 +74,8 @@ _REJECTIONS: dict[type[Exception], Rejection] = {
         pb.REJECT_REASON_DEADLINE_INFEASIBLE, grpc.StatusCode.DEADLINE_EXCEEDED
     ),
     Draining: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
+    # A whole call refused while the server loads or drains: the same reason.
+    NotServing: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
     Unauthenticated: Rejection(pb.REJECT_REASON_UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED),
     PermissionDenied: Rejection(
         pb.REJECT_REASON_PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED
@@ -93,6 +96,9 @@ _FINISHES: dict[FinishReason, tuple[int, grpc.StatusCode]] = {
     FinishReason.MAX_TOKENS: (pb.FINISH_REASON_MAX_TOKENS, grpc.StatusCode.OK),
     FinishReason.STOP_SEQUENCE: (pb.FINISH_REASON_STOP_SEQUENCE, grpc.StatusCode.OK),
     FinishReason.CANCELLED: (pb.FINISH_REASON_CANCELLED, grpc.StatusCode.CANCELLED),
+    # Cut off by the server's shutdown: CANCELLED on the wire (no new value for
+    # clients to learn), UNAVAILABLE where a client's own cancel says CANCELLED.
+    FinishReason.SHUTDOWN: (pb.FINISH_REASON_CANCELLED, grpc.StatusCode.UNAVAILABLE),
     FinishReason.DEADLINE_EXCEEDED: (
         pb.FINISH_REASON_DEADLINE_EXCEEDED,
         grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -251,7 +251,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--grace-s",
         type=grace_seconds,
         default=30.0,
-        help="on SIGTERM, how long running requests may finish",
+        help="on SIGTERM, how long running requests may finish (a second SIGTERM ends it)",
     )
     parser.add_argument(
         "--max-connection-age-s",

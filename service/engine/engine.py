@@ -257,10 +257,11 @@ class Engine:
             return self._idle.wait_for(lambda: not self._live, timeout)
 
     def shutdown(self) -> None:
+        """Ends what is still live SHUTDOWN, then stops the engine thread."""
         with self._lock:
             live_ids = list(self._live)
         for req_id in live_ids:
-            self.abort(req_id, FinishReason.CANCELLED, "engine shut down")
+            self.abort(req_id, FinishReason.SHUTDOWN, "the server shut down before it finished")
         self.wait_idle(timeout=5.0)
         self._stopping = True
         self._wakeup.set()

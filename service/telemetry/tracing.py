@@ -184,6 +184,13 @@ class Telemetry:
         if self.metrics is not None:
             self.metrics.rejected("unauthenticated")
 
+    def not_serving(self, method: str, peer: str, reason: str, message: str) -> None:
+        """A call refused because the server is loading or draining; ``reason``
+        as on the wire (``draining``)."""
+        log.info("call_refused", method=method, peer=peer, reason=reason, detail=message)
+        if self.metrics is not None:
+            self.metrics.rejected(reason)
+
     def shutdown(self) -> None:
         """Record finished requests still queued, then flush buffered spans
         (bounded by the exporter's timeout)."""

@@ -27,10 +27,9 @@ from slipstream.service.api.http.errors import (
     ApiError,
     internal_error,
     model_not_found,
-    not_serving,
     too_large,
 )
-from slipstream.service.api.http.generation import Authenticator, Generations
+from slipstream.service.api.http.generation import Authenticator, Generations, not_serving
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
 from slipstream.service.api.limits import Limits
 
@@ -137,20 +136,20 @@ class HttpFront:
             self._runner = None
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model()]})
+        return web.json_response({"object": "list", "data": [self._model(request)]})
 
     async def model(self, request: web.Request) -> web.Response:
         """OpenAI's ``models.retrieve``: the served model, as listed."""
-        model = self._model()
+        model = self._model(request)
         if request.match_info["model"] != model["id"]:
             raise model_not_found(request.match_info["model"])
         return web.json_response(model)
 
-    def _model(self) -> dict[str, object]:
+    def _model(self, request: web.Request) -> dict[str, object]:
         try:
             info = self._lifecycle.engine.info
         except NotServing as exc:
-            raise not_serving(str(exc)) from None
+            raise not_serving(exc, request, self._telemetry) from None
         return {
             "id": info.name,
             "object": "model",

@@ -21,6 +21,7 @@ from slipstream.scheduler.errors import (
     QueueFull,
 )
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
+from slipstream.service.api.lifecycle import NotServing
 from slipstream.service.api.status import (
     INVALID,
     Rejection,
@@ -97,10 +98,6 @@ def model_not_found(model: str) -> ApiError:
     )
 
 
-def not_serving(message: str) -> ApiError:
-    return ApiError(503, message, type="service_unavailable", code="not_serving")
-
-
 # Domain error -> (HTTP status, OpenAI error type, code). Most specific first.
 _STATUSES: dict[type[Exception], tuple[int, str, str | None]] = {
     PromptTooLong: (400, "invalid_request_error", "context_length_exceeded"),
@@ -111,6 +108,7 @@ _STATUSES: dict[type[Exception], tuple[int, str, str | None]] = {
     # The google.rpc mapping of DEADLINE_EXCEEDED; answered before any token.
     DeadlineInfeasible: (504, "deadline_exceeded", "deadline_infeasible"),
     Draining: (503, "service_unavailable", "draining"),
+    NotServing: (503, "service_unavailable", "draining"),  # loading, or draining
     Unauthenticated: (401, "authentication_error", "invalid_api_key"),
     PermissionDenied: (403, "permission_denied", "permission_denied"),
     QuotaExceeded: (429, "rate_limit_exceeded", "quota_exceeded"),

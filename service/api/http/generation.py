@@ -65,6 +65,7 @@ SSE_HEADERS = {
 _FAILED: dict[FinishReason, tuple[int, str, str]] = {
     FinishReason.DEADLINE_EXCEEDED: (504, "deadline_exceeded", "deadline_exceeded"),
     FinishReason.CANCELLED: (503, "service_unavailable", "cancelled"),
+    FinishReason.SHUTDOWN: (503, "service_unavailable", "cancelled"),  # as before it had a name
     FinishReason.REJECTED: (503, "service_unavailable", "rejected"),
     FinishReason.ERROR: (500, "server_error", "internal_error"),
     FinishReason.OUT_OF_MEMORY: (503, "service_unavailable", "out_of_memory"),
@@ -115,6 +116,16 @@ def engine_id(envelope: Envelope) -> str:
     return f"http-{envelope.id}"
 
 
+def not_serving(exc: NotServing, request: web.Request, telemetry: Telemetry | None) -> ApiError:
+    """The 503 of a call refused while loading or draining, counted and
+    logged as a gRPC call's refusal is (reason ``draining`` on both)."""
+    error = _domain(exc)
+    if telemetry is not None:
+        where = f"{request.method} {request.path}"
+        telemetry.not_serving(where, request.remote or "", error.rejection.reason_name, str(exc))
+    return error
+
+
 def finish_error(event: FinishEvent) -> ApiError:
     status, kind, code = _FAILED[event.reason]
     message = event.message or f"the request ended: {event.reason.name.lower()}"
@@ -152,7 +163,7 @@ class Generations:
         try:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
-            raise ApiError(503, str(exc), "service_unavailable", None, "not_serving") from None
+            raise not_serving(exc, request, self._telemetry) from None
         if self._authenticate is not None:
             self._authenticate(request.headers.get("Authorization"))
         gate = None

@@ -206,9 +206,11 @@ def test_a_draining_server_refuses_with_unavailable(engine: object) -> None:
     srv = ServerThread(engine)
     try:
         srv.run(srv.lifecycle.drain())
-        with Client(srv.target) as client, pytest.raises(StreamError) as info:
-            client.generate_one("late", max_tokens=4).result(timeout=10)
-        assert info.value.code == "UNAVAILABLE"
+        with Client(srv.target) as client:
+            # Refused as a call, with its reason trailed: the client's rejection.
+            result = client.generate_one("late", max_tokens=4).result(timeout=10)
+        outcome = (result.finish_reason, result.reject_reason, result.status_code)
+        assert outcome == ("rejected", "draining", "UNAVAILABLE")
     finally:
         engine._draining = False  # type: ignore[attr-defined]  # shared by the module
         srv.stop()

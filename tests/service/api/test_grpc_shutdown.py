@@ -1,19 +1,32 @@
 """SIGTERM on a real ``slipstream serve`` process: health goes NOT_SERVING,
 new calls and submits are refused, the running request finishes, the process
-exits 0."""
+exits 0. A stop while the model is still loading ends the process at once; a
+second one during the drain ends the grace."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import signal
+import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from server_thread import hold_every_submit
+from structlog.testing import capture_logs
 
-from slipstream.clients import Client
+from slipstream.clients import Client, Result
+from slipstream.service.engine.config import EngineConfig
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+CONFIG = EngineConfig(model="tiny", dtype="float32", calibrate_cost_model=False)
 
 
 def health_status(target: str) -> int:
@@ -58,3 +71,158 @@ def test_sigterm_drains_then_exits(
         assert proc.wait(timeout=30) == 0
     finally:
         client.close()
+
+
+def test_a_stop_while_loading_closes_the_listeners_without_waiting_for_the_load() -> None:
+    from slipstream.service.api.server import run
+
+    release = threading.Event()
+
+    def load_forever() -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # the server's own handler
+        release.wait(30)
+        raise RuntimeError("the load was released")
+
+    started = time.monotonic()
+    try:
+        with capture_logs() as logs:
+            asyncio.run(run(load_forever, "127.0.0.1", 0, 30.0))
+        assert time.monotonic() - started < 10, "run waited for the load"
+    finally:
+        release.set()
+    events = [line["event"] for line in logs]
+    assert "server_stopped_while_loading" in events and "server_serving" not in events
+    port = next(line["port"] for line in logs if line["event"] == "server_loading")
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "still listening"
+
+
+# ``slipstream serve`` whose model load never ends.
+_SERVE_LOADING_FOREVER = """
+import sys, threading
+from slipstream.service.engine import loader
+loader.load_engine = lambda config: threading.Event().wait()
+from slipstream.service.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_loading_exits_0_at_once() -> None:
+    command = [sys.executable, "-c", _SERVE_LOADING_FOREVER, "serve", "--model", "tiny"]
+    command += ["--port", "0", "--http-port", "0", "--log-format", "json"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if '"server_loading"' in line:
+                break
+        else:
+            raise AssertionError(f"the server exited before loading ({proc.wait()})")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        rest = proc.stderr.read()
+        stopped = [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
+        assert [line["event"] for line in stopped] == ["server_stopped_while_loading"]
+        assert rest.rstrip().endswith("slipstream: stopped")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_second_sigterm_cuts_the_drain_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    from slipstream.service.api.server import run
+    from slipstream.service.engine.loader import load_engine
+
+    def load_holding() -> object:
+        engine = load_engine(CONFIG)
+        hold_every_submit(engine, monkeypatch)  # its request never finishes by itself
+        return engine
+
+    outcome: list[object] = []
+
+    def stop_twice(target: str, engine: object) -> None:
+        with Client(target) as client:
+            stream = client.stream()
+            running = stream.generate("held", max_tokens=8)
+            while not engine.live_output_counts():  # type: ignore[attr-defined]
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            while health_status(target) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                outcome.append(running.result(timeout=30))
+            except Exception as exc:
+                outcome.append(exc)
+
+    def on_ready(port: int, engine: object) -> None:
+        target = f"127.0.0.1:{port}"
+        threading.Thread(target=stop_twice, args=(target, engine), daemon=True).start()
+
+    started = time.monotonic()
+    with capture_logs() as logs:
+        asyncio.run(run(load_holding, "127.0.0.1", 0, 30.0, on_ready=on_ready))
+    assert time.monotonic() - started < 15, "the drain waited out its grace"
+    cut = [line for line in logs if line["event"] == "server_drain_cut_short"]
+    assert [line["num_running"] for line in cut] == [1]
+    end = time.monotonic() + 10
+    while not outcome:
+        assert time.monotonic() < end, "the held request never ended"
+        time.sleep(0.01)
+    result = outcome[0]
+    assert isinstance(result, Result), result
+    assert (result.finish_reason, result.status_code) == ("cancelled", "UNAVAILABLE")
+
+
+def test_requests_cut_off_at_the_grace_end_shutdown_not_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Told apart from a client's cancel: reason shutdown in the metrics and
+    the log, and on the wire CANCELLED with status UNAVAILABLE."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from slipstream.service.api.server import run
+    from slipstream.service.engine.loader import load_engine
+    from slipstream.service.telemetry.metrics import ServerMetrics
+    from slipstream.service.telemetry.tracing import Telemetry
+
+    def load_holding() -> object:
+        engine = load_engine(CONFIG)
+        hold_every_submit(engine, monkeypatch)  # its request never finishes by itself
+        return engine
+
+    results: list[object] = []
+
+    def stop_once(target: str, engine: object) -> None:
+        with Client(target) as client:
+            running = client.stream().generate("held", max_tokens=8)
+            while not engine.live_output_counts():  # type: ignore[attr-defined]
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+            try:
+                results.append(running.result(timeout=30))
+            except Exception as exc:
+                results.append(exc)
+
+    def on_ready(port: int, engine: object) -> None:
+        target = f"127.0.0.1:{port}"
+        threading.Thread(target=stop_once, args=(target, engine), daemon=True).start()
+
+    metrics = ServerMetrics()
+    telemetry = Telemetry(TracerProvider(), metrics)
+    with capture_logs() as logs:
+        asyncio.run(run(load_holding, "127.0.0.1", 0, 0.5, on_ready=on_ready, telemetry=telemetry))
+    end = time.monotonic() + 10
+    while not results:
+        assert time.monotonic() < end, "the held request never ended"
+        time.sleep(0.01)
+    result = results[0]
+    assert isinstance(result, Result), result
+    assert (result.finish_reason, result.status_code) == ("cancelled", "UNAVAILABLE")
+    finished = [line for line in logs if line["event"] == "request_finished"]
+    assert [line["reason"] for line in finished] == ["shutdown"]
+    expired = [line for line in logs if line["event"] == "server_grace_expired"]
+    assert [line["num_running"] for line in expired] == [1]
+    labels = {"priority": "0", "reason": "shutdown"}
+    assert metrics.registry.get_sample_value("slipstream_requests_finished_total", labels) == 1
