@@ -33,6 +33,7 @@ from slipstream.service.api.http.errors import (
     retry_after,
     too_large,
 )
+from slipstream.service.api.http.logprobs import LogprobsBuilder, TokenTexts
 from slipstream.service.api.http.params import OpenAIRequest, Prompt, parse
 from slipstream.service.api.http.relay import EventRelay
 from slipstream.service.api.http.responses import (
@@ -151,6 +152,7 @@ class Generations:
         self._tenants = tenants  # bearer tokens and limits, as on gRPC
         self._workers = workers  # the server's tokenizer pool, shared with gRPC
         self._limits = limits or Limits()  # the sizes gRPC enforces, from serve's flags
+        self._token_texts: TokenTexts | None = None  # the served tokenizer's, made when asked
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, is_chat=False)
@@ -201,12 +203,21 @@ class Generations:
             self._rejected(exc, envelope, parsed.submit.trace_context, gate)
             raise
         try:
+            logprobs = None
+            if gen_request.sampling.logprobs is not None:
+                logprobs = LogprobsBuilder(self._texts(engine), is_chat)
             if parsed.is_stream:
-                return await self._stream(request, parsed, envelope, relay)
-            return await self._whole(envelope, relay)
+                return await self._stream(request, parsed, envelope, relay, logprobs)
+            return await self._whole(envelope, relay, logprobs)
         finally:
             if not relay.is_finished:
                 engine.abort(gen_request.req_id, message="the client disconnected")
+
+    def _texts(self, engine: Engine) -> TokenTexts:
+        """Token texts for log-probabilities, kept across requests (one tokenizer)."""
+        if self._token_texts is None or self._token_texts.tokenizer is not engine.tokenizer:
+            self._token_texts = TokenTexts(engine.tokenizer)
+        return self._token_texts
 
     def _rejected(
         self,
@@ -291,19 +302,31 @@ class Generations:
             field = exc.field if isinstance(exc, InvalidRequest) else None  # ids out of vocabulary
             raise _domain(exc, None if field is None else _param(field, parsed)) from None
 
-    async def _whole(self, envelope: Envelope, relay: EventRelay) -> web.Response:
+    async def _whole(
+        self, envelope: Envelope, relay: EventRelay, logprobs: LogprobsBuilder | None = None
+    ) -> web.Response:
         texts: list[str] = []
         async for batch in relay.batches():
             texts.extend(event.text for event in batch)
+            if logprobs is not None:
+                for event in batch:
+                    if isinstance(event, TokenEvent):
+                        logprobs.add(event)
         finish = batch[-1]
         assert isinstance(finish, FinishEvent)
         if finish.reason not in OPENAI_FINISH:
             raise finish_error(finish)
-        body = envelope.completion("".join(texts), finish)
+        whole = None if logprobs is None else logprobs.whole()
+        body = envelope.completion("".join(texts), finish, whole)
         return web.Response(text=json.dumps(body), content_type="application/json")
 
     async def _stream(
-        self, request: web.Request, parsed: OpenAIRequest, envelope: Envelope, relay: EventRelay
+        self,
+        request: web.Request,
+        parsed: OpenAIRequest,
+        envelope: Envelope,
+        relay: EventRelay,
+        logprobs: LogprobsBuilder | None = None,
     ) -> web.StreamResponse:
         """Headers go out with the first event, so a request refused or
         expired before its first token still gets its own status."""
@@ -321,7 +344,8 @@ class Generations:
                     out.append(encoder.first())
                 for event in batch:
                     if isinstance(event, TokenEvent):
-                        out.append(encoder.token(event.text))
+                        chunk = None if logprobs is None else logprobs.chunk(event)
+                        out.append(encoder.token(event.text, chunk))
                     elif event.reason in OPENAI_FINISH:
                         out.append(encoder.finish(event.text, event))
                     else:

@@ -6,10 +6,11 @@ Accepted: ``model``, ``prompt`` (a string, a list of token ids, or a
 one-element list of either) or ``messages``, ``stream``,
 ``stream_options.include_usage``, ``max_tokens`` / ``max_completion_tokens``,
 ``temperature`` (0 to 2), ``top_p``, ``seed``, ``stop``, ``n`` = 1,
-``user``; the Slipstream extensions ``priority``, ``deadline_ms``,
-``expected_output_tokens``, ``top_k`` and ``ignore_eos``. Anything else
-that would change the answer (``logprobs``, ``top_logprobs``, ``echo``,
-``suffix``, ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
+``user``, ``logprobs`` (completions: 0 to 20 alternatives; chat: a boolean,
+with ``top_logprobs`` 0 to 20); the Slipstream extensions ``priority``,
+``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
+Anything else that would change the answer (``echo``, ``suffix``,
+``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
 ``response_format``, ...) is refused with a 400 naming the field: this
 engine does not implement it, and ignoring it would silently change the
 request's meaning.
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from slipstream.scheduler.request import MAX_TOP_LOGPROBS
 from slipstream.service.api.http.errors import invalid
 from slipstream.v1 import inference_pb2 as pb
 
@@ -41,13 +43,11 @@ _COMMON = frozenset(
     {
         "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
         "stop", "n", "user", "priority", "deadline_ms", "expected_output_tokens", "top_k",
-        "ignore_eos",
+        "ignore_eos", "logprobs",
     }
 )  # fmt: skip
 # Accepted only at the value that means "off".
 _OFF_VALUES: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
     "echo": (None, False),
     "suffix": (None,),
     "best_of": (None, 1),
@@ -56,7 +56,7 @@ _OFF_VALUES: dict[str, tuple[object, ...]] = {
     "logit_bias": (None, {}),
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
 Prompt = str | list[int] | list[tuple[str, str]]
 _T = TypeVar("_T", int, float)
@@ -100,6 +100,7 @@ def parse(
     if priority is not None:
         submit.priority = priority
     _sampling(body, submit.sampling)
+    _logprobs(body, submit, is_chat)
     _stopping(body, submit.stopping, is_chat, max_model_len)
     deadline_ms = _deadline_ms(body, headers)
     if deadline_ms is not None:
@@ -265,6 +266,24 @@ def _sampling(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
     seed = _int(body, "seed", 0, MAX_UINT64)
     if seed is not None:
         sampling.seed = seed
+
+
+def _logprobs(body: Mapping[str, object], submit: pb.Submit, is_chat: bool) -> None:
+    """Completions' ``logprobs: k`` or chat's ``logprobs: true, top_logprobs: k``
+    as the gRPC fields (``return_logprobs``, ``top_logprobs``)."""
+    if is_chat:
+        wanted = bool(_optional(body, "logprobs", bool))
+        top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        if top and not wanted:  # as OpenAI's and vLLM's; 0 asks for nothing
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    else:
+        if body.get("logprobs") is False:  # "off", accepted before logprobs were
+            return
+        top = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        wanted = top is not None
+    if wanted:
+        submit.return_logprobs = True
+        submit.top_logprobs = top or 0
 
 
 def _stopping(

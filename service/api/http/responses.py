@@ -1,7 +1,8 @@
 """OpenAI response bodies: whole completions and server-sent-event chunks.
 
 A streamed token costs one ``json.dumps`` of its text: each chunk is a
-prefix and a suffix fixed for the request around that encoded delta.
+prefix and a suffix fixed for the request around that encoded delta (and,
+for a request that asked, a second around its log-probabilities).
 """
 
 from __future__ import annotations
@@ -56,14 +57,16 @@ class Envelope:
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def completion(self, text: str, event: FinishEvent) -> dict[str, object]:
-        """The whole answer (no streaming)."""
+    def completion(
+        self, text: str, event: FinishEvent, logprobs: object = None
+    ) -> dict[str, object]:
+        """The whole answer (no streaming); ``logprobs`` as ``LogprobsBuilder.whole``."""
         choice: dict[str, object] = {"index": 0}
         if self.is_chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = None
+        choice["logprobs"] = logprobs
         choice["finish_reason"] = OPENAI_FINISH[event.reason]
         return {**self.head(False), "choices": [choice], "usage": usage(event)}
 
@@ -81,7 +84,10 @@ class ChunkEncoder:
             self._prefix += b'{"content":'
         tail = "}" if envelope.is_chat else ""
         usage_null = ',"usage":null' if include_usage else ""
-        self._suffix = f'{tail},"logprobs":null,"finish_reason":null}}]{usage_null}}}\n\n'.encode()
+        end = f',"finish_reason":null}}]{usage_null}}}\n\n'.encode()
+        self._suffix = f'{tail},"logprobs":null'.encode() + end
+        self._logprobs_infix = f'{tail},"logprobs":'.encode()
+        self._logprobs_end = end
 
     def first(self) -> bytes:
         """Chat's opening chunk carries the role; completions have none."""
@@ -89,8 +95,12 @@ class ChunkEncoder:
             return b""
         return self._line([{"index": 0, "delta": {"role": "assistant", "content": ""}}])
 
-    def token(self, text: str) -> bytes:
-        return self._prefix + _dumps(text).encode() + self._suffix
+    def token(self, text: str, logprobs: object = None) -> bytes:
+        """A chunk of ``text``; ``logprobs`` (``LogprobsBuilder.chunk``) where asked."""
+        if logprobs is None:
+            return self._prefix + _dumps(text).encode() + self._suffix
+        head = self._prefix + _dumps(text).encode() + self._logprobs_infix
+        return head + _dumps(logprobs).encode() + self._logprobs_end
 
     def finish(self, text: str, event: FinishEvent) -> bytes:
         """The last chunk (held-back text, finish reason), usage if asked, [DONE]."""

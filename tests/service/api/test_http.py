@@ -511,7 +511,7 @@ def test_traceparent_joins_the_callers_trace(
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),  # 0 to 20 alternatives
         ({"echo": True}, "echo"),
         ({"n": 2}, "n"),
         ({"best_of": 3}, "best_of"),
@@ -566,7 +566,7 @@ def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1}, "logprobs"),  # a boolean in chat
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -672,7 +672,7 @@ def test_a_token_limit_out_of_range_names_its_field_and_the_models_context(
 
 def test_sdk_sees_400_404_and_413(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
-        oai.completions.create(model="tiny", prompt="x", logprobs=1)
+        oai.completions.create(model="tiny", prompt="x", logprobs=21)
     assert error_of(bad.value)["param"] == "logprobs"
     with pytest.raises(openai.NotFoundError) as unknown:
         oai.completions.create(model="gpt-9", prompt="x")
