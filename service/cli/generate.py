@@ -400,7 +400,7 @@ def _local_prompt_ids(spec: PromptSpec, tokenizer: object) -> list[int]:
 
 class _LocalCollector:
     def __init__(
-        self, engine: object, req_id: str, cancel_after: int | None, with_logprobs: bool
+        self, engine: object, req_id: str, cancel_after: int | None, with_logprobs: bool = False
     ) -> None:
         self.req_id = req_id
         self._with_logprobs = with_logprobs
