@@ -76,6 +76,7 @@ from prometheus_client.registry import Collector
 
 from slipstream.scheduler.request import FinishReason, RejectCause, Request
 from slipstream.service.telemetry.gc_pauses import GC_PAUSE_BUCKETS, GcPauses, gc_pauses
+from slipstream.service.telemetry.request_trace import rejection_label
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -119,7 +120,6 @@ DURATION_BUCKETS = (
 # Classes above this share one label (priority_label): the wire accepts any
 # non-negative priority, and each distinct label value is a series kept forever.
 MAX_LABELLED_PRIORITY = 7
-_ENGINE_REJECTION = "scheduler"  # a request the scheduler refused after accepting it
 # Outcomes that say whether a deadline was met; a cancelled or failed request says neither.
 _JUDGED = frozenset(
     {
@@ -459,13 +459,11 @@ class ServerMetrics:
             self.tenant_tokens.labels(tenant, "output").inc(event.num_output_tokens)
         if event.reason is FinishReason.REJECTED:
             cause = event.reject_cause
-            self.rejections.labels(_ENGINE_REJECTION if cause is None else cause.name.lower()).inc()
+            self.rejections.labels(rejection_label(cause)).inc()
             if cause is RejectCause.SHED:
                 self.shed.labels(priority).inc()
             if tenant:
-                self.tenant_rejections.labels(
-                    tenant, _ENGINE_REJECTION if cause is None else cause.name.lower()
-                ).inc()
+                self.tenant_rejections.labels(tenant, rejection_label(cause)).inc()
             return
         if event.ttft_s is not None:
             self.ttft.labels(priority).observe(event.ttft_s)

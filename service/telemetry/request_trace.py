@@ -23,6 +23,7 @@ its attributes are a contract: dashboards and queries are built on them.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -35,7 +36,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
-from slipstream.scheduler.request import FinishReason, Request
+from slipstream.scheduler.request import FinishReason, RejectCause, Request
 from slipstream.service.engine.observer import preemption_kind
 
 if TYPE_CHECKING:
@@ -65,6 +66,15 @@ FinishStatus = Callable[["FinishEvent"], WireStatus]
 OPERATION = "text_completion"
 PROVIDER = "slipstream"
 TOKEN_EVENT = "slipstream.token"
+# The reason of a request the scheduler rejected with no cause given.
+ENGINE_REJECTION = "scheduler"
+
+
+def rejection_label(cause: RejectCause | None) -> str:
+    """Why the scheduler rejected a request it had queued, as a label: the
+    wire's reject reason name (``shed``, ``deadline_infeasible``), as a refusal
+    at the door is labelled (``queue_full``) in logs, spans and metrics."""
+    return ENGINE_REJECTION if cause is None else cause.name.lower()
 
 
 @dataclass(slots=True)
@@ -317,6 +327,24 @@ class RequestTracer:
         event, context = finished.event, finished.context
         if finished.timeline is not None:
             self._end(finished.timeline, event, finished.at)
+        tenant = {"tenant": finished.tenant} if finished.tenant else {}
+        if event.reason is FinishReason.REJECTED:
+            # Rejected after queueing (shed, deadline infeasible): the same line
+            # as a refusal at the door, with how long it waited for it.
+            log.info(
+                "request_rejected",
+                request_id=event.req_id,
+                client_request_id=finished.client_request_id,
+                reason=rejection_label(event.reject_cause),
+                detail=event.message,
+                **_limits(event),
+                prompt_tokens=event.num_prompt_tokens,
+                queue_wait_ms=round(event.queue_wait_s * 1e3, 3),
+                total_ms=round(event.total_s * 1e3, 3),
+                **tenant,
+                **_ids(context),
+            )
+            return
         log.info(
             "request_finished",
             request_id=event.req_id,
@@ -329,7 +357,7 @@ class RequestTracer:
             total_ms=round(event.total_s * 1e3, 3),
             preemptions=event.num_preemptions,
             held_back_steps=event.num_held_back,
-            **({"tenant": finished.tenant} if finished.tenant else {}),
+            **tenant,
             **_ids(context),
         )
 
@@ -357,8 +385,8 @@ class RequestTracer:
             span.set_attribute("rpc.grpc.status_code", status.code)
         if event.ttft_s is not None:
             span.set_attribute("slipstream.ttft_ms", event.ttft_s * 1e3)
-        if event.reason is FinishReason.REJECTED:
-            span.set_attribute("slipstream.rejection.reason", event.message or "rejected")
+        if event.reason is FinishReason.REJECTED:  # the label; the text is in the status
+            span.set_attribute("slipstream.rejection.reason", rejection_label(event.reject_cause))
         if status is not None and status.name != "OK":
             detail = f"{status.name}: {event.message}" if event.message else status.name
             span.set_status(Status(StatusCode.ERROR, detail))
@@ -437,6 +465,17 @@ class RequestTracer:
                 },
                 wall(at),
             )
+
+
+def _limits(event: FinishEvent) -> dict[str, str | int]:
+    """The time limit that ended a request and the retry hint it was given,
+    where it has them (as ``Finished.expired_limit`` / ``retry_after_ms``)."""
+    limits: dict[str, str | int] = {}
+    if event.expired_limit is not None:
+        limits["expired_limit"] = event.expired_limit.name.lower()
+    if event.retry_after_s is not None:
+        limits["retry_after_ms"] = max(1, math.ceil(event.retry_after_s * 1000))
+    return limits
 
 
 def _base_attributes(model: str) -> dict[str, str | int | float | bool]:

@@ -4,6 +4,9 @@ chunks) and what it costs to not trace."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -11,8 +14,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from slipstream.scheduler.plan import RequestOutput, ScheduledSeq, StepPlan
-from slipstream.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from slipstream.scheduler.request import (
+    ExpiredLimit,
+    FinishReason,
+    RejectCause,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from slipstream.service.engine.events import FinishEvent, RequestSpec
+from slipstream.service.telemetry import request_trace
 from slipstream.service.telemetry.request_trace import RequestTracer
 
 BYTES_PER_BLOCK = 1024
@@ -79,3 +90,76 @@ def test_a_sampled_out_request_is_not_tracked() -> None:
     tracer.on_finish(FinishEvent("a", FinishReason.EOS))
     assert tracer.flush(timeout=10)
     assert exporter.get_finished_spans() == ()
+
+
+class _Lines:
+    """Stands in for the module's logger: structlog's loggers are cached on
+    first use once configured, so capture_logs would not see them."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, object]]] = []
+
+    def info(self, event: str, **fields: object) -> None:
+        self.lines.append((event, fields))
+
+    def exception(self, event: str, **fields: object) -> None:
+        raise AssertionError(f"{event} {fields}")
+
+
+@pytest.mark.parametrize(
+    ("finish", "label", "limits"),
+    [
+        (
+            FinishEvent(
+                "a",
+                FinishReason.REJECTED,
+                "shed from a full queue for a more urgent request; retry after 4.000s",
+                reject_cause=RejectCause.SHED,
+                retry_after_s=4.0,
+            ),
+            "shed",
+            {"retry_after_ms": 4000},
+        ),
+        (
+            FinishEvent(
+                "a",
+                FinishReason.REJECTED,
+                "cannot meet deadline: 431 ms left, an estimated 900 ms needed",
+                reject_cause=RejectCause.DEADLINE_INFEASIBLE,
+                expired_limit=ExpiredLimit.DEADLINE,
+            ),
+            "deadline_infeasible",
+            {"expired_limit": "deadline"},
+        ),
+    ],
+)
+def test_a_rejection_after_queueing_is_logged_and_tagged_as_one_at_the_door(
+    monkeypatch: pytest.MonkeyPatch, finish: FinishEvent, label: str, limits: dict[str, object]
+) -> None:
+    from slipstream.service.api.status import finish_status
+
+    lines = _Lines()
+    monkeypatch.setattr(request_trace, "log", lines)
+    tracer, exporter = traced()
+    tracer.finish_status = finish_status
+    submit(tracer)
+    tracer.on_finish(replace(finish, queue_wait_s=0.068, total_s=0.068, num_prompt_tokens=6))
+    assert tracer.flush(timeout=10)
+
+    [(event, fields)] = lines.lines  # one line a request, as at the door
+    assert event == "request_rejected"
+    assert fields["reason"] == label and fields["detail"] == finish.message
+    assert {k: fields[k] for k in limits} == limits
+    assert fields["request_id"] == "a" and fields["client_request_id"] == "client-a"
+    assert fields["queue_wait_ms"] == 68.0
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "text_completion m"]
+    assert span.attributes["slipstream.rejection.reason"] == label  # a tag search finds it
+    assert finish.message in span.status.description
+
+
+@pytest.mark.parametrize("cause", list(RejectCause))
+def test_a_causes_label_is_its_wire_reject_reason(cause: RejectCause) -> None:
+    from slipstream.service.api.status import rejection_for_cause
+    from slipstream.service.telemetry.request_trace import rejection_label
+
+    assert rejection_label(cause) == rejection_for_cause(cause).reason_name
