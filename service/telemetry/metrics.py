@@ -36,7 +36,8 @@ choosing priorities freely cannot add series without bound)::
     slipstream_capacity_refusals_total{priority, reason}    counter (reason=overloaded|queue_full)
     slipstream_overload_estimate                            gauge (offered / served; <= 1 with room)
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
-    slipstream_deadline_misses_total{priority}              counter (expired or late)
+    slipstream_deadline_misses_total{priority}              counter (expired, late, or
+                                                            rejected as infeasible once queued)
     slipstream_held_back_steps_total{priority}              counter (steps requests were kept out
                                                             of the batch for more urgent work)
     gen_ai_server_time_to_first_token_seconds{priority}     histogram
@@ -355,13 +356,15 @@ class ServerMetrics:
         )
         self.deadline_requests = Counter(
             "slipstream_deadline_requests",
-            "Finished requests that had a deadline",
+            "Finished requests that had a deadline and were judged against it (not "
+            "cancelled or failed; not refused at the door)",
             labels,
             registry=self.registry,
         )
         self.deadline_misses = Counter(
             "slipstream_deadline_misses",
-            "Requests with a deadline that expired or finished after it",
+            "Requests with a deadline that expired, finished after it, or were rejected as "
+            "unable to meet it after queueing",
             labels,
             registry=self.registry,
         )
@@ -464,6 +467,11 @@ class ServerMetrics:
                 self.shed.labels(priority).inc()
             if tenant:
                 self.tenant_rejections.labels(tenant, rejection_label(cause)).inc()
+            if deadline is not None and cause is RejectCause.DEADLINE_INFEASIBLE:
+                # Accepted with its deadline, then given up on: a miss. (A refusal
+                # at the door never held a deadline the server took on: not judged.)
+                self.deadline_requests.labels(priority).inc()
+                self.deadline_misses.labels(priority).inc()
             return
         if event.ttft_s is not None:
             self.ttft.labels(priority).observe(event.ttft_s)

@@ -365,3 +365,22 @@ def test_a_client_chosen_priority_adds_no_series_above_class_8() -> None:
     assert sample("slipstream_overload_refused_total", {"priority": "8+"}) == 5
     refusals = "slipstream_capacity_refusals_total"
     assert sample(refusals, {"priority": "8+", "reason": "queue_full"}) == 5
+
+
+def test_a_deadline_the_scheduler_gives_up_on_after_queueing_is_a_miss() -> None:
+    from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
+
+    metrics = ServerMetrics()
+    deadline = time.monotonic() + 0.5
+    for req_id, cause in (("late", RejectCause.DEADLINE_INFEASIBLE), ("shed", RejectCause.SHED)):
+        metrics.on_submit(RequestSpec(req_id, [1, 2], 4, priority=2, deadline=deadline), None)  # type: ignore[arg-type]
+        limit = ExpiredLimit.DEADLINE if cause is RejectCause.DEADLINE_INFEASIBLE else None
+        metrics.on_finish(
+            FinishEvent(req_id, FinishReason.REJECTED, reject_cause=cause, expired_limit=limit)
+        )
+    metrics.rejected("deadline_infeasible")  # refused at the door: never held the deadline
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_deadline_requests_total", {"priority": "2"}) == 1
+    assert sample("slipstream_deadline_misses_total", {"priority": "2"}) == 1
+    assert sample("slipstream_rejections_total", {"reason": "deadline_infeasible"}) == 2
