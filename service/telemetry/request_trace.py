@@ -78,6 +78,20 @@ def rejection_label(cause: RejectCause | None) -> str:
 
 
 @dataclass(slots=True)
+class _Preemption:
+    """One preemption of a traced request: when and at which step it was
+    pushed out, and when and at which step it was scheduled again (None
+    while still preempted)."""
+
+    at: float
+    step: int
+    kind: str
+    blocks: int
+    resumed: float | None = None
+    resume_step: int | None = None
+
+
+@dataclass(slots=True)
 class _Timeline:
     """What happened to one traced request, as plain values (engine thread).
 
@@ -95,7 +109,7 @@ class _Timeline:
     preempt_kind: str = ""
     swapped_bytes: int = 0
     prefills: list[tuple[float, float, int, int, int, int]] = field(default_factory=list)
-    preemptions: list[tuple[float, float | None, str, int, int]] = field(default_factory=list)
+    preemptions: list[_Preemption] = field(default_factory=list)
     tokens: list[tuple[float, int, int, float]] = field(default_factory=list)
 
     def scheduled(self, seq: ScheduledSeq, step: int, size: int, start: float, end: float) -> None:
@@ -103,8 +117,8 @@ class _Timeline:
             if self.first_scheduled is None:
                 self.first_scheduled = start
             elif self.preemptions:
-                at, _, kind, blocks, pstep = self.preemptions[-1]
-                self.preemptions[-1] = (at, start, kind, blocks, pstep)
+                self.preemptions[-1].resumed = start
+                self.preemptions[-1].resume_step = step
             self.queue_wait_s += start - self.waiting_since
             self.waiting_since = None
         if len(seq.token_ids) > 1 or seq.start_pos < self.num_prompt_tokens:
@@ -114,7 +128,7 @@ class _Timeline:
         kind = "recompute" if self.state is None else preemption_kind(self.state)
         blocks = len(self.state.host_block_ids) if kind == "swap" and self.state else 0
         self.swapped_bytes += blocks * bytes_per_block
-        self.preemptions.append((at, None, kind, blocks, step))
+        self.preemptions.append(_Preemption(at, step, kind, blocks))
         self.waiting_since = at
 
 
@@ -422,16 +436,16 @@ class RequestTracer:
                     "slipstream.prefill.num_tokens": num,
                 },
             )
-        for at, resumed, kind, blocks, step in timeline.preemptions:
+        for pause in timeline.preemptions:
             self._child(
                 "slipstream.preempted",
                 parent,
-                at,
-                now if resumed is None else resumed,
+                pause.at,
+                now if pause.resumed is None else pause.resumed,
                 {
-                    "slipstream.preemption.kind": kind,
-                    "slipstream.preemption.swapped_blocks": blocks,
-                    "slipstream.step": step,
+                    "slipstream.preemption.kind": pause.kind,
+                    "slipstream.preemption.swapped_blocks": pause.blocks,
+                    "slipstream.step": pause.step,
                 },
             )
         if timeline.tokens:
@@ -445,13 +459,21 @@ class RequestTracer:
                 {"slipstream.queue.wait_ms": (timeline.first_scheduled - timeline.arrival) * 1e3},
                 wall(timeline.first_scheduled),
             )
-        for at, resumed, kind, blocks, step in timeline.preemptions:
-            attrs = {"slipstream.preemption.kind": kind, "slipstream.step": step}
+        for pause in timeline.preemptions:
+            kind = {"slipstream.preemption.kind": pause.kind}
             span.add_event(
-                "slipstream.preempt", {**attrs, "slipstream.preemption.blocks": blocks}, wall(at)
+                "slipstream.preempt",
+                {
+                    **kind,
+                    "slipstream.step": pause.step,
+                    "slipstream.preemption.blocks": pause.blocks,
+                },
+                wall(pause.at),
             )
-            if resumed is not None:
-                span.add_event("slipstream.resume", attrs, wall(resumed))
+            if pause.resumed is not None and pause.resume_step is not None:
+                # The step it rejoined, to join with that step's slipstream.batch.id.
+                resume = {**kind, "slipstream.step": pause.resume_step}
+                span.add_event("slipstream.resume", resume, wall(pause.resumed))
         add_event = span.add_event
         for index, (at, step, size, wait_ms) in enumerate(timeline.tokens):
             add_event(

@@ -82,6 +82,26 @@ def test_a_swap_preemption_adds_its_wait_to_later_tokens() -> None:
     assert [s.attributes["slipstream.prefill.num_tokens"] for s in prefills] == [4, 2]
 
 
+def test_a_resume_carries_the_step_that_rescheduled_it() -> None:
+    tracer, exporter = traced()
+    state = submit(tracer)
+    tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 100.0, 100.1)
+    state.status, state.host_block_ids = RequestStatus.SWAPPED, [3]
+    tracer.on_step(StepPlan(2, [seq("b", 0, 1)], preempted_req_ids=["a"]), [], 100.1, 100.2)
+    tracer.on_step(StepPlan(3, [seq("b", 1, 1)]), [], 100.2, 100.3)  # still out
+    state.status = RequestStatus.RUNNING
+    tracer.on_step(StepPlan(4, [seq("a", 7, 1)]), [RequestOutput("a", [8])], 100.3, 100.4)
+    tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=2))
+    assert tracer.flush(timeout=10)
+
+    [request] = [s for s in exporter.get_finished_spans() if s.name == "text_completion m"]
+    events = {e.name: e.attributes for e in request.events if e.name != "slipstream.token"}
+    assert events["slipstream.preempt"]["slipstream.step"] == 2
+    assert events["slipstream.resume"]["slipstream.step"] == 4  # the batch it rejoined
+    tokens = [e.attributes for e in request.events if e.name == "slipstream.token"]
+    assert tokens[-1]["slipstream.batch.id"] == events["slipstream.resume"]["slipstream.step"]
+
+
 def test_a_sampled_out_request_is_not_tracked() -> None:
     tracer, exporter = traced(ALWAYS_OFF)
     submit(tracer)
