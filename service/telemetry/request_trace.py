@@ -352,6 +352,7 @@ class RequestTracer:
                 reason=rejection_label(event.reject_cause),
                 detail=event.message,
                 **_limits(event),
+                priority=event.priority,
                 prompt_tokens=event.num_prompt_tokens,
                 queue_wait_ms=round(event.queue_wait_s * 1e3, 3),
                 total_ms=round(event.total_s * 1e3, 3),
@@ -359,17 +360,26 @@ class RequestTracer:
                 **_ids(context),
             )
             return
+        # queue_wait_ms is arrival to first scheduled (as Finished.timings says);
+        # preempted_ms the waits after that, which the span's queue.wait_ms adds in.
+        # Only an outcome other than OK has a message (why it ended) and perhaps
+        # the time limit that ended it.
         log.info(
             "request_finished",
             request_id=event.req_id,
             client_request_id=finished.client_request_id,
             reason=event.reason.name.lower(),
+            **({"message": event.message} if event.message else {}),
+            **_limits(event),
+            priority=event.priority,
             prompt_tokens=event.num_prompt_tokens,
+            cached_tokens=event.num_cached_tokens,
             output_tokens=event.num_output_tokens,
             queue_wait_ms=round(event.queue_wait_s * 1e3, 3),
             ttft_ms=None if event.ttft_s is None else round(event.ttft_s * 1e3, 3),
             total_ms=round(event.total_s * 1e3, 3),
             preemptions=event.num_preemptions,
+            preempted_ms=round(event.preempted_s * 1e3, 3),
             held_back_steps=event.num_held_back,
             **tenant,
             **_ids(context),

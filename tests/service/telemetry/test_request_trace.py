@@ -183,3 +183,39 @@ def test_a_causes_label_is_its_wire_reject_reason(cause: RejectCause) -> None:
     from slipstream.service.telemetry.request_trace import rejection_label
 
     assert rejection_label(cause) == rejection_for_cause(cause).reason_name
+
+
+def test_a_finished_line_says_where_the_time_went_and_why_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = _Lines()
+    monkeypatch.setattr(request_trace, "log", lines)
+    tracer, _ = traced()
+    submit(tracer)
+    tracer.on_finish(
+        FinishEvent(
+            "a",
+            FinishReason.DEADLINE_EXCEEDED,
+            "cannot meet deadline: 188 ms left, an estimated 424 ms needed",
+            num_prompt_tokens=6,
+            num_cached_tokens=4,
+            queue_wait_s=0.2269,
+            total_s=1.0969,
+            num_preemptions=2,
+            preempted_s=0.7026,
+            priority=3,
+            expired_limit=ExpiredLimit.DEADLINE,
+        )
+    )
+    tracer.on_finish(FinishEvent("b", FinishReason.EOS, num_output_tokens=2, priority=9))
+    assert tracer.flush(timeout=10)
+
+    (_, late), (_, done) = lines.lines
+    assert late["reason"] == "deadline_exceeded" and late["priority"] == 3
+    assert late["message"] == "cannot meet deadline: 188 ms left, an estimated 424 ms needed"
+    assert late["expired_limit"] == "deadline"
+    assert late["cached_tokens"] == 4
+    # The wait before first being scheduled and the waits while preempted, apart.
+    assert (late["queue_wait_ms"], late["preempted_ms"]) == (226.9, 702.6)
+    assert done["priority"] == 9 and done["preempted_ms"] == 0.0
+    assert "message" not in done and "expired_limit" not in done  # an OK outcome
