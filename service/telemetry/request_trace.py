@@ -90,6 +90,15 @@ class _Preemption:
     resumed: float | None = None
     resume_step: int | None = None
 
+    def attributes(self) -> dict[str, str | int]:
+        """The ``slipstream.preempted`` span's and ``slipstream.preempt``
+        event's attributes: one set of names for both."""
+        return {
+            "slipstream.preemption.kind": self.kind,
+            "slipstream.preemption.swapped_blocks": self.blocks,
+            "slipstream.step": self.step,
+        }
+
 
 @dataclass(slots=True)
 class _Timeline:
@@ -452,11 +461,7 @@ class RequestTracer:
                 parent,
                 pause.at,
                 now if pause.resumed is None else pause.resumed,
-                {
-                    "slipstream.preemption.kind": pause.kind,
-                    "slipstream.preemption.swapped_blocks": pause.blocks,
-                    "slipstream.step": pause.step,
-                },
+                pause.attributes(),
             )
         if timeline.tokens:
             self._child("slipstream.decode", parent, timeline.tokens[0][0], now)
@@ -470,19 +475,13 @@ class RequestTracer:
                 wall(timeline.first_scheduled),
             )
         for pause in timeline.preemptions:
-            kind = {"slipstream.preemption.kind": pause.kind}
-            span.add_event(
-                "slipstream.preempt",
-                {
-                    **kind,
-                    "slipstream.step": pause.step,
-                    "slipstream.preemption.blocks": pause.blocks,
-                },
-                wall(pause.at),
-            )
+            span.add_event("slipstream.preempt", pause.attributes(), wall(pause.at))
             if pause.resumed is not None and pause.resume_step is not None:
                 # The step it rejoined, to join with that step's slipstream.batch.id.
-                resume = {**kind, "slipstream.step": pause.resume_step}
+                resume = {
+                    "slipstream.preemption.kind": pause.kind,
+                    "slipstream.step": pause.resume_step,
+                }
                 span.add_event("slipstream.resume", resume, wall(pause.resumed))
         add_event = span.add_event
         for index, (at, step, size, wait_ms) in enumerate(timeline.tokens):

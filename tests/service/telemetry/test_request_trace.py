@@ -102,6 +102,26 @@ def test_a_resume_carries_the_step_that_rescheduled_it() -> None:
     assert tokens[-1]["slipstream.batch.id"] == events["slipstream.resume"]["slipstream.step"]
 
 
+def test_a_preemptions_span_and_event_name_their_attributes_alike() -> None:
+    tracer, exporter = traced()
+    state = submit(tracer)
+    tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 100.0, 100.1)
+    state.status, state.host_block_ids = RequestStatus.SWAPPED, [3, 4]
+    tracer.on_step(StepPlan(2, [seq("b", 0, 1)], preempted_req_ids=["a"]), [], 100.1, 100.2)
+    tracer.on_finish(FinishEvent("a", FinishReason.CANCELLED, num_output_tokens=1))
+    assert tracer.flush(timeout=10)
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    [event] = [e for e in spans["text_completion m"].events if e.name == "slipstream.preempt"]
+    expected = {
+        "slipstream.preemption.kind": "swap",
+        "slipstream.preemption.swapped_blocks": 2,
+        "slipstream.step": 2,
+    }
+    assert dict(spans["slipstream.preempted"].attributes) == expected
+    assert dict(event.attributes) == expected
+
+
 def test_a_sampled_out_request_is_not_tracked() -> None:
     tracer, exporter = traced(ALWAYS_OFF)
     submit(tracer)
