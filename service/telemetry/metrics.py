@@ -70,7 +70,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -331,6 +337,10 @@ class ServerMetrics:
     """The engine observer behind ``/metrics``; thread-safe."""
 
     def __init__(self) -> None:
+        # Every counter's and histogram's child would also export a _created
+        # sample, which the text format shows as a gauge family of its own:
+        # twice the families, read by nothing here. (A process-wide switch.)
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self._engine_collector = _EngineCollector()
         self.registry.register(self._engine_collector)

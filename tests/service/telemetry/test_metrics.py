@@ -384,3 +384,19 @@ def test_a_deadline_the_scheduler_gives_up_on_after_queueing_is_a_miss() -> None
     assert sample("slipstream_deadline_requests_total", {"priority": "2"}) == 1
     assert sample("slipstream_deadline_misses_total", {"priority": "2"}) == 1
     assert sample("slipstream_rejections_total", {"reason": "deadline_infeasible"}) == 2
+
+
+def test_no_created_series_double_the_families() -> None:
+    from prometheus_client import enable_created_metrics, generate_latest
+
+    from slipstream.scheduler.request import FinishReason
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
+
+    enable_created_metrics()  # prometheus_client's default, whatever ran before
+    metrics = ServerMetrics()
+    metrics.on_submit(RequestSpec("a", [1, 2], 4, priority=1), None)  # type: ignore[arg-type]
+    metrics.on_finish(FinishEvent("a", FinishReason.EOS, num_output_tokens=2, ttft_s=0.1))
+    metrics.rejected("queue_full")
+    text = generate_latest(metrics.registry).decode()
+    assert "slipstream_requests_finished_total" in text
+    assert "_created" not in text
