@@ -29,6 +29,7 @@ class Preemption(SchedulerState):
         else:
             self._drop_for_recompute(victim)
         victim.num_preemptions += 1
+        victim.preempted_since = now
         self._num_preemptions[mode] += 1
         state.preempted_ids[victim.req_id] = None
 

@@ -152,6 +152,10 @@ class Request:
     num_held_back: int = 0
     first_scheduled_time: float | None = None
     last_resumed_time: float | None = None  # last admission or swap-in
+    # Time spent preempted (swapped out, or queued again for recompute) up to
+    # the last resume; ``preempted_since`` is set while it is preempted.
+    preempted_s: float = 0.0
+    preempted_since: float | None = None
     first_token_time: float | None = None
     # Prefix cache (see block_manager.py): chain hashes of the leading full
     # blocks of prompt + outputs, computed as needed; how many leading blocks
@@ -179,6 +183,18 @@ class Request:
         shared["prompt_token_ids"] = list(spec.prompt_token_ids)
         shared["arrival_time"] = arrival_time
         return cls(**shared, eos_token_ids=eos_token_ids, spec=spec)
+
+    def mark_resumed(self, now: float) -> None:
+        """Scheduled (admitted or swapped in) at ``now``: a preemption's wait ends."""
+        if self.preempted_since is not None:
+            self.preempted_s += now - self.preempted_since
+            self.preempted_since = None
+        self.last_resumed_time = now
+
+    def preempted_time(self, now: float) -> float:
+        """Seconds spent preempted up to ``now``, the current preemption included."""
+        since = self.preempted_since
+        return self.preempted_s + (0.0 if since is None else now - since)
 
     @property
     def num_prompt_tokens(self) -> int:

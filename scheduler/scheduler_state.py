@@ -123,7 +123,7 @@ class SchedulerState:
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-        req.last_resumed_time = now
+        req.mark_resumed(now)
         self._running[req.req_id] = req
 
     def _finish(self, req: Request, reason: FinishReason, message: str) -> None:

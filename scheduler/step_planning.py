@@ -64,7 +64,7 @@ class StepPlanning(RoomMaking):
             if not self.device_pool.can_allocate(self._blocks_to_admit(hits, num_blocks)):
                 return
             self._swap_in(state, req, hits)
-            req.last_resumed_time = now
+            req.mark_resumed(now)
             req.block_ids.extend(self.device_pool.append(req.block_ids, target))
             self._add_seq(state, req, num_new)
 

@@ -157,6 +157,12 @@ def _seconds(value: Message, what: str, valid: tuple[int, int, int]) -> float:
     low, high, min_nanos = valid
     if not (low <= seconds <= high and min_nanos <= nanos <= 999_999_999):
         raise ValueError(f"{what} is out of range")
+    # A Duration's nanos carry the sign of its seconds (a Timestamp's are never
+    # negative): {seconds: 1, nanos: -5} is invalid, not 0.999999995 s.
+    if min_nanos < 0 and seconds * nanos < 0:
+        raise ValueError(
+            f"{what} is invalid: its nanos ({nanos}) and seconds ({seconds}) differ in sign"
+        )
     return seconds + nanos / 1e9
 
 

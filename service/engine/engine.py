@@ -500,6 +500,8 @@ class Engine:
             else state.first_token_time - state.arrival_time,
             total_s=now - state.arrival_time,
             num_preemptions=state.num_preemptions,
+            preempted_s=state.preempted_time(now),
+            priority=state.priority,
             num_held_back=state.num_held_back,
             text=live.detokenizer.flush(),
             expired_limit=None if detail is None else detail.expired_limit,

@@ -67,7 +67,9 @@ class FinishEvent:
     """The one final event of a request. ``expired_limit`` says which time
     limit ended it (DEADLINE_EXCEEDED, or REJECTED as infeasible);
     ``reject_cause`` why the scheduler rejected it after queueing it;
-    ``retry_after_s`` when a retry may succeed (shed)."""
+    ``retry_after_s`` when a retry may succeed (shed). ``queue_wait_s`` is
+    arrival to first scheduled; ``preempted_s`` the time spent preempted
+    after that (swapped out or queued again for recompute)."""
 
     req_id: str
     reason: FinishReason
@@ -79,6 +81,8 @@ class FinishEvent:
     ttft_s: float | None = None
     total_s: float = 0.0
     num_preemptions: int = 0
+    preempted_s: float = 0.0
+    priority: int = 0
     # Steps the batch shaper held it back for more urgent work.
     num_held_back: int = 0
     text: str = ""  # any text held back until the end (incomplete UTF-8, stop-string lookahead)

@@ -7,7 +7,9 @@ Two sources, so the engine thread does almost nothing for metrics:
 - per-request outcomes (latency histograms, deadline misses, rejections)
   are recorded once per request, when it finishes or is refused.
 
-Series (``priority`` is the request's priority class, 0 = most urgent)::
+Series (``priority`` is the request's priority class, 0 = most urgent; classes
+0-7 are labelled as themselves and every class above as ``8+``, so a client
+choosing priorities freely cannot add series without bound)::
 
     slipstream_queue_depth{priority}                       gauge
     slipstream_running_requests{priority}                  gauge
@@ -34,7 +36,8 @@ Series (``priority`` is the request's priority class, 0 = most urgent)::
     slipstream_capacity_refusals_total{priority, reason}    counter (reason=overloaded|queue_full)
     slipstream_overload_estimate                            gauge (offered / served; <= 1 with room)
     slipstream_deadline_requests_total{priority}            counter (deadline, judged)
-    slipstream_deadline_misses_total{priority}              counter (expired or late)
+    slipstream_deadline_misses_total{priority}              counter (expired, late, or
+                                                            rejected as infeasible once queued)
     slipstream_held_back_steps_total{priority}              counter (steps requests were kept out
                                                             of the batch for more urgent work)
     gen_ai_server_time_to_first_token_seconds{priority}     histogram
@@ -67,13 +70,20 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from slipstream.scheduler.request import FinishReason, RejectCause, Request
 from slipstream.service.telemetry.gc_pauses import GC_PAUSE_BUCKETS, GcPauses, gc_pauses
+from slipstream.service.telemetry.request_trace import rejection_label
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -114,7 +124,9 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 DURATION_BUCKETS = (
     0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
 )  # fmt: skip
-_ENGINE_REJECTION = "scheduler"  # a request the scheduler refused after accepting it
+# Classes above this share one label (priority_label): the wire accepts any
+# non-negative priority, and each distinct label value is a series kept forever.
+MAX_LABELLED_PRIORITY = 7
 # Outcomes that say whether a deadline was met; a cancelled or failed request says neither.
 _JUDGED = frozenset(
     {
@@ -126,19 +138,39 @@ _JUDGED = frozenset(
 )
 
 
+def priority_label(priority: int) -> str:
+    """A priority class as a metric label: ``0``..``7`` themselves, anything
+    above ``8+`` (every series with a ``priority`` label goes through here)."""
+    return str(priority) if priority <= MAX_LABELLED_PRIORITY else f"{MAX_LABELLED_PRIORITY + 1}+"
+
+
+def _by_label(counts: dict[int, int]) -> dict[str, int]:
+    """Per-class counts summed by their class's label."""
+    summed: dict[str, int] = {}
+    for priority, count in counts.items():
+        label = priority_label(priority)
+        summed[label] = summed.get(label, 0) + count
+    return summed
+
+
 class _EngineCollector(Collector):
     """Scrape-time gauges from the bound engine (none while loading)."""
 
     def __init__(self) -> None:
         self.engine: Engine | None = None
-        self._seen_priorities: set[int] = set()  # keep a class's series at 0 once seen
+        self._seen_labels: set[str] = set()  # keep a class's series at 0 once seen
 
     def collect(self) -> Iterator[Metric]:
         engine = self.engine
         if engine is None:
             return
         stats = engine.stats()
-        self._seen_priorities.update(stats.by_priority)
+        by_label: dict[str, dict[str, int]] = {}
+        for priority, counts in stats.by_priority.items():
+            summed = by_label.setdefault(priority_label(priority), {})
+            for state, count in counts.items():
+                summed[state] = summed.get(state, 0) + count
+        self._seen_labels.update(by_label)
         queues = {
             "waiting": GaugeMetricFamily(
                 "slipstream_queue_depth", "Requests waiting to be scheduled", labels=["priority"]
@@ -152,10 +184,10 @@ class _EngineCollector(Collector):
                 labels=["priority"],
             ),
         }
-        for priority in sorted(self._seen_priorities):
-            counts = stats.by_priority.get(priority, {})
+        for label in sorted(self._seen_labels):
+            counts = by_label.get(label, {})
             for state, family in queues.items():
-                family.add_metric([str(priority)], counts.get(state, 0))
+                family.add_metric([label], counts.get(state, 0))
         yield from queues.values()
         blocks = GaugeMetricFamily(
             "slipstream_kv_blocks", "KV cache blocks", labels=["pool", "state"]
@@ -187,8 +219,8 @@ class _EngineCollector(Collector):
             "and heaviest first), by priority class",
             labels=["priority"],
         )
-        for priority, count in sorted(stats.overload_refused.items()):
-            overload.add_metric([str(priority)], count)
+        for label, count in sorted(_by_label(stats.overload_refused).items()):
+            overload.add_metric([label], count)
         yield overload
         yield from _capacity_metrics(stats)
         if stats.step_time_pace is not None:
@@ -244,8 +276,12 @@ def _capacity_metrics(stats: EngineStats) -> Iterator[Metric]:
         "waiting queue at its bound)",
         labels=["priority", "reason"],
     )
-    for (priority, reason), count in sorted(stats.capacity_refusals.items()):
-        refusals.add_metric([str(priority), reason], count)
+    summed: dict[tuple[str, str], int] = {}
+    for (priority, reason), count in stats.capacity_refusals.items():
+        key = (priority_label(priority), reason)
+        summed[key] = summed.get(key, 0) + count
+    for (label, reason), count in sorted(summed.items()):
+        refusals.add_metric([label, reason], count)
     yield refusals
     estimate = stats.overload_estimate
     if estimate is not None:
@@ -301,6 +337,10 @@ class ServerMetrics:
     """The engine observer behind ``/metrics``; thread-safe."""
 
     def __init__(self) -> None:
+        # Every counter's and histogram's child would also export a _created
+        # sample, which the text format shows as a gauge family of its own:
+        # twice the families, read by nothing here. (A process-wide switch.)
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self._engine_collector = _EngineCollector()
         self.registry.register(self._engine_collector)
@@ -326,13 +366,15 @@ class ServerMetrics:
         )
         self.deadline_requests = Counter(
             "slipstream_deadline_requests",
-            "Finished requests that had a deadline",
+            "Finished requests that had a deadline and were judged against it (not "
+            "cancelled or failed; not refused at the door)",
             labels,
             registry=self.registry,
         )
         self.deadline_misses = Counter(
             "slipstream_deadline_misses",
-            "Requests with a deadline that expired or finished after it",
+            "Requests with a deadline that expired, finished after it, or were rejected as "
+            "unable to meet it after queueing",
             labels,
             registry=self.registry,
         )
@@ -407,7 +449,7 @@ class ServerMetrics:
     def on_submit(self, request: RequestSpec, state: Request) -> None:
         with self._lock:
             self._requests[request.req_id] = (
-                str(request.priority),
+                priority_label(request.priority),
                 request.deadline,
                 request.tenant,
             )
@@ -430,13 +472,16 @@ class ServerMetrics:
             self.tenant_tokens.labels(tenant, "output").inc(event.num_output_tokens)
         if event.reason is FinishReason.REJECTED:
             cause = event.reject_cause
-            self.rejections.labels(_ENGINE_REJECTION if cause is None else cause.name.lower()).inc()
+            self.rejections.labels(rejection_label(cause)).inc()
             if cause is RejectCause.SHED:
                 self.shed.labels(priority).inc()
             if tenant:
-                self.tenant_rejections.labels(
-                    tenant, _ENGINE_REJECTION if cause is None else cause.name.lower()
-                ).inc()
+                self.tenant_rejections.labels(tenant, rejection_label(cause)).inc()
+            if deadline is not None and cause is RejectCause.DEADLINE_INFEASIBLE:
+                # Accepted with its deadline, then given up on: a miss. (A refusal
+                # at the door never held a deadline the server took on: not judged.)
+                self.deadline_requests.labels(priority).inc()
+                self.deadline_misses.labels(priority).inc()
             return
         if event.ttft_s is not None:
             self.ttft.labels(priority).observe(event.ttft_s)

@@ -23,6 +23,7 @@ its attributes are a contract: dashboards and queries are built on them.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -35,7 +36,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
-from slipstream.scheduler.request import FinishReason, Request
+from slipstream.scheduler.request import FinishReason, RejectCause, Request
 from slipstream.service.engine.observer import preemption_kind
 
 if TYPE_CHECKING:
@@ -65,6 +66,38 @@ FinishStatus = Callable[["FinishEvent"], WireStatus]
 OPERATION = "text_completion"
 PROVIDER = "slipstream"
 TOKEN_EVENT = "slipstream.token"
+# The reason of a request the scheduler rejected with no cause given.
+ENGINE_REJECTION = "scheduler"
+
+
+def rejection_label(cause: RejectCause | None) -> str:
+    """Why the scheduler rejected a request it had queued, as a label: the
+    wire's reject reason name (``shed``, ``deadline_infeasible``), as a refusal
+    at the door is labelled (``queue_full``) in logs, spans and metrics."""
+    return ENGINE_REJECTION if cause is None else cause.name.lower()
+
+
+@dataclass(slots=True)
+class _Preemption:
+    """One preemption of a traced request: when and at which step it was
+    pushed out, and when and at which step it was scheduled again (None
+    while still preempted)."""
+
+    at: float
+    step: int
+    kind: str
+    blocks: int
+    resumed: float | None = None
+    resume_step: int | None = None
+
+    def attributes(self) -> dict[str, str | int]:
+        """The ``slipstream.preempted`` span's and ``slipstream.preempt``
+        event's attributes: one set of names for both."""
+        return {
+            "slipstream.preemption.kind": self.kind,
+            "slipstream.preemption.swapped_blocks": self.blocks,
+            "slipstream.step": self.step,
+        }
 
 
 @dataclass(slots=True)
@@ -85,7 +118,7 @@ class _Timeline:
     preempt_kind: str = ""
     swapped_bytes: int = 0
     prefills: list[tuple[float, float, int, int, int, int]] = field(default_factory=list)
-    preemptions: list[tuple[float, float | None, str, int, int]] = field(default_factory=list)
+    preemptions: list[_Preemption] = field(default_factory=list)
     tokens: list[tuple[float, int, int, float]] = field(default_factory=list)
 
     def scheduled(self, seq: ScheduledSeq, step: int, size: int, start: float, end: float) -> None:
@@ -93,8 +126,8 @@ class _Timeline:
             if self.first_scheduled is None:
                 self.first_scheduled = start
             elif self.preemptions:
-                at, _, kind, blocks, pstep = self.preemptions[-1]
-                self.preemptions[-1] = (at, start, kind, blocks, pstep)
+                self.preemptions[-1].resumed = start
+                self.preemptions[-1].resume_step = step
             self.queue_wait_s += start - self.waiting_since
             self.waiting_since = None
         if len(seq.token_ids) > 1 or seq.start_pos < self.num_prompt_tokens:
@@ -104,7 +137,7 @@ class _Timeline:
         kind = "recompute" if self.state is None else preemption_kind(self.state)
         blocks = len(self.state.host_block_ids) if kind == "swap" and self.state else 0
         self.swapped_bytes += blocks * bytes_per_block
-        self.preemptions.append((at, None, kind, blocks, step))
+        self.preemptions.append(_Preemption(at, step, kind, blocks))
         self.waiting_since = at
 
 
@@ -317,19 +350,47 @@ class RequestTracer:
         event, context = finished.event, finished.context
         if finished.timeline is not None:
             self._end(finished.timeline, event, finished.at)
+        tenant = {"tenant": finished.tenant} if finished.tenant else {}
+        if event.reason is FinishReason.REJECTED:
+            # Rejected after queueing (shed, deadline infeasible): the same line
+            # as a refusal at the door, with how long it waited for it.
+            log.info(
+                "request_rejected",
+                request_id=event.req_id,
+                client_request_id=finished.client_request_id,
+                reason=rejection_label(event.reject_cause),
+                detail=event.message,
+                **_limits(event),
+                priority=event.priority,
+                prompt_tokens=event.num_prompt_tokens,
+                queue_wait_ms=round(event.queue_wait_s * 1e3, 3),
+                total_ms=round(event.total_s * 1e3, 3),
+                **tenant,
+                **_ids(context),
+            )
+            return
+        # queue_wait_ms is arrival to first scheduled (as Finished.timings says);
+        # preempted_ms the waits after that, which the span's queue.wait_ms adds in.
+        # Only an outcome other than OK has a message (why it ended) and perhaps
+        # the time limit that ended it.
         log.info(
             "request_finished",
             request_id=event.req_id,
             client_request_id=finished.client_request_id,
             reason=event.reason.name.lower(),
+            **({"message": event.message} if event.message else {}),
+            **_limits(event),
+            priority=event.priority,
             prompt_tokens=event.num_prompt_tokens,
+            cached_tokens=event.num_cached_tokens,
             output_tokens=event.num_output_tokens,
             queue_wait_ms=round(event.queue_wait_s * 1e3, 3),
             ttft_ms=None if event.ttft_s is None else round(event.ttft_s * 1e3, 3),
             total_ms=round(event.total_s * 1e3, 3),
             preemptions=event.num_preemptions,
+            preempted_ms=round(event.preempted_s * 1e3, 3),
             held_back_steps=event.num_held_back,
-            **({"tenant": finished.tenant} if finished.tenant else {}),
+            **tenant,
             **_ids(context),
         )
 
@@ -357,8 +418,8 @@ class RequestTracer:
             span.set_attribute("rpc.grpc.status_code", status.code)
         if event.ttft_s is not None:
             span.set_attribute("slipstream.ttft_ms", event.ttft_s * 1e3)
-        if event.reason is FinishReason.REJECTED:
-            span.set_attribute("slipstream.rejection.reason", event.message or "rejected")
+        if event.reason is FinishReason.REJECTED:  # the label; the text is in the status
+            span.set_attribute("slipstream.rejection.reason", rejection_label(event.reject_cause))
         if status is not None and status.name != "OK":
             detail = f"{status.name}: {event.message}" if event.message else status.name
             span.set_status(Status(StatusCode.ERROR, detail))
@@ -394,17 +455,13 @@ class RequestTracer:
                     "slipstream.prefill.num_tokens": num,
                 },
             )
-        for at, resumed, kind, blocks, step in timeline.preemptions:
+        for pause in timeline.preemptions:
             self._child(
                 "slipstream.preempted",
                 parent,
-                at,
-                now if resumed is None else resumed,
-                {
-                    "slipstream.preemption.kind": kind,
-                    "slipstream.preemption.swapped_blocks": blocks,
-                    "slipstream.step": step,
-                },
+                pause.at,
+                now if pause.resumed is None else pause.resumed,
+                pause.attributes(),
             )
         if timeline.tokens:
             self._child("slipstream.decode", parent, timeline.tokens[0][0], now)
@@ -417,13 +474,15 @@ class RequestTracer:
                 {"slipstream.queue.wait_ms": (timeline.first_scheduled - timeline.arrival) * 1e3},
                 wall(timeline.first_scheduled),
             )
-        for at, resumed, kind, blocks, step in timeline.preemptions:
-            attrs = {"slipstream.preemption.kind": kind, "slipstream.step": step}
-            span.add_event(
-                "slipstream.preempt", {**attrs, "slipstream.preemption.blocks": blocks}, wall(at)
-            )
-            if resumed is not None:
-                span.add_event("slipstream.resume", attrs, wall(resumed))
+        for pause in timeline.preemptions:
+            span.add_event("slipstream.preempt", pause.attributes(), wall(pause.at))
+            if pause.resumed is not None and pause.resume_step is not None:
+                # The step it rejoined, to join with that step's slipstream.batch.id.
+                resume = {
+                    "slipstream.preemption.kind": pause.kind,
+                    "slipstream.step": pause.resume_step,
+                }
+                span.add_event("slipstream.resume", resume, wall(pause.resumed))
         add_event = span.add_event
         for index, (at, step, size, wait_ms) in enumerate(timeline.tokens):
             add_event(
@@ -437,6 +496,17 @@ class RequestTracer:
                 },
                 wall(at),
             )
+
+
+def _limits(event: FinishEvent) -> dict[str, str | int]:
+    """The time limit that ended a request and the retry hint it was given,
+    where it has them (as ``Finished.expired_limit`` / ``retry_after_ms``)."""
+    limits: dict[str, str | int] = {}
+    if event.expired_limit is not None:
+        limits["expired_limit"] = event.expired_limit.name.lower()
+    if event.retry_after_s is not None:
+        limits["retry_after_ms"] = max(1, math.ceil(event.retry_after_s * 1000))
+    return limits
 
 
 def _base_attributes(model: str) -> dict[str, str | int | float | bool]:

@@ -537,3 +537,29 @@ def test_paused_waiting_request_is_not_admitted_and_abort_forgets_the_pause() ->
     assert not driver.plans[-1].seqs and sched.num_used_device_blocks == 0
     driver.abort("queued")
     assert sched.num_paused == 0 and not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("policy", [SwapPolicy(), None], ids=["swap", "recompute"])
+def test_time_preempted_runs_from_each_preemption_to_its_resume(
+    policy: SchedulingPolicy | None,
+) -> None:
+    sched = make_scheduler(
+        num_device_blocks=6, block_size=2, max_model_len=12, num_host_blocks=6, policy=policy
+    )
+    driver = Driver(sched)
+    reqs = [make_request(f"r{i}", prompt_len=4, max_new_tokens=5, arrival=i) for i in range(3)]
+    for req in reqs:
+        sched.add_request(req)
+    out_since: dict[str, float] = {}
+    expected = dict.fromkeys((r.req_id for r in reqs), 0.0)
+    while sched.has_unfinished():
+        driver.step()
+        plan = driver.plans[-1]
+        for seq in plan.seqs:
+            if seq.req_id in out_since:
+                expected[seq.req_id] += driver.now - out_since.pop(seq.req_id)
+        out_since.update(dict.fromkeys(plan.preempted_req_ids, driver.now))
+    assert sum(r.num_preemptions for r in reqs) > 0
+    assert {r.req_id: r.preempted_s for r in reqs} == expected
+    assert any(expected.values())
+    assert all(r.preempted_time(driver.now) == r.preempted_s for r in reqs)

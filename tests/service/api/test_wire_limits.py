@@ -58,6 +58,25 @@ def test_bad_first_token_timeout_is_a_clear_error(timeout: Duration) -> None:
         convert(submit(first_token_timeout=timeout))
 
 
+@pytest.mark.parametrize("field", ["timeout", "first_token_timeout"])
+@pytest.mark.parametrize(
+    "duration", [Duration(seconds=1, nanos=-5), Duration(seconds=-1, nanos=5)], ids=["+-", "-+"]
+)
+def test_a_duration_whose_nanos_differ_in_sign_is_invalid(field: str, duration: Duration) -> None:
+    with pytest.raises(ValueError, match=f"^{field} is invalid: its nanos") as caught:
+        convert(submit(**{field: duration}))
+    rejection = rejection_for(caught.value)
+    assert rejection is not None and rejection.status is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_timestamp_before_1970_keeps_its_positive_nanos() -> None:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    # Valid per the spec (nanos count forward); long past, so the deadline is too.
+    request = convert(submit(deadline=Timestamp(seconds=-1, nanos=5)))
+    assert request.deadline < 100.0  # type: ignore[attr-defined]
+
+
 def finish(**fields: object) -> pb.Finished:
     event = FinishEvent(req_id="s/r", **fields)  # type: ignore[arg-type]
     return wire.finished("r", event).finished

@@ -311,3 +311,92 @@ def test_collector_pauses_are_a_histogram_by_generation(
         assert total_s > 0
         inf = ("slipstream_gc_pause_seconds_bucket", (("generation", generation), ("le", "+Inf")))
         assert after[inf] == after[count]  # the last bucket holds every collection
+
+
+def _label_values(metrics: ServerMetrics, label: str) -> set[str]:
+    return {
+        s.labels[label]
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if label in s.labels
+    }
+
+
+def test_a_client_chosen_priority_adds_no_series_above_class_8() -> None:
+    from slipstream.scheduler.request import FinishReason, RejectCause
+    from slipstream.service.engine.events import EngineStats, FinishEvent, PoolStats, RequestSpec
+
+    metrics = ServerMetrics()
+    priorities = [0, 7, 8, 9, 1000, 2**31 - 1]
+    for i, priority in enumerate(priorities):
+        deadline = time.monotonic() + 60
+        metrics.on_submit(
+            RequestSpec(f"r{i}", [1, 2], 4, priority=priority, deadline=deadline), None
+        )  # type: ignore[arg-type]
+        metrics.on_finish(
+            FinishEvent(
+                f"r{i}", FinishReason.MAX_TOKENS, num_output_tokens=2, ttft_s=0.1, total_s=0.2
+            )
+        )
+    metrics.on_submit(RequestSpec("shed", [1, 2], 4, priority=12345), None)  # type: ignore[arg-type]
+    metrics.on_finish(FinishEvent("shed", FinishReason.REJECTED, reject_cause=RejectCause.SHED))
+
+    class Engine:
+        def stats(self) -> EngineStats:
+            pool = PoolStats(0, 8)
+            running = {"waiting": 0, "running": 1, "swapped": 0}
+            return EngineStats(
+                0, 3, 0, pool, pool, {3: running, 9: running, 77: running}, 7, False,
+                overload_refused={9: 2, 40: 3},
+                capacity_refusals={(9, "queue_full"): 1, (4000, "queue_full"): 4},
+            )  # fmt: skip
+
+    metrics.bind_engine(Engine())  # type: ignore[arg-type]
+    assert _label_values(metrics, "priority") == {"0", "3", "7", "8+"}
+    sample = metrics.registry.get_sample_value
+    finished = "slipstream_requests_finished_total"
+    assert sample(finished, {"priority": "8+", "reason": "max_tokens"}) == 4
+    assert sample("slipstream_deadline_requests_total", {"priority": "8+"}) == 4
+    assert sample("gen_ai_server_time_to_first_token_seconds_count", {"priority": "8+"}) == 4
+    assert sample("slipstream_shed_total", {"priority": "8+"}) == 1
+    # The engine's per-class gauges and counters sum the classes that share a label.
+    assert sample("slipstream_running_requests", {"priority": "8+"}) == 2
+    assert sample("slipstream_running_requests", {"priority": "3"}) == 1
+    assert sample("slipstream_overload_refused_total", {"priority": "8+"}) == 5
+    refusals = "slipstream_capacity_refusals_total"
+    assert sample(refusals, {"priority": "8+", "reason": "queue_full"}) == 5
+
+
+def test_a_deadline_the_scheduler_gives_up_on_after_queueing_is_a_miss() -> None:
+    from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
+
+    metrics = ServerMetrics()
+    deadline = time.monotonic() + 0.5
+    for req_id, cause in (("late", RejectCause.DEADLINE_INFEASIBLE), ("shed", RejectCause.SHED)):
+        metrics.on_submit(RequestSpec(req_id, [1, 2], 4, priority=2, deadline=deadline), None)  # type: ignore[arg-type]
+        limit = ExpiredLimit.DEADLINE if cause is RejectCause.DEADLINE_INFEASIBLE else None
+        metrics.on_finish(
+            FinishEvent(req_id, FinishReason.REJECTED, reject_cause=cause, expired_limit=limit)
+        )
+    metrics.rejected("deadline_infeasible")  # refused at the door: never held the deadline
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_deadline_requests_total", {"priority": "2"}) == 1
+    assert sample("slipstream_deadline_misses_total", {"priority": "2"}) == 1
+    assert sample("slipstream_rejections_total", {"reason": "deadline_infeasible"}) == 2
+
+
+def test_no_created_series_double_the_families() -> None:
+    from prometheus_client import enable_created_metrics, generate_latest
+
+    from slipstream.scheduler.request import FinishReason
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
+
+    enable_created_metrics()  # prometheus_client's default, whatever ran before
+    metrics = ServerMetrics()
+    metrics.on_submit(RequestSpec("a", [1, 2], 4, priority=1), None)  # type: ignore[arg-type]
+    metrics.on_finish(FinishEvent("a", FinishReason.EOS, num_output_tokens=2, ttft_s=0.1))
+    metrics.rejected("queue_full")
+    text = generate_latest(metrics.registry).decode()
+    assert "slipstream_requests_finished_total" in text
+    assert "_created" not in text

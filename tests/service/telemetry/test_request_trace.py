@@ -4,6 +4,9 @@ chunks) and what it costs to not trace."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -11,8 +14,16 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 from slipstream.scheduler.plan import RequestOutput, ScheduledSeq, StepPlan
-from slipstream.scheduler.request import FinishReason, Request, RequestStatus, SamplingParams
+from slipstream.scheduler.request import (
+    ExpiredLimit,
+    FinishReason,
+    RejectCause,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 from slipstream.service.engine.events import FinishEvent, RequestSpec
+from slipstream.service.telemetry import request_trace
 from slipstream.service.telemetry.request_trace import RequestTracer
 
 BYTES_PER_BLOCK = 1024
@@ -71,6 +82,46 @@ def test_a_swap_preemption_adds_its_wait_to_later_tokens() -> None:
     assert [s.attributes["slipstream.prefill.num_tokens"] for s in prefills] == [4, 2]
 
 
+def test_a_resume_carries_the_step_that_rescheduled_it() -> None:
+    tracer, exporter = traced()
+    state = submit(tracer)
+    tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 100.0, 100.1)
+    state.status, state.host_block_ids = RequestStatus.SWAPPED, [3]
+    tracer.on_step(StepPlan(2, [seq("b", 0, 1)], preempted_req_ids=["a"]), [], 100.1, 100.2)
+    tracer.on_step(StepPlan(3, [seq("b", 1, 1)]), [], 100.2, 100.3)  # still out
+    state.status = RequestStatus.RUNNING
+    tracer.on_step(StepPlan(4, [seq("a", 7, 1)]), [RequestOutput("a", [8])], 100.3, 100.4)
+    tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=2))
+    assert tracer.flush(timeout=10)
+
+    [request] = [s for s in exporter.get_finished_spans() if s.name == "text_completion m"]
+    events = {e.name: e.attributes for e in request.events if e.name != "slipstream.token"}
+    assert events["slipstream.preempt"]["slipstream.step"] == 2
+    assert events["slipstream.resume"]["slipstream.step"] == 4  # the batch it rejoined
+    tokens = [e.attributes for e in request.events if e.name == "slipstream.token"]
+    assert tokens[-1]["slipstream.batch.id"] == events["slipstream.resume"]["slipstream.step"]
+
+
+def test_a_preemptions_span_and_event_name_their_attributes_alike() -> None:
+    tracer, exporter = traced()
+    state = submit(tracer)
+    tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 100.0, 100.1)
+    state.status, state.host_block_ids = RequestStatus.SWAPPED, [3, 4]
+    tracer.on_step(StepPlan(2, [seq("b", 0, 1)], preempted_req_ids=["a"]), [], 100.1, 100.2)
+    tracer.on_finish(FinishEvent("a", FinishReason.CANCELLED, num_output_tokens=1))
+    assert tracer.flush(timeout=10)
+
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    [event] = [e for e in spans["text_completion m"].events if e.name == "slipstream.preempt"]
+    expected = {
+        "slipstream.preemption.kind": "swap",
+        "slipstream.preemption.swapped_blocks": 2,
+        "slipstream.step": 2,
+    }
+    assert dict(spans["slipstream.preempted"].attributes) == expected
+    assert dict(event.attributes) == expected
+
+
 def test_a_sampled_out_request_is_not_tracked() -> None:
     tracer, exporter = traced(ALWAYS_OFF)
     submit(tracer)
@@ -79,3 +130,112 @@ def test_a_sampled_out_request_is_not_tracked() -> None:
     tracer.on_finish(FinishEvent("a", FinishReason.EOS))
     assert tracer.flush(timeout=10)
     assert exporter.get_finished_spans() == ()
+
+
+class _Lines:
+    """Stands in for the module's logger: structlog's loggers are cached on
+    first use once configured, so capture_logs would not see them."""
+
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict[str, object]]] = []
+
+    def info(self, event: str, **fields: object) -> None:
+        self.lines.append((event, fields))
+
+    def exception(self, event: str, **fields: object) -> None:
+        raise AssertionError(f"{event} {fields}")
+
+
+@pytest.mark.parametrize(
+    ("finish", "label", "limits"),
+    [
+        (
+            FinishEvent(
+                "a",
+                FinishReason.REJECTED,
+                "shed from a full queue for a more urgent request; retry after 4.000s",
+                reject_cause=RejectCause.SHED,
+                retry_after_s=4.0,
+            ),
+            "shed",
+            {"retry_after_ms": 4000},
+        ),
+        (
+            FinishEvent(
+                "a",
+                FinishReason.REJECTED,
+                "cannot meet deadline: 431 ms left, an estimated 900 ms needed",
+                reject_cause=RejectCause.DEADLINE_INFEASIBLE,
+                expired_limit=ExpiredLimit.DEADLINE,
+            ),
+            "deadline_infeasible",
+            {"expired_limit": "deadline"},
+        ),
+    ],
+)
+def test_a_rejection_after_queueing_is_logged_and_tagged_as_one_at_the_door(
+    monkeypatch: pytest.MonkeyPatch, finish: FinishEvent, label: str, limits: dict[str, object]
+) -> None:
+    from slipstream.service.api.status import finish_status
+
+    lines = _Lines()
+    monkeypatch.setattr(request_trace, "log", lines)
+    tracer, exporter = traced()
+    tracer.finish_status = finish_status
+    submit(tracer)
+    tracer.on_finish(replace(finish, queue_wait_s=0.068, total_s=0.068, num_prompt_tokens=6))
+    assert tracer.flush(timeout=10)
+
+    [(event, fields)] = lines.lines  # one line a request, as at the door
+    assert event == "request_rejected"
+    assert fields["reason"] == label and fields["detail"] == finish.message
+    assert {k: fields[k] for k in limits} == limits
+    assert fields["request_id"] == "a" and fields["client_request_id"] == "client-a"
+    assert fields["queue_wait_ms"] == 68.0
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "text_completion m"]
+    assert span.attributes["slipstream.rejection.reason"] == label  # a tag search finds it
+    assert finish.message in span.status.description
+
+
+@pytest.mark.parametrize("cause", list(RejectCause))
+def test_a_causes_label_is_its_wire_reject_reason(cause: RejectCause) -> None:
+    from slipstream.service.api.status import rejection_for_cause
+    from slipstream.service.telemetry.request_trace import rejection_label
+
+    assert rejection_label(cause) == rejection_for_cause(cause).reason_name
+
+
+def test_a_finished_line_says_where_the_time_went_and_why_it_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lines = _Lines()
+    monkeypatch.setattr(request_trace, "log", lines)
+    tracer, _ = traced()
+    submit(tracer)
+    tracer.on_finish(
+        FinishEvent(
+            "a",
+            FinishReason.DEADLINE_EXCEEDED,
+            "cannot meet deadline: 188 ms left, an estimated 424 ms needed",
+            num_prompt_tokens=6,
+            num_cached_tokens=4,
+            queue_wait_s=0.2269,
+            total_s=1.0969,
+            num_preemptions=2,
+            preempted_s=0.7026,
+            priority=3,
+            expired_limit=ExpiredLimit.DEADLINE,
+        )
+    )
+    tracer.on_finish(FinishEvent("b", FinishReason.EOS, num_output_tokens=2, priority=9))
+    assert tracer.flush(timeout=10)
+
+    (_, late), (_, done) = lines.lines
+    assert late["reason"] == "deadline_exceeded" and late["priority"] == 3
+    assert late["message"] == "cannot meet deadline: 188 ms left, an estimated 424 ms needed"
+    assert late["expired_limit"] == "deadline"
+    assert late["cached_tokens"] == 4
+    # The wait before first being scheduled and the waits while preempted, apart.
+    assert (late["queue_wait_ms"], late["preempted_ms"]) == (226.9, 702.6)
+    assert done["priority"] == 9 and done["preempted_ms"] == 0.0
+    assert "message" not in done and "expired_limit" not in done  # an OK outcome
