@@ -16,9 +16,26 @@ the client has read half of it they resume. A stream paused for longer than
 ``Limits.slow_reader_grace_s`` has its requests cancelled SLOW_READER and
 their unread chunks dropped.
 
+Inbound: the reader never waits for a submit's prompt to be tokenized. It
+queues each submit in ``_waiting`` and goes on reading; one admission task
+per stream takes them in the order they came (a large prompt on the worker
+pool, as before), so the stream's Accepted and refusal events keep the order
+of its submits. A cancel acts at once: on a running request through the
+engine, on a submit still waiting (or being tokenized) by finishing it
+CANCELLED there and then; it is never admitted. A submit whose id names an
+unfinished request, waiting or running, is refused DUPLICATE_REQUEST_ID in
+its turn. While the waiting submits hold ``MAX_WAITING_SUBMITS`` or
+``Limits.max_message_bytes``, the reader stops reading (HTTP/2 flow control
+holds the client back, as a tokenization used to).
+
+    reader ──submit──▶ _waiting ──▶ admission task: tokenize, admit or refuse
+      └────cancel───▶ engine.abort (running) / finished CANCELLED (waiting)
+
 Invariants: every request in ``_live`` has a Finished event still to come;
 a request leaves ``_live`` only when its Finished event is drained on the
-loop, so the dict is touched by the loop thread alone.
+loop, so the dict is touched by the loop thread alone. A submit in
+``_pending`` is waiting, has no event yet and will have exactly one
+Finished; a submit leaves it when admitted, refused or cancelled.
 """
 
 from __future__ import annotations
@@ -27,7 +44,9 @@ import asyncio
 import functools
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import structlog
@@ -59,6 +78,9 @@ MAX_BATCH_RESPONSES = 512
 MAX_BATCH_BYTES = 1 << 20
 # The call metadata by which a Generate call asks for Batch responses.
 BATCH_KEY = "slipstream-batch"
+# Submits read but not yet admitted or refused, beyond which the reader stops
+# reading (their bytes are bounded too, by Limits.max_message_bytes).
+MAX_WAITING_SUBMITS = 256
 
 
 def wants_batches(metadata: Sequence[tuple[str, str | bytes]]) -> bool:
@@ -68,6 +90,18 @@ def wants_batches(metadata: Sequence[tuple[str, str | bytes]]) -> bool:
 
 class ProtocolViolation(Exception):
     """A client message that concerns the whole call (INVALID_ARGUMENT)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    """A submit read from the stream, not yet admitted or refused."""
+
+    submit: pb.Submit
+    message: pb.GenerateRequest
+    num_bytes: int
+    is_duplicate: bool  # its id named an unfinished request when it was read
+    read_at: float = field(default_factory=time.monotonic)
+    is_cancelled: bool = False  # finished CANCELLED while waiting; never admitted
 
 
 class StreamSession:
@@ -92,6 +126,13 @@ class StreamSession:
         self._call_deadline = call_deadline
         self.stream_id = uuid.uuid4().hex
         self._live: dict[str, str] = {}  # client request id -> engine req_id
+        # Submits in the order read; the first is the one being admitted.
+        self._waiting: deque[_Waiting] = deque()
+        self._waiting_bytes = 0
+        self._pending: dict[str, _Waiting] = {}  # client request id -> its waiting submit
+        self._admitting: asyncio.Task[None] | None = None
+        self._has_room = asyncio.Event()
+        self._failure: BaseException | None = None  # the admission task's, not the client's
         # Items are (client id, engine event) from the engine thread or
         # ready responses from the loop.
         self._outbox: Outbox[_Item] = Outbox(
@@ -135,7 +176,10 @@ class StreamSession:
                     )
                 kind = message.WhichOneof("kind")
                 if kind == "submit":
-                    await self.submit(message.submit, message)
+                    self._enqueue(message.submit, message)
+                    while self._is_waiting_full():
+                        self._has_room.clear()
+                        await self._has_room.wait()
                 elif kind == "cancel":
                     self.cancel(message.cancel.request_id)
                 else:
@@ -146,7 +190,60 @@ class StreamSession:
             self._is_closed = True
             self._wakeup.set()
 
-    async def submit(self, submit: pb.Submit, message: pb.GenerateRequest | None = None) -> None:
+    def _enqueue(self, submit: pb.Submit, message: pb.GenerateRequest) -> None:
+        request_id = submit.request_id
+        is_duplicate = request_id in self._live or request_id in self._pending
+        waiting = _Waiting(submit, message, message.ByteSize(), is_duplicate)
+        if not is_duplicate and self._is_valid_id(request_id):  # else refused in its turn
+            self._pending[request_id] = waiting
+        self._waiting.append(waiting)
+        self._waiting_bytes += waiting.num_bytes
+        if self._admitting is None:
+            self._admitting = asyncio.create_task(self._admit_waiting())
+            self._admitting.add_done_callback(self._admission_done)
+
+    def _is_valid_id(self, request_id: str) -> bool:
+        try:
+            wire.check_request_id(request_id, self._limits.max_request_id_bytes)
+        except ValueError:
+            return False
+        return True
+
+    def _is_waiting_full(self) -> bool:
+        return (
+            len(self._waiting) >= MAX_WAITING_SUBMITS
+            or self._waiting_bytes >= self._limits.max_message_bytes
+        )
+
+    async def _admit_waiting(self) -> None:
+        """Admits or refuses the waiting submits one at a time, in the order
+        they were read; a cancelled one is skipped (it has had its Finished)."""
+        while self._waiting:
+            waiting = self._waiting[0]
+            if not waiting.is_cancelled:
+                await self.submit(waiting.submit, waiting.message, waiting)
+            self._waiting.popleft()
+            self._waiting_bytes -= waiting.num_bytes
+            if self._pending.get(waiting.submit.request_id) is waiting:
+                del self._pending[waiting.submit.request_id]
+            self._has_room.set()
+        self._admitting = None
+
+    def _admission_done(self, task: asyncio.Task[None]) -> None:
+        # An error no rejection covers (a bug): the call fails with it, as a
+        # request's would, instead of leaving the submits behind it unanswered.
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
+            self._wakeup.set()
+
+    async def submit(
+        self,
+        submit: pb.Submit,
+        message: pb.GenerateRequest | None = None,
+        waiting: _Waiting | None = None,
+    ) -> None:
+        """Admits ``submit`` or refuses it with a Finished event; ``waiting``:
+        its place in the stream's queue (None for ``GenerateOne``'s)."""
         request_id = submit.request_id
         try:
             wire.check_request_id(request_id, self._limits.max_request_id_bytes)
@@ -155,20 +252,27 @@ class StreamSession:
                     f"request_id {request_id!r} is already running on this stream; "
                     "that request goes on, this submit is refused"
                 )
+            if waiting is not None and waiting.is_duplicate:  # its namesake ended since
+                raise DuplicateRequest(
+                    f"request_id {request_id!r} named an unfinished request on this "
+                    "stream when this submit came; this submit is refused"
+                )
             wire.check_limits(message or pb.GenerateRequest(), submit, self._limits)
-            await self._admit(submit, request_id)
+            await self._admit(submit, request_id, waiting)
         except Exception as exc:
             rejection = rejection_for(exc)
             if rejection is None:
                 raise
-            message = caller_message(exc)
-            self._reject(request_id, rejection, message, exc)
+            if waiting is not None and waiting.is_cancelled:
+                return  # cancelled while it was tokenized: it has had its Finished
+            detail = caller_message(exc)
+            self._reject(request_id, rejection, detail, exc)
             if self._telemetry is not None:
                 self._telemetry.rejected(
                     request_id,
                     rejection.reason_name,
                     rejection.wire_status,
-                    message,
+                    detail,
                     self._metadata,
                     submit.trace_context,
                     tenant="" if self._gate is None else self._gate.tenant.name,
@@ -179,7 +283,9 @@ class StreamSession:
         """The engine's id for this stream's ``request_id`` (ids are per stream)."""
         return f"{self.stream_id}/{request_id}"
 
-    async def _admit(self, submit: pb.Submit, request_id: str) -> None:
+    async def _admit(
+        self, submit: pb.Submit, request_id: str, waiting: _Waiting | None = None
+    ) -> None:
         engine = self._engine
         convert = functools.partial(
             wire.to_generation_request,
@@ -193,11 +299,12 @@ class StreamSession:
         )
         # Tokenizing (or rendering) a large prompt would stall every stream
         # of the server: it goes to the worker pool. Submits of one stream
-        # stay in order; the stream's other requests keep streaming meanwhile.
+        # stay in order; the stream's other requests keep streaming, and its
+        # cancels act, meanwhile.
         num_bytes = wire.prompt_bytes(submit)
         if self._workers is not None and num_bytes > self._limits.inline_prompt_bytes:
             request = await self._workers.run(convert, num_bytes)
-            if self._is_ended:
+            if self._is_ended or (waiting is not None and waiting.is_cancelled):
                 return
         else:
             request = convert()
@@ -248,10 +355,36 @@ class StreamSession:
         req_id = self._live.get(request_id)
         if req_id is not None:
             self._engine.abort(req_id)
+        elif (waiting := self._pending.pop(request_id, None)) is not None:
+            self._cancel_waiting(request_id, waiting)
+
+    def _cancel_waiting(self, request_id: str, waiting: _Waiting) -> None:
+        """Finishes a submit that has not been admitted yet: CANCELLED now,
+        never admitted (a tokenization under way runs out unused)."""
+        waiting.is_cancelled = True
+        event = FinishEvent(
+            self.engine_id(request_id),
+            FinishReason.CANCELLED,
+            "cancelled before it was admitted",
+            total_s=time.monotonic() - waiting.read_at,
+        )
+        # A ready response, not an engine event: draining it must not take
+        # from ``_live`` a later request that reuses the id.
+        response = wire.finished(request_id, event)
+        self._outbox.put(response, response.ByteSize())
+        self._wakeup.set()
+        log.info(
+            "request_cancelled_waiting",
+            request_id=event.req_id,
+            client_request_id=request_id,
+            total_ms=round(event.total_s * 1e3, 3),
+        )
 
     def abort_all(self) -> None:
         """Abort every unfinished request (the call ended early). Idempotent."""
         self._is_ended = True
+        if self._admitting is not None:
+            self._admitting.cancel()  # the waiting submits are dropped unanswered
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
@@ -335,9 +468,15 @@ class StreamSession:
                 yield response
             if self._is_paused:
                 self._resume()
-            if self.error is not None or (self._is_closed and not self._live):
+            if self._failure is not None:
+                raise self._failure
+            if self.error is not None or (self._is_closed and self._is_answered()):
                 return
             await self._wakeup.wait()
+
+    def _is_answered(self) -> bool:
+        """Every submit read so far has had its Finished event."""
+        return not self._live and all(w.is_cancelled for w in self._waiting)
 
     def _batched(self, first: pb.GenerateResponse) -> pb.GenerateResponse:
         """``first`` and the responses waiting behind it, as one (``first``
