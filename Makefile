@@ -14,6 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 MODEL ?= smollm2
 PORT ?= 50051
+HTTP_PORT ?= 8000
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
@@ -39,7 +40,7 @@ kernels: $(STAMP) protos
 	-$(BIN)/slipstream kernels build
 
 run: $(STAMP) protos kernels
-	$(BIN)/slipstream serve --model $(MODEL) --port $(PORT)
+	$(BIN)/slipstream serve --model $(MODEL) --port $(PORT) --http-port $(HTTP_PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -97,7 +98,7 @@ fuzz: $(STAMP) protos
 
 bench-offline: $(STAMP) protos
 	mkdir -p bench-results
-	$(BIN)/slipstream bench offline --model small --requests 64 --seed 0 --json bench-results/offline.json
+	$(BIN)/slipstream bench offline --model small --requests 64 --seed 0 --json bench-results/offline.json --plot bench-results/offline.png
 
 bench-prefix: $(STAMP) protos
 	mkdir -p bench-results
@@ -118,7 +119,8 @@ bench-step: $(STAMP) protos
 
 # A local fleet: replicas behind HAProxy (Debian's haproxy, installed here if
 # missing), and the slow test that kills and drains replicas under load.
-FLEET_ARGS ?= --replicas 3 --model $(MODEL) --port 50050 --serve-arg=--threads=1
+FLEET_MODEL ?= tiny
+FLEET_ARGS ?= --replicas 3 --model $(FLEET_MODEL) --port 50050 --serve-arg=--threads=1
 
 haproxy:
 	@command -v haproxy >/dev/null || (apt-get update -qq && apt-get install -y -qq haproxy)

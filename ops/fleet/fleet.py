@@ -157,7 +157,10 @@ class Fleet:
 
     def _spawn(self, index: int) -> None:
         command = [sys.executable, "-m", "slipstream.service.cli", "serve", "--port", "0"]
-        command += ["--metrics-port", "0", "--model", self.model, *self.serve_args]
+        # No HTTP front (its default port, 8000, would be every replica's): the
+        # fleet is gRPC behind HAProxy; --serve-arg=--http-port=N overrides it.
+        command += ["--metrics-port", "0", "--http-port", "0", "--model", self.model]
+        command += self.serve_args
         # Files, not pipes: the replicas outlive `fleet.py up`.
         with (
             open(self.directory / f"replica-{index}.out", "w") as out,
