@@ -37,19 +37,27 @@ def register_subcommands(subparsers: argparse._SubParsersAction, modules: Iterab
         except ModuleNotFoundError:
             if not missing_server_modules():
                 raise  # a real bug, not a light install
-            _add_unavailable(subparsers, name.rpartition(".")[2])
+            _add_unavailable(subparsers, name.rpartition(".")[2].replace("_", "-"))
             continue
         module.add_parser(subparsers)
 
 
+class _Unavailable:
+    """The ``func`` of a subcommand whose module needs the server extra:
+    whatever follows it on the command line, it says what to install."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command  # the whole command: "bench step"
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        raise ServerExtraMissing(self.command, missing_server_modules())
+
+
 def _add_unavailable(subparsers: argparse._SubParsersAction, command: str) -> None:  # type: ignore[type-arg]
+    # No arguments of its own: main() lets it take any (its options, --help)
+    # so that `bench step --model tiny` says what to install too.
     parser = subparsers.add_parser(command, help="(needs slipstream[server])", add_help=False)
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
-
-    def unavailable(args: argparse.Namespace) -> int:
-        raise ServerExtraMissing(command, missing_server_modules())
-
-    parser.set_defaults(func=unavailable)
+    parser.set_defaults(func=_Unavailable(parser.prog.removeprefix("slipstream ")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.kernels import cpu_features
 
         cpu_features.force(answer)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not isinstance(getattr(args, "func", None), _Unavailable):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args says it
     try:
         return int(args.func(args) or 0)
     except (ValueError, ServerExtraMissing) as exc:  # bad model, flags; a light install
