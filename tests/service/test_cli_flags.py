@@ -134,3 +134,23 @@ def test_a_client_command_refuses_a_value_the_server_would(
     command, *flags = argv
     where = ["--server", "127.0.0.1:1"] + (["--prompt", "hi"] if command == "generate" else [])
     assert complaint in usage_error([command, *where, *flags], capsys)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--server", "localhost", "--prompt", "hi"],
+        ["generate", "--server", "localhost", "--prompt", "hi", "--per-request"],
+        ["stats", "--server", "localhost"],
+        ["chat", "--server", "localhost"],
+    ],
+)
+def test_a_server_without_a_port_is_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC dialled port 443 and failed with 'ipv4:127.0.0.1:443: Connection refused'."""
+    err = usage_error(argv, capsys)
+    assert (
+        "slipstream: error: address 'localhost' has no port (HOST:PORT, e.g. localhost:50051)"
+        in err
+    )
