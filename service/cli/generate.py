@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import sys
@@ -161,21 +162,58 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         metavar="N",
         help="cancel each request once N tokens have arrived; print only those",
     )
-    parser.add_argument(
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    connection = add_connection_args(parser)
+    connection.add_argument(
         "--per-request",
         action="store_true",
         help="one GenerateOne call per prompt (a load balancer routes each on its own) "
         "instead of one multiplexed stream",
     )
-    parser.add_argument(
+    connection.add_argument(
         "--balanced",
         action="store_true",
         help="round_robin, health checks and retries over every address --server resolves to",
     )
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_connection_args(parser)
-    add_engine_args(parser)
-    parser.set_defaults(func=run)
+    engine = add_engine_args(parser)
+    mode_flags = ModeFlags.of(parser, local=engine, server=connection)
+    parser.set_defaults(func=functools.partial(run, mode_flags=mode_flags))
+
+
+@dataclass(frozen=True, slots=True)
+class ModeFlags:
+    """The flags that apply to one mode alone: ``--local``'s engine flags,
+    ``--server``'s connection flags, each with its default."""
+
+    local: tuple[tuple[str, str, object], ...]  # (flag, dest, default)
+    server: tuple[tuple[str, str, object], ...]
+
+    @classmethod
+    def of(
+        cls,
+        parser: argparse.ArgumentParser,
+        local: argparse._ArgumentGroup,
+        server: argparse._ArgumentGroup,
+    ) -> ModeFlags:
+        def flags(group: argparse._ArgumentGroup) -> tuple[tuple[str, str, object], ...]:
+            actions = group._group_actions  # argparse keeps no public list of a group's flags
+            return tuple((a.option_strings[0], a.dest, parser.get_default(a.dest)) for a in actions)
+
+        return cls(flags(local), flags(server))
+
+    def check(self, args: argparse.Namespace) -> None:
+        """ValueError naming the flags given that the mode ignores. A value
+        equal to the default counts as not given: $SLIPSTREAM_TOKEN, which
+        is --token's default, is not a --token given with --local."""
+        mode, other = ("--local", self.server) if args.local else ("--server", self.local)
+        given = [flag for flag, dest, default in other if getattr(args, dest) != default]
+        if given:
+            applies = "--server" if args.local else "--local"
+            raise ValueError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to "
+                f"{applies}, not with {mode}"
+                + ("" if args.local else " (the server runs its own engine)")
+            )
 
 
 def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
@@ -544,7 +582,9 @@ async def _follow(
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, mode_flags: ModeFlags | None = None) -> int:
+    if mode_flags is not None:
+        mode_flags.check(args)
     if args.local:
         require_server_extra("generate --local")
         from slipstream.service.telemetry.logs import configure_logging

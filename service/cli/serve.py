@@ -54,7 +54,8 @@ grace_seconds = float_where(
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Adds the flags, in a group of their own, and returns it."""
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     group.add_argument(
@@ -201,6 +202,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="turn automatic prefix caching off (by default full KV blocks of equal "
         "prompt prefixes are shared between requests and kept until evicted)",
     )
+    return group
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
