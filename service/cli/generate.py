@@ -382,8 +382,18 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
     from slipstream.scheduler.request import SamplingParams
     from slipstream.service.engine.events import RequestSpec
     from slipstream.service.engine.loader import load_engine
+    from slipstream.service.models.default_models import DEFAULT_MODELS
 
-    engine = load_engine(engine_config(args))
+    config = engine_config(args)
+    # On stderr: stdout is the results. tiny, the default, answers noise.
+    noise = " (random weights: its text is noise; --model smollm2 is a real one)"
+    print(
+        f"slipstream: generating on model {config.model}"
+        + (noise if config.model in DEFAULT_MODELS else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    engine = load_engine(config)
     engine.start()
     collectors = [
         _LocalCollector(engine, str(i), args.cancel_after, args.logprobs is not None)

