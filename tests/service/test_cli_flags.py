@@ -154,3 +154,12 @@ def test_a_server_without_a_port_is_refused(
         "slipstream: error: address 'localhost' has no port (HOST:PORT, e.g. localhost:50051)"
         in err
     )
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e309"])
+def test_stats_refuses_a_timeout_that_fails_at_once(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each was sent as the call's timeout: DEADLINE_EXCEEDED at once."""
+    err = parse_error(["stats", "--server", "127.0.0.1:1", "--timeout-s", value], capsys)
+    assert f"argument --timeout-s: must be > 0 and finite, got {value}" in err
