@@ -225,7 +225,7 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise SystemExit(f"{path}: cannot read it: {exc.strerror}") from None
+        raise _refused(f"{path}: cannot read it: {exc.strerror}") from None
     specs = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
@@ -234,18 +234,25 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
         try:
             item = json.loads(line)
         except ValueError as exc:
-            raise SystemExit(f"{where}: not JSON ({exc})") from None
+            raise _refused(f"{where}: not JSON ({exc})") from None
         if isinstance(item, str):
             specs.append(_spec(item, None, {}, args))
             continue
         if not isinstance(item, dict):
-            raise SystemExit(f"{where}: {_NO_PROMPT}")
+            raise _refused(f"{where}: {_NO_PROMPT}")
         _check_item(item, where)
         if "messages" in item:
             specs.append(_spec(None, None, item, args, _conversation(item["messages"], where)))
         else:
             specs.append(_spec(item.get("prompt"), item.get("prompt_token_ids"), item, args))
+    if not specs:  # a script's mistake, not a run of nothing
+        raise _refused(f"{path}: no prompts in it")
     return specs
+
+
+def _refused(message: str) -> SystemExit:
+    """A prompts or messages file the command cannot run: one error line, exit 1."""
+    return SystemExit(f"slipstream: error: {message}")
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
@@ -267,36 +274,40 @@ def _check_item(item: dict, where: str) -> None:
 
     unknown = [key for key in item if key not in _ITEM_KEYS]
     if unknown:
-        raise SystemExit(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_ITEM_KEYS)})")
+        raise _refused(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_ITEM_KEYS)})")
     prompts = [key for key in _PROMPT_KEYS if key in item]
     if not prompts:
-        raise SystemExit(f"{where}: {_NO_PROMPT}")
+        raise _refused(f"{where}: {_NO_PROMPT}")
     if len(prompts) > 1:
         both = "messages or a prompt" if "messages" in prompts else "prompt or prompt_token_ids"
-        raise SystemExit(f"{where}: {both}, not both")
+        raise _refused(f"{where}: {both}, not both")
     prompt, ids = item.get("prompt"), item.get("prompt_token_ids")
     if prompt is not None and not isinstance(prompt, str):
-        raise SystemExit(f"{where}: prompt must be a string")
+        raise _refused(f"{where}: prompt must be a string")
     if ids is not None and not (isinstance(ids, list) and all(is_token_id(t) for t in ids)):
-        raise SystemExit(f"{where}: prompt_token_ids must be a list of integers in [0, 2**32)")
+        raise _refused(f"{where}: prompt_token_ids must be a list of integers in [0, 2**32)")
     for key, low in (("max_tokens", 1), ("seed", 0)):
         if item.get(key) is not None and not integer(item[key], low):
-            raise SystemExit(f"{where}: {key} must be an integer >= {low}")
+            raise _refused(f"{where}: {key} must be an integer >= {low}")
     temperature = item.get("temperature")
     if temperature is not None and not (
         isinstance(temperature, int | float)
         and not isinstance(temperature, bool)
         and 0 <= temperature < math.inf
     ):
-        raise SystemExit(f"{where}: temperature must be a number, >= 0 and finite")
+        raise _refused(f"{where}: temperature must be a number, >= 0 and finite")
 
 
 def load_messages(path: Path) -> tuple[tuple[str, str], ...]:
-    """A conversation file; ``SystemExit`` naming the file when malformed."""
+    """A conversation file; ``SystemExit`` naming the file when unreadable or malformed."""
     try:
-        items = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise SystemExit(f"{path}: {exc}") from None
+        text = path.read_text()
+    except OSError as exc:
+        raise _refused(f"{path}: cannot read it: {exc.strerror}") from None
+    try:
+        items = json.loads(text)
+    except ValueError as exc:  # json.JSONDecodeError
+        raise _refused(f"{path}: not JSON ({exc})") from None
     return _conversation(items, str(path))
 
 
@@ -310,7 +321,7 @@ def _conversation(items: object, where: str) -> tuple[tuple[str, str], ...]:
             raise ValueError('need a JSON list of {"role": ..., "content": ...}')
         return Conversation.of(items).messages
     except ValueError as exc:
-        raise SystemExit(f"{where}: {exc}") from None
+        raise _refused(f"{where}: {exc}") from None
 
 
 def _spec(
