@@ -60,9 +60,23 @@ def _add_unavailable(subparsers: argparse._SubParsersAction, command: str) -> No
     parser.set_defaults(func=_Unavailable(parser.prog.removeprefix("slipstream ")))
 
 
+def add_commands(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+    """``parser``'s subcommands, stored in ``dest``. Without one, a usage
+    error names them ('slipstream model: error: choose a command: init,
+    path, import-gguf'), where argparse's own would name ``dest``
+    ('required: model_command')."""
+    commands = parser.add_subparsers(dest=dest)
+
+    def choose(args: argparse.Namespace) -> int:
+        parser.error(f"choose a command: {', '.join(commands.choices)}")
+
+    parser.set_defaults(func=choose)  # a subcommand's own func replaces it
+    return commands
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
-    register_subcommands(parser.add_subparsers(dest="command", required=True), COMMAND_MODULES)
+    register_subcommands(add_commands(parser, dest="command"), COMMAND_MODULES)
     return parser
 
 

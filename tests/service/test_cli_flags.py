@@ -163,3 +163,29 @@ def test_stats_refuses_a_timeout_that_fails_at_once(
     """Each was sent as the call's timeout: DEADLINE_EXCEEDED at once."""
     err = parse_error(["stats", "--server", "127.0.0.1:1", "--timeout-s", value], capsys)
     assert f"argument --timeout-s: must be > 0 and finite, got {value}" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        ([], "slipstream: error: choose a command: model, generate, chat, serve, stats, bench"),
+        (["model"], "slipstream model: error: choose a command: init, path, import-gguf"),
+        (["kernels"], "slipstream kernels: error: choose a command: build"),
+        (["bench"], "slipstream bench: error: choose a command: calibrate, host, kv-accuracy"),
+    ],
+)
+def test_a_missing_command_names_the_choices(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse named its dest instead: 'the following arguments are required: model_command'."""
+    err = usage_error(argv, capsys)
+    assert complaint in err and "required" not in err
+
+
+def test_model_path_of_an_unknown_model_is_an_error_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from slipstream.service.cli import main
+
+    assert main(["model", "path", "nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("slipstream: error: unknown model 'nosuch'")
