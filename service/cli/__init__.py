@@ -74,8 +74,14 @@ def add_commands(parser: argparse.ArgumentParser, dest: str) -> argparse._SubPar
     return commands
 
 
+DESCRIPTION = (
+    "Slipstream: LLM inference over gRPC and an OpenAI-compatible HTTP API, with "
+    "deadline-aware continuous batching. `slipstream COMMAND --help` gives a command's flags."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
+    parser = argparse.ArgumentParser(prog="slipstream", description=DESCRIPTION)
     register_subcommands(add_commands(parser, dest="command"), COMMAND_MODULES)
     return parser
 

@@ -124,10 +124,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         type=Path,
         help='a conversation: a JSON list of {"role": ..., "content": ...}',
     )
-    parser.add_argument("--max-tokens", type=positive_int, default=64)
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
-    parser.add_argument("--seed", type=non_negative_int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=64,
+        help="most tokens to generate per prompt (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=None, help="sampling seed, for repeatable runs"
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past the end-of-sequence token, up to --max-tokens",
+    )
     parser.add_argument(
         "--logprobs",
         type=int_at_least(0, 20),
