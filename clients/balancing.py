@@ -73,10 +73,13 @@ def channel_options(config: str | None = None) -> list[tuple[str, object]]:
 
 def channel_target(addresses: str | Sequence[str]) -> str:
     """One gRPC target for ``addresses``: a string is used as is
-    (``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``); a list of IP
-    ``host:port`` literals becomes an ``ipv4:``/``ipv6:`` target."""
+    (``host:port``, ``[::1]:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``,
+    ``unix:path``); a list of IP ``host:port`` literals becomes an
+    ``ipv4:``/``ipv6:`` target. An address without a port is refused: gRPC
+    would dial 443."""
     if isinstance(addresses, str):
-        _check_port(addresses.rpartition(":")[2], addresses)
+        for address in _target_addresses(addresses):
+            _split_host_port(address)
         return addresses
     if not addresses:
         raise ValueError("no server addresses given")
@@ -97,9 +100,31 @@ def channel_target(addresses: str | Sequence[str]) -> str:
     return "ipv6:" + ",".join(f"[{h}]:{p}" for h, p in hosts)
 
 
+# Targets whose resolver takes no port: a socket path, a vsock CID:port.
+_PORTLESS_SCHEMES = ("unix:", "unix-abstract:", "vsock:")
+
+
+def _target_addresses(target: str) -> list[str]:
+    """The ``host:port`` parts of a gRPC target that name a TCP address."""
+    if target.startswith(_PORTLESS_SCHEMES):
+        return []
+    if target.startswith(("ipv4:", "ipv6:")):
+        return target.partition(":")[2].split(",")
+    if target.startswith("dns:"):
+        name = target.removeprefix("dns:")
+        # dns:///name:port or dns://authority/name:port; dns:name:port
+        return [name[2:].partition("/")[2] if name.startswith("//") else name]
+    if "://" in target:  # another resolver's target: its rules, not ours
+        return []
+    return [target]
+
+
 def _split_host_port(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port or (host.startswith("[") and not host.endswith("]")):
+        # "localhost", "localhost:", "[::1]" (its last colon is the address's)
+        raise ValueError(f"address {address!r} has no port (HOST:PORT, e.g. localhost:50051)")
+    if not port.isdigit():
         raise ValueError(f"address {address!r} is not HOST:PORT")
     _check_port(port, address)
     return host.strip("[]"), int(port)
@@ -117,8 +142,7 @@ def check_port(port: int) -> int:
 
 
 def _check_port(port: str, address: str) -> None:
-    if port.isdigit():
-        try:
-            check_port(int(port))
-        except ValueError as exc:
-            raise ValueError(f"address {address!r}: {exc}") from None
+    try:
+        check_port(int(port))
+    except ValueError as exc:
+        raise ValueError(f"address {address!r}: {exc}") from None

@@ -37,24 +37,52 @@ def register_subcommands(subparsers: argparse._SubParsersAction, modules: Iterab
         except ModuleNotFoundError:
             if not missing_server_modules():
                 raise  # a real bug, not a light install
-            _add_unavailable(subparsers, name.rpartition(".")[2])
+            _add_unavailable(subparsers, name.rpartition(".")[2].replace("_", "-"))
             continue
         module.add_parser(subparsers)
 
 
+class _Unavailable:
+    """The ``func`` of a subcommand whose module needs the server extra:
+    whatever follows it on the command line, it says what to install."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command  # the whole command: "bench step"
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        raise ServerExtraMissing(self.command, missing_server_modules())
+
+
 def _add_unavailable(subparsers: argparse._SubParsersAction, command: str) -> None:  # type: ignore[type-arg]
+    # No arguments of its own: main() lets it take any (its options, --help)
+    # so that `bench step --model tiny` says what to install too.
     parser = subparsers.add_parser(command, help="(needs slipstream[server])", add_help=False)
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.set_defaults(func=_Unavailable(parser.prog.removeprefix("slipstream ")))
 
-    def unavailable(args: argparse.Namespace) -> int:
-        raise ServerExtraMissing(command, missing_server_modules())
 
-    parser.set_defaults(func=unavailable)
+def add_commands(parser: argparse.ArgumentParser, dest: str) -> argparse._SubParsersAction:  # type: ignore[type-arg]
+    """``parser``'s subcommands, stored in ``dest``. Without one, a usage
+    error names them ('slipstream model: error: choose a command: init,
+    path, import-gguf'), where argparse's own would name ``dest``
+    ('required: model_command')."""
+    commands = parser.add_subparsers(dest=dest)
+
+    def choose(args: argparse.Namespace) -> int:
+        parser.error(f"choose a command: {', '.join(commands.choices)}")
+
+    parser.set_defaults(func=choose)  # a subcommand's own func replaces it
+    return commands
+
+
+DESCRIPTION = (
+    "Slipstream: LLM inference over gRPC and an OpenAI-compatible HTTP API, with "
+    "deadline-aware continuous batching. `slipstream COMMAND --help` gives a command's flags."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
-    register_subcommands(parser.add_subparsers(dest="command", required=True), COMMAND_MODULES)
+    parser = argparse.ArgumentParser(prog="slipstream", description=DESCRIPTION)
+    register_subcommands(add_commands(parser, dest="command"), COMMAND_MODULES)
     return parser
 
 
@@ -70,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.kernels import cpu_features
 
         cpu_features.force(answer)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not isinstance(getattr(args, "func", None), _Unavailable):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args says it
     try:
         return int(args.func(args) or 0)
     except (ValueError, ServerExtraMissing) as exc:  # bad model, flags; a light install

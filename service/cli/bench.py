@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from slipstream.service.cli import register_subcommands
+from slipstream.service.cli import add_commands, register_subcommands
 
 BENCH_MODULES = (
     "slipstream.service.bench.calibrate",
@@ -23,5 +23,5 @@ BENCH_MODULES = (
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("bench", help="benchmarks")
-    bench_subparsers = parser.add_subparsers(dest="bench_command", required=True)
+    bench_subparsers = add_commands(parser, dest="bench_command")
     register_subcommands(bench_subparsers, BENCH_MODULES)

@@ -27,12 +27,35 @@ ANSWERED = frozenset({"eos", "max_tokens", "stop_sequence"})  # the answer joins
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("chat", help="chat with a server's model in the terminal")
-    parser.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    parser = subparsers.add_parser(
+        "chat",
+        help="chat with a server's model in the terminal",
+        description="Each line typed is a question; the answer streams as it is generated. "
+        f"{RESET} starts a new conversation, {EXIT} ends. Ctrl-C stops an answer (it is "
+        "left out of the conversation); Ctrl-C or Ctrl-D at the prompt ends the chat.",
+    )
+    parser.add_argument(
+        "--server",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT",
+        help="the server's address (default: %(default)s)",
+    )
     parser.add_argument("--system", default=None, help="a system message opening the chat")
-    parser.add_argument("--max-tokens", type=positive_int, default=512, help="per answer")
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
-    parser.add_argument("--seed", type=non_negative_int, default=None)
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=512,
+        help="most tokens per answer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=None, help="sampling seed, for repeatable answers"
+    )
     add_connection_args(parser)
     parser.set_defaults(func=run)
 

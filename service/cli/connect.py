@@ -12,7 +12,8 @@ from slipstream.clients.security import TLS
 TOKEN_ENV = "SLIPSTREAM_TOKEN"
 
 
-def add_connection_args(parser: argparse.ArgumentParser) -> None:
+def add_connection_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Adds the flags, in a group of their own, and returns it."""
     group = parser.add_argument_group("connection (with --server)")
     group.add_argument(
         "--tls", action="store_true", help="TLS, checking the server against the system's CAs"
@@ -28,6 +29,7 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get(TOKEN_ENV),
         help=f"bearer token for a server with tenants (env {TOKEN_ENV})",
     )
+    return group
 
 
 def unreadable_file(exc: OSError) -> str:

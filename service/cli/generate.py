@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import sys
@@ -123,10 +124,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         type=Path,
         help='a conversation: a JSON list of {"role": ..., "content": ...}',
     )
-    parser.add_argument("--max-tokens", type=positive_int, default=64)
-    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
-    parser.add_argument("--seed", type=non_negative_int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=64,
+        help="most tokens to generate per prompt (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.0,
+        help="sampling temperature; 0 is greedy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=non_negative_int, default=None, help="sampling seed, for repeatable runs"
+    )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="keep generating past the end-of-sequence token, up to --max-tokens",
+    )
     parser.add_argument(
         "--logprobs",
         type=int_at_least(0, 20),
@@ -161,21 +178,58 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         metavar="N",
         help="cancel each request once N tokens have arrived; print only those",
     )
-    parser.add_argument(
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    connection = add_connection_args(parser)
+    connection.add_argument(
         "--per-request",
         action="store_true",
         help="one GenerateOne call per prompt (a load balancer routes each on its own) "
         "instead of one multiplexed stream",
     )
-    parser.add_argument(
+    connection.add_argument(
         "--balanced",
         action="store_true",
         help="round_robin, health checks and retries over every address --server resolves to",
     )
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    add_connection_args(parser)
-    add_engine_args(parser)
-    parser.set_defaults(func=run)
+    engine = add_engine_args(parser)
+    mode_flags = ModeFlags.of(parser, local=engine, server=connection)
+    parser.set_defaults(func=functools.partial(run, mode_flags=mode_flags))
+
+
+@dataclass(frozen=True, slots=True)
+class ModeFlags:
+    """The flags that apply to one mode alone: ``--local``'s engine flags,
+    ``--server``'s connection flags, each with its default."""
+
+    local: tuple[tuple[str, str, object], ...]  # (flag, dest, default)
+    server: tuple[tuple[str, str, object], ...]
+
+    @classmethod
+    def of(
+        cls,
+        parser: argparse.ArgumentParser,
+        local: argparse._ArgumentGroup,
+        server: argparse._ArgumentGroup,
+    ) -> ModeFlags:
+        def flags(group: argparse._ArgumentGroup) -> tuple[tuple[str, str, object], ...]:
+            actions = group._group_actions  # argparse keeps no public list of a group's flags
+            return tuple((a.option_strings[0], a.dest, parser.get_default(a.dest)) for a in actions)
+
+        return cls(flags(local), flags(server))
+
+    def check(self, args: argparse.Namespace) -> None:
+        """ValueError naming the flags given that the mode ignores. A value
+        equal to the default counts as not given: $SLIPSTREAM_TOKEN, which
+        is --token's default, is not a --token given with --local."""
+        mode, other = ("--local", self.server) if args.local else ("--server", self.local)
+        given = [flag for flag, dest, default in other if getattr(args, dest) != default]
+        if given:
+            applies = "--server" if args.local else "--local"
+            raise ValueError(
+                f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to "
+                f"{applies}, not with {mode}"
+                + ("" if args.local else " (the server runs its own engine)")
+            )
 
 
 def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
@@ -187,7 +241,7 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
-        raise SystemExit(f"{path}: cannot read it: {exc.strerror}") from None
+        raise _refused(f"{path}: cannot read it: {exc.strerror}") from None
     specs = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
@@ -196,18 +250,25 @@ def load_prompts(args: argparse.Namespace) -> list[PromptSpec]:
         try:
             item = json.loads(line)
         except ValueError as exc:
-            raise SystemExit(f"{where}: not JSON ({exc})") from None
+            raise _refused(f"{where}: not JSON ({exc})") from None
         if isinstance(item, str):
             specs.append(_spec(item, None, {}, args))
             continue
         if not isinstance(item, dict):
-            raise SystemExit(f"{where}: {_NO_PROMPT}")
+            raise _refused(f"{where}: {_NO_PROMPT}")
         _check_item(item, where)
         if "messages" in item:
             specs.append(_spec(None, None, item, args, _conversation(item["messages"], where)))
         else:
             specs.append(_spec(item.get("prompt"), item.get("prompt_token_ids"), item, args))
+    if not specs:  # a script's mistake, not a run of nothing
+        raise _refused(f"{path}: no prompts in it")
     return specs
+
+
+def _refused(message: str) -> SystemExit:
+    """A prompts or messages file the command cannot run: one error line, exit 1."""
+    return SystemExit(f"slipstream: error: {message}")
 
 
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
@@ -229,36 +290,40 @@ def _check_item(item: dict, where: str) -> None:
 
     unknown = [key for key in item if key not in _ITEM_KEYS]
     if unknown:
-        raise SystemExit(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_ITEM_KEYS)})")
+        raise _refused(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_ITEM_KEYS)})")
     prompts = [key for key in _PROMPT_KEYS if key in item]
     if not prompts:
-        raise SystemExit(f"{where}: {_NO_PROMPT}")
+        raise _refused(f"{where}: {_NO_PROMPT}")
     if len(prompts) > 1:
         both = "messages or a prompt" if "messages" in prompts else "prompt or prompt_token_ids"
-        raise SystemExit(f"{where}: {both}, not both")
+        raise _refused(f"{where}: {both}, not both")
     prompt, ids = item.get("prompt"), item.get("prompt_token_ids")
     if prompt is not None and not isinstance(prompt, str):
-        raise SystemExit(f"{where}: prompt must be a string")
+        raise _refused(f"{where}: prompt must be a string")
     if ids is not None and not (isinstance(ids, list) and all(is_token_id(t) for t in ids)):
-        raise SystemExit(f"{where}: prompt_token_ids must be a list of integers in [0, 2**32)")
+        raise _refused(f"{where}: prompt_token_ids must be a list of integers in [0, 2**32)")
     for key, low in (("max_tokens", 1), ("seed", 0)):
         if item.get(key) is not None and not integer(item[key], low):
-            raise SystemExit(f"{where}: {key} must be an integer >= {low}")
+            raise _refused(f"{where}: {key} must be an integer >= {low}")
     temperature = item.get("temperature")
     if temperature is not None and not (
         isinstance(temperature, int | float)
         and not isinstance(temperature, bool)
         and 0 <= temperature < math.inf
     ):
-        raise SystemExit(f"{where}: temperature must be a number, >= 0 and finite")
+        raise _refused(f"{where}: temperature must be a number, >= 0 and finite")
 
 
 def load_messages(path: Path) -> tuple[tuple[str, str], ...]:
-    """A conversation file; ``SystemExit`` naming the file when malformed."""
+    """A conversation file; ``SystemExit`` naming the file when unreadable or malformed."""
     try:
-        items = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise SystemExit(f"{path}: {exc}") from None
+        text = path.read_text()
+    except OSError as exc:
+        raise _refused(f"{path}: cannot read it: {exc.strerror}") from None
+    try:
+        items = json.loads(text)
+    except ValueError as exc:  # json.JSONDecodeError
+        raise _refused(f"{path}: not JSON ({exc})") from None
     return _conversation(items, str(path))
 
 
@@ -272,7 +337,7 @@ def _conversation(items: object, where: str) -> tuple[tuple[str, str], ...]:
             raise ValueError('need a JSON list of {"role": ..., "content": ...}')
         return Conversation.of(items).messages
     except ValueError as exc:
-        raise SystemExit(f"{where}: {exc}") from None
+        raise _refused(f"{where}: {exc}") from None
 
 
 def _spec(
@@ -344,8 +409,18 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
     from slipstream.scheduler.request import SamplingParams
     from slipstream.service.engine.events import RequestSpec
     from slipstream.service.engine.loader import load_engine
+    from slipstream.service.models.default_models import DEFAULT_MODELS
 
-    engine = load_engine(engine_config(args))
+    config = engine_config(args)
+    # On stderr: stdout is the results. tiny, the default, answers noise.
+    noise = " (random weights: its text is noise; --model smollm2 is a real one)"
+    print(
+        f"slipstream: generating on model {config.model}"
+        + (noise if config.model in DEFAULT_MODELS else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    engine = load_engine(config)
     engine.start()
     collectors = [
         _LocalCollector(engine, str(i), args.cancel_after, args.logprobs is not None)
@@ -544,7 +619,9 @@ async def _follow(
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, mode_flags: ModeFlags | None = None) -> int:
+    if mode_flags is not None:
+        mode_flags.check(args)
     if args.local:
         require_server_extra("generate --local")
         from slipstream.service.telemetry.logs import configure_logging

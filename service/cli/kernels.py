@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 
 from slipstream.kernels import cpu_attention, fused_ops, linear
+from slipstream.service.cli import add_commands
 from slipstream.service.models.store import slipstream_home
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("kernels", help="native CPU kernels")
-    actions = parser.add_subparsers(dest="action", required=True)
+    actions = add_commands(parser, dest="action")
     build = actions.add_parser("build", help="build (or find cached) the native CPU kernels")
     build.set_defaults(func=_build)
 

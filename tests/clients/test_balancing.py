@@ -80,6 +80,39 @@ def results_ok(client: Client, count: int, tag: str) -> bool:
     return all(g.result(timeout=60).is_ok for g in generations)
 
 
+@pytest.mark.parametrize(
+    "target",
+    ["localhost", "localhost:", "[::1]", "dns:///slipstream", "ipv4:127.0.0.1:1,127.0.0.1"],
+)
+def test_a_target_without_a_port_is_refused(target: str) -> None:
+    """gRPC dials 443 for a name without a port: never what was meant."""
+    with pytest.raises(ValueError, match=r"has no port \(HOST:PORT, e\.g\. localhost:50051\)"):
+        channel_target(target)
+
+
+def test_a_client_without_a_port_is_refused() -> None:
+    with pytest.raises(ValueError, match="address 'localhost' has no port"):
+        Client("localhost")
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "localhost:50051",
+        "[::1]:50051",
+        "dns:///slipstream:50051",
+        "dns://8.8.8.8/slipstream:50051",
+        "ipv4:127.0.0.1:1,127.0.0.2:2",
+        "ipv6:[::1]:50051",
+        "unix:/run/slipstream.sock",
+        "unix:///run/slipstream.sock",
+        "unix-abstract:slipstream",
+    ],
+)
+def test_a_target_with_a_port_or_a_socket_is_taken_as_is(target: str) -> None:
+    assert channel_target(target) == target
+
+
 def test_targets_and_service_config() -> None:
     assert channel_target(["127.0.0.1:1", "127.0.0.1:2"]) == "ipv4:127.0.0.1:1,127.0.0.1:2"
     assert channel_target(["[::1]:1", "::1:2"]) == "ipv6:[::1]:1,[::1]:2"

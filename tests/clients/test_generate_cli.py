@@ -13,7 +13,7 @@ from conftest import BURST_PROMPT, ScriptedServer
 
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.cli import main
-from slipstream.service.cli.generate import _LocalCollector
+from slipstream.service.cli.generate import Output, _LocalCollector
 from slipstream.service.engine.events import FinishEvent, TokenEvent
 
 
@@ -58,3 +58,66 @@ def test_the_local_engine_prints_the_first_n_tokens_too() -> None:
         "t0 t1 t2 ",
         "cancelled",
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        (
+            ["--server", "127.0.0.1:1", "--model", "smollm2", "--dtype", "float32"],
+            "--model, --dtype apply only to --local, not with --server",
+        ),
+        (["--server", "127.0.0.1:1", "--threads", "2"], "--threads applies only to --local"),
+        (
+            ["--local", "--per-request", "--balanced", "--token", "x", "--tls"],
+            "--tls, --token, --per-request, --balanced apply only to --server, not with --local",
+        ),
+        (["--local", "--tls-ca", "ca.pem"], "--tls-ca applies only to --server"),
+    ],
+)
+def test_a_flag_the_mode_would_ignore_is_refused(
+    flags: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were ignored: --model smollm2 with --server printed the server's
+    model's text and exit 0."""
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--prompt", "hi", *flags])
+    assert exited.value.code == 2
+    assert f"slipstream: error: {complaint}" in capsys.readouterr().err
+
+
+def test_a_token_from_the_environment_is_not_a_flag_given(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import slipstream.service.cli.generate as generate
+
+    monkeypatch.setenv("SLIPSTREAM_TOKEN", "from-the-environment")
+    ran = []
+
+    def run_local(specs: list, args: object) -> list[Output]:
+        ran.append(specs)
+        return [Output(0, [1], "x", "max_tokens")]
+
+    monkeypatch.setattr(generate, "run_local", run_local)
+    assert main(["generate", "--local", "--prompt", "hi", "--model", "tiny"]) == 0
+    assert len(ran) == 1 and capsys.readouterr().out == "[0] (max_tokens) x\n"
+
+
+def test_local_says_which_model_it_runs_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny, the default, answers noise: a line says so, and stdout stays JSON."""
+    argv = ["generate", "--local", "--prompt", "hi", "--max-tokens", "2", "--json"]
+    assert main([*argv, "--dtype", "float32", "--no-calibrate", "--kv-memory", "lazy"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["index"] == 0
+    assert "slipstream: generating on model tiny (random weights: its text is noise" in err
+
+
+@pytest.mark.parametrize(("command", "model"), [("generate", "tiny"), ("serve", "smollm2")])
+def test_model_help_gives_the_command_s_default(
+    command: str, model: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")  # one line a flag
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("--model")]
+    assert line.endswith(f"(default: {model})")

@@ -134,3 +134,58 @@ def test_a_client_command_refuses_a_value_the_server_would(
     command, *flags = argv
     where = ["--server", "127.0.0.1:1"] + (["--prompt", "hi"] if command == "generate" else [])
     assert complaint in usage_error([command, *where, *flags], capsys)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--server", "localhost", "--prompt", "hi"],
+        ["generate", "--server", "localhost", "--prompt", "hi", "--per-request"],
+        ["stats", "--server", "localhost"],
+        ["chat", "--server", "localhost"],
+    ],
+)
+def test_a_server_without_a_port_is_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC dialled port 443 and failed with 'ipv4:127.0.0.1:443: Connection refused'."""
+    err = usage_error(argv, capsys)
+    assert (
+        "slipstream: error: address 'localhost' has no port (HOST:PORT, e.g. localhost:50051)"
+        in err
+    )
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e309"])
+def test_stats_refuses_a_timeout_that_fails_at_once(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each was sent as the call's timeout: DEADLINE_EXCEEDED at once."""
+    err = parse_error(["stats", "--server", "127.0.0.1:1", "--timeout-s", value], capsys)
+    assert f"argument --timeout-s: must be > 0 and finite, got {value}" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        ([], "slipstream: error: choose a command: model, generate, chat, serve, stats, bench"),
+        (["model"], "slipstream model: error: choose a command: init, path, import-gguf"),
+        (["kernels"], "slipstream kernels: error: choose a command: build"),
+        (["bench"], "slipstream bench: error: choose a command: calibrate, host, kv-accuracy"),
+    ],
+)
+def test_a_missing_command_names_the_choices(
+    argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse named its dest instead: 'the following arguments are required: model_command'."""
+    err = usage_error(argv, capsys)
+    assert complaint in err and "required" not in err
+
+
+def test_model_path_of_an_unknown_model_is_an_error_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from slipstream.service.cli import main
+
+    assert main(["model", "path", "nosuch"]) == 2
+    assert capsys.readouterr().err.startswith("slipstream: error: unknown model 'nosuch'")

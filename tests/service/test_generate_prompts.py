@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.service.cli.generate import load_prompts
+from slipstream.service.cli.generate import load_messages, load_prompts
 
 
 def _args(path: Path) -> argparse.Namespace:
@@ -78,11 +78,44 @@ def test_a_bad_line_is_named(tmp_path: Path, line: str, complaint: str) -> None:
     path.write_text(f'"fine"\n{line}\n')
     with pytest.raises(SystemExit) as exited:
         load_prompts(_args(path))
-    assert str(exited.value).startswith(f"{path}{complaint}")
+    assert str(exited.value).startswith(f"slipstream: error: {path}{complaint}")
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     path = tmp_path / "absent.jsonl"
     with pytest.raises(SystemExit) as exited:
         load_prompts(_args(path))
-    assert str(exited.value) == f"{path}: cannot read it: No such file or directory"
+    assert (
+        str(exited.value) == f"slipstream: error: {path}: cannot read it: No such file or directory"
+    )
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "  \n\t\n"])
+def test_a_file_without_prompts_is_refused(tmp_path: Path, content: str) -> None:
+    """It exited 0 having printed nothing: an empty file is a script's mistake."""
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exited:
+        load_prompts(_args(path))
+    assert str(exited.value) == f"slipstream: error: {path}: no prompts in it"
+
+
+def test_a_missing_messages_file_is_named_as_a_prompts_file_is(tmp_path: Path) -> None:
+    path = tmp_path / "absent.json"
+    with pytest.raises(SystemExit) as exited:
+        load_messages(path)
+    assert (
+        str(exited.value) == f"slipstream: error: {path}: cannot read it: No such file or directory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "complaint"),
+    [("not json", ": not JSON (Expecting value"), ('{"role": "user"}', ": need a JSON list")],
+)
+def test_a_bad_messages_file_is_named(tmp_path: Path, content: str, complaint: str) -> None:
+    path = tmp_path / "chat.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exited:
+        load_messages(path)
+    assert str(exited.value).startswith(f"slipstream: error: {path}{complaint}")
