@@ -299,7 +299,16 @@ def _finish(
 
 
 def _max_model_len(config: EngineConfig, model: LlamaModel) -> int:
+    """``--max-model-len``, or the model's context; a longer one than the
+    model's is cut to it, and the log says so."""
     limit = model.config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > limit:
+        log.warning(
+            "max_model_len_above_the_model",
+            requested=config.max_model_len,
+            max_model_len=limit,
+            detail="the model's positions end there; requests are held to it",
+        )
     return min(config.max_model_len or limit, limit)
 
 

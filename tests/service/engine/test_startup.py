@@ -191,3 +191,16 @@ def test_zero_is_a_value_where_it_means_something() -> None:
         0,
         0,
     )
+
+
+def test_a_max_model_len_past_the_models_context_is_cut_and_said(monkeypatch) -> None:
+    from slipstream.service.engine import loader
+
+    warned: list[dict[str, object]] = []
+    monkeypatch.setattr(loader.log, "warning", lambda event, **fields: warned.append(fields))
+    engine = load_engine(
+        EngineConfig(model="tiny", num_device_blocks=64, device="cpu", max_model_len=99_999_999)
+    )
+    engine.shutdown()
+    limit = engine.info.max_model_len
+    assert [(w["requested"], w["max_model_len"]) for w in warned] == [(99_999_999, limit)]
