@@ -7,12 +7,13 @@ serve, and on SIGTERM/SIGINT drain within a grace period, then stop (or,
 while still loading or at a second signal, stop at once); on
 SIGHUP re-read the tenants file.
 
-Security sits at this edge: TLS (optionally mutual) from ``tls.py``; with
-tenants, the servicer refuses any ``slipstream.v1.Inference`` call without a
-known bearer token (UNAUTHENTICATED) and the session applies each tenant's
-per-request limits. Health and reflection stay open. (Not a server
-interceptor: with one installed, grpc.aio clients often see an early abort
-as INTERNAL instead of its real status.)
+Security sits at this edge: TLS (optionally mutual) from ``tls.py``, the same
+files on the HTTP front (HTTPS); with tenants, the servicer refuses any
+``slipstream.v1.Inference`` call without a known bearer token
+(UNAUTHENTICATED) and the session applies each tenant's per-request limits.
+Health and reflection stay open. (Not a server interceptor: with one
+installed, grpc.aio clients often see an early abort as INTERNAL instead of
+its real status.)
 """
 
 from __future__ import annotations
@@ -151,24 +152,42 @@ def exposure_warning(
     host: str, has_tls: bool, has_tenants: bool, has_http: bool = False
 ) -> str | None:
     """Why listening on ``host`` this way lets anyone on the network in, or
-    None when it does not (loopback, or TLS and tenants both on, and no
-    HTTP front, which speaks plaintext only)."""
-    if is_loopback(host) or (has_tls and has_tenants and not has_http):
+    None when it does not (loopback, or TLS and tenants both on: the HTTP
+    front then speaks HTTPS with the same files, as gRPC speaks TLS)."""
+    if is_loopback(host) or (has_tls and has_tenants):
         return None
-    if has_tls and has_tenants:
-        return (
-            f"the HTTP front on {host} speaks plaintext: bearer tokens would cross the "
-            "network in the clear (put a TLS proxy in front of it)"
-        )
+    where = f"listening on {host}, reachable from the network,"
+    if has_tenants:
+        fronts = "gRPC and HTTP calls" if has_http else "gRPC calls"
+        return f"{where} without TLS: {fronts} would carry bearer tokens in the clear"
+    missing = "tenants" if has_tls else "TLS (--tls-cert/--tls-key) or tenants"
+    ports = "either port (gRPC, HTTP)" if has_http else "the port"
+    return f"{where} without {missing}: anyone who reaches {ports} can submit work of any class"
+
+
+def exposure_remedy(has_tls: bool, has_tenants: bool, http_port: int = 0) -> str:
+    """What to do about ``exposure_warning``: the flags still missing, and,
+    with the HTTP front on (``http_port``) and no TLS, how to turn it off."""
     missing = [
-        what
-        for what, is_on in (("TLS (--tls-cert/--tls-key)", has_tls), ("tenants", has_tenants))
+        flags
+        for flags, is_on in (("--tls-cert/--tls-key", has_tls), ("--tenants", has_tenants))
         if not is_on
     ]
-    return (
-        f"listening on {host}, reachable from the network, without {' or '.join(missing)}: "
-        "anyone who reaches the port can submit work of any class"
+    both = " (gRPC and the HTTP front then both speak TLS)" if not has_tls and http_port else ""
+    remedy = (
+        f"Add {' and '.join(missing)}{both}, listen on 127.0.0.1, or pass --insecure "
+        "if the network is trusted."
     )
+    if not has_tls and http_port:
+        remedy += (
+            f"\nThe HTTP front listens on port {http_port} too (on by default): "
+            "--http-port 0 turns it off."
+        )
+    return remedy
+
+
+def _tls_mode(tls: ServerTLS | None) -> str:
+    return "off" if tls is None else ("mutual" if tls.client_ca_file else "on")
 
 
 def reload_tenants(tenants: Tenants, path: Path) -> bool:
@@ -337,7 +356,9 @@ async def run(
         raise StartupFailed(f"{exc} (in use, or the host does not resolve)") from None
     http: HttpFront | None = None
     if http_port:  # the same limits as gRPC: a size refused there is refused here
-        http = HttpFront(lifecycle, telemetry, tenants=tenants, workers=workers, limits=limits)
+        http = HttpFront(
+            lifecycle, telemetry, tenants=tenants, workers=workers, limits=limits, tls=tls
+        )
     await server.start()
     if http is not None:
         try:
@@ -345,7 +366,7 @@ async def run(
         except OSError as exc:
             await server.stop(None)
             raise StartupFailed(f"cannot listen for HTTP on {host}:{http_port}: {exc}") from None
-        log.info("http_listening", host=host, port=http_bound)
+        log.info("http_listening", host=host, port=http_bound, tls=_tls_mode(tls))
         if on_http is not None:
             on_http(http_bound)
     # Before server_loading is logged: from then on a stop signal is handled.
@@ -360,7 +381,7 @@ async def run(
         "server_loading",
         host=host,
         port=bound,
-        tls="off" if tls is None else ("mutual" if tls.client_ca_file else "on"),
+        tls=_tls_mode(tls),
         tenants=None if tenants is None else tenants.names,
     )
     loading = _load_in_background(load_engine)

@@ -1,13 +1,17 @@
-"""The server's TLS certificate, re-read without a restart.
+"""The server's TLS certificate, re-read without a restart, for both fronts.
 
 gRPC asks ``CertificateFiles.fetch`` before every new connection's handshake
-(``grpc.dynamic_ssl_server_credentials``). It looks at the files' stat
-(mtime, size, inode): unchanged, the current certificate stays; changed, the
-files are read again and checked (the key matches the certificate, the
-client CA parses) before gRPC gets them. A rotation caught half-written (a
-new certificate with the old key) fails that check, is logged, and the old
-certificate serves until the next connection finds the pair complete.
-Connections already open keep the certificate they were made with.
+(``grpc.dynamic_ssl_server_credentials``); the HTTP front's ``ssl.SSLContext``
+(``CertificateFiles.ssl_context``) asks the same from its server-name
+callback, which OpenSSL runs on every ClientHello, SNI or not, and moves the
+connection onto a context holding the new pair. Either way the files' stat
+(mtime, size, inode) is looked at: unchanged, the current certificate stays;
+changed, the files are read again and checked (the key matches the
+certificate, the client CA parses) before they are taken. A rotation caught
+half-written (a new certificate with the old key) fails that check, is
+logged, and the old certificate serves until the next connection finds the
+pair complete. Connections already open keep the certificate they were made
+with. Each front has its own ``CertificateFiles``: each sees every change.
 """
 
 from __future__ import annotations
@@ -51,14 +55,18 @@ class _Material:
     cert: bytes
     key: bytes
     client_ca: bytes | None
+    context: ssl.SSLContext  # loaded from the same files, between the same two stamps
 
 
 class CertificateFiles:
-    def __init__(self, tls: ServerTLS) -> None:
+    def __init__(self, tls: ServerTLS, front: str = "grpc") -> None:
+        """``front`` names the listener in the reload log lines."""
         self.tls = tls
+        self.front = front
         self._lock = threading.Lock()
         self._stamp, material = self._read()  # TLSFilesError: the server does not start
         self._initial = _configuration(material)
+        self._context = material.context
         self.num_reloads = 0
 
     def credentials(self) -> grpc.ServerCredentials:
@@ -71,6 +79,30 @@ class CertificateFiles:
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's certificate fetcher: a new configuration when the files
         changed and are usable, else None (keep the current one). Never raises."""
+        material = self._reload()
+        return None if material is None else _configuration(material)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A server context for the standard library (the HTTP front) that
+        serves the files' current pair to each new connection."""
+        context = self._context
+        context.sni_callback = self._on_client_hello
+        return context
+
+    def _on_client_hello(
+        self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, context: ssl.SSLContext
+    ) -> None:
+        material = self._reload()
+        if material is not None:
+            self._context = material.context
+        if self._context is not context:
+            # OpenSSL keeps the verify mode set when the connection began and
+            # verifies against the new context's client CA.
+            conn.context = self._context
+
+    def _reload(self) -> _Material | None:
+        """The files' contents when they changed and are usable, else None
+        (keep the current pair). Never raises."""
         with self._lock:
             try:
                 stamp = _stamp(self.tls.files)
@@ -78,12 +110,17 @@ class CertificateFiles:
                     return None
                 new_stamp, material = self._read()
             except (OSError, TLSFilesError) as exc:
-                log.error("tls_reload_failed", detail=str(exc), keeping="the current certificate")
+                log.error(
+                    "tls_reload_failed",
+                    front=self.front,
+                    detail=str(exc),
+                    keeping="the current certificate",
+                )
                 return None
             self._stamp = new_stamp
             self.num_reloads += 1
-        log.info("tls_certificate_reloaded", cert_file=str(self.tls.cert_file))
-        return _configuration(material)
+        log.info("tls_certificate_reloaded", front=self.front, cert_file=str(self.tls.cert_file))
+        return material
 
     def _read(self) -> tuple[_Stamp, _Material]:
         """The files' stamp and contents, checked; the stamp is taken before
@@ -95,8 +132,8 @@ class CertificateFiles:
                 tls.cert_file.read_bytes(),
                 tls.key_file.read_bytes(),
                 None if tls.client_ca_file is None else tls.client_ca_file.read_bytes(),
+                _server_context(tls),
             )
-            _check(tls)
             if _stamp(tls.files) != before:
                 raise TLSFilesError("the files changed while they were read")
         except OSError as exc:
@@ -109,9 +146,11 @@ def _stamp(files: tuple[Path, ...]) -> _Stamp:
     return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
 
 
-def _check(tls: ServerTLS) -> None:
+def _server_context(tls: ServerTLS) -> ssl.SSLContext:
     """The standard library's TLS parses the files: the key must match the
-    certificate, the client CA must hold certificates."""
+    certificate, the client CA must hold certificates. The context it loaded
+    them into serves the HTTP front; with a client CA it requires a client
+    certificate."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(tls.cert_file, tls.key_file)
@@ -127,6 +166,8 @@ def _check(tls: ServerTLS) -> None:
             raise TLSFilesError(
                 f"{tls.client_ca_file} is not a PEM CA certificate ({exc.reason or exc})"
             ) from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 def _configuration(material: _Material) -> grpc.ServerCertificateConfiguration:

@@ -410,7 +410,11 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "security", "TLS files are re-read when they change; SIGHUP re-reads --tenants"
     )
-    group.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS only")
+    group.add_argument(
+        "--tls-cert",
+        type=Path,
+        help="PEM certificate chain: serve TLS only, on gRPC and the HTTP front (HTTPS)",
+    )
     group.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     group.add_argument(
         "--tls-client-ca",
@@ -527,19 +531,39 @@ def usage_hint(
     return "\n".join(lines)
 
 
-def http_hint(host: str, port: int) -> str:
+def http_hint(host: str, port: int, has_tls: bool = False) -> str:
     """The line that says where the HTTP front listens (``bench serve`` reads it)."""
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
-    return f"slipstream: OpenAI-compatible HTTP API at http://{address}/v1"
+    scheme = "https" if has_tls else "http"
+    return f"slipstream: OpenAI-compatible HTTP API at {scheme}://{address}/v1"
+
+
+def exposure_allowed(args: argparse.Namespace, has_tls: bool, has_tenants: bool) -> bool:
+    """Whether ``--host`` may be listened on as the flags ask: False (the
+    refusal printed) when it is reachable from the network without TLS and
+    tenants on every front, unless ``--insecure`` (a warning printed)."""
+    from slipstream.service.api.server import exposure_remedy, exposure_warning
+
+    http_port = getattr(args, "http_port", 0)
+    warning = exposure_warning(args.host, has_tls, has_tenants, bool(http_port))
+    if warning is None:
+        return True
+    banner = "*" * 78
+    if not args.insecure:
+        remedy = exposure_remedy(has_tls, has_tenants, http_port)
+        print(
+            f"{banner}\nslipstream: error: refusing to start: {warning}.\n{remedy}\n{banner}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
+    print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
-    from slipstream.service.api.server import (
-        StartupFailed,
-        connection_age_options,
-        exposure_warning,
-    )
+    from slipstream.service.api.server import StartupFailed, connection_age_options
     from slipstream.service.api.server import run as run_server
     from slipstream.service.engine.loader import load_engine
 
@@ -552,20 +576,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tls = server_tls(args)
     has_tls, has_tenants = tls is not None, args.tenants is not None
-    has_http = bool(getattr(args, "http_port", 0))
-    warning = exposure_warning(args.host, has_tls, has_tenants, has_http)
-    if warning is not None:
-        banner = "*" * 78
-        if not args.insecure:
-            print(
-                f"{banner}\nslipstream: error: refusing to start: {warning}.\n"
-                "Add --tls-cert/--tls-key and --tenants, listen on 127.0.0.1, or pass "
-                f"--insecure if the network is trusted.\n{banner}",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 2
-        print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
+    if not exposure_allowed(args, has_tls, has_tenants):
+        return 2
     try:
         observability = telemetry(args)
     except MetricsPortUnavailable as exc:
@@ -578,7 +590,7 @@ def run(args: argparse.Namespace) -> int:
         print(hint, flush=True)
 
     def on_http(port: int) -> None:
-        print(http_hint(args.host, port), flush=True)
+        print(http_hint(args.host, port, has_tls), flush=True)
 
     # Prompts are tokenized on the server's own workers, below the engine's
     # CPU priority (a large input at the lowest; service/api/workers.py); the

@@ -9,6 +9,9 @@ Routes::
     GET  /v1/models/{model}     that model (404 for any other)
     GET  /health                200 while serving, 503 while loading or draining
     GET  /metrics               Prometheus, the same registry as --metrics-port
+
+With a ``ServerTLS`` it speaks HTTPS only, with gRPC's files and rotation
+(``tls.py``); with a client CA every client must present a certificate.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from slipstream.service.api.http.errors import (
 from slipstream.service.api.http.generation import Authenticator, Generations, not_serving
 from slipstream.service.api.lifecycle import Lifecycle, NotServing, Phase
 from slipstream.service.api.limits import Limits
+from slipstream.service.api.tls import CertificateFiles, ServerTLS
 
 if TYPE_CHECKING:
     from slipstream.service.api.workers import WorkerPool
@@ -96,8 +100,12 @@ class HttpFront:
         tenants: Tenants | None = None,
         workers: WorkerPool | None = None,
         limits: Limits | None = None,
+        tls: ServerTLS | None = None,
     ) -> None:
+        """``tls``: the files are read here (TLSFilesError), before anything
+        listens."""
         self._lifecycle = lifecycle
+        self._certificates = None if tls is None else CertificateFiles(tls, front="http")
         self._telemetry = telemetry
         self._created = int(time.time())
         generations = Generations(lifecycle, telemetry, authenticate, tenants, workers, limits)
@@ -124,7 +132,9 @@ class HttpFront:
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         )
         await self._runner.setup()
-        site = web.SockSite(self._runner, sock)
+        certificates = self._certificates
+        ssl_context = None if certificates is None else certificates.ssl_context()
+        site = web.SockSite(self._runner, sock, ssl_context=ssl_context)
         await site.start()
         return int(sock.getsockname()[1])
 

@@ -1,17 +1,24 @@
-"""TLS and mutual TLS over a real ``grpc.aio`` server on the ``tiny`` model,
-with a CA made here (the ``cryptography`` package): TLS works, plaintext is
-refused, a wrong CA is refused, mTLS without a client certificate is
-refused, a rotated certificate is served without a restart (and a
-half-written rotation is not), and the CLI's client flags reach the server."""
+"""TLS and mutual TLS over a real ``grpc.aio`` server and the HTTP front
+(HTTPS) on the ``tiny`` model, with a CA made here (the ``cryptography``
+package): TLS works, plaintext is refused, a wrong CA is refused, mTLS
+without a client certificate is refused, a rotated certificate is served
+without a restart (and a half-written rotation is not), the CLI's client
+flags reach the server, and ``serve`` on a public address takes TLS and
+tenants for both fronts."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import io
 import ipaddress
 import json
 import os
-from collections.abc import Iterator
+import ssl
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,6 +254,154 @@ def test_unusable_files_stop_the_server_from_starting(pki: dict[str, Path], tmp_
         CertificateFiles(ServerTLS(pki["server_cert"], pki["server_key"], garbage))
 
 
+# ---------------------------------------------------------------- the HTTP front (HTTPS)
+
+
+class HttpsFront:
+    """The HTTP front alone on its own event loop thread, serving ``engine``."""
+
+    def __init__(self, engine: object, tls: ServerTLS) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = self._run(self._start(engine, tls))
+        self.url = f"https://localhost:{self.port}"
+
+    async def _start(self, engine: object, tls: ServerTLS) -> int:
+        from slipstream.service.api.http.app import HttpFront
+        from slipstream.service.api.lifecycle import Lifecycle
+
+        lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
+        self.http = HttpFront(lifecycle, tls=tls)
+        port = await self.http.start("127.0.0.1", 0)
+        await lifecycle.serve()
+        return port
+
+    def _run(self, coro: object) -> int:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        self._run(self.http.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+
+@pytest.fixture
+def https_front(engine: object) -> Iterator[Callable[[ServerTLS], HttpsFront]]:
+    fronts: list[HttpsFront] = []
+
+    def start(tls: ServerTLS) -> HttpsFront:
+        fronts.append(HttpsFront(engine, tls))
+        return fronts[-1]
+
+    yield start
+    for front in fronts:
+        front.stop()
+
+
+def trusting(ca_file: Path, cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=ca_file)
+    if cert is not None:
+        context.load_cert_chain(cert, key)
+    return context
+
+
+def get(url: str, context: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    """One request on a fresh connection (urllib keeps none open)."""
+    with urllib.request.urlopen(url, timeout=10, context=context) as reply:
+        return int(reply.status), reply.read()
+
+
+# What a refused handshake looks like from urllib: an alert, a reset, or a
+# connection closed before any reply.
+REFUSED = (urllib.error.URLError, ssl.SSLError, ConnectionError)
+
+
+def test_https_serves_a_client_that_trusts_the_ca(
+    https_front: Callable[[ServerTLS], HttpsFront], pki: dict[str, Path]
+) -> None:
+    front = https_front(ServerTLS(pki["server_cert"], pki["server_key"]))
+    status, body = get(f"{front.url}/v1/models", trusting(pki["server_ca"]))
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "tiny"
+    with pytest.raises(REFUSED):
+        get(f"{front.url}/health", trusting(pki["other_ca"]))
+    with pytest.raises(REFUSED):  # plaintext HTTP to the HTTPS port
+        get(f"http://127.0.0.1:{front.port}/health")
+
+
+def test_https_with_a_client_ca_requires_a_client_certificate(
+    https_front: Callable[[ServerTLS], HttpsFront], pki: dict[str, Path]
+) -> None:
+    front = https_front(ServerTLS(pki["server_cert"], pki["server_key"], pki["client_ca"]))
+    with pytest.raises(REFUSED):
+        get(f"{front.url}/health", trusting(pki["server_ca"]))
+    stranger = trusting(pki["server_ca"], pki["stranger_cert"], pki["stranger_key"])
+    with pytest.raises(REFUSED):
+        get(f"{front.url}/health", stranger)
+    client = trusting(pki["server_ca"], pki["client_cert"], pki["client_key"])
+    assert get(f"{front.url}/health", client)[0] == 200
+
+
+def test_https_serves_a_rotated_certificate_without_a_restart(
+    https_front: Callable[[ServerTLS], HttpsFront], tmp_path: Path
+) -> None:
+    old_ca, new_ca = CA("old-ca"), CA("new-ca")
+    old, new = old_ca.issue("localhost", server=True), new_ca.issue("localhost", server=True)
+    cert, key = write(tmp_path / "cert.pem", old.cert), write(tmp_path / "key.pem", old.key)
+    trust_old = trusting(write(tmp_path / "old-ca.pem", old_ca.cert))
+    trust_new = trusting(write(tmp_path / "new-ca.pem", new_ca.cert))
+    front = https_front(ServerTLS(cert, key))
+    health = f"{front.url}/health"
+    assert get(health, trust_old)[0] == 200
+    with pytest.raises(REFUSED):
+        get(health, trust_new)
+
+    write(cert, new.cert)  # half-way: the old pair stays
+    assert get(health, trust_old)[0] == 200
+
+    write(key, new.key)
+    assert get(health, trust_new)[0] == 200
+    with pytest.raises(REFUSED):
+        get(health, trust_old)
+    assert get(health, trust_new)[0] == 200  # and stays
+
+
+def test_https_takes_a_rotated_client_ca(
+    https_front: Callable[[ServerTLS], HttpsFront], pki: dict[str, Path], tmp_path: Path
+) -> None:
+    new_ca = CA("new-client-ca")
+    issued = new_ca.issue("client-c", server=False)
+    new_cert, new_key = (
+        write(tmp_path / "c.pem", issued.cert),
+        write(tmp_path / "k.pem", issued.key),
+    )
+    client_ca = write(tmp_path / "client-ca.pem", pki["client_ca"].read_bytes())
+    front = https_front(ServerTLS(pki["server_cert"], pki["server_key"], client_ca))
+    old_client = trusting(pki["server_ca"], pki["client_cert"], pki["client_key"])
+    new_client = trusting(pki["server_ca"], new_cert, new_key)
+    assert get(f"{front.url}/health", old_client)[0] == 200
+    with pytest.raises(REFUSED):
+        get(f"{front.url}/health", new_client)
+
+    write(client_ca, new_ca.cert)
+    assert get(f"{front.url}/health", new_client)[0] == 200
+    with pytest.raises(REFUSED):
+        get(f"{front.url}/health", old_client)
+
+
+def test_serve_speaks_https_with_the_tls_files(
+    spawn_server: Callable[..., tuple[object, str]], pki: dict[str, Path]
+) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tls = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+    spawn_server("--model", "tiny", "--no-calibrate", *tls, "--http-port", str(port))
+    assert get(f"https://localhost:{port}/health", trusting(pki["server_ca"]))[0] == 200
+
+
 # ---------------------------------------------------------------- the command line
 
 
@@ -294,6 +449,62 @@ def test_serve_refuses_a_public_address_without_tls_and_tenants(
     assert "without tenants" in err
 
 
+def serve_args(*argv: str) -> object:
+    from slipstream.service.cli import build_parser
+
+    return build_parser().parse_args(["serve", "--model", "tiny", *argv])
+
+
+def test_serve_on_a_public_address_with_tls_and_tenants_passes_the_check(
+    capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
+) -> None:
+    """The README's Security example: the HTTP front is on (port 8000) and
+    speaks HTTPS with the same files."""
+    from slipstream.service.cli.serve import exposure_allowed
+
+    tls = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+    tenants = ["--tenants", str(tmp_path / "tenants.toml")]
+    args = serve_args("--host", "0.0.0.0", *tls, *tenants)
+    assert args.http_port == 8000  # type: ignore[attr-defined]
+    assert exposure_allowed(args, has_tls=True, has_tenants=True)  # type: ignore[arg-type]
+    mutual = serve_args("--host", "0.0.0.0", *tls, "--tls-client-ca", str(pki["client_ca"]))
+    assert exposure_allowed(mutual, has_tls=True, has_tenants=True)  # type: ignore[arg-type]
+    assert capsys.readouterr().err == ""
+
+
+def test_the_refusal_names_what_is_missing_and_how_to_turn_the_http_front_off(
+    capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
+) -> None:
+    from slipstream.service.cli.serve import exposure_allowed
+
+    tls = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+    tenants = ["--tenants", str(tmp_path / "tenants.toml")]
+
+    def refusal(*argv: str, has_tls: bool, has_tenants: bool) -> str:
+        args = serve_args("--host", "0.0.0.0", *argv)
+        assert not exposure_allowed(args, has_tls, has_tenants)  # type: ignore[arg-type]
+        return capsys.readouterr().err
+
+    err = refusal(has_tls=False, has_tenants=False)
+    assert "without TLS (--tls-cert/--tls-key) or tenants" in err
+    assert "Add --tls-cert/--tls-key and --tenants" in err and "--insecure" in err
+    assert "port 8000" in err and "--http-port 0 turns it off" in err
+
+    err = refusal(*tenants, has_tls=False, has_tenants=True)
+    assert "without TLS" in err and "bearer tokens in the clear" in err
+    assert "Add --tls-cert/--tls-key (" in err and "--http-port 0" in err
+
+    err = refusal(*tls, has_tls=True, has_tenants=False)  # the HTTP front has TLS: not its fault
+    assert "without tenants" in err and "Add --tenants," in err and "--http-port" not in err
+
+    err = refusal("--http-port", "0", has_tls=False, has_tenants=False)
+    assert "--http-port" not in err and "HTTP" not in err
+
+    args = serve_args("--host", "0.0.0.0", "--insecure")
+    assert exposure_allowed(args, has_tls=False, has_tenants=False)  # type: ignore[arg-type]
+    assert "WARNING" in capsys.readouterr().err
+
+
 def test_serve_says_which_file_is_unusable(
     capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -333,4 +544,4 @@ def test_loopback_addresses(host: str, is_loopback: bool) -> None:
     assert loopback(host) is is_loopback
     assert (exposure_warning(host, False, False) is None) is is_loopback
     assert exposure_warning(host, True, True) is None
-    assert (exposure_warning(host, True, True, has_http=True) is None) is is_loopback
+    assert exposure_warning(host, True, True, has_http=True) is None
