@@ -267,8 +267,19 @@ def test_a_stream_whose_pending_submit_is_cancelled_ends_while_it_is_tokenized(
 
 
 def test_a_call_that_ends_drops_its_pending_submits(
-    stub: pb_grpc.InferenceStub, tokenizing: Tokenizing, admitted: list[str]
+    stub: pb_grpc.InferenceStub,
+    tokenizing: Tokenizing,
+    admitted: list[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    ended = threading.Event()
+    abort_all = session.StreamSession.abort_all
+
+    def noted(self: session.StreamSession) -> None:
+        abort_all(self)
+        ended.set()
+
+    monkeypatch.setattr(session.StreamSession, "abort_all", noted)
     stream = Stream(stub)
     stream.send(submit("big", 4, text=LARGE_TEXT))
     stream.send(submit("behind", 4))
@@ -276,6 +287,8 @@ def test_a_call_that_ends_drops_its_pending_submits(
     stream.call.cancel()
     stream.read_to_end()
     assert stream.status is grpc.StatusCode.CANCELLED
+    # The client's cancel reaches the server a moment later: from then on.
+    assert ended.wait(10)
     tokenizing.release.set()
     time.sleep(0.3)
     assert admitted == []
