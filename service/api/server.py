@@ -327,10 +327,12 @@ async def run(
     *,
     tls: ServerTLS | None = None,
     tenants_file: Path | None = None,
-) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully; one that
-    comes while the model loads stops the server at once (the load's thread is
-    left to end with the process). With an
+) -> bool:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully, and return
+    True; one that comes while the model loads stops the server at once and
+    returns False: the load's thread is still running then, inside native
+    code, and the process should end with ``os._exit`` (a normal exit's
+    finalization under it can abort the process). With an
     ``http_port`` (0: none) the OpenAI-compatible front listens there too,
     on this event loop and engine; ``on_http`` gets its bound port. SIGHUP
     re-reads ``tenants_file``. A bad TLS or tenants file raises before
@@ -396,7 +398,7 @@ async def run(
             await http.stop()
         if telemetry is not None:
             await asyncio.to_thread(telemetry.shutdown)
-        return
+        return False
     try:
         engine = loading.result()
     except Exception as exc:  # anything at all: the process must end with one clear line
@@ -423,3 +425,4 @@ async def run(
     if telemetry is not None:
         await asyncio.to_thread(telemetry.shutdown)
     log.info("server_stopped")
+    return True

@@ -598,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
     # whatever priority its first caller had. An operator's own setting stands.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        asyncio.run(
+        served = asyncio.run(
             run_server(
                 lambda: load_engine(config),
                 args.host,
@@ -618,4 +618,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
         return 1
     print("slipstream: stopped", file=sys.stderr, flush=True)
+    if not served:
+        # Stopped while the model loads: the load's thread is inside native
+        # code, and the interpreter's finalization under it can abort the
+        # process ("terminate called without an active exception", exit 134).
+        sys.stdout.flush()
+        os._exit(0)
     return 0
