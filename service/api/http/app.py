@@ -109,6 +109,10 @@ class HttpFront:
         self._telemetry = telemetry
         self._created = int(time.time())
         generations = Generations(lifecycle, telemetry, authenticate, tenants, workers, limits)
+        # With tenants, what names the model or the tenants asks a token as a
+        # completion does (OpenAI's /v1/models does; /metrics lists tenants);
+        # /health stays open for probes.
+        self._check_token = generations.check_token
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[openai_errors(max_body_bytes)]
         )
@@ -146,10 +150,12 @@ class HttpFront:
             self._runner = None
 
     async def models(self, request: web.Request) -> web.Response:
+        self._check_token(request)
         return web.json_response({"object": "list", "data": [self._model(request)]})
 
     async def model(self, request: web.Request) -> web.Response:
         """OpenAI's ``models.retrieve``: the served model, as listed."""
+        self._check_token(request)
         model = self._model(request)
         if request.match_info["model"] != model["id"]:
             raise model_not_found(request.match_info["model"])
@@ -181,6 +187,7 @@ class HttpFront:
         return web.json_response({"status": "serving"})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        self._check_token(request)
         metrics = None if self._telemetry is None else self._telemetry.metrics
         if metrics is None:
             raise ApiError(404, "metrics are not enabled on this server", code="not_found")

@@ -24,7 +24,7 @@ from aiohttp import web
 from slipstream.scheduler.errors import InvalidRequest, QueueFull, SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
-from slipstream.service.api.auth import Grant, TenantGate, Tenants, Unauthenticated
+from slipstream.service.api.auth import Grant, Tenant, TenantGate, Tenants, Unauthenticated
 from slipstream.service.api.http.errors import (
     ApiError,
     from_domain,
@@ -160,25 +160,32 @@ class Generations:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, is_chat=True)
 
+    def check_token(self, request: web.Request) -> Tenant | None:
+        """The request's tenant on a server with tenants (None without):
+        a missing or unknown bearer token is a 401, logged and counted as a
+        gRPC call's is."""
+        if self._authenticate is not None:
+            self._authenticate(request.headers.get("Authorization"))
+        if self._tenants is None:
+            return None
+        try:
+            return self._tenants.authenticate(request.headers.get("Authorization"))
+        except Exception as exc:
+            if isinstance(exc, Unauthenticated) and self._telemetry is not None:
+                where = f"{request.method} {request.path}"
+                self._telemetry.unauthenticated(where, request.remote or "", str(exc))
+            raise _domain(exc) from None
+
     async def _generate(self, request: web.Request, is_chat: bool) -> web.StreamResponse:
         now = time.monotonic()  # a deadline counts from arrival, tokenizing included
         try:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
             raise not_serving(exc, request, self._telemetry) from None
-        if self._authenticate is not None:
-            self._authenticate(request.headers.get("Authorization"))
-        gate = None
-        if self._tenants is not None:  # 401 before any work
-            try:
-                tenant = self._tenants.authenticate(request.headers.get("Authorization"))
-            except Exception as exc:
-                if isinstance(exc, Unauthenticated) and self._telemetry is not None:
-                    # logged and counted, as a gRPC call's
-                    where = f"{request.method} {request.path}"
-                    self._telemetry.unauthenticated(where, request.remote or "", str(exc))
-                raise _domain(exc) from None
-            gate = TenantGate(self._tenants, tenant)
+        tenant = self.check_token(request)  # 401 before any work
+        gate = (
+            None if self._tenants is None or tenant is None else TenantGate(self._tenants, tenant)
+        )
         try:
             body = await _json(request)
             parsed = parse(body, request.headers, is_chat, engine.info.max_model_len)

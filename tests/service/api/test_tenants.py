@@ -548,6 +548,26 @@ def test_the_http_front_applies_the_same_tenants(served: Served) -> None:
     assert status == 200, answer
 
 
+def test_the_http_fronts_model_list_and_metrics_ask_a_token_health_does_not(
+    served: Served,
+) -> None:
+    """/metrics names every tenant and /v1/models the model: with tenants,
+    a token as for a completion (OpenAI's /v1/models asks one too)."""
+
+    def get(path: str, token: str | None) -> int:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        url = f"http://127.0.0.1:{served.server.http_port}{path}"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30):
+                return 200
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    for path in ("/metrics", "/v1/models", "/v1/models/tiny"):
+        assert (get(path, None), get(path, "wrong"), get(path, SEARCH_TOKEN)) == (401, 401, 200)
+    assert get("/health", None) == 200
+
+
 # ---------------------------------------------------------------- a real process
 
 
