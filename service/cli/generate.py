@@ -622,6 +622,8 @@ async def _follow(
 def run(args: argparse.Namespace, mode_flags: ModeFlags | None = None) -> int:
     if mode_flags is not None:
         mode_flags.check(args)
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs shows in the JSON lines only: add --json")
     if args.local:
         require_server_extra("generate --local")
         from slipstream.service.telemetry.logs import configure_logging

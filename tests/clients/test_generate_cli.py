@@ -73,6 +73,7 @@ def test_the_local_engine_prints_the_first_n_tokens_too() -> None:
             "--tls, --token, --per-request, --balanced apply only to --server, not with --local",
         ),
         (["--local", "--tls-ca", "ca.pem"], "--tls-ca applies only to --server"),
+        (["--server", "127.0.0.1:1", "--logprobs", "2"], "--logprobs shows in the JSON lines"),
     ],
 )
 def test_a_flag_the_mode_would_ignore_is_refused(
