@@ -68,6 +68,9 @@ class CertificateFiles:
         self._initial = _configuration(material)
         self._context = material.context
         self.num_reloads = 0
+        # The files' state (or error) of the last failed reload: said once,
+        # not on every connection until the rotation completes.
+        self._failed: object = None
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
@@ -104,12 +107,17 @@ class CertificateFiles:
         """The files' contents when they changed and are usable, else None
         (keep the current pair). Never raises."""
         with self._lock:
+            stamp: _Stamp | None = None
             try:
                 stamp = _stamp(self.tls.files)
-                if stamp == self._stamp:
+                if stamp == self._stamp or stamp == self._failed:
                     return None
                 new_stamp, material = self._read()
             except (OSError, TLSFilesError) as exc:
+                failed = stamp if stamp is not None else str(exc)
+                if failed == self._failed:
+                    return None
+                self._failed = failed
                 log.error(
                     "tls_reload_failed",
                     front=self.front,
@@ -117,7 +125,7 @@ class CertificateFiles:
                     keeping="the current certificate",
                 )
                 return None
-            self._stamp = new_stamp
+            self._stamp, self._failed = new_stamp, None
             self.num_reloads += 1
         log.info("tls_certificate_reloaded", front=self.front, cert_file=str(self.tls.cert_file))
         return material

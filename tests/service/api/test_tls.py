@@ -366,6 +366,26 @@ def test_https_serves_a_rotated_certificate_without_a_restart(
     assert get(health, trust_new)[0] == 200  # and stays
 
 
+def test_a_half_written_rotation_is_said_once_not_on_every_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.service.api import tls
+
+    failures: list[str] = []
+    monkeypatch.setattr(tls.log, "error", lambda event, **fields: failures.append(event))
+    ca = CA("ca")
+    old, new = ca.issue("localhost", server=True), ca.issue("localhost", server=True)
+    cert, key = write(tmp_path / "cert.pem", old.cert), write(tmp_path / "key.pem", old.key)
+    files = tls.CertificateFiles(ServerTLS(cert, key))
+    write(cert, new.cert)  # half-way: the key does not match
+    assert [files.fetch() for _ in range(5)] == [None] * 5  # five new connections
+    assert failures == ["tls_reload_failed"]
+    write(key, new.key)
+    assert files.fetch() is not None and files.num_reloads == 1
+    write(cert, old.cert)  # the next rotation's half-way is said again
+    assert files.fetch() is None and failures == ["tls_reload_failed"] * 2
+
+
 def test_https_takes_a_rotated_client_ca(
     https_front: Callable[[ServerTLS], HttpsFront], pki: dict[str, Path], tmp_path: Path
 ) -> None:
