@@ -408,6 +408,24 @@ class ServerMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        # Where a slow request's time went, by class: waiting for its first
+        # step, and off the batch after a preemption (both 0 for most).
+        self.queue_time = Histogram(
+            "slipstream_request_queue_time",
+            "Time from arrival to the request's first step",
+            labels,
+            unit="seconds",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.preempted_time = Histogram(
+            "slipstream_request_preempted_time",
+            "Time the request spent preempted (swapped out or dropped for recompute)",
+            labels,
+            unit="seconds",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
         self.tenant_finished = Counter(
             "slipstream_tenant_requests_finished",
             "Requests finished, by tenant and finish reason",
@@ -489,6 +507,8 @@ class ServerMetrics:
                 per_token = (event.total_s - event.ttft_s) / (event.num_output_tokens - 1)
                 self.tpot.labels(priority).observe(per_token)
         self.duration.labels(priority).observe(event.total_s)
+        self.queue_time.labels(priority).observe(event.queue_wait_s)
+        self.preempted_time.labels(priority).observe(event.preempted_s)
         if deadline is not None and event.reason in _JUDGED:
             self.deadline_requests.labels(priority).inc()
             # on_finish runs right as the request ends, so now is its finish time.

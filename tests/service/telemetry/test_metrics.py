@@ -89,6 +89,9 @@ def test_series_move_as_requests_run(
     tpot = "gen_ai_server_time_per_output_token_seconds_count"
     assert value(after, tpot, priority="2") - value(before, tpot, priority="2") == 3
     assert value(after, "gen_ai_server_request_duration_seconds_sum", priority="2") > 0
+    for waited in ("queue", "preempted"):  # observed for every request the duration is
+        count = f"slipstream_request_{waited}_time_seconds_count"
+        assert value(after, count, priority="2") - value(before, count, priority="2") == 3
     duration_buckets = [
         v
         for (n, labels), v in after.items()
@@ -114,6 +117,7 @@ def test_series_move_as_requests_run(
     # preempted. (At 33 tokens, 9 blocks, a busy machine once let the first
     # finish before the others arrived: no preemption.)
     assert total(after, "slipstream_preemptions_total") > 0
+    assert total(after, "slipstream_request_preempted_time_seconds_sum") > 0
     assert value(after, "slipstream_kv_blocks", pool="device", state="free") == 16
     assert value(after, "slipstream_running_requests", priority="1") == 0, "series stays at 0"
     assert value(after, "slipstream_queue_depth", priority="2") == 0
