@@ -41,6 +41,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from slipstream.service.telemetry import logs
+
+    # Tests that configure logging (in-process CLI runs, log-format tests)
+    # would otherwise leave loggers cached beyond capture_logs' reach in every
+    # later test of the same worker.
+    logs.CACHE_LOGGERS = False
     from slipstream.kernels import cpu_features
 
     cpu_features.force(CPU_ANSWER)

@@ -39,6 +39,12 @@ def _renderer(fmt: str, stream: TextIO) -> Any:
     return structlog.processors.JSONRenderer()
 
 
+# Each module's logger is built once, on its first line (the cheap path). The
+# test suite turns it off: a cached logger keeps the processors of the
+# configuration it was built under, out of reach of structlog's capture_logs.
+CACHE_LOGGERS = True
+
+
 def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
     """Routes structlog and the standard library through one handler on
     ``stream`` (stderr). Idempotent: a second call replaces the first."""
@@ -63,7 +69,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=CACHE_LOGGERS,
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(

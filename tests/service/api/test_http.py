@@ -986,30 +986,19 @@ def test_a_body_refused_at_parsing_is_counted_as_a_rejection(servers: Servers) -
 # ---------------------------------------------------------------- loading or draining
 
 
-def test_a_call_refused_while_loading_is_counted_logged_and_trailed_on_both_fronts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_call_refused_while_loading_is_counted_logged_and_trailed_on_both_fronts() -> None:
     import grpc
 
     from slipstream.service.api.http.app import HttpFront
     from slipstream.service.api.lifecycle import Lifecycle
     from slipstream.service.api.server import build_server
     from slipstream.service.api.servicer import REJECT_REASON_KEY
-    from slipstream.service.telemetry import tracing
     from slipstream.v1 import inference_pb2 as pb
     from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
     metrics = ServerMetrics()
     telemetry = Telemetry(TracerProvider(), metrics)
     lifecycle = Lifecycle()  # no engine yet: loading
-    # call_refused comes from tracing's logger, which an earlier test in this
-    # process may have cached beyond capture_logs' reach: taken here instead.
-    refused_lines: list[dict[str, object]] = []
-    monkeypatch.setattr(
-        tracing.log,
-        "info",
-        lambda event, **fields: refused_lines.append({"event": event, **fields}),
-    )
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -1025,19 +1014,18 @@ def test_a_call_refused_while_loading_is_counted_logged_and_trailed_on_both_fron
 
     server, port, http, http_port = call(start())  # type: ignore[misc]
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.InferenceStub(channel)
-            with pytest.raises(grpc.RpcError) as refused:
-                list(stub.GenerateOne(pb.Submit(request_id="a", text="x"), timeout=5))
-        front = type("Front", (), {"base_url": f"http://127.0.0.1:{http_port}"})
-        status, _, reply = raw(front, "/v1/completions", b'{"model": "tiny", "prompt": "x"}')  # type: ignore[arg-type]
+        with capture_logs() as logs:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.InferenceStub(channel)
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(stub.GenerateOne(pb.Submit(request_id="a", text="x"), timeout=5))
+            front = type("Front", (), {"base_url": f"http://127.0.0.1:{http_port}"})
+            status, _, reply = raw(front, "/v1/completions", b'{"model": "tiny", "prompt": "x"}')  # type: ignore[arg-type]
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
         assert dict(refused.value.trailing_metadata())[REJECT_REASON_KEY] == "draining"
         assert status == 503 and json.loads(reply)["error"]["code"] == "draining"
         refusals = [
-            (line["method"], line["reason"])
-            for line in refused_lines
-            if line["event"] == "call_refused"
+            (line["method"], line["reason"]) for line in logs if line["event"] == "call_refused"
         ]
         assert refusals == [("GenerateOne", "draining"), ("POST /v1/completions", "draining")]
         counted = metrics.registry.get_sample_value(
