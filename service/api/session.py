@@ -360,25 +360,34 @@ class StreamSession:
 
     def _cancel_waiting(self, request_id: str, waiting: _Waiting) -> None:
         """Finishes a submit that has not been admitted yet: CANCELLED now,
-        never admitted (a tokenization under way runs out unused)."""
+        never admitted (a tokenization under way runs out unused); traced,
+        logged and counted like any cancelled request."""
         waiting.is_cancelled = True
+        submit = waiting.submit
+        default_priority = 0 if self._gate is None else self._gate.default_priority
+        waited_s = time.monotonic() - waiting.read_at
         event = FinishEvent(
             self.engine_id(request_id),
             FinishReason.CANCELLED,
             "cancelled before it was admitted",
-            total_s=time.monotonic() - waiting.read_at,
+            queue_wait_s=waited_s,
+            total_s=waited_s,
+            priority=submit.priority if submit.HasField("priority") else default_priority,
         )
         # A ready response, not an engine event: draining it must not take
         # from ``_live`` a later request that reuses the id.
         response = wire.finished(request_id, event)
         self._outbox.put(response, response.ByteSize())
         self._wakeup.set()
-        log.info(
-            "request_cancelled_waiting",
-            request_id=event.req_id,
-            client_request_id=request_id,
-            total_ms=round(event.total_s * 1e3, 3),
-        )
+        if self._telemetry is not None:
+            self._telemetry.unadmitted(
+                event,
+                request_id,
+                waiting.read_at,
+                self._metadata,
+                submit.trace_context,
+                tenant="" if self._gate is None else self._gate.tenant.name,
+            )
 
     def abort_all(self) -> None:
         """Abort every unfinished request (the call ended early). Idempotent."""

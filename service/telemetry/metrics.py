@@ -462,6 +462,13 @@ class ServerMetrics:
         if tenant:
             self.tenant_rejections.labels(tenant, reason).inc()
 
+    def unadmitted(self, event: FinishEvent, tenant: str = "") -> None:
+        """A request that finished before the engine took it, counted as the
+        engine's finished requests are (event loop)."""
+        with self._lock:
+            self._requests[event.req_id] = (priority_label(event.priority), None, tenant)
+        self.on_finish(event)
+
     # -- engine thread (EngineObserver) -----------------------------------
 
     def on_submit(self, request: RequestSpec, state: Request) -> None:

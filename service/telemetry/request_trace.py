@@ -199,6 +199,41 @@ class RequestTracer:
                 span, arrival, len(request.prompt_token_ids), waiting_since=arrival
             )
 
+    def unadmitted(
+        self,
+        event: FinishEvent,
+        client_request_id: str,
+        arrival: float,
+        parent: Context,
+        tenant: str = "",
+    ) -> None:
+        """Records a request that finished before the engine took it (cancelled
+        while its prompt was tokenized) as one that waited its whole life: its
+        span, queued from ``arrival`` to its end, and its ``request_finished``
+        line, like any cancelled request's."""
+        tenant_attributes = {"slipstream.tenant": tenant} if tenant else {}
+        span = self._tracer.start_span(
+            f"{OPERATION} {self._model}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=self._wall_ns(arrival),
+            attributes={
+                **_base_attributes(self._model),
+                "slipstream.request.id": event.req_id,
+                "slipstream.request.client_id": client_request_id,
+                "slipstream.request.priority": event.priority,
+                **tenant_attributes,
+            },
+        )
+        timeline = None
+        if span.is_recording():
+            timeline = _Timeline(span, arrival, 0, waiting_since=arrival)
+        context = _log_context(span, parent)
+        self._start_worker()
+        self._finished.put(
+            _Finished(event, timeline, client_request_id, context, time.monotonic(), tenant)
+        )
+
     def abandon(self, req_id: str) -> None:
         # The span is never ended, so it is never exported; the rejection
         # that follows gets its own span.

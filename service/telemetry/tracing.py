@@ -33,7 +33,7 @@ from slipstream.service.telemetry.request_trace import RequestTracer, WireStatus
 
 if TYPE_CHECKING:
     from slipstream.service.engine.engine import Engine
-    from slipstream.service.engine.events import RequestSpec
+    from slipstream.service.engine.events import FinishEvent, RequestSpec
 
 log = structlog.get_logger(__name__)
 
@@ -177,6 +177,23 @@ class Telemetry:
         )
         if self.metrics is not None:
             self.metrics.rejected(reason, tenant)
+
+    def unadmitted(
+        self,
+        event: FinishEvent,
+        client_request_id: str,
+        arrival: float,
+        metadata: Iterable[tuple[str, str | bytes]],
+        trace_context: Mapping[str, str],
+        tenant: str = "",
+    ) -> None:
+        """A submit that finished before the engine took it (cancelled while
+        its prompt was tokenized): traced, logged and counted as a finished
+        request, from its ``arrival``."""
+        parent = extract_context(metadata, trace_context)
+        self.requests.unadmitted(event, client_request_id, arrival, parent, tenant)
+        if self.metrics is not None:
+            self.metrics.unadmitted(event, tenant)
 
     def unauthenticated(self, method: str, peer: str, message: str) -> None:
         """A call refused for want of a valid bearer token (never logs the token)."""

@@ -1,6 +1,7 @@
 """A ``Generate`` stream goes on reading while a submit's prompt is tokenized:
 a cancel behind it acts at once, on a running request or on a submit not yet
-admitted, and the submits behind it are still admitted in order. Tokenizing
+admitted (traced, logged and counted as a cancelled request), and the
+submits behind it are still admitted in order. Tokenizing
 is held on an Event (not left to a large prompt's speed), on a real
 ``grpc.aio`` server on tiny."""
 
@@ -13,12 +14,18 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from server_thread import ServerThread
+from structlog.testing import capture_logs
 
 from slipstream.service.api import session, wire
 from slipstream.service.api.limits import Limits
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.events import RequestSpec
+from slipstream.service.telemetry.metrics import ServerMetrics
+from slipstream.service.telemetry.tracing import Telemetry
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -37,8 +44,15 @@ PROMPT = pb.TokenIds(ids=[5, 6, 7])
 
 
 @pytest.fixture(scope="module")
-def server(engine: object) -> Iterator[ServerThread]:
-    srv = ServerThread(engine, limits=LIMITS)
+def spans() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def server(engine: object, spans: InMemorySpanExporter) -> Iterator[ServerThread]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    srv = ServerThread(engine, limits=LIMITS, telemetry=Telemetry(provider, ServerMetrics()))
     yield srv
     srv.stop()
 
@@ -184,13 +198,36 @@ def test_a_cancel_behind_a_prompt_being_tokenized_stops_a_running_request(
 
 
 def test_a_cancel_of_the_submit_being_tokenized_finishes_it_once_unrun(
-    stub: pb_grpc.InferenceStub, tokenizing: Tokenizing, admitted: list[str]
+    server: ServerThread,
+    spans: InMemorySpanExporter,
+    stub: pb_grpc.InferenceStub,
+    tokenizing: Tokenizing,
+    admitted: list[str],
 ) -> None:
+    telemetry: Telemetry = server.telemetry
+    assert telemetry.metrics is not None
+    counted = telemetry.metrics.registry.get_sample_value
+    labels = {"priority": "3", "reason": "cancelled"}
+    cancelled_before = counted("slipstream_requests_finished_total", labels) or 0.0
+    spans.clear()
     stream = Stream(stub)
-    stream.send(submit("big", LONG, text=LARGE_TEXT))
-    assert tokenizing.entered.wait(10)
-    stream.send(cancel("big"))
-    finished = stream.wait_for("big", "finished").finished
+    big = submit("big", LONG, text=LARGE_TEXT)
+    big.submit.priority = 3
+    with capture_logs() as logs:
+        stream.send(big)
+        assert tokenizing.entered.wait(10)
+        stream.send(cancel("big"))
+        finished = stream.wait_for("big", "finished").finished
+        assert telemetry.requests.flush(10)
+    # Traced, logged and counted like any cancelled request, though never admitted.
+    [line] = [e for e in logs if e.get("client_request_id") == "big"]
+    assert line["event"] == "request_finished" and line["reason"] == "cancelled"
+    assert line["priority"] == 3 and line["message"] == "cancelled before it was admitted"
+    [span] = [s for s in spans.get_finished_spans() if s.name.startswith("text_completion")]
+    assert span.attributes["slipstream.request.client_id"] == "big"
+    assert span.attributes["gen_ai.response.finish_reasons"] == ("cancelled",)
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
+    assert counted("slipstream_requests_finished_total", labels) == cancelled_before + 1
     assert not tokenizing.release.is_set()
     assert finished.reason == pb.FINISH_REASON_CANCELLED and finished.status_code == "CANCELLED"
     assert finished.usage.output_tokens == 0
