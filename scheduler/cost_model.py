@@ -154,7 +154,8 @@ class CostModel:
     ) -> None:
         """``overrun`` starts the model with a margin measured elsewhere (a
         simulated twin planning with the margin its engine held); it is
-        clamped to ``[0, MAX_OVERRUN]`` and moves only with ``observe``.
+        clamped to ``[0, MAX_OVERRUN]`` and moves with ``observe`` (and back
+        toward this start with ``relax``).
         ``max_drift``: how many times its start-up prediction a forward may
         be predicted at; None for a fit that starts from a guess, not a
         calibration. Each sample is clipped to within ``OUTLIER_FACTOR`` of
@@ -181,6 +182,7 @@ class CostModel:
         self._num_samples = 0
         self._overrun = min(MAX_OVERRUN, max(0.0, overrun))
         self._pace = 1.0 + self._overrun
+        self._start_overrun = self._overrun
         self._refresh()
 
     def _refresh(self) -> None:
@@ -300,10 +302,17 @@ class CostModel:
 
     def relax(self, idle_s: float) -> None:
         """The engine had nothing to run for ``idle_s``: the fit moves toward
-        the start-up coefficients, half the way per ``RELAX_HALF_LIFE_S``."""
-        if idle_s <= 0 or self._theta == self._start_theta:
+        the start-up coefficients, half the way per ``RELAX_HALF_LIFE_S``,
+        and the pace and overrun measured against it toward their start (a
+        margin a stall left behind must not outlast the fit it measured)."""
+        if idle_s <= 0:
             return
         keep = idle_keep(idle_s)
+        start_pace = 1.0 + self._start_overrun
+        self._overrun = self._start_overrun + (self._overrun - self._start_overrun) * keep
+        self._pace = start_pace + (self._pace - start_pace) * keep
+        if self._theta == self._start_theta:
+            return
         self._theta = [
             s + (t - s) * keep for t, s in zip(self._theta, self._start_theta, strict=True)
         ]

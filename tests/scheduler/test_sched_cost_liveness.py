@@ -55,6 +55,23 @@ def test_idle_time_relaxes_the_fit_toward_the_start_by_its_half_life() -> None:
     assert model.step_seconds(shape) - start.step_seconds(shape) == pytest.approx(departure / 2)
 
 
+def test_idle_time_relaxes_the_pace_and_overrun_a_stall_left() -> None:
+    """Steps 8x their prediction leave a pace and an overrun (the margin every
+    deadline keeps) that no step corrects while the engine idles: idle time
+    takes them back toward their start like the fit."""
+    model = CostModel(START, overrun=0.1)
+    for i in range(60):
+        shape = SHAPES[i % len(SHAPES)]
+        model.observe(shape, 8.0 * model.step_seconds(shape))
+    pace, overrun = model.pace, model.overrun
+    assert pace > 3.0 and overrun > 0.4
+    model.relax(RELAX_HALF_LIFE_S)
+    assert model.pace - 1.1 == pytest.approx((pace - 1.1) / 2)
+    assert model.overrun - 0.1 == pytest.approx((overrun - 0.1) / 2)
+    model.relax(1e6)
+    assert model.pace == pytest.approx(1.1) and model.overrun == pytest.approx(0.1)
+
+
 def test_relaxing_a_model_at_its_start_changes_nothing() -> None:
     model = CostModel(START)
     before = [model.step_seconds(s) for s in SHAPES]
