@@ -271,9 +271,9 @@ class DeadlinePolicy(DeadlineEstimates, SchedulingPolicy):
     def overload_shedder(self, shedder: OverloadShedder | None) -> None:
         self._shedder = shedder
 
-    def overload_estimate(self) -> float | None:
+    def overload_estimate(self, now: float | None = None) -> float | None:
         shedder = self._shedder
-        return None if shedder is None else shedder.load()
+        return None if shedder is None else shedder.load(now)
 
     def observe_finish(self, req: Request, reason: FinishReason) -> None:
         """Work ``req`` did not use no longer counts as offered (see

@@ -140,25 +140,28 @@ class OverloadShedder:
         batch of decodes at the cost model's prediction)."""
         return self._service_rate
 
-    def offered_load(self) -> float:
-        """Weight arriving per second over the window (0 until it says anything)."""
+    def offered_load(self, now: float | None = None) -> float:
+        """Weight arriving per second over the window (0 until it says
+        anything), up to its last arrival or, given, up to ``now``: a window
+        that nothing has joined for a while offers less per second."""
         arrivals = self._arrivals
         if len(arrivals) < MIN_ARRIVALS:
             return 0.0
-        span = arrivals[-1].time - arrivals[0].time
+        end = arrivals[-1].time if now is None else max(now, arrivals[-1].time)
+        span = end - arrivals[0].time
         if span <= 0:
             return math.inf
         # The first arrival opens the span: its weight is not inside it.
         return max(0.0, self._window_weight - arrivals[0].weight) / span
 
-    def utilization(self) -> float:
+    def utilization(self, now: float | None = None) -> float:
         """Offered load over the service rate, as measured: above 1, work must go."""
-        return self.offered_load() / self._service_rate
+        return self.offered_load(now) / self._service_rate
 
-    def load(self) -> float:
+    def load(self, now: float | None = None) -> float:
         """The overload estimate: ``utilization()``, but at most 1 while the
         engine has room (an engine with room serves what it is offered)."""
-        utilization = self.utilization()
+        utilization = self.utilization(now)
         return min(1.0, utilization) if self._has_room else utilization
 
     def refuses(self, weight: float, shed_class: int | None) -> bool:

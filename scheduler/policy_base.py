@@ -178,10 +178,11 @@ class SchedulingPolicy(abc.ABC):
         Default: never."""
         return ""
 
-    def overload_estimate(self) -> float | None:
+    def overload_estimate(self, now: float | None = None) -> float | None:
         """The load ``overload_refusal`` decides on (offered work over what
         the engine serves; at most 1 while the engine has room), or None
-        when the policy sheds nothing."""
+        when the policy sheds nothing; given ``now``, the offered work per
+        second counts the time since the last arrival too."""
         return None
 
     def observe_finish(self, req: Request, reason: FinishReason) -> None:

@@ -95,10 +95,10 @@ class SchedulerQueries(SchedulerState):
         (QueueFull: the waiting queue at its bound, nothing to shed)."""
         return dict(self._num_refused)
 
-    @property
-    def overload_estimate(self) -> float | None:
-        """The policy's load estimate (``SchedulingPolicy.overload_estimate``)."""
-        return self.policy.overload_estimate()
+    def overload_estimate(self, now: float | None = None) -> float | None:
+        """The policy's load estimate (``SchedulingPolicy.overload_estimate``)
+        as of ``now``: one read while no work arrives falls with the time."""
+        return self.policy.overload_estimate(now)
 
     @property
     def step_time_pace(self) -> float | None:

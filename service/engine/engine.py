@@ -224,7 +224,7 @@ class Engine:
                 swap_preemptions=s.num_swap_preemptions,
                 recompute_preemptions=s.num_recompute_preemptions,
                 capacity_refusals=dict(s.num_refused_for_capacity),
-                overload_estimate=s.overload_estimate,
+                overload_estimate=s.overload_estimate(time.monotonic()),
                 step_time_pace=s.step_time_pace,
                 device_memory=self._device_memory(),
                 host_times=self._host.snapshot(),

@@ -142,6 +142,23 @@ def test_a_threshold_does_not_outlive_the_overload_once_the_engine_idled() -> No
     assert shedder.threshold == NO_THRESHOLD
 
 
+def test_the_estimate_read_while_nothing_arrives_falls_with_the_time() -> None:
+    """The gauge an operator reads: an overload that ended with no arrival
+    since must not read as one forever (the window's own span stops at its
+    last arrival; read as of ``now`` it counts the quiet time too)."""
+    shedder = full_shedder()
+    weights = log_uniform_weights(WINDOW)
+    mean = sum(weights) / len(weights)
+    feed(shedder, 2.0 / mean, weights)
+    last = (len(weights) - 1) * mean / 2.0
+    assert shedder.load() > 1.5 and shedder.load(last) == shedder.load()
+    shedder.observe_idle()
+    assert shedder.load() == 1.0  # the room clamps it; the window still says 2
+    # As long again as the window's arrivals took: half the rate; ten times: a tenth.
+    assert shedder.load(2 * last) == pytest.approx(0.5 * shedder.utilization(), rel=0.01)
+    assert shedder.load(11 * last) < 0.25
+
+
 def test_a_shifted_copy_decides_as_the_original_on_its_own_clock() -> None:
     original = full_shedder()
     weights = log_uniform_weights(4 * WINDOW, seed=7)
