@@ -126,14 +126,17 @@ def add_engine_args(
         "--no-reject-infeasible",
         dest="reject_infeasible",
         action="store_false",
-        help="admit requests whose deadline looks unreachable instead of rejecting them",
+        help="queue requests whose deadline is unreachable even running alone instead "
+        "of refusing them at the door (while they wait they are still given up on as "
+        "hopeless, unless --no-abandon-hopeless)",
     )
     group.add_argument(
         "--no-abandon-hopeless",
         dest="abandon_hopeless",
         action="store_false",
-        help="keep running work the policy judges unable to meet its deadline "
-        "(by default it ends DEADLINE_EXCEEDED early and frees its KV)",
+        help="keep work the policy judges unable to meet its deadline at the current "
+        "load (by default queued work is rejected deadline_infeasible, running work "
+        "ends DEADLINE_EXCEEDED early and frees its KV)",
     )
     group.add_argument(
         "--no-overload-shedding",
