@@ -87,7 +87,8 @@ def add_engine_args(
         "--num-host-blocks",
         type=non_negative_int,
         default=None,
-        help="KV blocks in host memory that preempted requests swap to "
+        help="KV blocks in host memory that preempted requests swap to; only the "
+        "deadline policy swaps, fcfs and priority recompute "
         "(unset: half the device's on the CPU, --kv-cache-gb on a GPU)",
     )
     group.add_argument(
