@@ -248,6 +248,7 @@ def _finish(
 ) -> EngineParts:
     """The parts every device shares: calibration, scheduler config, tokenizer, info."""
     num_device_blocks, num_host_blocks, max_model_len = sizes
+    max_model_len = _held_to_the_pool(max_model_len, num_device_blocks, config.block_size)
     # The deadline policy estimates service times from measured step costs;
     # calibrate on the real runner while the pools are still empty.
     cost_model = None
@@ -310,6 +311,22 @@ def _max_model_len(config: EngineConfig, model: LlamaModel) -> int:
             detail="the model's positions end there; requests are held to it",
         )
     return min(config.max_model_len or limit, limit)
+
+
+def _held_to_the_pool(max_model_len: int, num_device_blocks: int, block_size: int) -> int:
+    """A context longer than the device KV pool holds is cut to what it
+    holds (a longer request could never run), so the model info clients
+    size requests by says what fits; the log says so."""
+    pool_tokens = num_device_blocks * block_size
+    if pool_tokens >= max_model_len:
+        return max_model_len
+    log.warning(
+        "max_model_len_above_the_pool",
+        requested=max_model_len,
+        max_model_len=pool_tokens,
+        detail="the device KV pool holds that many tokens; requests are held to it",
+    )
+    return pool_tokens
 
 
 def _pool_sizes(config: EngineConfig, model: LlamaModel, max_model_len: int) -> tuple[int, int]:

@@ -204,3 +204,21 @@ def test_a_max_model_len_past_the_models_context_is_cut_and_said(monkeypatch) ->
     engine.shutdown()
     limit = engine.info.max_model_len
     assert [(w["requested"], w["max_model_len"]) for w in warned] == [(99_999_999, limit)]
+
+
+def test_a_max_model_len_past_the_kv_pool_is_cut_to_it_and_said(monkeypatch) -> None:
+    """A 16-block pool of 32-token blocks holds 512 tokens of tiny's 1,024:
+    the model info says 512 (what a client can send), not a context no
+    request could use."""
+    from slipstream.service.engine import loader
+
+    warned: list[tuple[str, dict[str, object]]] = []
+    monkeypatch.setattr(loader.log, "warning", lambda event, **f: warned.append((event, f)))
+    engine = load_engine(
+        EngineConfig(model="tiny", num_device_blocks=16, block_size=32, device="cpu")
+    )
+    engine.shutdown()
+    assert engine.info.max_model_len == 512
+    assert [(e, f["requested"], f["max_model_len"]) for e, f in warned] == [
+        ("max_model_len_above_the_pool", 1024, 512)
+    ]
