@@ -13,7 +13,9 @@ Anything else that would change the answer (``echo``, ``suffix``,
 ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
 ``response_format``, ...) is refused with a 400 naming the field: this
 engine does not implement it, and ignoring it would silently change the
-request's meaning.
+request's meaning. A field set to ``null`` is absent, as on OpenAI's API
+(in a message, so is an empty list such as ``tool_calls: []``): a message
+the SDK returned can be sent back as ``message.model_dump()``.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def parse(
 
 def _check_fields(body: dict[str, object], known: frozenset[str]) -> None:
     for name, value in body.items():
-        if name in known:
+        if name in known or value is None:  # null is absent, as on OpenAI's API
             continue
         if name in _OFF_VALUES:
             if value not in _OFF_VALUES[name]:
@@ -219,8 +221,13 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object", "messages")
-        # A ``name`` (or tool call) would be dropped by the (role, content) renderer.
-        extra = set(message) - {"role", "content"}
+        # A ``name`` (or tool call) would be dropped by the (role, content)
+        # renderer. What the SDK's own message holds when unused is absent.
+        extra = {
+            key
+            for key, value in message.items()
+            if key not in ("role", "content") and value is not None and value != []
+        }
         if extra:
             raise invalid(f"{where}.{sorted(extra)[0]} is not supported", "messages")
         role = message.get("role")

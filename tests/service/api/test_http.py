@@ -315,6 +315,41 @@ def test_chat_with_a_template_streams_and_not(oai: openai.OpenAI, with_template:
     assert text == whole.choices[0].message.content
 
 
+NULLS = {
+    name: None
+    for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls", "metadata",
+                 "store", "service_tier", "functions", "presence_penalty", "logit_bias")
+}  # fmt: skip
+
+
+def test_null_fields_are_absent_as_on_openai(
+    oai: openai.OpenAI, servers: Servers, with_template: object
+) -> None:
+    """A multi-turn loop that appends the SDK's ``message.model_dump()``
+    (``refusal``, ``annotations``, ``tool_calls``, ... all None) goes on."""
+    messages: list[dict[str, object]] = [{"role": "user", "content": "hi", "name": None}]
+    first = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=3,
+        extra_body=NULLS,  # type: ignore[arg-type]
+    )
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
+    assert messages[1]["annotations"] is None and messages[1]["refusal"] is None
+    messages[1]["tool_calls"] = []
+    second = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=3)  # type: ignore[arg-type]
+    assert second.choices[0].finish_reason
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **NULLS}
+    status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    # Not null: still refused, naming the field.
+    tool_call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages[1]["tool_calls"] = [tool_call]
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model="tiny", messages=messages, max_tokens=3)  # type: ignore[arg-type]
+    assert error_of(caught.value)["message"] == "messages[1].tool_calls is not supported"
+
+
 def test_chat_bad_role_is_400(oai: openai.OpenAI, with_template: object) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc, list-item]
