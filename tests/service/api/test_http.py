@@ -350,6 +350,20 @@ def test_null_fields_are_absent_as_on_openai(
     assert error_of(caught.value)["message"] == "messages[1].tool_calls is not supported"
 
 
+def test_chat_developer_role_is_system(oai: openai.OpenAI, with_template: object) -> None:
+    def answer(role: str) -> object:
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        reply = oai.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        return reply.usage, reply.choices[0].message.content
+
+    assert answer("developer") == answer("system")
+
+
 def test_chat_bad_role_is_400(oai: openai.OpenAI, with_template: object) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc, list-item]
