@@ -182,11 +182,18 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
             raise ValueError("prompt text is empty")
         return encode_prompt(tokenizer, submit.text)
     if kind == "token_ids":
-        # Length first: a list no context can hold is refused before it is read.
+        # Length first: a list no context can hold is refused before it is
+        # read. Worded as the scheduler's own check (admission.py).
         if len(submit.token_ids.ids) > info.max_model_len:
+            stopping = submit.stopping
+            max_new = (
+                stopping.max_new_tokens
+                if stopping.HasField("max_new_tokens")
+                else DEFAULT_MAX_NEW_TOKENS
+            )
             raise PromptTooLong(
-                f"prompt has {len(submit.token_ids.ids)} tokens; the context holds "
-                f"{info.max_model_len}"
+                f"prompt ({len(submit.token_ids.ids)}) + max_new_tokens ({max_new}) "
+                f"exceeds max_model_len ({info.max_model_len})"
             )
         return list(submit.token_ids.ids)  # Engine.submit checks them against the vocabulary
     if kind == "messages":

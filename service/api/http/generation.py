@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from slipstream.scheduler.errors import InvalidRequest, QueueFull, SchedulerError
+from slipstream.scheduler.errors import InvalidRequest, PromptTooLong, QueueFull, SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, Tenant, TenantGate, Tenants, Unauthenticated
@@ -284,7 +284,7 @@ class Generations:
                 default_priority,
             )
         except (ValueError, SchedulerError) as exc:  # PromptTooLong: over the context
-            raise _domain(exc) from None
+            raise _domain(exc, _prompt_param(exc, parsed)) from None
 
     def _submit(
         self,
@@ -307,7 +307,8 @@ class Generations:
             if telemetry is not None:
                 telemetry.abandon(gen_request.req_id)
             field = exc.field if isinstance(exc, InvalidRequest) else None  # ids out of vocabulary
-            raise _domain(exc, None if field is None else _param(field, parsed)) from None
+            param = _prompt_param(exc, parsed) if field is None else _param(field, parsed)
+            raise _domain(exc, param) from None
 
     async def _whole(
         self, envelope: Envelope, relay: EventRelay, logprobs: LogprobsBuilder | None = None
@@ -390,6 +391,11 @@ def _param(field: str, parsed: OpenAIRequest) -> str:
         trace = parsed.submit.trace_context
         return max(trace, key=lambda name: len(trace[name]))
     return "messages" if parsed.is_chat else "prompt"
+
+
+def _prompt_param(exc: Exception, parsed: OpenAIRequest) -> str | None:
+    """``messages`` or ``prompt`` for a prompt over the context, as OpenAI names it."""
+    return _param("prompt", parsed) if isinstance(exc, PromptTooLong) else None
 
 
 def _domain(exc: Exception, param: str | None = None) -> ApiError:

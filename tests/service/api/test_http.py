@@ -790,6 +790,33 @@ def test_the_servers_size_limits_are_400_naming_the_param_before_tokenizing(
         srv.stop()
 
 
+def test_a_prompt_over_the_context_names_its_param_in_the_grpc_wording(
+    servers: Servers, grpc_client: Client, with_template: object
+) -> None:
+    """OpenAI names ``prompt`` or ``messages``; the message reads as gRPC's,
+    for text, token ids and chat alike."""
+    text = "hello " * 1100
+    num_tokens = len(with_template.encode(text))  # type: ignore[attr-defined]
+    cases = [
+        ("/v1/completions", {"prompt": [7] * 1100, "max_tokens": 4}, "prompt", 1100, 4),
+        ("/v1/completions", {"prompt": text}, "prompt", num_tokens, 16),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                  "max_tokens": 2}, "messages", None, 2),
+    ]  # fmt: skip
+    for path, fields, param, num_prompt, max_new in cases:
+        status, _, reply = raw(servers, path, json.dumps({"model": "tiny", **fields}).encode())
+        error = json.loads(reply)["error"]
+        assert (status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
+        assert error["message"].startswith(
+            "prompt (" if num_prompt is None else f"prompt ({num_prompt})"
+        )
+        assert error["message"].endswith(
+            f" + max_new_tokens ({max_new}) exceeds max_model_len (1024)"
+        )
+    over_grpc = grpc_client.generate([7] * 1100, max_tokens=4).result(timeout=30)
+    assert over_grpc.message == "prompt (1100) + max_new_tokens (4) exceeds max_model_len (1024)"
+
+
 def test_malformed_bodies_and_routes(servers: Servers) -> None:
     status, _, reply = raw(servers, "/v1/completions", b"{not json")
     assert status == 400 and "JSON" in json.loads(reply)["error"]["message"]
