@@ -369,17 +369,25 @@ class Generations:
 
 async def _json(request: web.Request) -> object:
     # A body over the size limit raises HTTPRequestEntityTooLarge (413, app.py).
+    raw = await request.read()
+    charset = request.charset or "utf-8"
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        # A leading byte order mark is skipped, as OpenAI's servers do.
+        text = raw.decode("utf-8-sig" if charset.lower() in ("utf-8", "utf8") else charset)
+    except LookupError:  # a charset in Content-Type that Python has no codec for
+        raise invalid(f"the request body's charset {request.charset!r} is unknown") from None
+    except UnicodeDecodeError as exc:
+        message = f"the request body is not valid {charset} (at byte {exc.start})"
+        raise invalid(message) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
         raise invalid("the request body is not valid JSON") from None
     except ValueError:  # valid JSON that Python's json refuses
         digits = sys.get_int_max_str_digits()
         raise invalid(f"the request body has an integer of more than {digits} digits") from None
     except RecursionError:
         raise invalid("the request body nests arrays or objects too deeply") from None
-    except LookupError:  # a charset in Content-Type that Python has no codec for
-        raise invalid(f"the request body's charset {request.charset!r} is unknown") from None
 
 
 def _param(field: str, parsed: OpenAIRequest) -> str:

@@ -829,6 +829,14 @@ def test_malformed_bodies_and_routes(servers: Servers) -> None:
     ):
         status, _, reply = raw(servers, "/v1/completions", body)
         assert status == 400 and words in json.loads(reply)["error"]["message"], reply
+    # A byte order mark is skipped, as OpenAI's servers do; bytes that are
+    # not UTF-8 are said to be that, not bad JSON.
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    status, _, reply = raw(servers, "/v1/completions", b"\xef\xbb\xbf" + body)
+    assert status == 200, reply
+    status, _, reply = raw(servers, "/v1/completions", body.replace(b"hi", b"h\xff"))
+    message = json.loads(reply)["error"]["message"]
+    assert status == 400 and message == "the request body is not valid utf-8 (at byte 30)"
     charset = {"Content-Type": "application/json; charset=nope"}
     status, _, reply = raw(servers, "/v1/completions", b"{}", charset)
     assert status == 400 and "'nope' is unknown" in json.loads(reply)["error"]["message"], reply
