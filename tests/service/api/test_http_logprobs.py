@@ -248,6 +248,9 @@ def test_a_request_without_logprobs_renders_as_before(front: Front) -> None:
     assert chat.token("hi") == f'{plain}"finish_reason":null}}]}}\n\n'.encode()
     asked = chat.token("hi", {"content": []})
     assert asked == chat.token("hi").replace(b"null", b'{"content":[]}', 1)
+    # The opening chunk has OpenAI's keys too, as nulls.
+    opening = head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    assert chat.first() == f'{opening}"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
 
     for stream in (False, True):
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "stream": stream}
