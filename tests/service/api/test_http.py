@@ -601,6 +601,13 @@ def test_bad_completion_fields_are_400_naming_the_field(
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
+def test_completion_only_fields_at_their_off_value_are_served(servers: Servers) -> None:
+    off = {"echo": False, "best_of": 1, "presence_penalty": 0, "logit_bias": {}}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **off}
+    status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+
+
 def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
     """Over gRPC any temperature >= 0 samples; the OpenAI front keeps
     OpenAI's range, so a request that works here works there too."""
@@ -619,6 +626,10 @@ def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        # Completions' alone, even at the values completions take as off.
+        ({"echo": False}, "echo"),
+        ({"best_of": 1}, "best_of"),
+        ({"suffix": ""}, "suffix"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages"),
