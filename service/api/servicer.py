@@ -89,7 +89,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await reader
 
     async def GenerateOne(
-        self, request: pb.Submit, context: grpc.aio.ServicerContext
+        self, request: pb.Submit | wire.BadFrame, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One request on its own call: the events of ``Generate``, then OK.
 
@@ -103,6 +103,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         as on ``Generate``.)
         """
         session = await self._session(context, "GenerateOne")
+        if isinstance(request, wire.BadFrame):
+            message = (
+                f"a {request.num_bytes}-byte message does not parse as a "
+                f"slipstream.v1.Submit: {request.reason}"
+            )
+            # One line per bad call; no traceback: the client sent it.
+            log.warning("call_invalid", method="GenerateOne", error=message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         # Cancelled, disconnected or past its deadline: abort at once.
         context.add_done_callback(lambda _: session.abort_all())
         try:
@@ -206,14 +214,18 @@ async def _abort_rejected(context: grpc.aio.ServicerContext, finished: pb.Finish
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """``add_InferenceServicer_to_server``, except that ``Generate``'s frames
-    are parsed by ``wire.parse_generate_request``: a frame that does not parse
-    reaches the handler as a ``BadFrame`` and ends its stream alone."""
+    """``add_InferenceServicer_to_server``, except that the frames of
+    ``Generate`` and ``GenerateOne`` are parsed by ``wire``'s deserializers: a
+    frame that does not parse reaches the handler as a ``BadFrame`` and ends
+    its stream (or call) alone, INVALID_ARGUMENT."""
     recorder = _HandlerRecorder()
     pb_grpc.add_InferenceServicer_to_server(servicer, recorder)
     handlers = dict(recorder.handlers)
     handlers["Generate"] = handlers["Generate"]._replace(
         request_deserializer=wire.parse_generate_request
+    )
+    handlers["GenerateOne"] = handlers["GenerateOne"]._replace(
+        request_deserializer=wire.parse_submit
     )
     service = pb.DESCRIPTOR.services_by_name["Inference"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -72,8 +72,8 @@ def check_request_id(request_id: str, max_bytes: int = MAX_REQUEST_ID_BYTES) -> 
 
 
 class BadFrame:
-    """A ``Generate`` frame that does not parse as a ``GenerateRequest``; the
-    handler ends only that stream, INVALID_ARGUMENT, with ``reason``."""
+    """A frame that does not parse as its method's request message; the
+    handler ends only that stream (or call), INVALID_ARGUMENT, with ``reason``."""
 
     __slots__ = ("num_bytes", "reason")
 
@@ -86,8 +86,17 @@ def parse_generate_request(data: bytes) -> pb.GenerateRequest | BadFrame:
     """gRPC's request deserializer for ``Generate``: never raises, so a bad
     frame reaches the handler as a value rather than as an exception inside
     gRPC's receive loop (which ends the call UNKNOWN and logs a traceback)."""
+    return _parse(pb.GenerateRequest, data)
+
+
+def parse_submit(data: bytes) -> pb.Submit | BadFrame:
+    """``GenerateOne``'s request deserializer, as ``parse_generate_request``."""
+    return _parse(pb.Submit, data)
+
+
+def _parse(message_type: type[Any], data: bytes) -> Any:
     try:
-        return pb.GenerateRequest.FromString(data)
+        return message_type.FromString(data)
     except DecodeError as exc:
         detail = str(exc).rstrip(".") or "malformed protobuf"
         return BadFrame(f"{detail} (not valid protobuf, or a string that is not UTF-8)", len(data))
@@ -173,11 +182,18 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
             raise ValueError("prompt text is empty")
         return encode_prompt(tokenizer, submit.text)
     if kind == "token_ids":
-        # Length first: a list no context can hold is refused before it is read.
+        # Length first: a list no context can hold is refused before it is
+        # read. Worded as the scheduler's own check (admission.py).
         if len(submit.token_ids.ids) > info.max_model_len:
+            stopping = submit.stopping
+            max_new = (
+                stopping.max_new_tokens
+                if stopping.HasField("max_new_tokens")
+                else DEFAULT_MAX_NEW_TOKENS
+            )
             raise PromptTooLong(
-                f"prompt has {len(submit.token_ids.ids)} tokens; the context holds "
-                f"{info.max_model_len}"
+                f"prompt ({len(submit.token_ids.ids)}) + max_new_tokens ({max_new}) "
+                f"exceeds max_model_len ({info.max_model_len})"
             )
         return list(submit.token_ids.ids)  # Engine.submit checks them against the vocabulary
     if kind == "messages":

@@ -17,8 +17,10 @@ from typing import Any
 from slipstream.service.engine.encoding import token_ids
 
 # Roles a ChatML-style template understands; anything else is a typo the
-# template would silently render as text.
+# template would silently render as text. "developer" is OpenAI's newer name
+# for system instructions: it is rendered as "system".
 ROLES = frozenset({"system", "user", "assistant", "tool"})
+ROLE_ALIASES = {"developer": "system"}
 
 
 class ChatError(ValueError):
@@ -37,8 +39,8 @@ def check_messages(messages: Sequence[tuple[str, str]]) -> None:
         if not (isinstance(message, tuple | list) and len(message) == 2):
             raise ChatError(f"messages[{i}] is not a (role, content) pair")
         role, content = message
-        if role not in ROLES:
-            allowed = ", ".join(sorted(ROLES))
+        if role not in ROLES and role not in ROLE_ALIASES:
+            allowed = ", ".join(sorted(ROLES | ROLE_ALIASES.keys()))
             raise ChatError(f"messages[{i}].role {role!r} is not one of {allowed}")
         if not isinstance(content, str):
             raise ChatError(f"messages[{i}].content is not a string")
@@ -52,7 +54,9 @@ def render_chat(tokenizer: Any, messages: Sequence[tuple[str, str]]) -> list[int
         raise ChatError("this model has no chat template; send text or token_ids")
     from jinja2 import TemplateError  # transformers renders templates with jinja2
 
-    conversation = [{"role": role, "content": content} for role, content in messages]
+    conversation = [
+        {"role": ROLE_ALIASES.get(role, role), "content": content} for role, content in messages
+    ]
     try:
         text = tokenizer.apply_chat_template(
             conversation, add_generation_prompt=True, tokenize=False

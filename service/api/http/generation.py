@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
-from slipstream.scheduler.errors import InvalidRequest, QueueFull, SchedulerError
+from slipstream.scheduler.errors import InvalidRequest, PromptTooLong, QueueFull, SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, Tenant, TenantGate, Tenants, Unauthenticated
@@ -284,7 +284,7 @@ class Generations:
                 default_priority,
             )
         except (ValueError, SchedulerError) as exc:  # PromptTooLong: over the context
-            raise _domain(exc) from None
+            raise _domain(exc, _prompt_param(exc, parsed)) from None
 
     def _submit(
         self,
@@ -307,7 +307,8 @@ class Generations:
             if telemetry is not None:
                 telemetry.abandon(gen_request.req_id)
             field = exc.field if isinstance(exc, InvalidRequest) else None  # ids out of vocabulary
-            raise _domain(exc, None if field is None else _param(field, parsed)) from None
+            param = _prompt_param(exc, parsed) if field is None else _param(field, parsed)
+            raise _domain(exc, param) from None
 
     async def _whole(
         self, envelope: Envelope, relay: EventRelay, logprobs: LogprobsBuilder | None = None
@@ -368,17 +369,25 @@ class Generations:
 
 async def _json(request: web.Request) -> object:
     # A body over the size limit raises HTTPRequestEntityTooLarge (413, app.py).
+    raw = await request.read()
+    charset = request.charset or "utf-8"
     try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        # A leading byte order mark is skipped, as OpenAI's servers do.
+        text = raw.decode("utf-8-sig" if charset.lower() in ("utf-8", "utf8") else charset)
+    except LookupError:  # a charset in Content-Type that Python has no codec for
+        raise invalid(f"the request body's charset {request.charset!r} is unknown") from None
+    except UnicodeDecodeError as exc:
+        message = f"the request body is not valid {charset} (at byte {exc.start})"
+        raise invalid(message) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
         raise invalid("the request body is not valid JSON") from None
     except ValueError:  # valid JSON that Python's json refuses
         digits = sys.get_int_max_str_digits()
         raise invalid(f"the request body has an integer of more than {digits} digits") from None
     except RecursionError:
         raise invalid("the request body nests arrays or objects too deeply") from None
-    except LookupError:  # a charset in Content-Type that Python has no codec for
-        raise invalid(f"the request body's charset {request.charset!r} is unknown") from None
 
 
 def _param(field: str, parsed: OpenAIRequest) -> str:
@@ -390,6 +399,11 @@ def _param(field: str, parsed: OpenAIRequest) -> str:
         trace = parsed.submit.trace_context
         return max(trace, key=lambda name: len(trace[name]))
     return "messages" if parsed.is_chat else "prompt"
+
+
+def _prompt_param(exc: Exception, parsed: OpenAIRequest) -> str | None:
+    """``messages`` or ``prompt`` for a prompt over the context, as OpenAI names it."""
+    return _param("prompt", parsed) if isinstance(exc, PromptTooLong) else None
 
 
 def _domain(exc: Exception, param: str | None = None) -> ApiError:

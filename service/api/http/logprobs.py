@@ -7,22 +7,28 @@ Completions (``logprobs: k``), per chunk and for the whole answer::
      "top_logprobs": [{"Hel": -0.3, "He": -2.1}, ...], "text_offset": [0, 3]}
 
 ``top_logprobs[i]`` holds the k likeliest tokens and the chosen one (k + 1
-at most, as OpenAI's; just the chosen one for ``logprobs: 0``, as vLLM's);
-``text_offset`` counts the token texts before each (vLLM's count).
+at most, as OpenAI's; just the chosen one for ``logprobs: 0``, as vLLM's).
+A token whose bytes are not whole UTF-8 characters (a character split over
+tokens) is spelled as OpenAI's legacy endpoint spells it, ``bytes:\\xf0\\x9f``,
+so distinct byte tokens stay distinct keys. ``text_offset`` indexes the
+answer's text: a token's offset is that of the character its first byte
+belongs to, so every part of a split character has that character's offset
+(the parts of one cut off at the end of the answer have the text's length).
 
 Chat (``logprobs: true``, ``top_logprobs: k``)::
 
     {"content": [{"token": "Hel", "logprob": -0.3, "bytes": [72, 101, 108],
                   "top_logprobs": [{"token": "Hel", "logprob": -0.3, "bytes": [...]}, ...]}]}
 
-A token's text is its own bytes, decoded with U+FFFD for a partial UTF-8
-character; ``bytes`` are the raw bytes (a character split over tokens
+In chat, a token's text is its own bytes, decoded with U+FFFD for a partial
+UTF-8 character; ``bytes`` are the raw bytes (a character split over tokens
 joins back from them). -inf is -9999.0, as OpenAI's and vLLM's: JSON has no
 infinity.
 """
 
 from __future__ import annotations
 
+import codecs
 import re
 from typing import TYPE_CHECKING
 
@@ -70,6 +76,7 @@ class TokenTexts:
         added = self._backend.get_added_tokens_decoder()
         self._added = {token_id: token.content for token_id, token in added.items()}
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self._spellings: dict[int, str] = {}
 
     def of(self, token_id: int) -> tuple[str, list[int]]:
         """``token_id``'s text and bytes (a list, as the JSON carries them)."""
@@ -77,6 +84,19 @@ class TokenTexts:
         if known is None:
             raw = self._bytes(token_id)
             known = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return known
+
+    def spelling(self, token_id: int) -> str:
+        """``token_id`` as completions' ``tokens`` spell it: its text, or
+        ``bytes:\\xNN...`` when its bytes are not whole UTF-8 characters."""
+        known = self._spellings.get(token_id)
+        if known is None:
+            raw = bytes(self.of(token_id)[1])
+            try:
+                known = raw.decode()
+            except UnicodeDecodeError:
+                known = "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+            self._spellings[token_id] = known
         return known
 
     def _bytes(self, token_id: int) -> bytes:
@@ -110,7 +130,9 @@ class LogprobsBuilder:
     def __init__(self, texts: TokenTexts, is_chat: bool) -> None:
         self._texts = texts
         self._is_chat = is_chat
-        self._offset = 0  # completions' text_offset: the token texts so far
+        # completions' text_offset: the characters the tokens so far complete
+        self._offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._kept: dict[str, list[object]] = self._empty()
 
     def chunk(self, event: TokenEvent) -> dict[str, list[object]]:
@@ -153,15 +175,16 @@ class LogprobsBuilder:
     def _completion_entry(
         self, token_id: int, token: TokenLogprobs, into: dict[str, list[object]]
     ) -> None:
-        text = self._texts.of(token_id)[0]
+        text = self._texts.spelling(token_id)
         logprob = _finite(token.logprob)
         top: dict[str, float] = {}
-        # Likeliest first; two ids may share a text (partial characters): the likelier stays.
+        # Likeliest first; two ids may share a spelling: the likelier stays.
         for top_id, top_logprob in zip(token.top_token_ids, token.top_logprobs, strict=True):
-            top.setdefault(self._texts.of(top_id)[0], _finite(top_logprob))
+            top.setdefault(self._texts.spelling(top_id), _finite(top_logprob))
         top.setdefault(text, logprob)
         into["tokens"].append(text)
         into["token_logprobs"].append(logprob)
         into["top_logprobs"].append(top)
         into["text_offset"].append(self._offset)
-        self._offset += len(text)
+        # A character counts once its last byte has come.
+        self._offset += len(self._utf8.decode(bytes(self._texts.of(token_id)[1])))

@@ -11,9 +11,12 @@ with ``top_logprobs`` 0 to 20); the Slipstream extensions ``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
 Anything else that would change the answer (``echo``, ``suffix``,
 ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
-``response_format``, ...) is refused with a 400 naming the field: this
+``response_format``, ...; in chat, any ``echo``, ``suffix`` or ``best_of``,
+which are completions' alone) is refused with a 400 naming the field: this
 engine does not implement it, and ignoring it would silently change the
-request's meaning.
+request's meaning. A field set to ``null`` is absent, as on OpenAI's API
+(in a message, so is an empty list such as ``tool_calls: []``): a message
+the SDK returned can be sent back as ``message.model_dump()``.
 """
 
 from __future__ import annotations
@@ -46,15 +49,14 @@ _COMMON = frozenset(
         "ignore_eos", "logprobs",
     }
 )  # fmt: skip
-# Accepted only at the value that means "off".
-_OFF_VALUES: dict[str, tuple[object, ...]] = {
-    "echo": (None, False),
-    "suffix": (None,),
-    "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
+# Accepted only at the value that means "off" (or null, as any field).
+_CHAT_OFF_VALUES: dict[str, tuple[object, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
 }
+# Chat has no echo, suffix or best_of: OpenAI's SDK never sends them there.
+_COMPLETION_OFF_VALUES = {**_CHAT_OFF_VALUES, "echo": (False,), "suffix": (), "best_of": (1,)}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -84,7 +86,10 @@ def parse(
     ``max_completion_tokens``)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
-    _check_fields(body, CHAT_FIELDS if is_chat else COMPLETION_FIELDS)
+    if is_chat:
+        _check_fields(body, CHAT_FIELDS, _CHAT_OFF_VALUES)
+    else:
+        _check_fields(body, COMPLETION_FIELDS, _COMPLETION_OFF_VALUES)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string; see GET /v1/models)", "model")
@@ -116,12 +121,14 @@ def parse(
     return OpenAIRequest(is_chat, model, prompt, submit, is_stream, include_usage)
 
 
-def _check_fields(body: dict[str, object], known: frozenset[str]) -> None:
+def _check_fields(
+    body: dict[str, object], known: frozenset[str], off_values: dict[str, tuple[object, ...]]
+) -> None:
     for name, value in body.items():
-        if name in known:
+        if name in known or value is None:  # null is absent, as on OpenAI's API
             continue
-        if name in _OFF_VALUES:
-            if value not in _OFF_VALUES[name]:
+        if name in off_values:
+            if value not in off_values[name]:
                 raise invalid(f"{name} is not supported by this server", name)
             continue
         raise invalid(f"unsupported parameter: {name}", name)
@@ -219,8 +226,13 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object", "messages")
-        # A ``name`` (or tool call) would be dropped by the (role, content) renderer.
-        extra = set(message) - {"role", "content"}
+        # A ``name`` (or tool call) would be dropped by the (role, content)
+        # renderer. What the SDK's own message holds when unused is absent.
+        extra = {
+            key
+            for key, value in message.items()
+            if key not in ("role", "content") and value is not None and value != []
+        }
         if extra:
             raise invalid(f"{where}.{sorted(extra)[0]} is not supported", "messages")
         role = message.get("role")

@@ -93,7 +93,8 @@ class ChunkEncoder:
         """Chat's opening chunk carries the role; completions have none."""
         if not self._envelope.is_chat:
             return b""
-        return self._line([{"index": 0, "delta": {"role": "assistant", "content": ""}}])
+        delta = {"role": "assistant", "content": ""}
+        return self._line([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
 
     def token(self, text: str, logprobs: object = None) -> bytes:
         """A chunk of ``text``; ``logprobs`` (``LogprobsBuilder.chunk``) where asked."""

@@ -111,6 +111,14 @@ def test_render_uses_the_template_with_the_generation_prompt(chat_engine: object
     assert ids == tokenizer.encode(expected, add_special_tokens=False)
 
 
+def test_developer_is_rendered_as_system(chat_engine: object) -> None:
+    """OpenAI's newer name for system instructions, which SDK examples send."""
+    tokenizer = chat_engine.tokenizer  # type: ignore[attr-defined]
+    as_developer = [("developer", "Be brief."), *QUESTION[1:]]
+    assert QUESTION[0][0] == "system"
+    assert render_chat(tokenizer, as_developer) == render_chat(tokenizer, QUESTION)
+
+
 @pytest.mark.parametrize(
     ("messages", "error"),
     [

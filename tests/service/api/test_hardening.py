@@ -121,6 +121,33 @@ def test_a_frame_that_does_not_parse_ends_only_its_stream(
     assert wait_until(lambda: no_blocks_used(channel))
 
 
+SUBMIT = submit("one", max_new_tokens=4).submit.SerializeToString()
+BAD_SUBMITS = {
+    "garbage": b"\xff\xff\xff\xff",
+    "truncated": SUBMIT[:-3],
+    "bad-utf8": b"\x0a\x02\xc3\x28",  # request_id = invalid UTF-8
+}
+
+
+@pytest.mark.parametrize("frame", list(BAD_SUBMITS.values()), ids=list(BAD_SUBMITS))
+def test_generate_one_with_a_frame_that_does_not_parse_is_invalid_argument(
+    channel: grpc.Channel, frame: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    generate_one = channel.unary_stream(
+        "/slipstream.v1.Inference/GenerateOne",
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    with capture_logs() as logs, pytest.raises(grpc.RpcError) as err:
+        list(generate_one(frame, timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert f"a {len(frame)}-byte message does not parse as a slipstream.v1.Submit" in details
+    lines = [entry for entry in logs if entry["event"] == "call_invalid"]
+    assert len(lines) == 1 and "exc_info" not in lines[0]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert list(generate_one(SUBMIT, timeout=30))[-1].WhichOneof("event") == "finished"
+
+
 def test_parse_generate_request_never_raises() -> None:
     assert isinstance(wire.parse_generate_request(VALID), pb.GenerateRequest)
     for frame in BAD_FRAMES.values():

@@ -315,6 +315,55 @@ def test_chat_with_a_template_streams_and_not(oai: openai.OpenAI, with_template:
     assert text == whole.choices[0].message.content
 
 
+NULLS = {
+    name: None
+    for name in ("tools", "tool_choice", "response_format", "parallel_tool_calls", "metadata",
+                 "store", "service_tier", "functions", "presence_penalty", "logit_bias")
+}  # fmt: skip
+
+
+def test_null_fields_are_absent_as_on_openai(
+    oai: openai.OpenAI, servers: Servers, with_template: object
+) -> None:
+    """A multi-turn loop that appends the SDK's ``message.model_dump()``
+    (``refusal``, ``annotations``, ``tool_calls``, ... all None) goes on."""
+    messages: list[dict[str, object]] = [{"role": "user", "content": "hi", "name": None}]
+    first = oai.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=3,
+        extra_body=NULLS,  # type: ignore[arg-type]
+    )
+    messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
+    assert messages[1]["annotations"] is None and messages[1]["refusal"] is None
+    messages[1]["tool_calls"] = []
+    second = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=3)  # type: ignore[arg-type]
+    assert second.choices[0].finish_reason
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **NULLS}
+    status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+    # Not null: still refused, naming the field.
+    tool_call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages[1]["tool_calls"] = [tool_call]
+    with pytest.raises(openai.BadRequestError) as caught:
+        oai.chat.completions.create(model="tiny", messages=messages, max_tokens=3)  # type: ignore[arg-type]
+    assert error_of(caught.value)["message"] == "messages[1].tool_calls is not supported"
+
+
+def test_chat_developer_role_is_system(oai: openai.OpenAI, with_template: object) -> None:
+    def answer(role: str) -> object:
+        messages = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "hi"}]
+        reply = oai.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        return reply.usage, reply.choices[0].message.content
+
+    assert answer("developer") == answer("system")
+
+
 def test_chat_bad_role_is_400(oai: openai.OpenAI, with_template: object) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])  # type: ignore[misc, list-item]
@@ -552,6 +601,13 @@ def test_bad_completion_fields_are_400_naming_the_field(
     assert error["param"] == param and error["type"] == "invalid_request_error", error
 
 
+def test_completion_only_fields_at_their_off_value_are_served(servers: Servers) -> None:
+    off = {"echo": False, "best_of": 1, "presence_penalty": 0, "logit_bias": {}}
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **off}
+    status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
+    assert status == 200, reply
+
+
 def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
     """Over gRPC any temperature >= 0 samples; the OpenAI front keeps
     OpenAI's range, so a request that works here works there too."""
@@ -570,6 +626,10 @@ def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        # Completions' alone, even at the values completions take as off.
+        ({"echo": False}, "echo"),
+        ({"best_of": 1}, "best_of"),
+        ({"suffix": ""}, "suffix"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages"),
@@ -741,6 +801,33 @@ def test_the_servers_size_limits_are_400_naming_the_param_before_tokenizing(
         srv.stop()
 
 
+def test_a_prompt_over_the_context_names_its_param_in_the_grpc_wording(
+    servers: Servers, grpc_client: Client, with_template: object
+) -> None:
+    """OpenAI names ``prompt`` or ``messages``; the message reads as gRPC's,
+    for text, token ids and chat alike."""
+    text = "hello " * 1100
+    num_tokens = len(with_template.encode(text))  # type: ignore[attr-defined]
+    cases = [
+        ("/v1/completions", {"prompt": [7] * 1100, "max_tokens": 4}, "prompt", 1100, 4),
+        ("/v1/completions", {"prompt": text}, "prompt", num_tokens, 16),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                  "max_tokens": 2}, "messages", None, 2),
+    ]  # fmt: skip
+    for path, fields, param, num_prompt, max_new in cases:
+        status, _, reply = raw(servers, path, json.dumps({"model": "tiny", **fields}).encode())
+        error = json.loads(reply)["error"]
+        assert (status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
+        assert error["message"].startswith(
+            "prompt (" if num_prompt is None else f"prompt ({num_prompt})"
+        )
+        assert error["message"].endswith(
+            f" + max_new_tokens ({max_new}) exceeds max_model_len (1024)"
+        )
+    over_grpc = grpc_client.generate([7] * 1100, max_tokens=4).result(timeout=30)
+    assert over_grpc.message == "prompt (1100) + max_new_tokens (4) exceeds max_model_len (1024)"
+
+
 def test_malformed_bodies_and_routes(servers: Servers) -> None:
     status, _, reply = raw(servers, "/v1/completions", b"{not json")
     assert status == 400 and "JSON" in json.loads(reply)["error"]["message"]
@@ -753,6 +840,14 @@ def test_malformed_bodies_and_routes(servers: Servers) -> None:
     ):
         status, _, reply = raw(servers, "/v1/completions", body)
         assert status == 400 and words in json.loads(reply)["error"]["message"], reply
+    # A byte order mark is skipped, as OpenAI's servers do; bytes that are
+    # not UTF-8 are said to be that, not bad JSON.
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+    status, _, reply = raw(servers, "/v1/completions", b"\xef\xbb\xbf" + body)
+    assert status == 200, reply
+    status, _, reply = raw(servers, "/v1/completions", body.replace(b"hi", b"h\xff"))
+    message = json.loads(reply)["error"]["message"]
+    assert status == 400 and message == "the request body is not valid utf-8 (at byte 30)"
     charset = {"Content-Type": "application/json; charset=nope"}
     status, _, reply = raw(servers, "/v1/completions", b"{}", charset)
     assert status == 400 and "'nope' is unknown" in json.loads(reply)["error"]["message"], reply

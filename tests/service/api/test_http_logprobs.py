@@ -248,6 +248,9 @@ def test_a_request_without_logprobs_renders_as_before(front: Front) -> None:
     assert chat.token("hi") == f'{plain}"finish_reason":null}}]}}\n\n'.encode()
     asked = chat.token("hi", {"content": []})
     assert asked == chat.token("hi").replace(b"null", b'{"content":[]}', 1)
+    # The opening chunk has OpenAI's keys too, as nulls.
+    opening = head + '"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+    assert chat.first() == f'{opening}"logprobs":null,"finish_reason":null}}]}}\n\n'.encode()
 
     for stream in (False, True):
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "stream": stream}
@@ -293,6 +296,31 @@ def test_token_texts_of_a_sentencepiece_tokenizer() -> None:
         (" the", list(b" the")),
         ("cat", list(b"cat")),
     ]
+
+
+def test_completion_tokens_of_a_split_character_are_distinct_and_offsets_index_the_text(
+    engine: object,
+) -> None:
+    """Byte tokens are spelled ``bytes:\\xNN`` (OpenAI's legacy spelling),
+    not all U+FFFD, so alternatives stay distinct keys; ``text_offset`` is
+    the offset in the text of the character a token's first byte is in."""
+    texts = TokenTexts(engine.tokenizer)  # type: ignore[attr-defined]
+    text = "a\U0001f389\u00e9"  # 'a', then 4 bytes and 2 bytes, one token each here
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+    assert len(ids) == 7
+    party, confetti = (engine.tokenizer.encode(t, add_special_tokens=False) for t in "🎉🎊")  # type: ignore[attr-defined]
+    # The last byte of 🎉 chosen over that of 🎊: two byte tokens, two keys.
+    logprobs = [TokenLogprobs(-0.1, [i], [-0.1]) for i in ids]
+    logprobs[4] = TokenLogprobs(-0.5, [party[-1], confetti[-1]], [-0.5, -1.0])
+    event = TokenEvent("r", ids, text, 0, 0, 0, 7, 0.0, logprobs)
+    rendered = LogprobsBuilder(texts, is_chat=False).chunk(event)
+    assert rendered["tokens"] == [
+        "a", "bytes:\\xf0", "bytes:\\x9f", "bytes:\\x8e", "bytes:\\x89",
+        "bytes:\\xc3", "bytes:\\xa9",
+    ]  # fmt: skip
+    assert rendered["top_logprobs"][4] == {"bytes:\\x89": -0.5, "bytes:\\x8a": -1.0}
+    assert rendered["text_offset"] == [0, 1, 1, 1, 1, 2, 2]
+    assert [text[offset] for offset in rendered["text_offset"]] == list("a🎉🎉🎉🎉éé")  # type: ignore[index]
 
 
 def test_a_merged_event_renders_each_token(engine: object) -> None:
