@@ -92,7 +92,7 @@ class GenerateOptions:
     top_k: int = 0
     top_p: float | None = None
     seed: int | None = None
-    stop: Sequence[str] = ()
+    stop: str | Sequence[str] = ()  # a str is one stop sequence, as in OpenAI's API
     ignore_eos: bool = False
     priority: int | None = None  # unset: the server's default (see inference.proto)
     deadline_s: float | None = None
@@ -150,7 +150,7 @@ def build_submit(
         ),
         stopping=pb.StoppingCriteria(
             max_new_tokens=options.max_tokens,
-            stop_sequences=list(options.stop),
+            stop_sequences=[options.stop] if isinstance(options.stop, str) else list(options.stop),
             ignore_eos=options.ignore_eos,
         ),
         expected_output_tokens=options.expected_tokens,

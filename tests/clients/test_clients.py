@@ -184,6 +184,14 @@ def test_keyword_arguments_reach_the_wire() -> None:
     assert not bare.stopping.HasField("max_new_tokens")
 
 
+def test_a_stop_string_is_one_stop_sequence() -> None:
+    """A str is a Sequence[str]: taken as such, stop="END" stopped at an E."""
+    submit = build_submit("a", "hi", GenerateOptions(stop="END")).submit
+    assert list(submit.stopping.stop_sequences) == ["END"]
+    submit = build_submit("a", "hi", GenerateOptions(stop=["END", "\n"])).submit
+    assert list(submit.stopping.stop_sequences) == ["END", "\n"]
+
+
 @pytest.mark.parametrize(
     ("option", "value", "field_range"),
     [
