@@ -13,7 +13,6 @@ is retried behind the caller's back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -159,8 +158,9 @@ class AsyncStream:
         self._call.cancel()
 
     async def wait_closed(self) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        """Until the call has ended. Cancelling the caller's task cancels
+        this wait (the error propagates), not the stream."""
+        await asyncio.wait([self._reader])
 
     @property
     def is_broken(self) -> bool:

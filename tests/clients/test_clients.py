@@ -280,3 +280,25 @@ def test_both_clients_ask_for_batches_and_read_them_in_order(scripted: ScriptedS
     recorded = scripted.servicer.recorded
     assert all(m.get("slipstream-batch") == "1" for m in recorded.metadata)
     assert recorded.batches > 0, "the scripted server sent every event alone"
+
+
+def test_cancelling_a_task_that_waits_for_a_stream_to_close_cancels_the_task(
+    scripted: ScriptedServer,
+) -> None:
+    """The wait swallowed the caller's CancelledError: the task ran on past
+    ``asyncio.timeout()``, ``wait_for`` or a TaskGroup's cancel."""
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            stream = client.stream()
+            generation = await stream.generate("a", max_tokens=1000)
+            await stream.close()
+            waiter = asyncio.create_task(stream.wait_closed())
+            await asyncio.sleep(0.1)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            assert not generation.done, "the stream went on"
+            stream.abort()
+
+    asyncio.run(scenario())
