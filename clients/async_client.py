@@ -22,6 +22,7 @@ from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_aio_channel, with_token
 from slipstream.clients.wire import (
     BATCH_METADATA,
+    CLIENT_CLOSED,
     Accumulator,
     Chunk,
     Conversation,
@@ -114,6 +115,7 @@ class AsyncStream:
         self._ids = itertools.count()
         self._error: StreamError | None = None
         self._is_closing = False
+        self._abort_reason: str | None = None
         self._call = stub.Generate(
             self._requests(), metadata=call_metadata(metadata, BATCH_METADATA), timeout=timeout
         )
@@ -154,8 +156,16 @@ class AsyncStream:
         if not self._pending:
             self._outgoing.put_nowait(_CLOSE)
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "the stream was aborted") -> None:
+        """Ends the call now; unfinished requests fail with ``StreamError``
+        CANCELLED, ``reason`` its details."""
+        self._abort_reason = reason
         self._call.cancel()
+
+    @property
+    def is_idle(self) -> bool:
+        """No request on it is unfinished."""
+        return not self._pending
 
     async def wait_closed(self) -> None:
         """Until the call has ended. Cancelling the caller's task cancels
@@ -180,6 +190,8 @@ class AsyncStream:
             error = StreamError(exc.code().name, exc.details() or "")
         except asyncio.CancelledError:
             error = StreamError("CANCELLED", "the stream was cancelled")
+        if self._abort_reason is not None and error.code == "CANCELLED":
+            error = StreamError("CANCELLED", self._abort_reason)
         self._error = error
         orphans, self._pending = list(self._pending.values()), {}
         for generation in orphans:
@@ -197,11 +209,12 @@ async def _read_one(call: grpc.aio.UnaryStreamCall, generation: AsyncGeneration)
             generation._settle(generation._acc.cancelled_by_caller())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # grpc.aio's for a cancelled call, or AsyncClient.close()
         if generation._is_cancelled:
             generation._settle(generation._acc.cancelled_by_caller())
         else:
-            generation._settle(StreamError("CANCELLED", "the call was cancelled"))
+            call.cancel()
+            generation._settle(StreamError("CANCELLED", CLIENT_CLOSED))
 
 
 class AsyncClient:
@@ -325,15 +338,22 @@ class AsyncClient:
         )
 
     async def close(self) -> None:
-        if self._shared is not None:
-            await self._shared.close()
-            await self._shared.wait_closed()
-        for stream in self._retiring:
-            await stream.wait_closed()
+        """Closes the client at once, as ``Client.close`` does: requests
+        still unfinished are cancelled on the server, and their results
+        raise ``StreamError`` CANCELLED (collect what you need before
+        closing, or leaving the ``async with``)."""
+        streams = [s for s in (self._shared, *self._retiring) if s is not None]
+        for stream in streams:
+            await stream.close()
+            if not stream.is_idle:
+                stream.abort(CLIENT_CLOSED)
         if self._watcher is not None:
             self._watcher.cancel()
-        for task in list(self._calls):
+        for task in self._calls:
             task.cancel()
+        readers = [*(stream._reader for stream in streams), *self._calls]
+        if readers:  # every request settled before close returns
+            await asyncio.wait(readers)
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -28,6 +28,7 @@ from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_channel, with_token
 from slipstream.clients.wire import (
     BATCH_METADATA,
+    CLIENT_CLOSED,
     Accumulator,
     Chunk,
     Conversation,
@@ -57,6 +58,7 @@ class Generation:
         self.request_id = request_id
         self._cancel = cancel
         self._is_cancelled = False
+        self._is_closed_by_client = False
         self._acc = Accumulator(request_id)
         self._chunks: queue.SimpleQueue[Chunk | Result | StreamError] = queue.SimpleQueue()
         self._done = threading.Event()
@@ -114,7 +116,8 @@ class Stream:
     """One ``Generate`` call carrying many requests. ``close()`` takes no
     more submits and half-closes the call once every request has finished
     (cancels still go through until then); ``abort()`` ends the call at once,
-    which aborts every unfinished request on the server."""
+    which aborts every unfinished request on the server (their results raise
+    ``StreamError`` CANCELLED)."""
 
     def __init__(
         self,
@@ -128,6 +131,7 @@ class Stream:
         self._ids = itertools.count()
         self._error: StreamError | None = None
         self._is_closing = False
+        self._abort_reason: str | None = None
         self._call = stub.Generate(
             iter(self._outgoing.get, _CLOSE),
             metadata=call_metadata(metadata, BATCH_METADATA),
@@ -169,8 +173,17 @@ class Stream:
         if is_idle:
             self._outgoing.put(_CLOSE)
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "the stream was aborted") -> None:
+        """Ends the call now; unfinished requests fail with ``StreamError``
+        CANCELLED, ``reason`` its details."""
+        self._abort_reason = reason
         self._call.cancel()
+
+    @property
+    def is_idle(self) -> bool:
+        """No request on it is unfinished."""
+        with self._lock:
+            return not self._pending
 
     @property
     def is_broken(self) -> bool:
@@ -190,7 +203,10 @@ class Stream:
                         if is_done:
                             self._outgoing.put(_CLOSE)
         except grpc.RpcError as exc:
-            error = StreamError(exc.code().name, exc.details() or "")
+            if self._abort_reason is not None and exc.code() is grpc.StatusCode.CANCELLED:
+                error = StreamError("CANCELLED", self._abort_reason)
+            else:
+                error = StreamError(exc.code().name, exc.details() or "")
         with self._lock:
             self._error = error
             orphans = list(self._pending.values())
@@ -207,7 +223,9 @@ def _read_one(call: grpc.Call, generation: Generation) -> None:
                 return
         generation._settle(StreamError("OK", "the call ended before the request finished"))
     except grpc.RpcError as exc:
-        if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
+        if generation._is_closed_by_client and exc.code() is grpc.StatusCode.CANCELLED:
+            generation._settle(StreamError("CANCELLED", CLIENT_CLOSED))
+        elif generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
             generation._settle(generation._acc.cancelled_by_caller())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
@@ -242,6 +260,7 @@ class Client:
         # The token goes with every call (gRPC metadata is per call).
         self._metadata = with_token(metadata, token)
         self._shared: Stream | None = None
+        self._calls: dict[Generation, grpc.Call] = {}  # unfinished generate_one calls
         self._lock = threading.Lock()
         self._state = grpc.ChannelConnectivity.IDLE
         self._left_ready = False  # the connection left READY since the shared stream opened
@@ -299,10 +318,17 @@ class Client:
             submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
         )
         generation = Generation(call.cancel, request_id)
+        with self._lock:
+            self._calls[generation] = call
+        call.add_done_callback(lambda _: self._forget(generation))
         threading.Thread(
             target=_read_one, args=(call, generation), name="slipstream-call", daemon=True
         ).start()
         return generation
+
+    def _forget(self, generation: Generation) -> None:
+        with self._lock:
+            self._calls.pop(generation, None)
 
     def chat(
         self, messages: Messages, *, metadata: Metadata = None, **options: object
@@ -346,10 +372,20 @@ class Client:
         )
 
     def close(self) -> None:
+        """Closes the client at once: requests still unfinished are cancelled
+        on the server, and their results raise ``StreamError`` CANCELLED
+        (collect what you need before closing, or leaving the ``with``).
+        ``AsyncClient.close`` does the same."""
         with self._lock:
             if self._shared is not None:
                 self._shared.close()
+                if not self._shared.is_idle:
+                    self._shared.abort(CLIENT_CLOSED)
+            calls, self._calls = self._calls, {}
             watching, self._watching = self._watching, False
+        for generation, call in calls.items():
+            generation._is_closed_by_client = True
+            call.cancel()
         if watching:
             self._channel.unsubscribe(self._on_state)
             _close_once_unwatched(self._channel)

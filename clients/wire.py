@@ -291,6 +291,10 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
     )
 
 
+# The details of the StreamError of a request cut off by its client's close().
+CLIENT_CLOSED = "the client was closed before the request finished"
+
+
 class StreamError(Exception):
     """The stream ended before this request finished (a whole-call error)."""
 

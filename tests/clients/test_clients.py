@@ -14,7 +14,12 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from slipstream.clients import AsyncClient, Client, Result, StreamError
-from slipstream.clients.wire import GenerateOptions, build_submit, finish_reason_name
+from slipstream.clients.wire import (
+    CLIENT_CLOSED,
+    GenerateOptions,
+    build_submit,
+    finish_reason_name,
+)
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api.status import wire_finish
 
@@ -302,3 +307,36 @@ def test_cancelling_a_task_that_waits_for_a_stream_to_close_cancels_the_task(
             stream.abort()
 
     asyncio.run(scenario())
+
+
+def test_closing_either_client_cancels_its_unfinished_requests(scripted: ScriptedServer) -> None:
+    """Both clients close at once, cancelling what is unfinished; the asyncio
+    one used to wait for every request to finish by itself (here 10 s)."""
+
+    def assert_cut_off(generation: object, outcome: object) -> None:
+        assert isinstance(outcome, StreamError), f"{generation}: {outcome}"
+        assert (outcome.code, outcome.details) == ("CANCELLED", CLIENT_CLOSED)
+
+    started = time.monotonic()
+    with Client(scripted.target) as client:
+        shared = client.generate("a", max_tokens=1000)
+        own = client.generate_one("b", max_tokens=1000)
+        next(iter(shared)), next(iter(own))
+    for generation in (shared, own):
+        with pytest.raises(StreamError) as err:
+            generation.result(timeout=5)
+        assert_cut_off(generation, err.value)
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            shared = await client.generate("c", max_tokens=1000)
+            own = await client.generate_one("d", max_tokens=1000)
+            await anext(aiter(shared)), await anext(aiter(own))
+        for generation in (shared, own):
+            assert generation.done, "settled when close() returns"
+            with pytest.raises(StreamError) as err:
+                await generation.result()
+            assert_cut_off(generation, err.value)
+
+    asyncio.run(scenario())
+    assert time.monotonic() - started < 5
