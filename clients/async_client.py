@@ -46,6 +46,9 @@ _CLOSE = object()
 
 
 class AsyncGeneration:
+    """One request's handle (see ``Generation``: chunks are delivered once;
+    leaving a loop does not cancel the request, ``await cancel()`` does)."""
+
     def __init__(self, cancel: Callable[[], Awaitable[None]], request_id: str) -> None:
         self.request_id = request_id
         self._cancel = cancel
@@ -62,10 +65,11 @@ class AsyncGeneration:
             item = await self._chunks.get()
             if isinstance(item, Chunk):
                 yield item
-            elif isinstance(item, StreamError):
+                continue
+            self._chunks.put_nowait(item)  # the end stays: a later loop ends at once
+            if isinstance(item, StreamError):
                 raise item
-            else:
-                return
+            return
 
     async def cancel(self) -> None:
         self._is_cancelled = True

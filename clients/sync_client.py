@@ -52,7 +52,11 @@ _CLOSE = object()
 
 
 class Generation:
-    """One request's handle: iterate its chunks, ``cancel()`` it, ``result()``."""
+    """One request's handle: iterate its chunks, ``cancel()`` it, ``result()``.
+
+    Each chunk is delivered once: once a loop has seen the end, another
+    ends at once (or raises the same ``StreamError``). Breaking out of a
+    loop does not cancel the request: call ``cancel()``."""
 
     def __init__(self, cancel: Callable[[], None], request_id: str) -> None:
         self.request_id = request_id
@@ -69,10 +73,11 @@ class Generation:
             item = self._chunks.get()
             if isinstance(item, Chunk):
                 yield item
-            elif isinstance(item, StreamError):
+                continue
+            self._chunks.put(item)  # the end stays: a later loop ends at once
+            if isinstance(item, StreamError):
                 raise item
-            else:
-                return
+            return
 
     def cancel(self) -> None:
         """Ask the server to abort this request; it finishes CANCELLED (on a

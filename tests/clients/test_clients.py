@@ -13,7 +13,7 @@ from conftest import ABORT_CALL_PROMPT, DUPLICATE_PROMPT, TOKEN_INTERVAL_S, Scri
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from slipstream.clients import AsyncClient, Client, Result, StreamError
+from slipstream.clients import AsyncClient, Chunk, Client, Generation, Result, StreamError
 from slipstream.clients.wire import (
     CLIENT_CLOSED,
     GenerateOptions,
@@ -340,3 +340,43 @@ def test_closing_either_client_cancels_its_unfinished_requests(scripted: Scripte
 
     asyncio.run(scenario())
     assert time.monotonic() - started < 5
+
+
+def _drain_within(generation: Generation, seconds: float) -> list[Chunk] | StreamError:
+    """A loop over ``generation`` (its chunks, or the error it raised), on a
+    daemon thread: a loop that hangs fails the test instead of hanging it."""
+    outcome: list[list[Chunk] | StreamError] = []
+
+    def drain() -> None:
+        try:
+            outcome.append(list(generation))
+        except StreamError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, "the loop did not end"
+    return outcome[0]
+
+
+def test_a_second_loop_over_a_generation_ends_at_once(scripted: ScriptedServer) -> None:
+    """The first loop took the end off the queue: a second one waited forever."""
+    with Client(scripted.target) as client:
+        generation = client.generate("a", max_tokens=3)
+        assert len(list(generation)) == 3
+        assert _drain_within(generation, 5) == []
+        stream = client.stream()
+        failed = stream.generate("x", max_tokens=1000)
+        stream.generate(ABORT_CALL_PROMPT, max_tokens=1)
+        first, second = _drain_within(failed, 5), _drain_within(failed, 5)
+        assert isinstance(first, StreamError) and first.code == "UNAVAILABLE"
+        assert second is first, "the same error again"
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            generation = await client.generate("b", max_tokens=3)
+            assert len([c async for c in generation]) == 3
+            assert [c async for c in generation] == []
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
