@@ -222,7 +222,9 @@ async def _read_one(call: grpc.aio.UnaryStreamCall, generation: AsyncGeneration)
 
 
 class AsyncClient:
-    """asyncio counterpart of ``Client`` (the same targets and balancing)."""
+    """asyncio counterpart of ``Client`` (the same targets and balancing).
+    Build it inside the event loop that uses it (in a coroutine): its
+    channel belongs to that loop."""
 
     def __init__(
         self,
@@ -234,6 +236,13 @@ class AsyncClient:
         token: str | None = None,
         balanced: bool | None = None,
     ) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "AsyncClient must be created inside a running event loop (in a coroutine, "
+                "e.g. under asyncio.run()); outside one, use Client"
+            ) from None
         if balanced is None:
             balanced = not isinstance(target, str)
         merged = [*(channel_options() if balanced else []), *(options or [])]

@@ -380,3 +380,9 @@ def test_a_second_loop_over_a_generation_ends_at_once(scripted: ScriptedServer) 
             assert [c async for c in generation] == []
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_an_async_client_built_outside_an_event_loop_says_so() -> None:
+    """Built outside the loop that used it, its calls never completed."""
+    with pytest.raises(RuntimeError, match="inside a running event loop"):
+        AsyncClient("127.0.0.1:1")
