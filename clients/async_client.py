@@ -37,6 +37,7 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    is_past_deadline,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -211,6 +212,8 @@ async def _read_one(call: grpc.aio.UnaryStreamCall, generation: AsyncGeneration)
     except grpc.RpcError as exc:
         if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
             generation._settle(generation._acc.cancelled_by_caller())
+        elif is_past_deadline(exc):
+            generation._settle(generation._acc.deadline_passed())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
     except asyncio.CancelledError:  # grpc.aio's for a cancelled call, or AsyncClient.close()

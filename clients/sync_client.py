@@ -43,6 +43,7 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    is_past_deadline,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -232,6 +233,8 @@ def _read_one(call: grpc.Call, generation: Generation) -> None:
             generation._settle(StreamError("CANCELLED", CLIENT_CLOSED))
         elif generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
             generation._settle(generation._acc.cancelled_by_caller())
+        elif is_past_deadline(exc):
+            generation._settle(generation._acc.deadline_passed())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
 
@@ -316,7 +319,9 @@ class Client:
     ) -> Generation:
         """One request on a ``GenerateOne`` call of its own. ``timeout`` is
         the call's gRPC deadline, which the server also applies to the
-        request. A rejected request's result says why (as on a stream); a
+        request: its passing, whichever side sees it first, finishes the
+        request ``deadline_exceeded`` (a ``Result``, as ``deadline_s``
+        would). A rejected request's result says why (as on a stream); a
         failed call (UNAVAILABLE after retries, ...) raises ``StreamError``."""
         submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
         call = self.stub.GenerateOne(

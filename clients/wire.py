@@ -265,6 +265,14 @@ class Result:
 REJECT_REASON_KEY = "slipstream-reject-reason"
 
 
+def is_past_deadline(error: grpc.RpcError) -> bool:
+    """Whether a ``GenerateOne`` call ended because its gRPC deadline passed
+    (a rejection for an infeasible deadline names its reason: not this)."""
+    trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    is_deadline = error.code() is grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    return is_deadline and REJECT_REASON_KEY not in trailers
+
+
 def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
     """What a ``GenerateOne`` call that ended with ``error`` means for its
     request: a rejection (the server named its reason) is an ordinary
@@ -330,14 +338,21 @@ class Accumulator:
 
     def cancelled_by_caller(self) -> Result:
         """How a ``GenerateOne`` call the caller cancelled ends for its
-        request: CANCELLED, as a cancel on a stream ends. No ``Finished``
-        comes, so usage and timings are what this client saw: the tokens
-        received, the time to the first of them and the time until now."""
-        done = pb.Finished(
-            reason=pb.FINISH_REASON_CANCELLED,
-            status_code="CANCELLED",
-            message="cancelled by the caller",
-        )
+        request: CANCELLED, as a cancel on a stream ends."""
+        return self._ended_by_call(pb.FINISH_REASON_CANCELLED, "cancelled by the caller")
+
+    def deadline_passed(self) -> Result:
+        """How a ``GenerateOne`` call whose gRPC deadline passed ends for its
+        request: DEADLINE_EXCEEDED, as the server's own expiry of it ends
+        (whichever side saw the deadline first)."""
+        return self._ended_by_call(pb.FINISH_REASON_DEADLINE_EXCEEDED, "deadline exceeded")
+
+    def _ended_by_call(self, reason: int, message: str) -> Result:
+        """No ``Finished`` comes, so usage and timings are what this client
+        saw: the tokens received, the time to the first of them and the
+        time until now."""
+        status_code = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
+        done = pb.Finished(reason=reason, status_code=status_code, message=message)
         done.usage.output_tokens = len(self.token_ids)
         if self.first_chunk_at is not None:
             done.timings.time_to_first_token.CopyFrom(

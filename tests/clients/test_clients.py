@@ -386,3 +386,28 @@ def test_an_async_client_built_outside_an_event_loop_says_so() -> None:
     """Built outside the loop that used it, its calls never completed."""
     with pytest.raises(RuntimeError, match="inside a running event loop"):
         AsyncClient("127.0.0.1:1")
+
+
+def test_a_calls_own_deadline_ends_its_request_as_the_servers_would(
+    scripted: ScriptedServer,
+) -> None:
+    """The scripted server ignores the call's deadline, as a server does that
+    has not seen it pass yet: the client's gRPC deadline fires first. It
+    raised StreamError("Stream removed"); a server's expiry is a Result."""
+
+    def assert_expired(result: Result) -> None:
+        assert (result.finish_reason, result.status_code) == (
+            "deadline_exceeded",
+            "DEADLINE_EXCEEDED",
+        )
+        assert result.output_tokens == len(result.token_ids) > 0
+
+    with Client(scripted.target) as client:
+        assert_expired(client.generate_one("a", max_tokens=1000, timeout=0.3).result(timeout=5))
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            generation = await client.generate_one("b", max_tokens=1000, timeout=0.3)
+            assert_expired(await generation.result())
+
+    asyncio.run(scenario())
