@@ -37,6 +37,7 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    check_call_timeout,
     is_past_deadline,
     unbatched,
 )
@@ -121,6 +122,7 @@ class AsyncStream:
         self._error: StreamError | None = None
         self._is_closing = False
         self._abort_reason: str | None = None
+        check_call_timeout(timeout)
         self._call = stub.Generate(
             self._requests(), metadata=call_metadata(metadata, BATCH_METADATA), timeout=timeout
         )
@@ -315,6 +317,7 @@ class AsyncClient:
         """One request on a ``GenerateOne`` call of its own (see
         ``Client.generate_one``)."""
         submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        check_call_timeout(timeout)
         call = self.stub.GenerateOne(
             submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
         )

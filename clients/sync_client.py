@@ -43,6 +43,7 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    check_call_timeout,
     is_past_deadline,
     unbatched,
 )
@@ -138,6 +139,7 @@ class Stream:
         self._error: StreamError | None = None
         self._is_closing = False
         self._abort_reason: str | None = None
+        check_call_timeout(timeout)
         self._call = stub.Generate(
             iter(self._outgoing.get, _CLOSE),
             metadata=call_metadata(metadata, BATCH_METADATA),
@@ -324,6 +326,7 @@ class Client:
         would). A rejected request's result says why (as on a stream); a
         failed call (UNAVAILABLE after retries, ...) raises ``StreamError``."""
         submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        check_call_timeout(timeout)
         call = self.stub.GenerateOne(
             submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
         )

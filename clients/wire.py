@@ -3,6 +3,7 @@ arguments, and the chunk/result records a caller sees."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,23 +103,56 @@ class GenerateOptions:
     top_logprobs: int = 0  # with logprobs: this many likeliest tokens at each position (<= 20)
 
 
-# Keyword arguments the wire carries unsigned: (name, largest value).
-_UNSIGNED = (
-    ("max_tokens", 2**32 - 1),
-    ("expected_tokens", 2**32 - 1),
-    ("top_k", 2**32 - 1),
-    ("seed", 2**64 - 1),
-    ("top_logprobs", 2**32 - 1),
+# Integer keyword arguments: (name, smallest, largest value of their wire field).
+_INTEGERS = (
+    ("max_tokens", 0, 2**32 - 1),
+    ("expected_tokens", 0, 2**32 - 1),
+    ("top_k", 0, 2**32 - 1),
+    ("seed", 0, 2**64 - 1),
+    ("top_logprobs", 0, 2**32 - 1),
+    ("priority", -(2**31), 2**31 - 1),
 )
+# Duration keyword arguments, and the range of google.protobuf.Duration (s).
+_DURATIONS = ("deadline_s", "first_token_timeout_s")
+_MAX_DURATION_S = 315_576_000_000
+# gRPC keeps a call's deadline as int64 nanoseconds since the epoch: a longer
+# timeout overflowed into one that had already passed. A century is plenty.
+_MAX_CALL_TIMEOUT_S = 100 * 365 * 86_400
 
 
-def _check_unsigned(options: GenerateOptions) -> None:
-    """A negative count, or one past its field, raises naming the argument
-    (protobuf's own error names none: "Value out of range: -1")."""
-    for name, largest in _UNSIGNED:
+def _check_integers(options: GenerateOptions) -> None:
+    """A count past its field raises naming the argument (protobuf's own
+    error names none: "Value out of range: -1")."""
+    for name, smallest, largest in _INTEGERS:
         value = getattr(options, name)
-        if value is not None and not 0 <= value <= largest:
-            raise ValueError(f"{name} must be in [0, {largest}], got {value}")
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if not smallest <= value <= largest:
+            raise ValueError(f"{name} must be in [{smallest}, {largest}], got {value}")
+
+
+def check_seconds(name: str, value: object, largest: float) -> None:
+    """A duration in seconds that is not a finite number within
+    ``±largest`` raises naming the argument."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and -largest <= value <= largest):
+        raise ValueError(f"{name} must be a finite number of seconds up to {largest}, got {value}")
+
+
+def check_call_timeout(timeout: float | None) -> None:
+    """A gRPC call's ``timeout`` gRPC can keep (else it has passed at once)."""
+    if timeout is not None:
+        check_seconds("timeout", timeout, _MAX_CALL_TIMEOUT_S)
+
+
+def _check_prompt(prompt: object) -> None:
+    if isinstance(prompt, bytes | bytearray):
+        raise TypeError("prompt must be a str or a sequence of token ids, not bytes: decode it")
+    if not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be a str or a sequence of token ids, got {prompt!r}")
 
 
 def is_token_id(value: object) -> bool:
@@ -129,7 +163,7 @@ def is_token_id(value: object) -> bool:
 
 def _check_token_ids(token_ids: Sequence[int]) -> None:
     """A token id the wire cannot carry raises naming its place in the
-    prompt, as ``_check_unsigned`` does for the counts."""
+    prompt, as ``_check_integers`` does for the counts."""
     for i, token_id in enumerate(token_ids):
         if not is_token_id(token_id):
             raise ValueError(f"prompt[{i}] must be a token id in [0, 2**32), got {token_id}")
@@ -138,7 +172,10 @@ def _check_token_ids(token_ids: Sequence[int]) -> None:
 def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
-    _check_unsigned(options)
+    _check_integers(options)
+    for name in _DURATIONS:
+        if getattr(options, name) is not None:
+            check_seconds(name, getattr(options, name), _MAX_DURATION_S)
     submit = pb.Submit(
         request_id=request_id,
         priority=options.priority,  # None leaves it unset
@@ -166,6 +203,7 @@ def build_submit(
     elif isinstance(prompt, str):
         submit.text = prompt
     else:
+        _check_prompt(prompt)
         _check_token_ids(prompt)
         submit.token_ids.ids.extend(prompt)
     if options.deadline_s is not None:

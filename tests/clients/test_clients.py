@@ -4,6 +4,7 @@ results, whole-call errors, metadata and OpenTelemetry propagation."""
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import threading
 import time
@@ -411,3 +412,44 @@ def test_a_calls_own_deadline_ends_its_request_as_the_servers_would(
             assert_expired(await generation.result())
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"deadline_s": math.inf}, ValueError, "deadline_s must be a finite number of seconds"),
+        ({"deadline_s": math.nan}, ValueError, "deadline_s must be a finite number of seconds"),
+        ({"deadline_s": 1e30}, ValueError, "deadline_s must be a finite number of seconds"),
+        ({"first_token_timeout_s": math.inf}, ValueError, "first_token_timeout_s must be"),
+        ({"deadline_s": "2"}, TypeError, "deadline_s must be a number of seconds, got '2'"),
+        ({"priority": 2**40}, ValueError, r"priority must be in \[-2147483648, 2147483647\]"),
+        ({"max_tokens": "8"}, TypeError, "max_tokens must be an int, got '8'"),
+    ],
+)
+def test_a_duration_or_priority_the_wire_cannot_carry_is_refused_by_name(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """They raised OverflowError, "cannot convert float NaN to integer" or
+    "Value out of range", naming no argument."""
+    with pytest.raises(error, match=message):
+        build_submit("a", "hi", GenerateOptions(**options))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 1e10])
+def test_a_call_timeout_grpc_cannot_keep_is_refused(timeout: float) -> None:
+    """gRPC took these as a deadline already passed."""
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError, match=r"^timeout must be"):
+        client.generate_one("hi", timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"), [(b"hi", "not bytes"), (None, "got None"), (5, "got 5")]
+)
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(
+    prompt: object, message: str
+) -> None:
+    """Bytes went out as token ids [104, 105]; None failed as "not iterable"."""
+    with pytest.raises(
+        TypeError, match=f"^prompt must be a str or a sequence of token ids.*{message}"
+    ):
+        build_submit("a", prompt, GenerateOptions())  # type: ignore[arg-type]
