@@ -91,6 +91,8 @@ class AsyncGeneration:
         elif kind == "accepted":
             self._acc.queue_position = response.accepted.queue_position
         elif kind == "finished" and self._acc.ends_request(response.finished):
+            if (tail := self._acc.tail_chunk(response.finished)) is not None:
+                self._chunks.put_nowait(tail)
             self._settle(self._acc.finish(response.finished))
             return True
         return False

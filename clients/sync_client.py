@@ -109,6 +109,8 @@ class Generation:
         elif kind == "accepted":
             self._acc.queue_position = response.accepted.queue_position
         elif kind == "finished" and self._acc.ends_request(response.finished):
+            if (tail := self._acc.tail_chunk(response.finished)) is not None:
+                self._chunks.put(tail)
             self._settle(self._acc.finish(response.finished))
             return True
         return False

@@ -253,7 +253,9 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """Tokens of one request from one engine step; ``logprobs``, one per
-    token id, where the request asked for them."""
+    token id, where the request asked for them. The last chunk may carry
+    text and no ids: the tail held back while it could still become a stop
+    sequence, so the chunks' texts join into ``Result.text``."""
 
     request_id: str
     token_ids: list[int]
@@ -373,6 +375,13 @@ class Accumulator:
         logprobs = _token_logprobs(chunk)
         self.logprobs.extend(logprobs)
         return Chunk(self.request_id, ids, chunk.text, chunk.index, logprobs)
+
+    def tail_chunk(self, done: pb.Finished) -> Chunk | None:
+        """The text that comes only with ``done`` (held back for stop
+        sequences) as a chunk of no ids, or None when there is none."""
+        if not done.text:
+            return None
+        return Chunk(self.request_id, [], done.text, len(self.token_ids))
 
     def cancelled_by_caller(self) -> Result:
         """How a ``GenerateOne`` call the caller cancelled ends for its

@@ -29,7 +29,9 @@ def test_sync_client_multiplexes_iterates_and_cancels(scripted: ScriptedServer) 
     with Client(scripted.target) as client:
         short = client.generate("a", max_tokens=3)
         long = client.generate("b", max_tokens=1000)
-        assert [c.token_ids for c in short] == [[0], [1], [2]]
+        chunks = list(short)
+        assert [c.token_ids for c in chunks] == [[0], [1], [2], []]  # then Finished.text's
+        assert "".join(c.text for c in chunks) == "t0 t1 t2 !"
         first = next(iter(long))
         long.cancel()
         result, short_result = long.result(timeout=5), short.result(timeout=5)
@@ -151,7 +153,7 @@ def test_a_duplicate_submits_rejection_does_not_end_the_accepted_request(
     Finished(DUPLICATE_REQUEST_ID) under that id; the running request goes on."""
     with Client(scripted.target) as client:
         generation = client.generate(DUPLICATE_PROMPT, max_tokens=3)
-        assert [c.token_ids for c in generation] == [[0], [1], [2]]
+        assert [c.token_ids for c in generation] == [[0], [1], [2], []]
         result = generation.result(timeout=5)
     assert (result.finish_reason, result.status_code) == ("max_tokens", "OK")
 
@@ -263,7 +265,9 @@ def test_async_client(scripted: ScriptedServer) -> None:
             assert (await victim.result()).finish_reason == "cancelled"
             results = await asyncio.gather(*(g.result() for g in gens))
             assert [len(r.token_ids) for r in results] == [3, 4, 5, 6]
-            assert [c.index async for c in gens[0]] == [0, 1, 2]
+            chunks = [c async for c in gens[0]]
+            assert [c.index for c in chunks] == [0, 1, 2, 3]  # the last: Finished.text
+            assert "".join(c.text for c in chunks) == results[0].text == "t0 t1 t2 !"
             assert (await client.model_info()).name == "scripted"
 
     asyncio.run(scenario())
@@ -365,7 +369,7 @@ def test_a_second_loop_over_a_generation_ends_at_once(scripted: ScriptedServer) 
     """The first loop took the end off the queue: a second one waited forever."""
     with Client(scripted.target) as client:
         generation = client.generate("a", max_tokens=3)
-        assert len(list(generation)) == 3
+        assert len(list(generation)) == 4
         assert _drain_within(generation, 5) == []
         stream = client.stream()
         failed = stream.generate("x", max_tokens=1000)
@@ -377,7 +381,7 @@ def test_a_second_loop_over_a_generation_ends_at_once(scripted: ScriptedServer) 
     async def scenario() -> None:
         async with AsyncClient(scripted.target) as client:
             generation = await client.generate("b", max_tokens=3)
-            assert len([c async for c in generation]) == 3
+            assert len([c async for c in generation]) == 4
             assert [c async for c in generation] == []
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
