@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Unpack
 
 import grpc
 
@@ -29,6 +30,7 @@ from slipstream.clients.wire import (
     GenerateOptions,
     Messages,
     Metadata,
+    Options,
     Prompt,
     Result,
     StreamError,
@@ -135,14 +137,18 @@ class AsyncStream:
             yield message  # type: ignore[misc]
 
     async def generate(
-        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
+        self,
+        prompt: Prompt | Conversation,
+        *,
+        request_id: str | None = None,
+        **options: Unpack[Options],
     ) -> AsyncGeneration:
         if self._error is not None:
             raise self._error
         if self._is_closing:
             raise RuntimeError("the stream is closed for new requests")
         request_id = request_id or f"r{next(self._ids)}"
-        message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        message = build_submit(request_id, prompt, GenerateOptions(**options))
         if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
         generation = AsyncGeneration(lambda: self.cancel(request_id), request_id)
@@ -151,7 +157,7 @@ class AsyncStream:
         return generation
 
     async def chat(
-        self, messages: Messages, *, request_id: str | None = None, **options: object
+        self, messages: Messages, *, request_id: str | None = None, **options: Unpack[Options]
     ) -> AsyncGeneration:
         """Submit a conversation; the answer stops at the model's end of turn."""
         return await self.generate(Conversation.of(messages), request_id=request_id, **options)
@@ -272,7 +278,7 @@ class AsyncClient:
         *,
         metadata: Metadata = None,
         multiplex: bool = True,
-        **options: object,
+        **options: Unpack[Options],
     ) -> AsyncGeneration:
         if not multiplex:
             return await self.generate_one(prompt, metadata=metadata, **options)
@@ -309,16 +315,16 @@ class AsyncClient:
 
     async def generate_one(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Conversation,
         *,
         request_id: str = "r0",
         metadata: Metadata = None,
         timeout: float | None = None,
-        **options: object,
+        **options: Unpack[Options],
     ) -> AsyncGeneration:
         """One request on a ``GenerateOne`` call of its own (see
         ``Client.generate_one``)."""
-        submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        submit = build_one(request_id, prompt, GenerateOptions(**options))
         check_call_timeout(timeout)
         call = self.stub.GenerateOne(
             submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
@@ -334,7 +340,7 @@ class AsyncClient:
         return generation
 
     async def chat(
-        self, messages: Messages, *, metadata: Metadata = None, **options: object
+        self, messages: Messages, *, metadata: Metadata = None, **options: Unpack[Options]
     ) -> AsyncGeneration:
         """Submit a conversation (see ``Client.chat``)."""
         return await self.generate(Conversation.of(messages), metadata=metadata, **options)

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Unpack
 
 import grpc
 
@@ -35,6 +36,7 @@ from slipstream.clients.wire import (
     GenerateOptions,
     Messages,
     Metadata,
+    Options,
     Prompt,
     Result,
     StreamError,
@@ -151,10 +153,14 @@ class Stream:
         self._reader.start()
 
     def generate(
-        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
+        self,
+        prompt: Prompt | Conversation,
+        *,
+        request_id: str | None = None,
+        **options: Unpack[Options],
     ) -> Generation:
         request_id = request_id or f"r{next(self._ids)}"
-        message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        message = build_submit(request_id, prompt, GenerateOptions(**options))
         generation = Generation(lambda: self.cancel(request_id), request_id)
         with self._lock:
             if self._error is not None:
@@ -168,7 +174,7 @@ class Stream:
         return generation
 
     def chat(
-        self, messages: Messages, *, request_id: str | None = None, **options: object
+        self, messages: Messages, *, request_id: str | None = None, **options: Unpack[Options]
     ) -> Generation:
         """Submit a conversation; the answer stops at the model's end of turn."""
         return self.generate(Conversation.of(messages), request_id=request_id, **options)
@@ -291,7 +297,7 @@ class Client:
         *,
         metadata: Metadata = None,
         multiplex: bool = True,
-        **options: object,
+        **options: Unpack[Options],
     ) -> Generation:
         """Submit one request. With ``multiplex=False`` it is a
         ``generate_one`` call; with ``metadata`` (which gRPC attaches per
@@ -314,12 +320,12 @@ class Client:
 
     def generate_one(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Conversation,
         *,
         request_id: str = "r0",
         metadata: Metadata = None,
         timeout: float | None = None,
-        **options: object,
+        **options: Unpack[Options],
     ) -> Generation:
         """One request on a ``GenerateOne`` call of its own. ``timeout`` is
         the call's gRPC deadline, which the server also applies to the
@@ -327,7 +333,7 @@ class Client:
         request ``deadline_exceeded`` (a ``Result``, as ``deadline_s``
         would). A rejected request's result says why (as on a stream); a
         failed call (UNAVAILABLE after retries, ...) raises ``StreamError``."""
-        submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        submit = build_one(request_id, prompt, GenerateOptions(**options))
         check_call_timeout(timeout)
         call = self.stub.GenerateOne(
             submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
@@ -346,7 +352,7 @@ class Client:
             self._calls.pop(generation, None)
 
     def chat(
-        self, messages: Messages, *, metadata: Metadata = None, **options: object
+        self, messages: Messages, *, metadata: Metadata = None, **options: Unpack[Options]
     ) -> Generation:
         """Submit a conversation ((role, content) pairs or role/content dicts),
         rendered by the server with the model's chat template; the model's

@@ -7,6 +7,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
@@ -101,6 +102,26 @@ class GenerateOptions:
     first_token_timeout_s: float | None = None
     logprobs: bool = False  # each token's log-probability (Chunk.logprobs, Result.logprobs)
     top_logprobs: int = 0  # with logprobs: this many likeliest tokens at each position (<= 20)
+
+
+class Options(TypedDict, total=False):
+    """``generate``'s keyword arguments, for type checkers: ``**options:
+    Unpack[Options]`` lets mypy catch ``max_token=8`` or ``max_tokens="8"``.
+    The same names and types as ``GenerateOptions``' fields."""
+
+    max_tokens: int | None
+    temperature: float
+    top_k: int
+    top_p: float | None
+    seed: int | None
+    stop: str | Sequence[str]
+    ignore_eos: bool
+    priority: int | None
+    deadline_s: float | None
+    expected_tokens: int | None
+    first_token_timeout_s: float | None
+    logprobs: bool
+    top_logprobs: int
 
 
 # Integer keyword arguments: (name, smallest, largest value of their wire field).
@@ -213,7 +234,9 @@ def build_submit(
     return pb.GenerateRequest(submit=submit)
 
 
-def build_one(request_id: str, prompt: Prompt, options: GenerateOptions) -> pb.Submit:
+def build_one(
+    request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
+) -> pb.Submit:
     """The ``Submit`` of a ``GenerateOne`` call."""
     return build_submit(request_id, prompt, options).submit
 
@@ -394,7 +417,7 @@ class Accumulator:
         (whichever side saw the deadline first)."""
         return self._ended_by_call(pb.FINISH_REASON_DEADLINE_EXCEEDED, "deadline exceeded")
 
-    def _ended_by_call(self, reason: int, message: str) -> Result:
+    def _ended_by_call(self, reason: pb.FinishReason, message: str) -> Result:
         """No ``Finished`` comes, so usage and timings are what this client
         saw: the tokens received, the time to the first of them and the
         time until now."""
