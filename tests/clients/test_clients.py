@@ -14,7 +14,7 @@ from conftest import ABORT_CALL_PROMPT, DUPLICATE_PROMPT, TOKEN_INTERVAL_S, Scri
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from slipstream.clients import AsyncClient, Chunk, Client, Generation, Result, StreamError
+from slipstream.clients import TLS, AsyncClient, Chunk, Client, Generation, Result, StreamError
 from slipstream.clients.wire import (
     CLIENT_CLOSED,
     GenerateOptions,
@@ -23,6 +23,7 @@ from slipstream.clients.wire import (
 )
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api.status import wire_finish
+from slipstream.service.cli import main
 
 
 def test_sync_client_multiplexes_iterates_and_cancels(scripted: ScriptedServer) -> None:
@@ -457,3 +458,14 @@ def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(
         TypeError, match=f"^prompt must be a str or a sequence of token ids.*{message}"
     ):
         build_submit("a", prompt, GenerateOptions())  # type: ignore[arg-type]
+
+
+def test_a_certificate_without_its_key_is_refused_in_words_for_api_and_cli(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It said "needs both cert_file and key_file" to `chat --tls-cert a.pem`."""
+    with pytest.raises(ValueError, match="cert_file with key_file"):
+        TLS(cert_file="a.pem")
+    with pytest.raises(SystemExit):
+        main(["stats", "--server", "127.0.0.1:1", "--tls-cert", "a.pem"])
+    assert "--tls-cert with --tls-key" in capsys.readouterr().err
