@@ -268,8 +268,14 @@ class AsyncClient:
         self._left_ready = False  # the connection left READY since the shared stream opened
         self._watcher: asyncio.Task[None] | None = None
         self._retiring: set[AsyncStream] = set()
+        self._is_closed = False
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise RuntimeError("the client is closed")
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> AsyncStream:
+        self._check_open()
         return AsyncStream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     async def generate(
@@ -280,6 +286,7 @@ class AsyncClient:
         multiplex: bool = True,
         **options: Unpack[Options],
     ) -> AsyncGeneration:
+        self._check_open()
         if not multiplex:
             return await self.generate_one(prompt, metadata=metadata, **options)
         if metadata:
@@ -324,6 +331,7 @@ class AsyncClient:
     ) -> AsyncGeneration:
         """One request on a ``GenerateOne`` call of its own (see
         ``Client.generate_one``)."""
+        self._check_open()
         submit = build_one(request_id, prompt, GenerateOptions(**options))
         check_call_timeout(timeout)
         call = self.stub.GenerateOne(
@@ -346,6 +354,7 @@ class AsyncClient:
         return await self.generate(Conversation.of(messages), metadata=metadata, **options)
 
     async def tokenize(self, text: str) -> list[int]:
+        self._check_open()
         return list(
             (
                 await self.stub.Tokenize(
@@ -355,11 +364,13 @@ class AsyncClient:
         )
 
     async def model_info(self) -> pb.ModelInfo:
+        self._check_open()
         return await self.stub.GetModelInfo(
             pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
         )
 
     async def server_stats(self) -> pb.ServerStats:
+        self._check_open()
         return await self.stub.GetServerStats(
             pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
         )
@@ -369,6 +380,7 @@ class AsyncClient:
         still unfinished are cancelled on the server, and their results
         raise ``StreamError`` CANCELLED (collect what you need before
         closing, or leaving the ``async with``)."""
+        self._is_closed = True
         streams = [s for s in (self._shared, *self._retiring) if s is not None]
         for stream in streams:
             await stream.close()

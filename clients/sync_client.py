@@ -287,8 +287,14 @@ class Client:
         # prompt) starts no polling thread, which gRPC's can outlive a close
         # that comes right after it started and fail in (grpc/grpc#18995).
         self._watching = False
+        self._is_closed = False
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise RuntimeError("the client is closed")
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
+        self._check_open()
         return Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     def generate(
@@ -302,6 +308,7 @@ class Client:
         """Submit one request. With ``multiplex=False`` it is a
         ``generate_one`` call; with ``metadata`` (which gRPC attaches per
         call) the request gets a stream of its own, closed after it."""
+        self._check_open()
         if not multiplex:
             return self.generate_one(prompt, metadata=metadata, **options)
         if metadata:
@@ -333,6 +340,7 @@ class Client:
         request ``deadline_exceeded`` (a ``Result``, as ``deadline_s``
         would). A rejected request's result says why (as on a stream); a
         failed call (UNAVAILABLE after retries, ...) raises ``StreamError``."""
+        self._check_open()
         submit = build_one(request_id, prompt, GenerateOptions(**options))
         check_call_timeout(timeout)
         call = self.stub.GenerateOne(
@@ -364,6 +372,7 @@ class Client:
         READY after the stream had it (GOAWAY: the server's maximum connection
         age, a drain) retires the stream: its requests finish on the old
         connection, new ones go on a new stream, over a new connection."""
+        self._check_open()  # under the lock: a racing close() is told as such
         if self._shared is not None and self._left_ready:
             self._shared.close()
             self._shared = None
@@ -376,6 +385,7 @@ class Client:
         return self._shared
 
     def tokenize(self, text: str) -> list[int]:
+        self._check_open()
         return list(
             self.stub.Tokenize(
                 pb.TokenizeRequest(text=text), metadata=call_metadata(self._metadata)
@@ -383,11 +393,13 @@ class Client:
         )
 
     def model_info(self) -> pb.ModelInfo:
+        self._check_open()
         return self.stub.GetModelInfo(
             pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
         )
 
     def server_stats(self) -> pb.ServerStats:
+        self._check_open()
         return self.stub.GetServerStats(
             pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
         )
@@ -398,6 +410,7 @@ class Client:
         (collect what you need before closing, or leaving the ``with``).
         ``AsyncClient.close`` does the same."""
         with self._lock:
+            self._is_closed = True
             if self._shared is not None:
                 self._shared.close()
                 if not self._shared.is_idle:

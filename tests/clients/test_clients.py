@@ -469,3 +469,29 @@ def test_a_certificate_without_its_key_is_refused_in_words_for_api_and_cli(
     with pytest.raises(SystemExit):
         main(["stats", "--server", "127.0.0.1:1", "--tls-cert", "a.pem"])
     assert "--tls-cert with --tls-key" in capsys.readouterr().err
+
+
+def test_a_closed_client_says_it_is_closed(scripted: ScriptedServer) -> None:
+    """It said "the stream is closed for new requests", of a stream the
+    caller never opened; tokenize() still went out."""
+    client = Client(scripted.target)
+    client.generate("a", max_tokens=1).result(timeout=5)
+    client.close()
+    for call in (
+        lambda: client.generate("b", max_tokens=1),
+        lambda: client.generate_one("c", max_tokens=1),
+        lambda: client.model_info(),
+    ):
+        with pytest.raises(RuntimeError, match=r"^the client is closed$"):
+            call()
+
+    async def scenario() -> None:
+        client = AsyncClient(scripted.target)
+        await (await client.generate("d", max_tokens=1)).result()
+        await client.close()
+        with pytest.raises(RuntimeError, match=r"^the client is closed$"):
+            await client.generate("e", max_tokens=1)
+        with pytest.raises(RuntimeError, match=r"^the client is closed$"):
+            await client.model_info()
+
+    asyncio.run(scenario())
