@@ -13,9 +13,9 @@ is retried behind the caller's back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Unpack
 
 import grpc
 
@@ -23,12 +23,14 @@ from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_aio_channel, with_token
 from slipstream.clients.wire import (
     BATCH_METADATA,
+    CLIENT_CLOSED,
     Accumulator,
     Chunk,
     Conversation,
     GenerateOptions,
     Messages,
     Metadata,
+    Options,
     Prompt,
     Result,
     StreamError,
@@ -37,6 +39,8 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    check_call_timeout,
+    is_past_deadline,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -46,6 +50,9 @@ _CLOSE = object()
 
 
 class AsyncGeneration:
+    """One request's handle (see ``Generation``: chunks are delivered once;
+    leaving a loop does not cancel the request, ``await cancel()`` does)."""
+
     def __init__(self, cancel: Callable[[], Awaitable[None]], request_id: str) -> None:
         self.request_id = request_id
         self._cancel = cancel
@@ -62,10 +69,11 @@ class AsyncGeneration:
             item = await self._chunks.get()
             if isinstance(item, Chunk):
                 yield item
-            elif isinstance(item, StreamError):
+                continue
+            self._chunks.put_nowait(item)  # the end stays: a later loop ends at once
+            if isinstance(item, StreamError):
                 raise item
-            else:
-                return
+            return
 
     async def cancel(self) -> None:
         self._is_cancelled = True
@@ -85,6 +93,8 @@ class AsyncGeneration:
         elif kind == "accepted":
             self._acc.queue_position = response.accepted.queue_position
         elif kind == "finished" and self._acc.ends_request(response.finished):
+            if (tail := self._acc.tail_chunk(response.finished)) is not None:
+                self._chunks.put_nowait(tail)
             self._settle(self._acc.finish(response.finished))
             return True
         return False
@@ -115,6 +125,8 @@ class AsyncStream:
         self._ids = itertools.count()
         self._error: StreamError | None = None
         self._is_closing = False
+        self._abort_reason: str | None = None
+        check_call_timeout(timeout)
         self._call = stub.Generate(
             self._requests(), metadata=call_metadata(metadata, BATCH_METADATA), timeout=timeout
         )
@@ -125,14 +137,18 @@ class AsyncStream:
             yield message  # type: ignore[misc]
 
     async def generate(
-        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
+        self,
+        prompt: Prompt | Conversation,
+        *,
+        request_id: str | None = None,
+        **options: Unpack[Options],
     ) -> AsyncGeneration:
         if self._error is not None:
             raise self._error
         if self._is_closing:
             raise RuntimeError("the stream is closed for new requests")
         request_id = request_id or f"r{next(self._ids)}"
-        message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        message = build_submit(request_id, prompt, GenerateOptions(**options))
         if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
         generation = AsyncGeneration(lambda: self.cancel(request_id), request_id)
@@ -141,7 +157,7 @@ class AsyncStream:
         return generation
 
     async def chat(
-        self, messages: Messages, *, request_id: str | None = None, **options: object
+        self, messages: Messages, *, request_id: str | None = None, **options: Unpack[Options]
     ) -> AsyncGeneration:
         """Submit a conversation; the answer stops at the model's end of turn."""
         return await self.generate(Conversation.of(messages), request_id=request_id, **options)
@@ -155,12 +171,21 @@ class AsyncStream:
         if not self._pending:
             self._outgoing.put_nowait(_CLOSE)
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "the stream was aborted") -> None:
+        """Ends the call now; unfinished requests fail with ``StreamError``
+        CANCELLED, ``reason`` its details."""
+        self._abort_reason = reason
         self._call.cancel()
 
+    @property
+    def is_idle(self) -> bool:
+        """No request on it is unfinished."""
+        return not self._pending
+
     async def wait_closed(self) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        """Until the call has ended. Cancelling the caller's task cancels
+        this wait (the error propagates), not the stream."""
+        await asyncio.wait([self._reader])
 
     @property
     def is_broken(self) -> bool:
@@ -180,6 +205,8 @@ class AsyncStream:
             error = StreamError(exc.code().name, exc.details() or "")
         except asyncio.CancelledError:
             error = StreamError("CANCELLED", "the stream was cancelled")
+        if self._abort_reason is not None and error.code == "CANCELLED":
+            error = StreamError("CANCELLED", self._abort_reason)
         self._error = error
         orphans, self._pending = list(self._pending.values()), {}
         for generation in orphans:
@@ -195,17 +222,22 @@ async def _read_one(call: grpc.aio.UnaryStreamCall, generation: AsyncGeneration)
     except grpc.RpcError as exc:
         if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
             generation._settle(generation._acc.cancelled_by_caller())
+        elif is_past_deadline(exc):
+            generation._settle(generation._acc.deadline_passed())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # grpc.aio's for a cancelled call, or AsyncClient.close()
         if generation._is_cancelled:
             generation._settle(generation._acc.cancelled_by_caller())
         else:
-            generation._settle(StreamError("CANCELLED", "the call was cancelled"))
+            call.cancel()
+            generation._settle(StreamError("CANCELLED", CLIENT_CLOSED))
 
 
 class AsyncClient:
-    """asyncio counterpart of ``Client`` (the same targets and balancing)."""
+    """asyncio counterpart of ``Client`` (the same targets and balancing).
+    Build it inside the event loop that uses it (in a coroutine): its
+    channel belongs to that loop."""
 
     def __init__(
         self,
@@ -217,6 +249,13 @@ class AsyncClient:
         token: str | None = None,
         balanced: bool | None = None,
     ) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "AsyncClient must be created inside a running event loop (in a coroutine, "
+                "e.g. under asyncio.run()); outside one, use Client"
+            ) from None
         if balanced is None:
             balanced = not isinstance(target, str)
         merged = [*(channel_options() if balanced else []), *(options or [])]
@@ -229,8 +268,14 @@ class AsyncClient:
         self._left_ready = False  # the connection left READY since the shared stream opened
         self._watcher: asyncio.Task[None] | None = None
         self._retiring: set[AsyncStream] = set()
+        self._is_closed = False
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise RuntimeError("the client is closed")
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> AsyncStream:
+        self._check_open()
         return AsyncStream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     async def generate(
@@ -239,8 +284,9 @@ class AsyncClient:
         *,
         metadata: Metadata = None,
         multiplex: bool = True,
-        **options: object,
+        **options: Unpack[Options],
     ) -> AsyncGeneration:
+        self._check_open()
         if not multiplex:
             return await self.generate_one(prompt, metadata=metadata, **options)
         if metadata:
@@ -276,16 +322,18 @@ class AsyncClient:
 
     async def generate_one(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Conversation,
         *,
         request_id: str = "r0",
         metadata: Metadata = None,
         timeout: float | None = None,
-        **options: object,
+        **options: Unpack[Options],
     ) -> AsyncGeneration:
         """One request on a ``GenerateOne`` call of its own (see
         ``Client.generate_one``)."""
-        submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        self._check_open()
+        submit = build_one(request_id, prompt, GenerateOptions(**options))
+        check_call_timeout(timeout)
         call = self.stub.GenerateOne(
             submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
         )
@@ -300,12 +348,13 @@ class AsyncClient:
         return generation
 
     async def chat(
-        self, messages: Messages, *, metadata: Metadata = None, **options: object
+        self, messages: Messages, *, metadata: Metadata = None, **options: Unpack[Options]
     ) -> AsyncGeneration:
         """Submit a conversation (see ``Client.chat``)."""
         return await self.generate(Conversation.of(messages), metadata=metadata, **options)
 
     async def tokenize(self, text: str) -> list[int]:
+        self._check_open()
         return list(
             (
                 await self.stub.Tokenize(
@@ -315,25 +364,35 @@ class AsyncClient:
         )
 
     async def model_info(self) -> pb.ModelInfo:
+        self._check_open()
         return await self.stub.GetModelInfo(
             pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
         )
 
     async def server_stats(self) -> pb.ServerStats:
+        self._check_open()
         return await self.stub.GetServerStats(
             pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
         )
 
     async def close(self) -> None:
-        if self._shared is not None:
-            await self._shared.close()
-            await self._shared.wait_closed()
-        for stream in self._retiring:
-            await stream.wait_closed()
+        """Closes the client at once, as ``Client.close`` does: requests
+        still unfinished are cancelled on the server, and their results
+        raise ``StreamError`` CANCELLED (collect what you need before
+        closing, or leaving the ``async with``)."""
+        self._is_closed = True
+        streams = [s for s in (self._shared, *self._retiring) if s is not None]
+        for stream in streams:
+            await stream.close()
+            if not stream.is_idle:
+                stream.abort(CLIENT_CLOSED)
         if self._watcher is not None:
             self._watcher.cancel()
-        for task in list(self._calls):
+        for task in self._calls:
             task.cancel()
+        readers = [*(stream._reader for stream in streams), *self._calls]
+        if readers:  # every request settled before close returns
+            await asyncio.wait(readers)
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -30,7 +30,10 @@ class TLS:
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("a client certificate needs both cert_file and key_file")
+            raise ValueError(
+                "a client certificate needs its key, and a key its certificate: give both "
+                "(cert_file with key_file; on the command line, --tls-cert with --tls-key)"
+            )
 
     def credentials(self) -> grpc.ChannelCredentials:
         """Channel credentials from the files (read now; OSError if unreadable)."""

@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Unpack
 
 import grpc
 
@@ -28,12 +29,14 @@ from slipstream.clients.balancing import channel_options, channel_target
 from slipstream.clients.security import TLS, secure_channel, with_token
 from slipstream.clients.wire import (
     BATCH_METADATA,
+    CLIENT_CLOSED,
     Accumulator,
     Chunk,
     Conversation,
     GenerateOptions,
     Messages,
     Metadata,
+    Options,
     Prompt,
     Result,
     StreamError,
@@ -42,6 +45,8 @@ from slipstream.clients.wire import (
     call_metadata,
     call_outcome,
     cancel_message,
+    check_call_timeout,
+    is_past_deadline,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -51,12 +56,17 @@ _CLOSE = object()
 
 
 class Generation:
-    """One request's handle: iterate its chunks, ``cancel()`` it, ``result()``."""
+    """One request's handle: iterate its chunks, ``cancel()`` it, ``result()``.
+
+    Each chunk is delivered once: once a loop has seen the end, another
+    ends at once (or raises the same ``StreamError``). Breaking out of a
+    loop does not cancel the request: call ``cancel()``."""
 
     def __init__(self, cancel: Callable[[], None], request_id: str) -> None:
         self.request_id = request_id
         self._cancel = cancel
         self._is_cancelled = False
+        self._is_closed_by_client = False
         self._acc = Accumulator(request_id)
         self._chunks: queue.SimpleQueue[Chunk | Result | StreamError] = queue.SimpleQueue()
         self._done = threading.Event()
@@ -67,10 +77,11 @@ class Generation:
             item = self._chunks.get()
             if isinstance(item, Chunk):
                 yield item
-            elif isinstance(item, StreamError):
+                continue
+            self._chunks.put(item)  # the end stays: a later loop ends at once
+            if isinstance(item, StreamError):
                 raise item
-            else:
-                return
+            return
 
     def cancel(self) -> None:
         """Ask the server to abort this request; it finishes CANCELLED (on a
@@ -100,6 +111,8 @@ class Generation:
         elif kind == "accepted":
             self._acc.queue_position = response.accepted.queue_position
         elif kind == "finished" and self._acc.ends_request(response.finished):
+            if (tail := self._acc.tail_chunk(response.finished)) is not None:
+                self._chunks.put(tail)
             self._settle(self._acc.finish(response.finished))
             return True
         return False
@@ -114,7 +127,8 @@ class Stream:
     """One ``Generate`` call carrying many requests. ``close()`` takes no
     more submits and half-closes the call once every request has finished
     (cancels still go through until then); ``abort()`` ends the call at once,
-    which aborts every unfinished request on the server."""
+    which aborts every unfinished request on the server (their results raise
+    ``StreamError`` CANCELLED)."""
 
     def __init__(
         self,
@@ -128,6 +142,8 @@ class Stream:
         self._ids = itertools.count()
         self._error: StreamError | None = None
         self._is_closing = False
+        self._abort_reason: str | None = None
+        check_call_timeout(timeout)
         self._call = stub.Generate(
             iter(self._outgoing.get, _CLOSE),
             metadata=call_metadata(metadata, BATCH_METADATA),
@@ -137,10 +153,14 @@ class Stream:
         self._reader.start()
 
     def generate(
-        self, prompt: Prompt | Conversation, *, request_id: str | None = None, **options: object
+        self,
+        prompt: Prompt | Conversation,
+        *,
+        request_id: str | None = None,
+        **options: Unpack[Options],
     ) -> Generation:
         request_id = request_id or f"r{next(self._ids)}"
-        message = build_submit(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        message = build_submit(request_id, prompt, GenerateOptions(**options))
         generation = Generation(lambda: self.cancel(request_id), request_id)
         with self._lock:
             if self._error is not None:
@@ -154,7 +174,7 @@ class Stream:
         return generation
 
     def chat(
-        self, messages: Messages, *, request_id: str | None = None, **options: object
+        self, messages: Messages, *, request_id: str | None = None, **options: Unpack[Options]
     ) -> Generation:
         """Submit a conversation; the answer stops at the model's end of turn."""
         return self.generate(Conversation.of(messages), request_id=request_id, **options)
@@ -169,8 +189,17 @@ class Stream:
         if is_idle:
             self._outgoing.put(_CLOSE)
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "the stream was aborted") -> None:
+        """Ends the call now; unfinished requests fail with ``StreamError``
+        CANCELLED, ``reason`` its details."""
+        self._abort_reason = reason
         self._call.cancel()
+
+    @property
+    def is_idle(self) -> bool:
+        """No request on it is unfinished."""
+        with self._lock:
+            return not self._pending
 
     @property
     def is_broken(self) -> bool:
@@ -190,7 +219,10 @@ class Stream:
                         if is_done:
                             self._outgoing.put(_CLOSE)
         except grpc.RpcError as exc:
-            error = StreamError(exc.code().name, exc.details() or "")
+            if self._abort_reason is not None and exc.code() is grpc.StatusCode.CANCELLED:
+                error = StreamError("CANCELLED", self._abort_reason)
+            else:
+                error = StreamError(exc.code().name, exc.details() or "")
         with self._lock:
             self._error = error
             orphans = list(self._pending.values())
@@ -207,8 +239,12 @@ def _read_one(call: grpc.Call, generation: Generation) -> None:
                 return
         generation._settle(StreamError("OK", "the call ended before the request finished"))
     except grpc.RpcError as exc:
-        if generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
+        if generation._is_closed_by_client and exc.code() is grpc.StatusCode.CANCELLED:
+            generation._settle(StreamError("CANCELLED", CLIENT_CLOSED))
+        elif generation._is_cancelled and exc.code() is grpc.StatusCode.CANCELLED:
             generation._settle(generation._acc.cancelled_by_caller())
+        elif is_past_deadline(exc):
+            generation._settle(generation._acc.deadline_passed())
         else:
             generation._settle(call_outcome(generation.request_id, exc))
 
@@ -242,6 +278,7 @@ class Client:
         # The token goes with every call (gRPC metadata is per call).
         self._metadata = with_token(metadata, token)
         self._shared: Stream | None = None
+        self._calls: dict[Generation, grpc.Call] = {}  # unfinished generate_one calls
         self._lock = threading.Lock()
         self._state = grpc.ChannelConnectivity.IDLE
         self._left_ready = False  # the connection left READY since the shared stream opened
@@ -250,8 +287,14 @@ class Client:
         # prompt) starts no polling thread, which gRPC's can outlive a close
         # that comes right after it started and fail in (grpc/grpc#18995).
         self._watching = False
+        self._is_closed = False
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise RuntimeError("the client is closed")
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
+        self._check_open()
         return Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
 
     def generate(
@@ -260,11 +303,12 @@ class Client:
         *,
         metadata: Metadata = None,
         multiplex: bool = True,
-        **options: object,
+        **options: Unpack[Options],
     ) -> Generation:
         """Submit one request. With ``multiplex=False`` it is a
         ``generate_one`` call; with ``metadata`` (which gRPC attaches per
         call) the request gets a stream of its own, closed after it."""
+        self._check_open()
         if not multiplex:
             return self.generate_one(prompt, metadata=metadata, **options)
         if metadata:
@@ -283,29 +327,40 @@ class Client:
 
     def generate_one(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Conversation,
         *,
         request_id: str = "r0",
         metadata: Metadata = None,
         timeout: float | None = None,
-        **options: object,
+        **options: Unpack[Options],
     ) -> Generation:
         """One request on a ``GenerateOne`` call of its own. ``timeout`` is
         the call's gRPC deadline, which the server also applies to the
-        request. A rejected request's result says why (as on a stream); a
+        request: its passing, whichever side sees it first, finishes the
+        request ``deadline_exceeded`` (a ``Result``, as ``deadline_s``
+        would). A rejected request's result says why (as on a stream); a
         failed call (UNAVAILABLE after retries, ...) raises ``StreamError``."""
-        submit = build_one(request_id, prompt, GenerateOptions(**options))  # type: ignore[arg-type]
+        self._check_open()
+        submit = build_one(request_id, prompt, GenerateOptions(**options))
+        check_call_timeout(timeout)
         call = self.stub.GenerateOne(
             submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
         )
         generation = Generation(call.cancel, request_id)
+        with self._lock:
+            self._calls[generation] = call
+        call.add_done_callback(lambda _: self._forget(generation))
         threading.Thread(
             target=_read_one, args=(call, generation), name="slipstream-call", daemon=True
         ).start()
         return generation
 
+    def _forget(self, generation: Generation) -> None:
+        with self._lock:
+            self._calls.pop(generation, None)
+
     def chat(
-        self, messages: Messages, *, metadata: Metadata = None, **options: object
+        self, messages: Messages, *, metadata: Metadata = None, **options: Unpack[Options]
     ) -> Generation:
         """Submit a conversation ((role, content) pairs or role/content dicts),
         rendered by the server with the model's chat template; the model's
@@ -317,6 +372,7 @@ class Client:
         READY after the stream had it (GOAWAY: the server's maximum connection
         age, a drain) retires the stream: its requests finish on the old
         connection, new ones go on a new stream, over a new connection."""
+        self._check_open()  # under the lock: a racing close() is told as such
         if self._shared is not None and self._left_ready:
             self._shared.close()
             self._shared = None
@@ -329,6 +385,7 @@ class Client:
         return self._shared
 
     def tokenize(self, text: str) -> list[int]:
+        self._check_open()
         return list(
             self.stub.Tokenize(
                 pb.TokenizeRequest(text=text), metadata=call_metadata(self._metadata)
@@ -336,20 +393,33 @@ class Client:
         )
 
     def model_info(self) -> pb.ModelInfo:
+        self._check_open()
         return self.stub.GetModelInfo(
             pb.GetModelInfoRequest(), metadata=call_metadata(self._metadata)
         )
 
     def server_stats(self) -> pb.ServerStats:
+        self._check_open()
         return self.stub.GetServerStats(
             pb.GetServerStatsRequest(), metadata=call_metadata(self._metadata)
         )
 
     def close(self) -> None:
+        """Closes the client at once: requests still unfinished are cancelled
+        on the server, and their results raise ``StreamError`` CANCELLED
+        (collect what you need before closing, or leaving the ``with``).
+        ``AsyncClient.close`` does the same."""
         with self._lock:
+            self._is_closed = True
             if self._shared is not None:
                 self._shared.close()
+                if not self._shared.is_idle:
+                    self._shared.abort(CLIENT_CLOSED)
+            calls, self._calls = self._calls, {}
             watching, self._watching = self._watching, False
+        for generation, call in calls.items():
+            generation._is_closed_by_client = True
+            call.cancel()
         if watching:
             self._channel.unsubscribe(self._on_state)
             _close_once_unwatched(self._channel)

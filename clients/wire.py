@@ -3,9 +3,11 @@ arguments, and the chunk/result records a caller sees."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
@@ -92,7 +94,7 @@ class GenerateOptions:
     top_k: int = 0
     top_p: float | None = None
     seed: int | None = None
-    stop: Sequence[str] = ()
+    stop: str | Sequence[str] = ()  # a str is one stop sequence, as in OpenAI's API
     ignore_eos: bool = False
     priority: int | None = None  # unset: the server's default (see inference.proto)
     deadline_s: float | None = None
@@ -102,23 +104,76 @@ class GenerateOptions:
     top_logprobs: int = 0  # with logprobs: this many likeliest tokens at each position (<= 20)
 
 
-# Keyword arguments the wire carries unsigned: (name, largest value).
-_UNSIGNED = (
-    ("max_tokens", 2**32 - 1),
-    ("expected_tokens", 2**32 - 1),
-    ("top_k", 2**32 - 1),
-    ("seed", 2**64 - 1),
-    ("top_logprobs", 2**32 - 1),
+class Options(TypedDict, total=False):
+    """``generate``'s keyword arguments, for type checkers: ``**options:
+    Unpack[Options]`` lets mypy catch ``max_token=8`` or ``max_tokens="8"``.
+    The same names and types as ``GenerateOptions``' fields."""
+
+    max_tokens: int | None
+    temperature: float
+    top_k: int
+    top_p: float | None
+    seed: int | None
+    stop: str | Sequence[str]
+    ignore_eos: bool
+    priority: int | None
+    deadline_s: float | None
+    expected_tokens: int | None
+    first_token_timeout_s: float | None
+    logprobs: bool
+    top_logprobs: int
+
+
+# Integer keyword arguments: (name, smallest, largest value of their wire field).
+_INTEGERS = (
+    ("max_tokens", 0, 2**32 - 1),
+    ("expected_tokens", 0, 2**32 - 1),
+    ("top_k", 0, 2**32 - 1),
+    ("seed", 0, 2**64 - 1),
+    ("top_logprobs", 0, 2**32 - 1),
+    ("priority", -(2**31), 2**31 - 1),
 )
+# Duration keyword arguments, and the range of google.protobuf.Duration (s).
+_DURATIONS = ("deadline_s", "first_token_timeout_s")
+_MAX_DURATION_S = 315_576_000_000
+# gRPC keeps a call's deadline as int64 nanoseconds since the epoch: a longer
+# timeout overflowed into one that had already passed. A century is plenty.
+_MAX_CALL_TIMEOUT_S = 100 * 365 * 86_400
 
 
-def _check_unsigned(options: GenerateOptions) -> None:
-    """A negative count, or one past its field, raises naming the argument
-    (protobuf's own error names none: "Value out of range: -1")."""
-    for name, largest in _UNSIGNED:
+def _check_integers(options: GenerateOptions) -> None:
+    """A count past its field raises naming the argument (protobuf's own
+    error names none: "Value out of range: -1")."""
+    for name, smallest, largest in _INTEGERS:
         value = getattr(options, name)
-        if value is not None and not 0 <= value <= largest:
-            raise ValueError(f"{name} must be in [0, {largest}], got {value}")
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if not smallest <= value <= largest:
+            raise ValueError(f"{name} must be in [{smallest}, {largest}], got {value}")
+
+
+def check_seconds(name: str, value: object, largest: float) -> None:
+    """A duration in seconds that is not a finite number within
+    ``±largest`` raises naming the argument."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    if not (math.isfinite(value) and -largest <= value <= largest):
+        raise ValueError(f"{name} must be a finite number of seconds up to {largest}, got {value}")
+
+
+def check_call_timeout(timeout: float | None) -> None:
+    """A gRPC call's ``timeout`` gRPC can keep (else it has passed at once)."""
+    if timeout is not None:
+        check_seconds("timeout", timeout, _MAX_CALL_TIMEOUT_S)
+
+
+def _check_prompt(prompt: object) -> None:
+    if isinstance(prompt, bytes | bytearray):
+        raise TypeError("prompt must be a str or a sequence of token ids, not bytes: decode it")
+    if not isinstance(prompt, Sequence):
+        raise TypeError(f"prompt must be a str or a sequence of token ids, got {prompt!r}")
 
 
 def is_token_id(value: object) -> bool:
@@ -129,7 +184,7 @@ def is_token_id(value: object) -> bool:
 
 def _check_token_ids(token_ids: Sequence[int]) -> None:
     """A token id the wire cannot carry raises naming its place in the
-    prompt, as ``_check_unsigned`` does for the counts."""
+    prompt, as ``_check_integers`` does for the counts."""
     for i, token_id in enumerate(token_ids):
         if not is_token_id(token_id):
             raise ValueError(f"prompt[{i}] must be a token id in [0, 2**32), got {token_id}")
@@ -138,7 +193,10 @@ def _check_token_ids(token_ids: Sequence[int]) -> None:
 def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
-    _check_unsigned(options)
+    _check_integers(options)
+    for name in _DURATIONS:
+        if getattr(options, name) is not None:
+            check_seconds(name, getattr(options, name), _MAX_DURATION_S)
     submit = pb.Submit(
         request_id=request_id,
         priority=options.priority,  # None leaves it unset
@@ -150,7 +208,7 @@ def build_submit(
         ),
         stopping=pb.StoppingCriteria(
             max_new_tokens=options.max_tokens,
-            stop_sequences=list(options.stop),
+            stop_sequences=[options.stop] if isinstance(options.stop, str) else list(options.stop),
             ignore_eos=options.ignore_eos,
         ),
         expected_output_tokens=options.expected_tokens,
@@ -166,6 +224,7 @@ def build_submit(
     elif isinstance(prompt, str):
         submit.text = prompt
     else:
+        _check_prompt(prompt)
         _check_token_ids(prompt)
         submit.token_ids.ids.extend(prompt)
     if options.deadline_s is not None:
@@ -175,7 +234,9 @@ def build_submit(
     return pb.GenerateRequest(submit=submit)
 
 
-def build_one(request_id: str, prompt: Prompt, options: GenerateOptions) -> pb.Submit:
+def build_one(
+    request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
+) -> pb.Submit:
     """The ``Submit`` of a ``GenerateOne`` call."""
     return build_submit(request_id, prompt, options).submit
 
@@ -215,7 +276,9 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """Tokens of one request from one engine step; ``logprobs``, one per
-    token id, where the request asked for them."""
+    token id, where the request asked for them. The last chunk may carry
+    text and no ids: the tail held back while it could still become a stop
+    sequence, so the chunks' texts join into ``Result.text``."""
 
     request_id: str
     token_ids: list[int]
@@ -265,6 +328,14 @@ class Result:
 REJECT_REASON_KEY = "slipstream-reject-reason"
 
 
+def is_past_deadline(error: grpc.RpcError) -> bool:
+    """Whether a ``GenerateOne`` call ended because its gRPC deadline passed
+    (a rejection for an infeasible deadline names its reason: not this)."""
+    trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
+    is_deadline = error.code() is grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    return is_deadline and REJECT_REASON_KEY not in trailers
+
+
 def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
     """What a ``GenerateOne`` call that ended with ``error`` means for its
     request: a rejection (the server named its reason) is an ordinary
@@ -289,6 +360,10 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
         status_code=code.name,
         message=details,
     )
+
+
+# The details of the StreamError of a request cut off by its client's close().
+CLIENT_CLOSED = "the client was closed before the request finished"
 
 
 class StreamError(Exception):
@@ -324,16 +399,30 @@ class Accumulator:
         self.logprobs.extend(logprobs)
         return Chunk(self.request_id, ids, chunk.text, chunk.index, logprobs)
 
+    def tail_chunk(self, done: pb.Finished) -> Chunk | None:
+        """The text that comes only with ``done`` (held back for stop
+        sequences) as a chunk of no ids, or None when there is none."""
+        if not done.text:
+            return None
+        return Chunk(self.request_id, [], done.text, len(self.token_ids))
+
     def cancelled_by_caller(self) -> Result:
         """How a ``GenerateOne`` call the caller cancelled ends for its
-        request: CANCELLED, as a cancel on a stream ends. No ``Finished``
-        comes, so usage and timings are what this client saw: the tokens
-        received, the time to the first of them and the time until now."""
-        done = pb.Finished(
-            reason=pb.FINISH_REASON_CANCELLED,
-            status_code="CANCELLED",
-            message="cancelled by the caller",
-        )
+        request: CANCELLED, as a cancel on a stream ends."""
+        return self._ended_by_call(pb.FINISH_REASON_CANCELLED, "cancelled by the caller")
+
+    def deadline_passed(self) -> Result:
+        """How a ``GenerateOne`` call whose gRPC deadline passed ends for its
+        request: DEADLINE_EXCEEDED, as the server's own expiry of it ends
+        (whichever side saw the deadline first)."""
+        return self._ended_by_call(pb.FINISH_REASON_DEADLINE_EXCEEDED, "deadline exceeded")
+
+    def _ended_by_call(self, reason: pb.FinishReason, message: str) -> Result:
+        """No ``Finished`` comes, so usage and timings are what this client
+        saw: the tokens received, the time to the first of them and the
+        time until now."""
+        status_code = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
+        done = pb.Finished(reason=reason, status_code=status_code, message=message)
         done.usage.output_tokens = len(self.token_ids)
         if self.first_chunk_at is not None:
             done.timings.time_to_first_token.CopyFrom(

@@ -4,6 +4,7 @@ results, whole-call errors, metadata and OpenTelemetry propagation."""
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import threading
 import time
@@ -13,17 +14,25 @@ from conftest import ABORT_CALL_PROMPT, DUPLICATE_PROMPT, TOKEN_INTERVAL_S, Scri
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from slipstream.clients import AsyncClient, Client, Result, StreamError
-from slipstream.clients.wire import GenerateOptions, build_submit, finish_reason_name
+from slipstream.clients import TLS, AsyncClient, Chunk, Client, Generation, Result, StreamError
+from slipstream.clients.wire import (
+    CLIENT_CLOSED,
+    GenerateOptions,
+    build_submit,
+    finish_reason_name,
+)
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api.status import wire_finish
+from slipstream.service.cli import main
 
 
 def test_sync_client_multiplexes_iterates_and_cancels(scripted: ScriptedServer) -> None:
     with Client(scripted.target) as client:
         short = client.generate("a", max_tokens=3)
         long = client.generate("b", max_tokens=1000)
-        assert [c.token_ids for c in short] == [[0], [1], [2]]
+        chunks = list(short)
+        assert [c.token_ids for c in chunks] == [[0], [1], [2], []]  # then Finished.text's
+        assert "".join(c.text for c in chunks) == "t0 t1 t2 !"
         first = next(iter(long))
         long.cancel()
         result, short_result = long.result(timeout=5), short.result(timeout=5)
@@ -145,7 +154,7 @@ def test_a_duplicate_submits_rejection_does_not_end_the_accepted_request(
     Finished(DUPLICATE_REQUEST_ID) under that id; the running request goes on."""
     with Client(scripted.target) as client:
         generation = client.generate(DUPLICATE_PROMPT, max_tokens=3)
-        assert [c.token_ids for c in generation] == [[0], [1], [2]]
+        assert [c.token_ids for c in generation] == [[0], [1], [2], []]
         result = generation.result(timeout=5)
     assert (result.finish_reason, result.status_code) == ("max_tokens", "OK")
 
@@ -182,6 +191,14 @@ def test_keyword_arguments_reach_the_wire() -> None:
     bare = build_submit("b", [1, 2], GenerateOptions()).submit
     assert not bare.HasField("timeout") and not bare.HasField("expected_output_tokens")
     assert not bare.stopping.HasField("max_new_tokens")
+
+
+def test_a_stop_string_is_one_stop_sequence() -> None:
+    """A str is a Sequence[str]: taken as such, stop="END" stopped at an E."""
+    submit = build_submit("a", "hi", GenerateOptions(stop="END")).submit
+    assert list(submit.stopping.stop_sequences) == ["END"]
+    submit = build_submit("a", "hi", GenerateOptions(stop=["END", "\n"])).submit
+    assert list(submit.stopping.stop_sequences) == ["END", "\n"]
 
 
 @pytest.mark.parametrize(
@@ -249,7 +266,9 @@ def test_async_client(scripted: ScriptedServer) -> None:
             assert (await victim.result()).finish_reason == "cancelled"
             results = await asyncio.gather(*(g.result() for g in gens))
             assert [len(r.token_ids) for r in results] == [3, 4, 5, 6]
-            assert [c.index async for c in gens[0]] == [0, 1, 2]
+            chunks = [c async for c in gens[0]]
+            assert [c.index for c in chunks] == [0, 1, 2, 3]  # the last: Finished.text
+            assert "".join(c.text for c in chunks) == results[0].text == "t0 t1 t2 !"
             assert (await client.model_info()).name == "scripted"
 
     asyncio.run(scenario())
@@ -272,3 +291,207 @@ def test_both_clients_ask_for_batches_and_read_them_in_order(scripted: ScriptedS
     recorded = scripted.servicer.recorded
     assert all(m.get("slipstream-batch") == "1" for m in recorded.metadata)
     assert recorded.batches > 0, "the scripted server sent every event alone"
+
+
+def test_cancelling_a_task_that_waits_for_a_stream_to_close_cancels_the_task(
+    scripted: ScriptedServer,
+) -> None:
+    """The wait swallowed the caller's CancelledError: the task ran on past
+    ``asyncio.timeout()``, ``wait_for`` or a TaskGroup's cancel."""
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            stream = client.stream()
+            generation = await stream.generate("a", max_tokens=1000)
+            await stream.close()
+            waiter = asyncio.create_task(stream.wait_closed())
+            await asyncio.sleep(0.1)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            assert not generation.done, "the stream went on"
+            stream.abort()
+
+    asyncio.run(scenario())
+
+
+def test_closing_either_client_cancels_its_unfinished_requests(scripted: ScriptedServer) -> None:
+    """Both clients close at once, cancelling what is unfinished; the asyncio
+    one used to wait for every request to finish by itself (here 10 s)."""
+
+    def assert_cut_off(generation: object, outcome: object) -> None:
+        assert isinstance(outcome, StreamError), f"{generation}: {outcome}"
+        assert (outcome.code, outcome.details) == ("CANCELLED", CLIENT_CLOSED)
+
+    started = time.monotonic()
+    with Client(scripted.target) as client:
+        shared = client.generate("a", max_tokens=1000)
+        own = client.generate_one("b", max_tokens=1000)
+        next(iter(shared)), next(iter(own))
+    for generation in (shared, own):
+        with pytest.raises(StreamError) as err:
+            generation.result(timeout=5)
+        assert_cut_off(generation, err.value)
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            shared = await client.generate("c", max_tokens=1000)
+            own = await client.generate_one("d", max_tokens=1000)
+            await anext(aiter(shared)), await anext(aiter(own))
+        for generation in (shared, own):
+            assert generation.done, "settled when close() returns"
+            with pytest.raises(StreamError) as err:
+                await generation.result()
+            assert_cut_off(generation, err.value)
+
+    asyncio.run(scenario())
+    assert time.monotonic() - started < 5
+
+
+def _drain_within(generation: Generation, seconds: float) -> list[Chunk] | StreamError:
+    """A loop over ``generation`` (its chunks, or the error it raised), on a
+    daemon thread: a loop that hangs fails the test instead of hanging it."""
+    outcome: list[list[Chunk] | StreamError] = []
+
+    def drain() -> None:
+        try:
+            outcome.append(list(generation))
+        except StreamError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=drain, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, "the loop did not end"
+    return outcome[0]
+
+
+def test_a_second_loop_over_a_generation_ends_at_once(scripted: ScriptedServer) -> None:
+    """The first loop took the end off the queue: a second one waited forever."""
+    with Client(scripted.target) as client:
+        generation = client.generate("a", max_tokens=3)
+        assert len(list(generation)) == 4
+        assert _drain_within(generation, 5) == []
+        stream = client.stream()
+        failed = stream.generate("x", max_tokens=1000)
+        stream.generate(ABORT_CALL_PROMPT, max_tokens=1)
+        first, second = _drain_within(failed, 5), _drain_within(failed, 5)
+        assert isinstance(first, StreamError) and first.code == "UNAVAILABLE"
+        assert second is first, "the same error again"
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            generation = await client.generate("b", max_tokens=3)
+            assert len([c async for c in generation]) == 4
+            assert [c async for c in generation] == []
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_an_async_client_built_outside_an_event_loop_says_so() -> None:
+    """Built outside the loop that used it, its calls never completed."""
+    with pytest.raises(RuntimeError, match="inside a running event loop"):
+        AsyncClient("127.0.0.1:1")
+
+
+def test_a_calls_own_deadline_ends_its_request_as_the_servers_would(
+    scripted: ScriptedServer,
+) -> None:
+    """The scripted server ignores the call's deadline, as a server does that
+    has not seen it pass yet: the client's gRPC deadline fires first. It
+    raised StreamError("Stream removed"); a server's expiry is a Result."""
+
+    def assert_expired(result: Result) -> None:
+        assert (result.finish_reason, result.status_code) == (
+            "deadline_exceeded",
+            "DEADLINE_EXCEEDED",
+        )
+        assert result.output_tokens == len(result.token_ids) > 0
+
+    with Client(scripted.target) as client:
+        assert_expired(client.generate_one("a", max_tokens=1000, timeout=0.3).result(timeout=5))
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            generation = await client.generate_one("b", max_tokens=1000, timeout=0.3)
+            assert_expired(await generation.result())
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"deadline_s": math.inf}, ValueError, "deadline_s must be a finite number of seconds"),
+        ({"deadline_s": math.nan}, ValueError, "deadline_s must be a finite number of seconds"),
+        ({"deadline_s": 1e30}, ValueError, "deadline_s must be a finite number of seconds"),
+        ({"first_token_timeout_s": math.inf}, ValueError, "first_token_timeout_s must be"),
+        ({"deadline_s": "2"}, TypeError, "deadline_s must be a number of seconds, got '2'"),
+        ({"priority": 2**40}, ValueError, r"priority must be in \[-2147483648, 2147483647\]"),
+        ({"max_tokens": "8"}, TypeError, "max_tokens must be an int, got '8'"),
+    ],
+)
+def test_a_duration_or_priority_the_wire_cannot_carry_is_refused_by_name(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    """They raised OverflowError, "cannot convert float NaN to integer" or
+    "Value out of range", naming no argument."""
+    with pytest.raises(error, match=message):
+        build_submit("a", "hi", GenerateOptions(**options))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 1e10])
+def test_a_call_timeout_grpc_cannot_keep_is_refused(timeout: float) -> None:
+    """gRPC took these as a deadline already passed."""
+    with Client("127.0.0.1:1") as client, pytest.raises(ValueError, match=r"^timeout must be"):
+        client.generate_one("hi", timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"), [(b"hi", "not bytes"), (None, "got None"), (5, "got 5")]
+)
+def test_a_prompt_that_is_neither_text_nor_token_ids_is_refused(
+    prompt: object, message: str
+) -> None:
+    """Bytes went out as token ids [104, 105]; None failed as "not iterable"."""
+    with pytest.raises(
+        TypeError, match=f"^prompt must be a str or a sequence of token ids.*{message}"
+    ):
+        build_submit("a", prompt, GenerateOptions())  # type: ignore[arg-type]
+
+
+def test_a_certificate_without_its_key_is_refused_in_words_for_api_and_cli(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It said "needs both cert_file and key_file" to `chat --tls-cert a.pem`."""
+    with pytest.raises(ValueError, match="cert_file with key_file"):
+        TLS(cert_file="a.pem")
+    with pytest.raises(SystemExit):
+        main(["stats", "--server", "127.0.0.1:1", "--tls-cert", "a.pem"])
+    assert "--tls-cert with --tls-key" in capsys.readouterr().err
+
+
+def test_a_closed_client_says_it_is_closed(scripted: ScriptedServer) -> None:
+    """It said "the stream is closed for new requests", of a stream the
+    caller never opened; tokenize() still went out."""
+    client = Client(scripted.target)
+    client.generate("a", max_tokens=1).result(timeout=5)
+    client.close()
+    for call in (
+        lambda: client.generate("b", max_tokens=1),
+        lambda: client.generate_one("c", max_tokens=1),
+        lambda: client.model_info(),
+    ):
+        with pytest.raises(RuntimeError, match=r"^the client is closed$"):
+            call()
+
+    async def scenario() -> None:
+        client = AsyncClient(scripted.target)
+        await (await client.generate("d", max_tokens=1)).result()
+        await client.close()
+        with pytest.raises(RuntimeError, match=r"^the client is closed$"):
+            await client.generate("e", max_tokens=1)
+        with pytest.raises(RuntimeError, match=r"^the client is closed$"):
+            await client.model_info()
+
+    asyncio.run(scenario())
