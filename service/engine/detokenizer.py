@@ -1,10 +1,11 @@
 """Incremental detokenization with stop strings.
 
 Text is produced token by token with ``tokenizers``' ``DecodeStream``, which
-holds back bytes until a UTF-8 character is complete. Stop strings need a
-second hold-back: the tail of the text that could still grow into a stop
-string is not released until it cannot, so a caller never sees text that a
-later token turns into (part of) a stop string.
+holds back bytes until a UTF-8 character is complete; a character the prompt
+leaves unfinished is the output's to show, once, when it completes it. Stop
+strings need a second hold-back: the tail of the text that could still grow
+into a stop string is not released until it cannot, so a caller never sees
+text that a later token turns into (part of) a stop string.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from tokenizers.decoders import DecodeStream
 # space), small enough to cost nothing.
 _CONTEXT_TOKENS = 4
 
+# What a decoder shows for the bytes of a character it has not seen all of.
+_REPLACEMENT = "\ufffd"
+
 
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas; detects stop strings."""
@@ -25,7 +29,17 @@ class IncrementalDetokenizer:
         self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop_sequences: tuple[str, ...]
     ) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(prompt_token_ids[-_CONTEXT_TOKENS:], skip_special_tokens=True)
+        context_ids = prompt_token_ids[-_CONTEXT_TOKENS:]
+        self._context_text = tokenizer.decode(context_ids, skip_special_tokens=True)
+        # DecodeStream cannot take as context ids whose text ends in U+FFFD
+        # (it would show that text again); those are decoded by hand until the
+        # first text is out, then handed to a stream.
+        self._stream: DecodeStream | None = None
+        self._pending_ids: list[int] = []
+        if self._context_text.endswith(_REPLACEMENT):
+            self._pending_ids = list(context_ids)
+        else:
+            self._stream = DecodeStream(context_ids, skip_special_tokens=True)
         self._stops = stop_sequences
         self._hold = max((len(s) for s in stop_sequences), default=1) - 1
         self._text = ""
@@ -43,7 +57,10 @@ class IncrementalDetokenizer:
         right before it."""
         if self.stopped:
             return ""
-        piece = self._stream.step(self._tokenizer, token_id)
+        if self._stream is not None:
+            piece = self._stream.step(self._tokenizer, token_id)
+        else:
+            piece = self._step_after_partial_character(token_id)
         if piece:
             search_from = max(0, len(self._text) - self._hold)
             self._text += piece
@@ -63,6 +80,21 @@ class IncrementalDetokenizer:
         self._num_released = len(self._text)
         return delta
 
+    def _step_after_partial_character(self, token_id: int) -> str | None:
+        """The new text once the prompt's unfinished tail is settled: the
+        output starts where its text departs from the prompt's, so a
+        character the output completes is shown once, and bytes the output
+        leaves invalid stay the prompt's."""
+        self._pending_ids.append(token_id)
+        text = self._tokenizer.decode(self._pending_ids, skip_special_tokens=True)
+        if text.endswith(_REPLACEMENT):
+            return None
+        start = _common_prefix_len(text, self._context_text)
+        if start == len(text):
+            return None
+        self._stream = DecodeStream(self._pending_ids, skip_special_tokens=True)
+        return text[start:]
+
     def _match_stop(self, search_from: int) -> bool:
         cut = min(
             (i for i in (self._text.find(s, search_from) for s in self._stops) if i >= 0),
@@ -73,3 +105,8 @@ class IncrementalDetokenizer:
         self._text = self._text[:cut]
         self._num_released = min(self._num_released, cut)
         return True
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    num = min(len(a), len(b))
+    return next((i for i in range(num) if a[i] != b[i]), num)

@@ -1,0 +1,62 @@
+"""``IncrementalDetokenizer`` on the tiny model's byte-level tokenizer, which
+spends a token on each byte of an emoji: the text it releases is the text
+``tokenizer.decode`` gives, whatever the prompt's last ids split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from slipstream.service.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = ["Party time: 🎉🎉🎉 and 🎉 fun", "日本語、👨‍👩‍👧 é ok"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+def _stream(
+    tokenizer: Tokenizer, prompt_ids: list[int], output_ids: list[int], stops: tuple[str, ...] = ()
+) -> list[str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, stops)
+    deltas = [detokenizer.add(token_id) for token_id in output_ids]
+    return [*deltas, detokenizer.flush()]
+
+
+def test_an_emoji_is_several_tokens(tokenizer: Tokenizer) -> None:
+    # What the tests below rely on: a prompt can end inside a character.
+    assert len(tokenizer.encode("🎉", add_special_tokens=False).ids) == 4
+
+
+@pytest.mark.parametrize("num_cut", [1, 2, 3])
+def test_an_output_that_completes_the_prompts_character_shows_it_once(
+    tokenizer: Tokenizer, num_cut: int
+) -> None:
+    ids = tokenizer.encode("Party time: 🎉🎉🎉", add_special_tokens=False).ids
+    output_ids = ids[-num_cut:] + tokenizer.encode("\n\nok", add_special_tokens=False).ids
+    # The prompt's last four ids start inside the emoji before the cut one too.
+    assert tokenizer.decode(ids[:-num_cut][-4:]).startswith("\ufffd")
+    assert "".join(_stream(tokenizer, ids[:-num_cut], output_ids)) == "🎉\n\nok"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_prompt_text_and_output_text_make_the_whole_text(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    for cut in range(1, len(ids)):
+        # A character the prompt leaves unfinished is the output's to show.
+        prompt_text = tokenizer.decode(ids[:cut]).rstrip("\ufffd")
+        deltas = _stream(tokenizer, ids[:cut], ids[cut:])
+        assert "\ufffd" not in "".join(deltas), cut
+        assert prompt_text + "".join(deltas) == text, cut
+
+
+def test_bytes_the_output_leaves_invalid_stay_with_the_prompt(tokenizer: Tokenizer) -> None:
+    emoji = tokenizer.encode("🎉", add_special_tokens=False).ids
+    ok = tokenizer.encode("ok", add_special_tokens=False).ids
+    prompt_ids = tokenizer.encode("a", add_special_tokens=False).ids + emoji[:2]
+    assert tokenizer.decode(prompt_ids + ok) == "a\ufffdok"
+    assert "".join(_stream(tokenizer, prompt_ids, ok)) == "ok"
