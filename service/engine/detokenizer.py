@@ -3,9 +3,10 @@
 Text is produced token by token with ``tokenizers``' ``DecodeStream``, which
 holds back bytes until a UTF-8 character is complete; a character the prompt
 leaves unfinished is the output's to show, once, when it completes it. Stop
-strings need a second hold-back: the tail of the text that could still grow
-into a stop string is not released until it cannot, so a caller never sees
-text that a later token turns into (part of) a stop string.
+strings need a second hold-back: the longest tail of the text that could still
+grow into a stop string is not released until it cannot, so a caller never
+sees text that a later token turns into (part of) a stop string, and text that
+begins no stop string goes out at once.
 """
 
 from __future__ import annotations
@@ -41,9 +42,15 @@ class IncrementalDetokenizer:
         else:
             self._stream = DecodeStream(context_ids, skip_special_tokens=True)
         self._stops = stop_sequences
-        self._hold = max((len(s) for s in stop_sequences), default=1) - 1
+        self._max_stop_len = max((len(s) for s in stop_sequences), default=0)
+        self._stops_by_head: dict[str, list[str]] = {}
+        for stop in stop_sequences:
+            self._stops_by_head.setdefault(stop[:1], []).append(stop)
         self._text = ""
         self._num_released = 0
+        # Where the text's longest tail that begins some stop string starts:
+        # the text before it is released, the tail waits for what follows.
+        self._stop_prefix_start = 0
         self.stopped = False
 
     @property
@@ -62,12 +69,13 @@ class IncrementalDetokenizer:
         else:
             piece = self._step_after_partial_character(token_id)
         if piece:
-            search_from = max(0, len(self._text) - self._hold)
+            search_from = max(0, len(self._text) - self._max_stop_len + 1)
             self._text += piece
             if self._stops and self._match_stop(search_from):
                 self.stopped = True
                 return self.flush()
-        releasable = len(self._text) - self._hold if self._stops else len(self._text)
+            self._stop_prefix_start = self._find_stop_prefix()
+        releasable = self._stop_prefix_start
         if releasable <= self._num_released:
             return ""
         delta = self._text[self._num_released : releasable]
@@ -94,6 +102,21 @@ class IncrementalDetokenizer:
             return None
         self._stream = DecodeStream(self._pending_ids, skip_special_tokens=True)
         return text[start:]
+
+    def _find_stop_prefix(self) -> int:
+        """Where the longest tail of the text that is the start of a stop
+        string begins (the text's length if none is). A tail that was no
+        stop string's start cannot become one by growing, so the search
+        starts at the last answer: each position fails at most once."""
+        text = self._text
+        start = max(self._stop_prefix_start, len(text) - self._max_stop_len + 1)
+        for i in range(start, len(text)):
+            stops = self._stops_by_head.get(text[i])
+            if stops is not None:
+                tail = text[i:]
+                if any(stop.startswith(tail) for stop in stops):
+                    return i
+        return len(text)
 
     def _match_stop(self, search_from: int) -> bool:
         cut = min(

@@ -60,3 +60,50 @@ def test_bytes_the_output_leaves_invalid_stay_with_the_prompt(tokenizer: Tokeniz
     prompt_ids = tokenizer.encode("a", add_special_tokens=False).ids + emoji[:2]
     assert tokenizer.decode(prompt_ids + ok) == "a\ufffdok"
     assert "".join(_stream(tokenizer, prompt_ids, ok)) == "ok"
+
+
+STOP_TEXT = "The quick brown fox 🎉 jumps over the lazy dog"
+STOP_CASES = [
+    ("jumps", "jumps over"),  # overlapping: the first to end the text wins
+    ("The",),  # at the very start
+    ("🎉",),
+    ("x 🎉 j", "zzz"),  # spans tokens
+    ("o",),
+    ("lazy cat", "dog"),
+    ("fox jumps", "the lazy dogs", "brown fix"),  # begin to match, then do not
+    ("fox 🎉 jumps" + "!" * 240,),  # long, matches its first 12 characters only
+]
+
+
+def _released_before_any_stop(text: str, stops: tuple[str, ...]) -> int:
+    """How much of ``text`` (which holds no stop string) may go out: all but
+    its longest tail that begins some stop string."""
+    return next(
+        (i for i in range(len(text)) if any(s.startswith(text[i:]) for s in stops)), len(text)
+    )
+
+
+@pytest.mark.parametrize("stops", STOP_CASES)
+def test_only_text_that_could_begin_a_stop_string_is_held_back(
+    tokenizer: Tokenizer, stops: tuple[str, ...]
+) -> None:
+    ids = tokenizer.encode(STOP_TEXT, add_special_tokens=False).ids
+    plain = IncrementalDetokenizer(tokenizer, [], ())
+    detokenizer = IncrementalDetokenizer(tokenizer, [], stops)
+    released = ""
+    for token_id in ids:
+        plain.add(token_id)
+        released += detokenizer.add(token_id)
+        if detokenizer.stopped:
+            break
+        assert len(released) == _released_before_any_stop(plain.text, stops), plain.text
+    released += detokenizer.flush()
+    cut = min((i for i in (STOP_TEXT.find(s) for s in stops) if i >= 0), default=len(STOP_TEXT))
+    assert detokenizer.stopped is (cut < len(STOP_TEXT))
+    assert released == detokenizer.text == STOP_TEXT[:cut]
+
+
+def test_a_long_stop_string_that_never_begins_holds_nothing_back(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode(STOP_TEXT, add_special_tokens=False).ids
+    deltas = _stream(tokenizer, [], ids, stops=("#" * 250, "¿" * 256))
+    assert "".join(deltas[:-1]) == STOP_TEXT and deltas[-1] == ""
