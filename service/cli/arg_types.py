@@ -50,7 +50,18 @@ def float_where(holds: Callable[[float], bool], rule: str) -> Callable[[str], fl
 positive_float = float_where(lambda v: v > 0, "> 0")  # inf included
 positive_finite_float = float_where(lambda v: 0 < v < math.inf, "> 0 and finite")
 non_negative_float = float_where(lambda v: v >= 0, ">= 0")  # inf included
+non_negative_finite_float = float_where(lambda v: 0 <= v < math.inf, ">= 0 and finite")
 fraction = float_where(lambda v: 0 < v <= 1, "in (0, 1]")  # a share
+
+
+# A flag that fills a wire field takes the field's range: past it, protobuf
+# refused the value in words naming no flag ("Value out of range: ...").
+positive_uint32 = int_at_least(1, 2**32 - 1)  # a token count
+non_negative_int32 = int_at_least(0, 2**31 - 1)  # a priority
+non_negative_uint64 = int_at_least(0, 2**64 - 1)  # a seed
+# google.protobuf.Duration's range (10,000 years), in milliseconds.
+MAX_DURATION_MS = 315_576_000_000_000
+duration_ms = float_where(lambda v: 0 <= v <= MAX_DURATION_MS, f"in [0, {MAX_DURATION_MS}] ms")
 
 
 def tcp_port(text: str) -> int:

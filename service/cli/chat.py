@@ -18,7 +18,11 @@ from typing import TextIO
 import grpc
 
 from slipstream.clients import Client, Result, StreamError
-from slipstream.service.cli.arg_types import non_negative_float, non_negative_int, positive_int
+from slipstream.service.cli.arg_types import (
+    non_negative_finite_float,
+    non_negative_uint64,
+    positive_uint32,
+)
 from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
 
 PROMPT = "you> "
@@ -43,18 +47,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     parser.add_argument("--system", default=None, help="a system message opening the chat")
     parser.add_argument(
         "--max-tokens",
-        type=positive_int,
+        type=positive_uint32,
         default=512,
         help="most tokens per answer (default: %(default)s)",
     )
     parser.add_argument(
         "--temperature",
-        type=non_negative_float,
+        type=non_negative_finite_float,
         default=0.0,
         help="sampling temperature; 0 is greedy (default: %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=non_negative_int, default=None, help="sampling seed, for repeatable answers"
+        "--seed",
+        type=non_negative_uint64,
+        default=None,
+        help="sampling seed, for repeatable answers",
     )
     add_connection_args(parser)
     parser.set_defaults(func=run)

@@ -30,10 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slipstream.service.cli.arg_types import (
+    duration_ms,
     int_at_least,
-    non_negative_float,
-    non_negative_int,
+    non_negative_finite_float,
+    non_negative_int32,
+    non_negative_uint64,
     positive_int,
+    positive_uint32,
 )
 from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
 from slipstream.service.cli.extras import require_server_extra
@@ -126,18 +129,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument(
         "--max-tokens",
-        type=positive_int,
+        type=positive_uint32,
         default=64,
         help="most tokens to generate per prompt (default: %(default)s)",
     )
     parser.add_argument(
         "--temperature",
-        type=non_negative_float,
+        type=non_negative_finite_float,
         default=0.0,
         help="sampling temperature; 0 is greedy (default: %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=non_negative_int, default=None, help="sampling seed, for repeatable runs"
+        "--seed", type=non_negative_uint64, default=None, help="sampling seed, for repeatable runs"
     )
     parser.add_argument(
         "--ignore-eos",
@@ -154,22 +157,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument(
         "--priority",
-        type=non_negative_int,
+        type=non_negative_int32,
         default=None,
         help="0 = most urgent (default: the server's, 0 or your tenant's most urgent)",
     )
     parser.add_argument(
-        "--deadline-ms", type=non_negative_float, default=None, help="per-request deadline"
+        "--deadline-ms", type=duration_ms, default=None, help="per-request deadline"
     )
     parser.add_argument(
         "--first-token-timeout",
-        type=non_negative_float,
+        type=duration_ms,
         default=None,
         metavar="MS",
         help="time-to-first-token limit per request, in ms",
     )
     parser.add_argument(
-        "--expected-tokens", type=positive_int, default=None, help="output-length hint"
+        "--expected-tokens", type=positive_uint32, default=None, help="output-length hint"
     )
     parser.add_argument(
         "--cancel-after",

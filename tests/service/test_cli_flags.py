@@ -119,16 +119,32 @@ def test_serve_takes_zero_and_never_where_they_mean_something(flag: str, value: 
     ("argv", "complaint"),
     [
         # protobuf's own "Value out of range: -3", naming no flag, before these
-        (["generate", "--max-tokens", "-3"], "argument --max-tokens: must be >= 1, got -3"),
-        (["generate", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
-        (["generate", "--expected-tokens", "-1"], "argument --expected-tokens: must be >= 1"),
+        (["generate", "--max-tokens", "-3"], "argument --max-tokens: must be in [1, 4294967295]"),
+        (["generate", "--seed", "-1"], "argument --seed: must be in [0, 18446744073709551615]"),
+        (["generate", "--expected-tokens", "-1"], "argument --expected-tokens: must be in [1, "),
         (["generate", "--cancel-after", "0"], "argument --cancel-after: must be >= 1, got 0"),
-        (["generate", "--deadline-ms", "-5"], "argument --deadline-ms: must be >= 0, got -5"),
-        (["chat", "--max-tokens", "0"], "argument --max-tokens: must be >= 1, got 0"),
-        (["chat", "--temperature", "-1"], "argument --temperature: must be >= 0, got -1"),
+        (["generate", "--deadline-ms", "-5"], "argument --deadline-ms: must be in [0, "),
+        (["chat", "--max-tokens", "0"], "argument --max-tokens: must be in [1, 4294967295], got 0"),
+        (["chat", "--temperature", "-1"], "argument --temperature: must be >= 0 and finite"),
+        # Past the wire field: "max_tokens must be in [0, 4294967295]" (the Python
+        # name), "Value out of range: 99999999999", or an OverflowError traceback.
+        (["generate", "--max-tokens", "99999999999"], "argument --max-tokens: must be in [1, "),
+        (["generate", "--expected-tokens", "4294967296"], "argument --expected-tokens: must be"),
+        (["generate", "--priority", "99999999999"], "argument --priority: must be in [0, 2147"),
+        (
+            ["generate", "--seed", str(2**64)],
+            "argument --seed: must be in [0, 18446744073709551615]",
+        ),
+        (["generate", "--deadline-ms", "inf"], "argument --deadline-ms: must be in [0, 3155760"),
+        (["generate", "--deadline-ms", "1e30"], "argument --deadline-ms: must be in [0, 315576"),
+        (["generate", "--deadline-ms", "nan"], "argument --deadline-ms: must be in [0, 315576"),
+        (["generate", "--first-token-timeout", "inf"], "argument --first-token-timeout: must be"),
+        (["generate", "--temperature", "inf"], "argument --temperature: must be >= 0 and finite"),
+        (["chat", "--seed", str(2**64)], "argument --seed: must be in [0, 18446744073709551615]"),
+        (["chat", "--temperature", "nan"], "argument --temperature: must be >= 0 and finite"),
     ],
 )
-def test_a_client_command_refuses_a_value_the_server_would(
+def test_a_client_command_refuses_a_value_the_server_or_the_wire_would(
     argv: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     command, *flags = argv
@@ -189,3 +205,17 @@ def test_model_path_of_an_unknown_model_is_an_error_line(
 
     assert main(["model", "path", "nosuch"]) == 2
     assert capsys.readouterr().err.startswith("slipstream: error: unknown model 'nosuch'")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--max-tokens", "4294967295", "--expected-tokens", "4294967295"],
+        ["--priority", "2147483647", "--seed", str(2**64 - 1)],
+        ["--deadline-ms", "0", "--first-token-timeout", "315576000000000"],
+    ],
+)
+def test_generate_takes_the_ends_of_each_wire_range(flags: list[str]) -> None:
+    from slipstream.service.cli import build_parser
+
+    build_parser().parse_args(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *flags])
