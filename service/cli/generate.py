@@ -90,7 +90,7 @@ class Output:
                 out["reject_reason"] = self.reject_reason
             if self.message:
                 out["message"] = self.message
-        return json.dumps(out)
+        return json.dumps(out, ensure_ascii=False)  # CJK and emoji readable, not \uXXXX
 
     @property
     def failed(self) -> bool:

@@ -122,3 +122,9 @@ def test_model_help_gives_the_command_s_default(
         main([command, "--help"])
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("--model")]
     assert line.endswith(f"(default: {model})")
+
+
+def test_json_output_writes_non_ascii_text_as_itself() -> None:
+    """It was valid JSON of \\u escapes: unreadable CJK and emoji in a terminal."""
+    line = Output(0, [1, 2], "日本 🎉", "max_tokens").to_json()
+    assert "日本 🎉" in line and json.loads(line)["text"] == "日本 🎉"
