@@ -642,7 +642,7 @@ def run(args: argparse.Namespace, mode_flags: ModeFlags | None = None) -> int:
         try:
             outputs = asyncio.run(run_remote(specs, args))
         except StreamError as exc:  # the whole call failed: unreachable, TLS, token
-            print(f"slipstream: error: {exc}", file=sys.stderr)
+            print(f"slipstream: error: {args.server}: {exc}", file=sys.stderr)
             return 1
         except OSError as exc:  # a --tls-* file
             print(unreadable_file(exc), file=sys.stderr)

@@ -128,3 +128,12 @@ def test_json_output_writes_non_ascii_text_as_itself() -> None:
     """It was valid JSON of \\u escapes: unreadable CJK and emoji in a terminal."""
     line = Output(0, [1, 2], "日本 🎉", "max_tokens").to_json()
     assert "日本 🎉" in line and json.loads(line)["text"] == "日本 🎉"
+
+
+@pytest.mark.parametrize("mode", [[], ["--per-request"]])
+def test_an_unreachable_server_is_named(
+    mode: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As stats and chat name it."""
+    assert main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *mode]) == 1
+    assert capsys.readouterr().err.startswith("slipstream: error: 127.0.0.1:1: UNAVAILABLE")
