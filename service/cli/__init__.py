@@ -86,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the innermost command ``args`` ran: ``slipstream bench step``'s."""
+    for action in parser._actions:  # argparse keeps no public list of subcommands
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _command_parser(action.choices[name], args)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         answer = prepare_environment(os.environ)  # before anything loads torch
@@ -100,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         cpu_features.force(answer)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not isinstance(getattr(args, "func", None), _Unavailable):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")  # as parse_args says it
+        # As parse_args says it, with the usage of the command they follow.
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except (ValueError, ServerExtraMissing) as exc:  # bad model, flags; a light install

@@ -70,4 +70,4 @@ def test_an_unknown_flag_of_an_installed_command_is_still_refused(
     with pytest.raises(SystemExit) as exited:
         cli.main(["stats", "--server", "127.0.0.1:1", "--bogus"])
     assert exited.value.code == 2
-    assert "slipstream: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert "slipstream stats: error: unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -72,3 +72,23 @@ def test_log_level_help_lists_every_level_it_takes(capsys: pytest.CaptureFixture
 
     text = " ".join(_help(["serve"], capsys).split())
     assert f"--log-level LOG_LEVEL {', '.join(LEVELS[:-1])} or {LEVELS[-1]}" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["generate", "--server", "127.0.0.1:1", "--prompt", "hi"], "usage: slipstream generate "),
+        (["stats", "--server", "127.0.0.1:1"], "usage: slipstream stats "),
+        (["model", "path", "tiny"], "usage: slipstream model path "),
+    ],
+)
+def test_an_unknown_flag_gets_the_usage_of_the_command_it_follows(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It got the top-level usage, `slipstream [-h] {model,generate,...}`."""
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--bogus"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage)
+    assert f"{usage.removeprefix('usage: ').strip()}: error: unrecognized arguments: --bogus" in err
