@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -82,8 +83,16 @@ DESCRIPTION = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     register_subcommands(add_commands(parser, dest="command"), COMMAND_MODULES)
     return parser
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("slipstream")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "(not installed)"
 
 
 def _command_parser(

@@ -74,6 +74,15 @@ def test_log_level_help_lists_every_level_it_takes(capsys: pytest.CaptureFixture
     assert f"--log-level LOG_LEVEL {', '.join(LEVELS[:-1])} or {LEVELS[-1]}" in text
 
 
+def test_version_is_the_installed_package_s(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"slipstream {version('slipstream')}\n"
+
+
 @pytest.mark.parametrize(
     ("argv", "usage"),
     [
