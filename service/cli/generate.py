@@ -179,7 +179,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         type=positive_int,
         default=None,
         metavar="N",
-        help="cancel each request once N tokens have arrived; print only those",
+        help="cancel each request once N tokens have arrived; print only those (and the "
+        "rest of the chunk that brought the N-th, when several tokens arrive in one)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
     connection = add_connection_args(parser)
@@ -369,7 +370,10 @@ class _Received:
     """A request's chunks under ``--cancel-after N``: those up to the one
     that brings it to N tokens. What the engine made before the cancel
     reached it (a server: often a dozen tokens more) is dropped, so
-    ``--local``, ``--server`` and ``--per-request`` print the same N tokens."""
+    ``--local``, ``--server`` and ``--per-request`` print the same N tokens
+    when tokens arrive one a chunk. A chunk of several that crosses N is
+    kept whole: its text is one delta, which cannot be split by token
+    without the tokenizer (a server's client has none)."""
 
     cancel_after: int | None
     token_ids: list[int] = field(default_factory=list)
