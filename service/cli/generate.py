@@ -4,8 +4,10 @@ output, so local and remote runs compare line for line; with ``--json`` one
 object per prompt, in prompt order: ``{"index", "token_ids", "text",
 "finish_reason"}``, and for a request that did not finish OK its
 ``status_code``, ``reject_reason`` (if refused) and ``message`` (a
-cancelled one: none). The exit status is 1 when any request did not finish
-OK (cancelled by ``--cancel-after`` counts as OK).
+cancelled one: none). A request a broken connection cut off prints what
+arrived, finish reason ``error`` and the call's status; the others still
+print. The exit status is 1 when any request did not finish OK (cancelled
+by ``--cancel-after`` counts as OK).
 
 A prompts file is JSON Lines: each line a JSON string, or an object with
 one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` and
@@ -43,7 +45,7 @@ from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
 
 if TYPE_CHECKING:
-    from slipstream.clients import AsyncGeneration
+    from slipstream.clients import AsyncGeneration, StreamError
     from slipstream.clients.wire import Conversation
 
 
@@ -591,14 +593,16 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
                 generations.append(await stream.generate(prompt, **options))
         if stream is not None:
             await stream.close()
-        return list(
-            await asyncio.gather(
-                *(
-                    _follow(i, g, args.cancel_after, args.logprobs is not None)
-                    for i, g in enumerate(generations)
-                )
+        followed = await asyncio.gather(
+            *(
+                _follow(i, g, args.cancel_after, args.logprobs is not None)
+                for i, g in enumerate(generations)
             )
         )
+    errors = [error for _, error in followed if error is not None]
+    if len(errors) == len(followed):  # none got an answer: the call failed (unreachable, TLS)
+        raise errors[0]
+    return [output for output, _ in followed]
 
 
 def _remote_prompt(spec: PromptSpec) -> str | list[int] | Conversation:
@@ -611,19 +615,31 @@ def _remote_prompt(spec: PromptSpec) -> str | list[int] | Conversation:
 
 async def _follow(
     index: int, generation: AsyncGeneration, cancel_after: int | None, with_logprobs: bool
-) -> Output:
+) -> tuple[Output, StreamError | None]:
+    """The request's output, and the error that cut it off if the call
+    broke before it finished: then its output is what arrived, as an
+    ``error`` that did not finish OK, so the requests that did still print."""
+    from slipstream.clients import StreamError
+
     received = _Received(cancel_after)
-    async for chunk in generation:
-        logprobs = [_logprob(lp.token_id, lp.logprob, lp.top) for lp in chunk.logprobs]
-        if received.add(chunk.token_ids, chunk.text, logprobs):
-            await generation.cancel()
-    r = await generation.result()
+    try:
+        async for chunk in generation:
+            logprobs = [_logprob(lp.token_id, lp.logprob, lp.top) for lp in chunk.logprobs]
+            if received.add(chunk.token_ids, chunk.text, logprobs):
+                await generation.cancel()
+        r = await generation.result()
+    except StreamError as exc:
+        cut_off = Output(
+            index, received.token_ids, "".join(received.text), "error", exc.code,
+            message=exc.details, logprobs=received.logprobs if with_logprobs else None,
+        )  # fmt: skip
+        return cut_off, exc
     if received.is_cut(r.finish_reason):
-        return received.cut_output(index, with_logprobs)
+        return received.cut_output(index, with_logprobs), None
     return Output(
         index, r.token_ids, r.text, r.finish_reason, r.status_code, r.reject_reason, r.message,
         received.logprobs if with_logprobs else None,
-    )  # fmt: skip
+    ), None  # fmt: skip
 
 
 def run(args: argparse.Namespace, mode_flags: ModeFlags | None = None) -> int:

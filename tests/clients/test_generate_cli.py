@@ -6,15 +6,19 @@ that made one step more."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
-from conftest import BURST_PROMPT, ScriptedServer
+from conftest import BURST_PROMPT, ScriptedServer, ScriptedServicer
 
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.cli import main
 from slipstream.service.cli.generate import Output, _LocalCollector
 from slipstream.service.engine.events import FinishEvent, TokenEvent
+from slipstream.v1 import inference_pb2 as pb
 
 
 def _generate(scripted: ScriptedServer, capsys: pytest.CaptureFixture[str], *flags: str) -> dict:
@@ -137,3 +141,69 @@ def test_an_unreachable_server_is_named(
     """As stats and chat name it."""
     assert main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *mode]) == 1
     assert capsys.readouterr().err.startswith("slipstream: error: 127.0.0.1:1: UNAVAILABLE")
+
+
+class _BreakingServicer(ScriptedServicer):
+    """Finishes a request of 1 token; sends one token of any other, then
+    the call breaks (UNAVAILABLE, as when the server dies)."""
+
+    NUM_REQUESTS = 2  # on a stream: answered once all have arrived
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[pb.GenerateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        submits = []
+        async for message in request_iterator:  # the client half-closes only when all finish
+            submits.append(message.submit)
+            if len(submits) == self.NUM_REQUESTS:
+                break
+        for submit in sorted(submits, key=lambda s: s.stopping.max_new_tokens):
+            for response in self._answer(submit):
+                yield response
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    async def GenerateOne(
+        self, submit: pb.Submit, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        for response in self._answer(submit):
+            yield response
+        if submit.stopping.max_new_tokens > 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    @staticmethod
+    def _answer(submit: pb.Submit) -> Iterator[pb.GenerateResponse]:
+        rid = submit.request_id
+        yield pb.GenerateResponse(request_id=rid, accepted=pb.Accepted())
+        chunk = pb.TokenChunk(token_ids=[7], text="t7 ", index=0)
+        yield pb.GenerateResponse(request_id=rid, chunk=chunk)
+        if submit.stopping.max_new_tokens == 1:
+            finished = pb.Finished(reason=pb.FINISH_REASON_MAX_TOKENS, status_code="OK")
+            yield pb.GenerateResponse(request_id=rid, finished=finished)
+
+
+class _BreakingServer(ScriptedServer):
+    async def _start(self) -> tuple[grpc.aio.Server, int]:
+        self.servicer = _BreakingServicer()
+        return await super()._start()
+
+
+@pytest.mark.parametrize("mode", [[], ["--per-request"]])
+def test_a_broken_call_still_prints_the_requests_that_finished(
+    mode: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing was printed but the call's error, not even the requests
+    that had finished before it broke."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "a", "max_tokens": 1}\n{"prompt": "b", "max_tokens": 9}\n')
+    server = _BreakingServer()
+    try:
+        argv = ["generate", "--server", server.target, "--prompts-file", str(prompts), *mode]
+        assert main(argv) == 1
+    finally:
+        server.stop()
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "[0] (max_tokens) t7 ",
+        "[1] (error, UNAVAILABLE: Socket closed) t7 ",
+    ]
+    assert "1 of 2 requests did not finish OK (the first, [1]: UNAVAILABLE" in err
