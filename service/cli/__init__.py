@@ -127,3 +127,6 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, ServerExtraMissing) as exc:  # bad model, flags; a light install
         parser.exit(2, f"slipstream: error: {exc}\n")
+    except KeyboardInterrupt:  # Ctrl-C; chat and serve stop on it by themselves
+        print("slipstream: interrupted", file=sys.stderr)
+        return 130  # as a shell reports a command that SIGINT stopped

@@ -6,7 +6,11 @@ that made one step more."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -207,3 +211,46 @@ def test_a_broken_call_still_prints_the_requests_that_finished(
         "[1] (error, UNAVAILABLE: Socket closed) t7 ",
     ]
     assert "1 of 2 requests did not finish OK (the first, [1]: UNAVAILABLE" in err
+
+
+def _interrupted(
+    command: list[str], tmp_path: Path, started: Callable[[str], bool]
+) -> tuple[int, str, str]:
+    """Runs ``slipstream COMMAND`` in a child process, sends it SIGINT (as
+    Ctrl-C does) once ``started(what it wrote to stderr so far)``, and
+    returns its exit status, stdout and stderr."""
+    argv = [sys.executable, "-m", "slipstream.service.cli", *command]
+    err = tmp_path / "stderr"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not started(err.read_text()):
+                assert proc.poll() is None and time.monotonic() < deadline, "it never started"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    return proc.returncode, out, err.read_text()
+
+
+@pytest.mark.parametrize("mode", [[], ["--per-request"]])
+def test_ctrl_c_while_generating_is_one_line_and_exit_130(
+    scripted: ScriptedServer, mode: list[str], tmp_path: Path
+) -> None:
+    """It printed a 30-line traceback (CancelledError, then KeyboardInterrupt)."""
+    submits = scripted.servicer.recorded.submits
+    command = ["generate", "--server", scripted.target, "--prompt", "hi", "--prompt", "ho"]
+    ended = _interrupted(
+        [*command, "--max-tokens", "100000", *mode], tmp_path, lambda _: len(submits) == 2
+    )
+    assert ended == (130, "", "slipstream: interrupted\n")
+
+
+def test_ctrl_c_while_a_local_engine_loads_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    command = ["generate", "--local", "--prompt", "hi", "--max-tokens", "1000"]
+    # The line it prints before it loads the model.
+    returncode, out, err = _interrupted(command, tmp_path, lambda err: "on model tiny" in err)
+    assert (returncode, out) == (130, "")
+    assert err.endswith("\nslipstream: interrupted\n") and "Traceback" not in err
