@@ -129,4 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"slipstream: error: {exc}\n")
     except KeyboardInterrupt:  # Ctrl-C; chat and serve stop on it by themselves
         print("slipstream: interrupted", file=sys.stderr)
-        return 130  # as a shell reports a command that SIGINT stopped
+        # 130, as a shell reports a command SIGINT stopped; at once: Ctrl-C
+        # may have come while a model loads in native code, and finalizing
+        # the interpreter under it can abort the process (exit 134).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
