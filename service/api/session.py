@@ -293,7 +293,9 @@ class StreamSession:
             self.engine_id(request_id),
             engine.tokenizer,
             engine.info,
-            time.monotonic(),
+            # Its clock (queue wait, deadline, span) starts when it was read,
+            # not after the submits ahead of it on the stream were tokenized.
+            time.monotonic() if waiting is None else waiting.read_at,
             self._call_deadline,
             0 if self._gate is None else self._gate.default_priority,
         )

@@ -271,6 +271,32 @@ def test_submits_behind_a_prompt_being_tokenized_keep_their_order(
     ]
 
 
+def test_a_submit_behind_a_prompt_being_tokenized_counts_that_wait_as_its_own(
+    stub: pb_grpc.InferenceStub, tokenizing: Tokenizing
+) -> None:
+    """Its clock starts when the stream read it: the wait behind the big
+    prompt shows in its queue wait and total, and its deadline runs."""
+    stream = Stream(stub)
+    stream.send(submit("big", 4, text=LARGE_TEXT))
+    assert tokenizing.entered.wait(10)
+    stream.send(submit("small", 4))
+    timed = submit("timed", 4)
+    timed.submit.timeout.FromMilliseconds(300)
+    stream.send(timed)
+    time.sleep(0.6)
+    tokenizing.release.set()
+    stream.close()
+    stream.read_to_end()
+    finished = {
+        r.request_id: r.finished for r in stream.seen if r.WhichOneof("event") == "finished"
+    }
+    small = finished["small"]
+    assert small.reason == pb.FINISH_REASON_MAX_TOKENS
+    assert small.timings.queue_wait.ToTimedelta().total_seconds() >= 0.5
+    assert small.timings.total.ToTimedelta().total_seconds() >= 0.5
+    assert finished["timed"].status_code == "DEADLINE_EXCEEDED", finished["timed"]
+
+
 def test_the_stream_ends_after_its_pending_submit_is_answered(
     stub: pb_grpc.InferenceStub, tokenizing: Tokenizing
 ) -> None:
