@@ -34,7 +34,12 @@ from slipstream.service.api.http.errors import (
     too_large,
 )
 from slipstream.service.api.http.logprobs import LogprobsBuilder, TokenTexts
-from slipstream.service.api.http.params import OpenAIRequest, Prompt, parse
+from slipstream.service.api.http.params import (
+    OpenAIRequest,
+    Prompt,
+    caller_trace_context,
+    parse,
+)
 from slipstream.service.api.http.relay import EventRelay
 from slipstream.service.api.http.responses import (
     OPENAI_FINISH,
@@ -192,7 +197,8 @@ class Generations:
             if parsed.model != engine.info.name:
                 raise model_not_found(parsed.model)
         except ApiError as exc:  # counted and logged as a gRPC submit's refusal is
-            self._rejected(exc, Envelope.new("", is_chat), {}, gate)
+            trace_context = caller_trace_context(request.headers)
+            self._rejected(exc, Envelope.new("", is_chat), trace_context, gate)
             raise
         envelope = Envelope.new(parsed.model, is_chat)
         try:

@@ -121,6 +121,12 @@ def parse(
     return OpenAIRequest(is_chat, model, prompt, submit, is_stream, include_usage)
 
 
+def caller_trace_context(headers: Mapping[str, str]) -> dict[str, str]:
+    """The caller's W3C trace headers as they came, for a request refused
+    before its body parsed: its refusal still joins the caller's trace."""
+    return {name: headers[name] for name in TRACE_HEADERS if name in headers}
+
+
 def _check_fields(
     body: dict[str, object], known: frozenset[str], off_values: dict[str, tuple[object, ...]]
 ) -> None:

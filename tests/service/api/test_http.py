@@ -554,6 +554,24 @@ def test_traceparent_joins_the_callers_trace(
     assert wait_until(joined)
 
 
+def test_a_request_refused_while_its_body_parses_joins_the_callers_trace(
+    servers: Servers, spans: InMemorySpanExporter
+) -> None:
+    """A 400 for a bad parameter started a trace of its own."""
+    trace_id = "5cf92f3577b34da6a3ce929d0e0e4737"
+    body = json.dumps({"model": "tiny", "prompt": "ab", "temperature": 7}).encode()
+    headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    status, _, _ = raw(servers, "/v1/completions", body, headers)
+    assert status == 400
+    [span] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.attributes.get("slipstream.rejection.reason") == "invalid"
+        and f"{s.context.trace_id:032x}" == trace_id
+    ]
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == "00f067aa0ba902b7"
+
+
 # ---------------------------------------------------------------- errors
 
 
