@@ -58,6 +58,7 @@ from slipstream.service.api.limits import Limits
 from slipstream.service.api.outbox import Outbox, event_bytes
 from slipstream.service.api.status import Rejection, caller_message, rejection_for
 from slipstream.service.engine.events import Event, EventCallback, FinishEvent, TokenEvent
+from slipstream.service.telemetry.request_trace import Refusal
 from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
@@ -245,6 +246,9 @@ class StreamSession:
         """Admits ``submit`` or refuses it with a Finished event; ``waiting``:
         its place in the stream's queue (None for ``GenerateOne``'s)."""
         request_id = submit.request_id
+        # Its clock (queue wait, deadline, span) starts when it was read, not
+        # after the submits ahead of it on the stream were tokenized.
+        arrival = time.monotonic() if waiting is None else waiting.read_at
         try:
             wire.check_request_id(request_id, self._limits.max_request_id_bytes)
             if request_id in self._live:
@@ -258,7 +262,7 @@ class StreamSession:
                     "stream when this submit came; this submit is refused"
                 )
             wire.check_limits(message or pb.GenerateRequest(), submit, self._limits)
-            await self._admit(submit, request_id, waiting)
+            await self._admit(submit, request_id, arrival, waiting)
         except Exception as exc:
             rejection = rejection_for(exc)
             if rejection is None:
@@ -268,6 +272,13 @@ class StreamSession:
             detail = caller_message(exc)
             self._reject(request_id, rejection, detail, exc)
             if self._telemetry is not None:
+                expired = getattr(exc, "expired_limit", None)
+                refusal = Refusal(
+                    arrival,
+                    self._priority(submit),
+                    None if expired is None else expired.name.lower(),
+                    getattr(exc, "retry_after_s", None),
+                )
                 self._telemetry.rejected(
                     request_id,
                     rejection.reason_name,
@@ -277,14 +288,21 @@ class StreamSession:
                     submit.trace_context,
                     tenant="" if self._gate is None else self._gate.tenant.name,
                     req_id=self.engine_id(request_id),
+                    refusal=refusal,
                 )
 
     def engine_id(self, request_id: str) -> str:
         """The engine's id for this stream's ``request_id`` (ids are per stream)."""
         return f"{self.stream_id}/{request_id}"
 
+    def _priority(self, submit: pb.Submit) -> int:
+        """The class ``submit`` asks for, or the stream's default."""
+        if submit.HasField("priority"):
+            return submit.priority
+        return 0 if self._gate is None else self._gate.default_priority
+
     async def _admit(
-        self, submit: pb.Submit, request_id: str, waiting: _Waiting | None = None
+        self, submit: pb.Submit, request_id: str, arrival: float, waiting: _Waiting | None = None
     ) -> None:
         engine = self._engine
         convert = functools.partial(
@@ -293,9 +311,7 @@ class StreamSession:
             self.engine_id(request_id),
             engine.tokenizer,
             engine.info,
-            # Its clock (queue wait, deadline, span) starts when it was read,
-            # not after the submits ahead of it on the stream were tokenized.
-            time.monotonic() if waiting is None else waiting.read_at,
+            arrival,
             self._call_deadline,
             0 if self._gate is None else self._gate.default_priority,
         )
@@ -366,7 +382,6 @@ class StreamSession:
         logged and counted like any cancelled request."""
         waiting.is_cancelled = True
         submit = waiting.submit
-        default_priority = 0 if self._gate is None else self._gate.default_priority
         waited_s = time.monotonic() - waiting.read_at
         event = FinishEvent(
             self.engine_id(request_id),
@@ -374,7 +389,7 @@ class StreamSession:
             "cancelled before it was admitted",
             queue_wait_s=waited_s,
             total_s=waited_s,
-            priority=submit.priority if submit.HasField("priority") else default_priority,
+            priority=self._priority(submit),
         )
         # A ready response, not an engine event: draining it must not take
         # from ``_live`` a later request that reuses the id.

@@ -142,6 +142,28 @@ class _Timeline:
 
 
 @dataclass(frozen=True, slots=True)
+class Refusal:
+    """What is known of a submit refused at the door: when it arrived
+    (monotonic seconds), its priority class, the time limit it cannot meet
+    (``deadline``, ``first_token``) and the retry hint it was given."""
+
+    arrival: float | None = None
+    priority: int | None = None
+    expired_limit: str | None = None
+    retry_after_s: float | None = None
+
+    def log_fields(self) -> dict[str, str | int]:
+        fields: dict[str, str | int] = {}
+        if self.expired_limit is not None:
+            fields["expired_limit"] = self.expired_limit
+        if self.retry_after_s is not None:
+            fields["retry_after_ms"] = max(1, math.ceil(self.retry_after_s * 1000))
+        if self.priority is not None:
+            fields["priority"] = self.priority
+        return fields
+
+
+@dataclass(frozen=True, slots=True)
 class _Finished:
     """A request handed from the engine thread to the trace thread; ``at``
     is when it ended (monotonic seconds)."""
@@ -249,18 +271,31 @@ class RequestTracer:
         parent: Context,
         tenant: str = "",
         req_id: str = "",
+        refusal: Refusal | None = None,
     ) -> str:
         """Records a submit refused before the engine took it (``reason``, e.g.
         ``queue_full``); returns the reason as a metric label. Its log line
         names it as ``request_finished`` lines do: ``request_id`` the server's
-        id (``req_id``, else the caller's), ``client_request_id`` the caller's."""
+        id (``req_id``, else the caller's), ``client_request_id`` the caller's;
+        ``refusal`` adds what is known of it (its span then starts at its
+        arrival, so the time spent before the refusal shows)."""
+        refusal = refusal or Refusal()
         tenant_attributes = {"slipstream.tenant": tenant} if tenant else {}
+        known: dict[str, str | int] = {}
+        if req_id:
+            known["slipstream.request.id"] = req_id
+        if refusal.priority is not None:
+            known["slipstream.request.priority"] = refusal.priority
+        now = time.monotonic()
+        arrival = now if refusal.arrival is None else refusal.arrival
         span = self._tracer.start_span(
             f"{OPERATION} {self._model}",
             context=parent,
             kind=SpanKind.SERVER,
+            start_time=self._wall_ns(arrival),
             attributes={
                 **_base_attributes(self._model),
+                **known,
                 "slipstream.request.client_id": client_request_id,
                 "slipstream.rejection.reason": reason,
                 "gen_ai.response.finish_reasons": ("rejected",),
@@ -269,13 +304,15 @@ class RequestTracer:
             },
         )
         span.set_status(Status(StatusCode.ERROR, f"{status.name}: {message}"))
-        span.end()
+        span.end(end_time=self._wall_ns(now))
         log.info(
             "request_rejected",
             request_id=req_id or client_request_id,
             client_request_id=client_request_id,
             reason=reason,
             detail=message,
+            **refusal.log_fields(),
+            total_ms=round((now - arrival) * 1e3, 3),
             **({"tenant": tenant} if tenant else {}),
             **_ids(_log_context(span, parent)),
         )

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import (
 
 from slipstream.service.engine.observer import EngineObserver, ObserverGroup
 from slipstream.service.telemetry.metrics import ServerMetrics
-from slipstream.service.telemetry.request_trace import RequestTracer, WireStatus
+from slipstream.service.telemetry.request_trace import Refusal, RequestTracer, WireStatus
 
 if TYPE_CHECKING:
     from slipstream.service.engine.engine import Engine
@@ -165,15 +165,17 @@ class Telemetry:
         trace_context: Mapping[str, str],
         tenant: str = "",
         req_id: str = "",
+        refusal: Refusal | None = None,
     ) -> None:
         """A submit refused before the engine took it; ``reason`` as on the wire
         (``queue_full``), ``status`` the gRPC status it was refused with,
         ``tenant`` the caller's (empty on a server without tenants), ``req_id``
         the server's id for it where that differs from the caller's (a gRPC
-        stream's ``<stream>/<request_id>``, as its finished line would say)."""
+        stream's ``<stream>/<request_id>``, as its finished line would say),
+        ``refusal`` its arrival, priority, expired limit and retry hint."""
         parent = extract_context(metadata, trace_context)
         reason = self.requests.rejected(
-            client_request_id, reason, status, message, parent, tenant, req_id
+            client_request_id, reason, status, message, parent, tenant, req_id, refusal
         )
         if self.metrics is not None:
             self.metrics.rejected(reason, tenant)

@@ -51,6 +51,7 @@ from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits, OverLimit
 from slipstream.service.engine.chat import has_chat_template, render_chat
 from slipstream.service.engine.events import FinishEvent, RequestSpec, TokenEvent
+from slipstream.service.telemetry.request_trace import Refusal
 
 if TYPE_CHECKING:
     from slipstream.service.api.workers import WorkerPool
@@ -198,7 +199,7 @@ class Generations:
                 raise model_not_found(parsed.model)
         except ApiError as exc:  # counted and logged as a gRPC submit's refusal is
             trace_context = caller_trace_context(request.headers)
-            self._rejected(exc, Envelope.new("", is_chat), trace_context, gate)
+            self._rejected(exc, Envelope.new("", is_chat), trace_context, gate, now)
             raise
         envelope = Envelope.new(parsed.model, is_chat)
         try:
@@ -213,7 +214,7 @@ class Generations:
             relay = EventRelay(asyncio.get_running_loop())
             self._submit(engine, gen_request, relay, parsed, envelope, grant)
         except ApiError as exc:
-            self._rejected(exc, envelope, parsed.submit.trace_context, gate)
+            self._rejected(exc, envelope, parsed.submit.trace_context, gate, now)
             raise
         try:
             logprobs = None
@@ -238,8 +239,10 @@ class Generations:
         envelope: Envelope,
         trace_context: Mapping[str, str],
         gate: TenantGate | None,
+        arrival: float,
     ) -> None:
-        """A request refused before the engine took it, recorded with its reason."""
+        """A request refused before the engine took it, recorded with its
+        reason, from its ``arrival``."""
         if self._telemetry is None:
             return
         rejection = error.rejection
@@ -252,6 +255,7 @@ class Generations:
             trace_context,
             tenant="" if gate is None else gate.tenant.name,
             req_id=engine_id(envelope),
+            refusal=Refusal(arrival),
         )
 
     async def _request(

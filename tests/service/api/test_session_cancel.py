@@ -220,10 +220,18 @@ def test_a_cancel_of_the_submit_being_tokenized_finishes_it_once_unrun(
         finished = stream.wait_for("big", "finished").finished
         assert telemetry.requests.flush(10)
     # Traced, logged and counted like any cancelled request, though never admitted.
-    [line] = [e for e in logs if e.get("client_request_id") == "big"]
+    # (An earlier test's "big" may finish during this one: only the unadmitted one.)
+    unadmitted = "cancelled before it was admitted"
+    [line] = [
+        e for e in logs if e.get("client_request_id") == "big" and e.get("message") == unadmitted
+    ]
     assert line["event"] == "request_finished" and line["reason"] == "cancelled"
     assert line["priority"] == 3 and line["message"] == "cancelled before it was admitted"
-    [span] = [s for s in spans.get_finished_spans() if s.name.startswith("text_completion")]
+    [span] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name.startswith("text_completion") and "gen_ai.usage.input_tokens" not in s.attributes
+    ]
     assert span.attributes["slipstream.request.client_id"] == "big"
     assert span.attributes["gen_ai.response.finish_reasons"] == ("cancelled",)
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
@@ -272,21 +280,32 @@ def test_submits_behind_a_prompt_being_tokenized_keep_their_order(
 
 
 def test_a_submit_behind_a_prompt_being_tokenized_counts_that_wait_as_its_own(
-    stub: pb_grpc.InferenceStub, tokenizing: Tokenizing
+    server: ServerThread,
+    spans: InMemorySpanExporter,
+    stub: pb_grpc.InferenceStub,
+    tokenizing: Tokenizing,
 ) -> None:
     """Its clock starts when the stream read it: the wait behind the big
-    prompt shows in its queue wait and total, and its deadline runs."""
+    prompt shows in its queue wait and total, its deadline runs, and a
+    refusal's span and log line cover that wait too."""
+    spans.clear()
     stream = Stream(stub)
     stream.send(submit("big", 4, text=LARGE_TEXT))
     assert tokenizing.entered.wait(10)
     stream.send(submit("small", 4))
     timed = submit("timed", 4)
     timed.submit.timeout.FromMilliseconds(300)
-    stream.send(timed)
-    time.sleep(0.6)
-    tokenizing.release.set()
-    stream.close()
-    stream.read_to_end()
+    bad = submit("bad", 4)
+    bad.submit.priority = 2
+    bad.submit.sampling.temperature = -1.0  # refused at the door
+    with capture_logs() as logs:
+        stream.send(timed)
+        stream.send(bad)
+        time.sleep(0.6)
+        tokenizing.release.set()
+        stream.close()
+        stream.read_to_end()
+        assert server.telemetry.requests.flush(10)
     finished = {
         r.request_id: r.finished for r in stream.seen if r.WhichOneof("event") == "finished"
     }
@@ -295,6 +314,17 @@ def test_a_submit_behind_a_prompt_being_tokenized_counts_that_wait_as_its_own(
     assert small.timings.queue_wait.ToTimedelta().total_seconds() >= 0.5
     assert small.timings.total.ToTimedelta().total_seconds() >= 0.5
     assert finished["timed"].status_code == "DEADLINE_EXCEEDED", finished["timed"]
+    assert finished["bad"].status_code == "INVALID_ARGUMENT", finished["bad"]
+    [line] = [e for e in logs if e.get("client_request_id") == "bad"]
+    assert line["event"] == "request_rejected" and line["reason"] == "invalid"
+    assert line["priority"] == 2 and line["total_ms"] >= 500
+    [span] = [
+        s
+        for s in spans.get_finished_spans()
+        if s.attributes.get("slipstream.request.client_id") == "bad"
+    ]
+    assert span.attributes["slipstream.request.priority"] == 2
+    assert (span.end_time - span.start_time) / 1e9 >= 0.5
 
 
 def test_the_stream_ends_after_its_pending_submit_is_answered(
