@@ -9,6 +9,7 @@ running while DRAINING (the engine refuses their streams' new submits).
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,8 @@ class Lifecycle:
     async def serve(self, engine: Engine | None = None) -> None:
         if engine is not None:
             self._engine = engine
-        self.engine.start()
+        # Off the event loop: start() returns once the engine thread can step.
+        await asyncio.to_thread(self.engine.start)
         self.phase = Phase.SERVING
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

@@ -140,6 +140,7 @@ class Engine:
         self._draining = False
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._prepared = threading.Event()  # the engine thread is ready to step
         self._idle = threading.Condition(self._lock)
         self._last_publish_s = 0.0
         self._host = _HostClock()  # written by the engine thread only
@@ -148,14 +149,23 @@ class Engine:
 
     # -- caller side (any thread) -----------------------------------------
 
-    def start(self) -> None:
+    @property
+    def is_started(self) -> bool:
+        """``start`` has run and the engine thread can step."""
+        return self._prepared.is_set()
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Starts the engine thread and returns once it can step (at most
+        ``timeout`` seconds): a server that says it is ready then serves its
+        first request at once, instead of holding it, as queue time, while
+        the thread prepares (the runner's ``on_engine_thread``)."""
         with self._lock:
-            if self._thread is not None:
-                return
-            self._thread = threading.Thread(
-                target=self._loop, name="slipstream-engine", daemon=True
-            )
-            self._thread.start()
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="slipstream-engine", daemon=True
+                )
+                self._thread.start()
+        self._prepared.wait(timeout)
 
     def submit(self, request: RequestSpec, on_event: EventCallback) -> None:
         # An id outside the vocabulary would fail the whole step (the embedding's
@@ -280,8 +290,11 @@ class Engine:
 
     def _loop(self) -> None:
         prepare = getattr(self._runner, "on_engine_thread", None)
-        if prepare is not None:
-            prepare()
+        try:
+            if prepare is not None:
+                prepare()
+        finally:
+            self._prepared.set()
         while not self._stopping:
             self._apply_aborts()
             with self._lock:

@@ -453,9 +453,9 @@ class ServerMetrics:
         self._engine_collector.engine = engine
 
     def is_ready(self) -> bool:
-        """An engine is bound (loaded) and not draining."""
+        """An engine is bound (loaded), its thread can step, and it is not draining."""
         engine = self._engine_collector.engine
-        return engine is not None and not engine.stats().is_draining
+        return engine is not None and engine.is_started and not engine.stats().is_draining
 
     def rejected(self, reason: str, tenant: str = "") -> None:
         self.rejections.labels(reason).inc()

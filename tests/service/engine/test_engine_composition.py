@@ -6,6 +6,7 @@ refits its own cost model from the steps the engine measured."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -168,6 +169,25 @@ def test_a_runner_is_prepared_once_on_the_engine_thread_before_its_first_step() 
     finally:
         composed.shutdown()
     assert calls == [("slipstream-engine", 0)]
+
+
+def test_start_returns_once_the_engine_thread_is_prepared() -> None:
+    """A server marks itself ready when ``start`` returns: a slow preparation
+    (the OpenMP probe on a busy host) held the first request, as queue time."""
+    prepared = threading.Event()
+
+    class _Slow(_ScriptedRunner):
+        def on_engine_thread(self) -> None:
+            time.sleep(0.3)
+            prepared.set()
+
+    engine, scheduler, _, _ = _engine({})
+    composed = Engine(scheduler, _Slow({}), engine.tokenizer, engine.info)
+    try:
+        composed.start()
+        assert prepared.is_set()
+    finally:
+        composed.shutdown()
 
 
 class _Deferred:

@@ -170,6 +170,7 @@ def test_an_endpoint_pickers_gauges_follow_the_engine(
 class _FakeEngine:
     def __init__(self) -> None:
         self.is_draining = False
+        self.is_started = False  # its thread still preparing
 
     def stats(self) -> object:
         return type("Stats", (), {"is_draining": self.is_draining})()
@@ -190,6 +191,8 @@ def test_ready_is_200_only_while_an_engine_takes_requests() -> None:
         assert status() == 503  # loading
         engine = _FakeEngine()
         metrics._engine_collector.engine = engine  # type: ignore[assignment]
+        assert status() == 503  # loaded, its thread not yet able to step
+        engine.is_started = True
         assert status() == 200
         engine.is_draining = True
         assert status() == 503
