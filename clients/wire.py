@@ -94,7 +94,7 @@ class GenerateOptions:
     top_k: int = 0
     top_p: float | None = None
     seed: int | None = None
-    stop: str | Sequence[str] = ()  # a str is one stop sequence, as in OpenAI's API
+    stop: str | Sequence[str] | None = ()  # a str is one stop sequence, None none (OpenAI's)
     ignore_eos: bool = False
     priority: int | None = None  # unset: the server's default (see inference.proto)
     deadline_s: float | None = None
@@ -114,7 +114,7 @@ class Options(TypedDict, total=False):
     top_k: int
     top_p: float | None
     seed: int | None
-    stop: str | Sequence[str]
+    stop: str | Sequence[str] | None
     ignore_eos: bool
     priority: int | None
     deadline_s: float | None
@@ -190,6 +190,20 @@ def _check_token_ids(token_ids: Sequence[int]) -> None:
             raise ValueError(f"prompt[{i}] must be a token id in [0, 2**32), got {token_id}")
 
 
+def _stop_sequences(stop: object) -> list[str]:
+    """``stop`` as a list: a str is one stop sequence, None none (as in
+    OpenAI's API); anything but strs raises naming the argument."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, Sequence) or isinstance(stops, bytes | bytearray):
+        raise TypeError(f"stop must be a str or a sequence of str, got {stop!r}")
+    for i, value in enumerate(stops):
+        if not isinstance(value, str):
+            raise TypeError(f"stop[{i}] must be a str, got {value!r}")
+    return list(stops)
+
+
 def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
@@ -208,7 +222,7 @@ def build_submit(
         ),
         stopping=pb.StoppingCriteria(
             max_new_tokens=options.max_tokens,
-            stop_sequences=[options.stop] if isinstance(options.stop, str) else list(options.stop),
+            stop_sequences=_stop_sequences(options.stop),
             ignore_eos=options.ignore_eos,
         ),
         expected_output_tokens=options.expected_tokens,

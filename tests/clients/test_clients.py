@@ -199,6 +199,16 @@ def test_a_stop_string_is_one_stop_sequence() -> None:
     assert list(submit.stopping.stop_sequences) == ["END"]
     submit = build_submit("a", "hi", GenerateOptions(stop=["END", "\n"])).submit
     assert list(submit.stopping.stop_sequences) == ["END", "\n"]
+    assert not build_submit("a", "hi", GenerateOptions(stop=None)).submit.stopping.stop_sequences
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [(b"END", "stop must be a str or a sequence of str"), (["END", 7], r"stop\[1\] must be a str")],
+)
+def test_a_stop_that_is_not_text_is_refused_naming_it(stop: object, message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        build_submit("a", "hi", GenerateOptions(stop=stop))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
