@@ -233,18 +233,14 @@ class RequestTracer:
         while its prompt was tokenized) as one that waited its whole life: its
         span, queued from ``arrival`` to its end, and its ``request_finished``
         line, like any cancelled request's."""
-        tenant_attributes = {"slipstream.tenant": tenant} if tenant else {}
-        span = self._tracer.start_span(
-            f"{OPERATION} {self._model}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            start_time=self._wall_ns(arrival),
-            attributes={
-                **_base_attributes(self._model),
+        span = self._unadmitted_span(
+            parent,
+            arrival,
+            tenant,
+            {
                 "slipstream.request.id": event.req_id,
                 "slipstream.request.client_id": client_request_id,
                 "slipstream.request.priority": event.priority,
-                **tenant_attributes,
             },
         )
         timeline = None
@@ -254,6 +250,23 @@ class RequestTracer:
         self._start_worker()
         self._finished.put(
             _Finished(event, timeline, client_request_id, context, time.monotonic(), tenant)
+        )
+
+    def _unadmitted_span(
+        self,
+        parent: Context,
+        arrival: float,
+        tenant: str,
+        attributes: dict[str, str | int | tuple[str, ...]],
+    ) -> Span:
+        """The request span of a submit the engine never took, from its arrival."""
+        tenant_attributes = {"slipstream.tenant": tenant} if tenant else {}
+        return self._tracer.start_span(
+            f"{OPERATION} {self._model}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=self._wall_ns(arrival),
+            attributes={**_base_attributes(self._model), **attributes, **tenant_attributes},
         )
 
     def abandon(self, req_id: str) -> None:
@@ -280,7 +293,6 @@ class RequestTracer:
         ``refusal`` adds what is known of it (its span then starts at its
         arrival, so the time spent before the refusal shows)."""
         refusal = refusal or Refusal()
-        tenant_attributes = {"slipstream.tenant": tenant} if tenant else {}
         known: dict[str, str | int] = {}
         if req_id:
             known["slipstream.request.id"] = req_id
@@ -288,19 +300,16 @@ class RequestTracer:
             known["slipstream.request.priority"] = refusal.priority
         now = time.monotonic()
         arrival = now if refusal.arrival is None else refusal.arrival
-        span = self._tracer.start_span(
-            f"{OPERATION} {self._model}",
-            context=parent,
-            kind=SpanKind.SERVER,
-            start_time=self._wall_ns(arrival),
-            attributes={
-                **_base_attributes(self._model),
+        span = self._unadmitted_span(
+            parent,
+            arrival,
+            tenant,
+            {
                 **known,
                 "slipstream.request.client_id": client_request_id,
                 "slipstream.rejection.reason": reason,
                 "gen_ai.response.finish_reasons": ("rejected",),
                 "rpc.grpc.status_code": status.code,
-                **tenant_attributes,
             },
         )
         span.set_status(Status(StatusCode.ERROR, f"{status.name}: {message}"))
