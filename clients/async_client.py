@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Unpack
 
@@ -261,6 +262,8 @@ class AsyncClient:
         merged = [*(channel_options() if balanced else []), *(options or [])]
         self._channel = secure_aio_channel(channel_target(target), tls, merged)
         self._calls: set[asyncio.Task[None]] = set()
+        # Every stream it opened (the shared one, yours, one-request ones): close() ends them.
+        self._streams: weakref.WeakSet[AsyncStream] = weakref.WeakSet()
         self.stub = pb_grpc.InferenceStub(self._channel)
         # The token goes with every call (gRPC metadata is per call).
         self._metadata = with_token(metadata, token)
@@ -276,7 +279,9 @@ class AsyncClient:
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> AsyncStream:
         self._check_open()
-        return AsyncStream(self.stub, call_metadata(self._metadata, metadata), timeout)
+        stream = AsyncStream(self.stub, call_metadata(self._metadata, metadata), timeout)
+        self._streams.add(stream)
+        return stream
 
     async def generate(
         self,
@@ -381,7 +386,7 @@ class AsyncClient:
         raise ``StreamError`` CANCELLED (collect what you need before
         closing, or leaving the ``async with``)."""
         self._is_closed = True
-        streams = [s for s in (self._shared, *self._retiring) if s is not None]
+        streams = list(self._streams)
         for stream in streams:
             await stream.close()
             if not stream.is_idle:

@@ -20,6 +20,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Unpack
 
@@ -279,6 +280,8 @@ class Client:
         self._metadata = with_token(metadata, token)
         self._shared: Stream | None = None
         self._calls: dict[Generation, grpc.Call] = {}  # unfinished generate_one calls
+        # Every stream it opened (the shared one, yours, one-request ones): close() ends them.
+        self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._state = grpc.ChannelConnectivity.IDLE
         self._left_ready = False  # the connection left READY since the shared stream opened
@@ -295,7 +298,9 @@ class Client:
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
         self._check_open()
-        return Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
+        stream = Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
+        self._streams.add(stream)
+        return stream
 
     def generate(
         self,
@@ -411,10 +416,10 @@ class Client:
         ``AsyncClient.close`` does the same."""
         with self._lock:
             self._is_closed = True
-            if self._shared is not None:
-                self._shared.close()
-                if not self._shared.is_idle:
-                    self._shared.abort(CLIENT_CLOSED)
+            for stream in list(self._streams):
+                stream.close()
+                if not stream.is_idle:
+                    stream.abort(CLIENT_CLOSED)
             calls, self._calls = self._calls, {}
             watching, self._watching = self._watching, False
         for generation, call in calls.items():

@@ -337,8 +337,10 @@ def test_closing_either_client_cancels_its_unfinished_requests(scripted: Scripte
     with Client(scripted.target) as client:
         shared = client.generate("a", max_tokens=1000)
         own = client.generate_one("b", max_tokens=1000)
-        next(iter(shared)), next(iter(own))
-    for generation in (shared, own):
+        yours = client.stream().generate("e", max_tokens=1000)  # a stream you opened
+        tagged = client.generate("f", max_tokens=1000, metadata=[("k", "v")])  # its own stream
+        next(iter(shared)), next(iter(own)), next(iter(yours)), next(iter(tagged))
+    for generation in (shared, own, yours, tagged):
         with pytest.raises(StreamError) as err:
             generation.result(timeout=5)
         assert_cut_off(generation, err.value)
@@ -347,8 +349,11 @@ def test_closing_either_client_cancels_its_unfinished_requests(scripted: Scripte
         async with AsyncClient(scripted.target) as client:
             shared = await client.generate("c", max_tokens=1000)
             own = await client.generate_one("d", max_tokens=1000)
-            await anext(aiter(shared)), await anext(aiter(own))
-        for generation in (shared, own):
+            yours = await client.stream().generate("g", max_tokens=1000)
+            tagged = await client.generate("h", max_tokens=1000, metadata=[("k", "v")])
+            for generation in (shared, own, yours, tagged):
+                await anext(aiter(generation))
+        for generation in (shared, own, yours, tagged):
             assert generation.done, "settled when close() returns"
             with pytest.raises(StreamError) as err:
                 await generation.result()
