@@ -71,6 +71,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+# Why a request ends when its call does before it finished (the caller
+# cancelled the call or disconnected, or its gRPC deadline passed).
+CALL_ENDED = "the call ended before the request finished"
+
 _Item = tuple[str, Event] | pb.GenerateResponse
 
 # A Batch response holds at most this many responses, and stops taking more
@@ -415,7 +419,7 @@ class StreamSession:
             self._grace_timer.cancel()
             self._grace_timer = None
         for req_id in self._live.values():
-            self._engine.abort(req_id, message="the stream ended")
+            self._engine.abort(req_id, message=CALL_ENDED)
 
     # -- loop: backpressure -------------------------------------------------
 

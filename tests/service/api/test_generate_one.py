@@ -18,10 +18,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from server_thread import hold_every_submit
+from structlog.testing import capture_logs
 
 from slipstream.clients import AsyncClient, Client
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.server import build_server, connection_age_options
+from slipstream.service.api.session import CALL_ENDED
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.events import RequestSpec
 from slipstream.service.telemetry.tracing import Telemetry
@@ -224,9 +226,14 @@ def test_cancelling_the_call_frees_the_kv_at_once(client: Client, engine: object
     next(iter(generation))
     assert engine.stats().running == 1  # type: ignore[attr-defined]
     started = time.monotonic()
-    generation.cancel()
-    result = generation.result(timeout=10)
-    assert (result.finish_reason, result.status_code) == ("cancelled", "CANCELLED")
+    with capture_logs() as logs:
+        generation.cancel()
+        result = generation.result(timeout=10)
+        assert (result.finish_reason, result.status_code) == ("cancelled", "CANCELLED")
+        assert wait_until(lambda: any(e["event"] == "request_finished" for e in logs), 5.0)
+    # The server's line says the call ended, not "the stream ended" (GenerateOne has none).
+    [line] = [e for e in logs if e["event"] == "request_finished"]
+    assert line["message"] == CALL_ENDED
     assert 1 <= len(result.token_ids) < LONG
     assert wait_until(lambda: engine_idle(engine), 2.0)
     assert time.monotonic() - started < 2.0
