@@ -276,12 +276,12 @@ class StreamSession:
             detail = caller_message(exc)
             self._reject(request_id, rejection, detail, exc)
             if self._telemetry is not None:
-                expired = getattr(exc, "expired_limit", None)
+                expired, retry_after_s = wire.refusal_hints(exc)
                 refusal = Refusal(
                     arrival,
-                    self._priority(submit),
+                    wire.priority_of(submit, self._default_priority),
                     None if expired is None else expired.name.lower(),
-                    getattr(exc, "retry_after_s", None),
+                    retry_after_s,
                 )
                 self._telemetry.rejected(
                     request_id,
@@ -299,10 +299,10 @@ class StreamSession:
         """The engine's id for this stream's ``request_id`` (ids are per stream)."""
         return f"{self.stream_id}/{request_id}"
 
-    def _priority(self, submit: pb.Submit) -> int:
-        """The class ``submit`` asks for, or the stream's default."""
-        if submit.HasField("priority"):
-            return submit.priority
+    @property
+    def _default_priority(self) -> int:
+        """The class of a submit that names none: the tenant's most urgent
+        permitted one (``TenantGate.default_priority``), else 0."""
         return 0 if self._gate is None else self._gate.default_priority
 
     async def _admit(
@@ -317,7 +317,7 @@ class StreamSession:
             engine.info,
             arrival,
             self._call_deadline,
-            0 if self._gate is None else self._gate.default_priority,
+            self._default_priority,
         )
         # Tokenizing (or rendering) a large prompt would stall every stream
         # of the server: it goes to the worker pool. Submits of one stream
@@ -393,7 +393,7 @@ class StreamSession:
             "cancelled before it was admitted",
             queue_wait_s=waited_s,
             total_s=waited_s,
-            priority=self._priority(submit),
+            priority=wire.priority_of(submit, self._default_priority),
         )
         # A ready response, not an engine event: draining it must not take
         # from ``_live`` a later request that reuses the id.

@@ -264,6 +264,11 @@ def _first_token_deadline(submit: pb.Submit, now: float) -> float | None:
     return now + timeout_s
 
 
+def priority_of(submit: pb.Submit, default: int) -> int:
+    """The class ``submit`` asks for, or ``default`` where it names none."""
+    return submit.priority if submit.HasField("priority") else default
+
+
 def to_generation_request(
     submit: pb.Submit,
     req_id: str,
@@ -284,7 +289,7 @@ def to_generation_request(
         sampling=_sampling(submit),
         stop_sequences=tuple(submit.stopping.stop_sequences),
         ignore_eos=submit.stopping.ignore_eos,
-        priority=submit.priority if submit.HasField("priority") else default_priority,
+        priority=priority_of(submit, default_priority),
         deadline=_deadline(submit, now, call_deadline),
         expected_output_tokens=(
             submit.expected_output_tokens if submit.HasField("expected_output_tokens") else None
@@ -320,6 +325,14 @@ def _retry_after_ms(seconds: float | None) -> int:
     return 0 if seconds is None else max(1, math.ceil(seconds * 1000))
 
 
+def refusal_hints(error: Exception | None) -> tuple[ExpiredLimit | None, float | None]:
+    """The time limit a refused submit cannot meet and the retry hint it is
+    given (seconds), where its domain error has them."""
+    expired = error.expired_limit if isinstance(error, DeadlineInfeasible) else None
+    retry = error.retry_after_s if isinstance(error, AtCapacity | QuotaExceeded) else None
+    return expired, retry
+
+
 def rejected(
     request_id: str,
     reject_reason: int,
@@ -335,10 +348,11 @@ def rejected(
         status_code=status_name,
         message=message,
     )
-    if isinstance(error, DeadlineInfeasible):
-        finished.expired_limit = _EXPIRED_LIMITS[error.expired_limit]
-    if isinstance(error, AtCapacity | QuotaExceeded):
-        finished.retry_after_ms = _retry_after_ms(error.retry_after_s)
+    expired, retry_after_s = refusal_hints(error)
+    if expired is not None:
+        finished.expired_limit = _EXPIRED_LIMITS[expired]
+    if retry_after_s is not None:
+        finished.retry_after_ms = _retry_after_ms(retry_after_s)
     return pb.GenerateResponse(request_id=request_id, finished=finished)
 
 
