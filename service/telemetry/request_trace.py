@@ -153,11 +153,7 @@ class Refusal:
     retry_after_s: float | None = None
 
     def log_fields(self) -> dict[str, str | int]:
-        fields: dict[str, str | int] = {}
-        if self.expired_limit is not None:
-            fields["expired_limit"] = self.expired_limit
-        if self.retry_after_s is not None:
-            fields["retry_after_ms"] = max(1, math.ceil(self.retry_after_s * 1000))
+        fields = _limit_fields(self.expired_limit, self.retry_after_s)
         if self.priority is not None:
             fields["priority"] = self.priority
         return fields
@@ -582,12 +578,18 @@ class RequestTracer:
 def _limits(event: FinishEvent) -> dict[str, str | int]:
     """The time limit that ended a request and the retry hint it was given,
     where it has them (as ``Finished.expired_limit`` / ``retry_after_ms``)."""
-    limits: dict[str, str | int] = {}
-    if event.expired_limit is not None:
-        limits["expired_limit"] = event.expired_limit.name.lower()
-    if event.retry_after_s is not None:
-        limits["retry_after_ms"] = max(1, math.ceil(event.retry_after_s * 1000))
-    return limits
+    limit = event.expired_limit
+    return _limit_fields(None if limit is None else limit.name.lower(), event.retry_after_s)
+
+
+def _limit_fields(expired_limit: str | None, retry_after_s: float | None) -> dict[str, str | int]:
+    """A log line's ``expired_limit`` and ``retry_after_ms``, where given."""
+    fields: dict[str, str | int] = {}
+    if expired_limit is not None:
+        fields["expired_limit"] = expired_limit
+    if retry_after_s is not None:
+        fields["retry_after_ms"] = max(1, math.ceil(retry_after_s * 1000))
+    return fields
 
 
 def _base_attributes(model: str) -> dict[str, str | int | float | bool]:
