@@ -115,9 +115,9 @@ def parse(
     )
     if expected is not None:
         submit.expected_output_tokens = expected
-    for name in TRACE_HEADERS:
-        if name in headers:  # bytes that are not UTF-8 arrive as lone surrogates
-            submit.trace_context[name] = _text(headers[name], name, name)
+    for name, value in caller_trace_context(headers).items():
+        # Bytes that are not UTF-8 arrive as lone surrogates.
+        submit.trace_context[name] = _text(value, name, name)
     return OpenAIRequest(is_chat, model, prompt, submit, is_stream, include_usage)
 
 
