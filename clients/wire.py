@@ -135,7 +135,7 @@ _INTEGERS = (
 )
 # Duration keyword arguments, and the range of google.protobuf.Duration (s).
 _DURATIONS = ("deadline_s", "first_token_timeout_s")
-_MAX_DURATION_S = 315_576_000_000
+MAX_DURATION_S = 315_576_000_000
 # gRPC keeps a call's deadline as int64 nanoseconds since the epoch: a longer
 # timeout overflowed into one that had already passed. A century is plenty.
 _MAX_CALL_TIMEOUT_S = 100 * 365 * 86_400
@@ -210,7 +210,7 @@ def build_submit(
     _check_integers(options)
     for name in _DURATIONS:
         if getattr(options, name) is not None:
-            check_seconds(name, getattr(options, name), _MAX_DURATION_S)
+            check_seconds(name, getattr(options, name), MAX_DURATION_S)
     submit = pb.Submit(
         request_id=request_id,
         priority=options.priority,  # None leaves it unset

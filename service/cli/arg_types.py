@@ -7,6 +7,7 @@ import math
 from collections.abc import Callable
 
 from slipstream.clients.balancing import check_port
+from slipstream.clients.wire import MAX_DURATION_S
 
 
 def int_at_least(low: int, high: int | None = None) -> Callable[[str], int]:
@@ -60,7 +61,7 @@ positive_uint32 = int_at_least(1, 2**32 - 1)  # a token count
 non_negative_int32 = int_at_least(0, 2**31 - 1)  # a priority
 non_negative_uint64 = int_at_least(0, 2**64 - 1)  # a seed
 # google.protobuf.Duration's range (10,000 years), in milliseconds.
-MAX_DURATION_MS = 315_576_000_000_000
+MAX_DURATION_MS = MAX_DURATION_S * 1000
 duration_ms = float_where(lambda v: 0 <= v <= MAX_DURATION_MS, f"in [0, {MAX_DURATION_MS}] ms")
 
 
