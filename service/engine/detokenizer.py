@@ -69,12 +69,16 @@ class IncrementalDetokenizer:
         else:
             piece = self._step_after_partial_character(token_id)
         if piece:
-            search_from = max(0, len(self._text) - self._max_stop_len + 1)
-            self._text += piece
-            if self._stops and self._match_stop(search_from):
-                self.stopped = True
-                return self.flush()
-            self._stop_prefix_start = self._find_stop_prefix()
+            if not self._stops:  # the common case: all of it goes out
+                self._text += piece
+                self._stop_prefix_start = len(self._text)
+            else:
+                search_from = max(0, len(self._text) - self._max_stop_len + 1)
+                self._text += piece
+                if self._match_stop(search_from):
+                    self.stopped = True
+                    return self.flush()
+                self._stop_prefix_start = self._find_stop_prefix()
         releasable = self._stop_prefix_start
         if releasable <= self._num_released:
             return ""
