@@ -37,6 +37,9 @@ class Limits:
     # Entries of Submit.trace_context, and UTF-8 bytes of its keys and values together.
     max_trace_context_entries: int = 8
     max_trace_context_bytes: int = 4096
+    # Choices one HTTP request may ask for (its ``n`` times its prompts): each
+    # is an engine request of its own.
+    max_choices: int = 16
     # A stream's buffer of events its client has not read yet. When either
     # bound is reached the stream's requests are paused (kept, not decoded)
     # until the client reads half of it; ``slow_reader_grace_s`` later they
@@ -63,6 +66,7 @@ class Limits:
             "max_outbox_events",
             "max_outbox_bytes",
             "num_tokenizer_workers",
+            "max_choices",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

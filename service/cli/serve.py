@@ -357,6 +357,11 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         ("max_stop_sequences", non_negative_int, "most stop sequences per request"),
         ("max_stop_sequence_bytes", non_negative_int, "longest stop sequence"),
         (
+            "max_choices",
+            positive_int,
+            "most choices (n times its prompts) one HTTP request may ask for",
+        ),
+        (
             "max_outbox_events",
             positive_int,
             "unread events a stream may buffer before it is paused",
@@ -402,6 +407,7 @@ def limits(args: argparse.Namespace) -> object:
         "max_request_id_bytes",
         "max_stop_sequences",
         "max_stop_sequence_bytes",
+        "max_choices",
         "max_outbox_events",
         "max_outbox_bytes",
         "max_queued_prompts",

@@ -4,9 +4,14 @@ into token ids off the event loop, build the engine request with
 the gRPC service's own ``wire.to_generation_request``, submit, and relay
 the engine's events as one JSON body or as server-sent events.
 
-A client that goes away cancels its request at once: aiohttp cancels the
+A request of several choices (``n``, or a list of prompts) is fanned out
+here: one engine request per choice, each prompt tokenized once, all on one
+relay; the engine and the gRPC API know nothing of it. The first choice to
+fail aborts the others and the request is answered with its failure.
+
+A client that goes away cancels its requests at once: aiohttp cancels the
 handler (``handler_cancellation``) or the next write fails, and the
-``finally`` aborts the request, which frees its KV within one engine step.
+``finally`` aborts them, which frees their KV within one engine step.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import structlog
@@ -35,6 +41,7 @@ from slipstream.service.api.http.errors import (
 )
 from slipstream.service.api.http.logprobs import LogprobsBuilder, TokenTexts
 from slipstream.service.api.http.params import (
+    MAX_UINT64,
     OpenAIRequest,
     Prompt,
     caller_trace_context,
@@ -50,8 +57,9 @@ from slipstream.service.api.http.responses import (
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits, OverLimit
 from slipstream.service.engine.chat import has_chat_template, render_chat
-from slipstream.service.engine.events import FinishEvent, RequestSpec, TokenEvent
+from slipstream.service.engine.events import Event, FinishEvent, RequestSpec, TokenEvent
 from slipstream.service.telemetry.request_trace import Refusal
+from slipstream.v1 import inference_pb2 as pb
 
 if TYPE_CHECKING:
     from slipstream.service.api.workers import WorkerPool
@@ -121,6 +129,18 @@ def prompt_bytes(prompt: Prompt) -> int:
 def engine_id(envelope: Envelope) -> str:
     """The engine's (and the logs') id for an HTTP request."""
     return f"http-{envelope.id}"
+
+
+def choice_request(spec: RequestSpec, index: int, num_choices: int) -> RequestSpec:
+    """Choice ``index``'s engine request: ``spec`` (its prompt's) under an id
+    of its own, seeded ``seed + index`` (wrapped) so that seeded choices
+    differ yet repeat. A request of one choice is ``spec`` itself."""
+    if num_choices == 1:
+        return spec
+    sampling = spec.sampling
+    if sampling.seed is not None:
+        sampling = replace(sampling, seed=(sampling.seed + index) % (MAX_UINT64 + 1))
+    return replace(spec, req_id=f"{spec.req_id}-{index}", sampling=sampling)
 
 
 def not_serving(exc: NotServing, request: web.Request, telemetry: Telemetry | None) -> ApiError:
@@ -194,7 +214,8 @@ class Generations:
         )
         try:
             body = await _json(request)
-            parsed = parse(body, request.headers, is_chat, engine.info.max_model_len)
+            max_model_len, max_choices = engine.info.max_model_len, self._limits.max_choices
+            parsed = parse(body, request.headers, is_chat, max_model_len, max_choices)
             if parsed.model != engine.info.name:
                 raise model_not_found(parsed.model)
         except ApiError as exc:  # counted and logged as a gRPC submit's refusal is
@@ -204,28 +225,25 @@ class Generations:
         envelope = Envelope.new(parsed.model, is_chat)
         try:
             priority = 0 if gate is None else gate.default_priority  # where none is given
-            gen_request = await self._request(engine, parsed, envelope, now, priority)
-            grant = None
-            if gate is not None:  # 403 never allowed, 429 over quota
-                try:
-                    gen_request, grant = gate.admit(gen_request)
-                except Exception as exc:
-                    raise _domain(exc) from None
-            relay = EventRelay(asyncio.get_running_loop())
-            self._submit(engine, gen_request, relay, parsed, envelope, grant)
+            specs = await self._requests(engine, parsed, envelope, now, priority)
+            admitted = self._admit(gate, specs)
+            req_ids = [spec.req_id for spec, _ in admitted]
+            relay = EventRelay(asyncio.get_running_loop(), req_ids)
+            self._submit(engine, admitted, relay, parsed, envelope)
         except ApiError as exc:
             self._rejected(exc, envelope, parsed.submit.trace_context, gate, now)
             raise
         try:
             logprobs = None
-            if gen_request.sampling.logprobs is not None:
-                logprobs = LogprobsBuilder(self._texts(engine), is_chat)
+            if admitted[0][0].sampling.logprobs is not None:
+                texts = self._texts(engine)
+                logprobs = [LogprobsBuilder(texts, is_chat) for _ in req_ids]
+            choices = Choices(engine, relay, req_ids, logprobs)
             if parsed.is_stream:
-                return await self._stream(request, parsed, envelope, relay, logprobs)
-            return await self._whole(envelope, relay, logprobs)
+                return await self._stream(request, parsed, envelope, choices)
+            return await self._whole(parsed, envelope, choices)
         finally:
-            if not relay.is_finished:
-                engine.abort(gen_request.req_id, message="the client disconnected")
+            abort_unfinished(engine, relay, "the client disconnected")
 
     def _texts(self, engine: Engine) -> TokenTexts:
         """Token texts for log-probabilities, kept across requests (one tokenizer)."""
@@ -258,123 +276,228 @@ class Generations:
             refusal=Refusal(arrival),
         )
 
-    async def _request(
+    async def _requests(
         self,
         engine: Engine,
         parsed: OpenAIRequest,
         envelope: Envelope,
         now: float,
         default_priority: int = 0,
-    ) -> RequestSpec:
-        try:
-            wire.check_sizes(parsed.submit, prompt_bytes(parsed.prompt), self._limits)
-        except OverLimit as exc:
-            raise _domain(exc, _param(exc.field, parsed)) from None
+    ) -> list[RequestSpec]:
+        """One engine request per choice, in index order: every prompt's size
+        checked before any work, each distinct prompt tokenized once."""
+        for prompt in parsed.prompts:
+            try:
+                wire.check_sizes(parsed.submit, prompt_bytes(prompt), self._limits)
+            except OverLimit as exc:
+                raise _domain(exc, _param(exc.field, parsed)) from None
         if parsed.is_chat and not has_chat_template(engine.tokenizer):
             # render_chat's own message names the gRPC fields (text, token_ids).
             message = "this model has no chat template; use /v1/completions with prompt"
             raise invalid(message, "messages", "invalid_messages")
+        prompts = parsed.prompts
+        prompt_specs: list[RequestSpec] = []  # one per prompt
+        for i, prompt in enumerate(prompts):
+            first = prompts.index(prompt)  # 16 prompts at most
+            if first < i:
+                prompt_specs.append(prompt_specs[first])
+                continue
+            submit = parsed.submit
+            if len(prompts) > 1:  # each prompt's token ids in a submit of its own
+                submit = pb.Submit()
+                submit.CopyFrom(parsed.submit)
+            req_id = engine_id(envelope)
+            prompt_specs.append(
+                await self._request(engine, parsed, prompt, submit, req_id, now, default_priority)
+            )
+        num_choices = parsed.num_choices
+        return [
+            choice_request(spec, p * parsed.n + sample, num_choices)
+            for p, spec in enumerate(prompt_specs)
+            for sample in range(parsed.n)
+        ]
+
+    async def _request(
+        self,
+        engine: Engine,
+        parsed: OpenAIRequest,
+        prompt: Prompt,
+        submit: pb.Submit,
+        req_id: str,
+        now: float,
+        default_priority: int,
+    ) -> RequestSpec:
+        """``prompt``'s engine request, its token ids put into ``submit``."""
         try:
-            ids = await prompt_token_ids(engine, parsed.prompt, self._workers)
+            ids = await prompt_token_ids(engine, prompt, self._workers)
         except (ValueError, QueueFull) as exc:  # ChatError: bad roles, no template; pool full
             raise _domain(exc, "messages" if parsed.is_chat else "prompt") from None
-        submit = parsed.submit
         submit.token_ids.ids.extend(ids)
         if not submit.stopping.HasField("max_new_tokens"):
             # Chat's OpenAI default: as much as the context leaves.
             submit.stopping.max_new_tokens = max(1, engine.info.max_model_len - len(ids))
         try:
             return wire.to_generation_request(
-                submit,
-                engine_id(envelope),
-                engine.tokenizer,
-                engine.info,
-                now,
-                None,
-                default_priority,
+                submit, req_id, engine.tokenizer, engine.info, now, None, default_priority
             )
         except (ValueError, SchedulerError) as exc:  # PromptTooLong: over the context
             raise _domain(exc, _prompt_param(exc, parsed)) from None
 
+    def _admit(
+        self, gate: TenantGate | None, specs: list[RequestSpec]
+    ) -> list[tuple[RequestSpec, Grant | None]]:
+        """Each choice through the tenant's gate (403 never allowed, 429 over
+        quota); one refused gives back the grants of those before it."""
+        if gate is None:
+            return [(spec, None) for spec in specs]
+        admitted: list[tuple[RequestSpec, Grant | None]] = []
+        try:
+            for spec in specs:
+                admitted.append(gate.admit(spec))
+        except Exception as exc:
+            for _, grant in admitted:
+                assert grant is not None
+                grant.release()
+            raise _domain(exc) from None
+        return admitted
+
     def _submit(
         self,
         engine: Engine,
-        gen_request: RequestSpec,
+        admitted: list[tuple[RequestSpec, Grant | None]],
         relay: EventRelay,
         parsed: OpenAIRequest,
         envelope: Envelope,
-        grant: Grant | None = None,
     ) -> None:
+        """Every choice to the engine, or none: one the engine refuses
+        aborts those before it and gives back the grants of those after."""
         telemetry = self._telemetry
-        if telemetry is not None:
-            telemetry.begin(gen_request, envelope.id, (), parsed.submit.trace_context)
-        on_event = relay.on_event if grant is None else grant.wrap(relay.on_event)
-        try:
-            engine.submit(gen_request, on_event)
-        except Exception as exc:
-            if grant is not None:
-                grant.release()
+        for i, (gen_request, grant) in enumerate(admitted):
             if telemetry is not None:
-                telemetry.abandon(gen_request.req_id)
-            field = exc.field if isinstance(exc, InvalidRequest) else None  # ids out of vocabulary
-            param = _prompt_param(exc, parsed) if field is None else _param(field, parsed)
-            raise _domain(exc, param) from None
+                telemetry.begin(gen_request, envelope.id, (), parsed.submit.trace_context)
+            on_event = relay.on_event if grant is None else grant.wrap(relay.on_event)
+            try:
+                engine.submit(gen_request, on_event)
+            except Exception as exc:
+                for _, later in admitted[i:]:
+                    if later is not None:
+                        later.release()
+                if telemetry is not None:
+                    telemetry.abandon(gen_request.req_id)
+                for earlier, _ in admitted[:i]:
+                    engine.abort(earlier.req_id, message="another choice of the request failed")
+                relay.give_up()
+                field = exc.field if isinstance(exc, InvalidRequest) else None  # ids not in vocab
+                param = _prompt_param(exc, parsed) if field is None else _param(field, parsed)
+                raise _domain(exc, param) from None
 
     async def _whole(
-        self, envelope: Envelope, relay: EventRelay, logprobs: LogprobsBuilder | None = None
+        self, parsed: OpenAIRequest, envelope: Envelope, choices: Choices
     ) -> web.Response:
-        texts: list[str] = []
-        async for batch in relay.batches():
-            texts.extend(event.text for event in batch)
-            if logprobs is not None:
-                for event in batch:
-                    if isinstance(event, TokenEvent):
-                        logprobs.add(event)
-        finish = batch[-1]
-        assert isinstance(finish, FinishEvent)
-        if finish.reason not in OPENAI_FINISH:
-            raise finish_error(finish)
-        whole = None if logprobs is None else logprobs.whole()
-        body = envelope.completion("".join(texts), finish, whole)
+        texts: list[list[str]] = [[] for _ in range(choices.num_choices)]
+        async for batch in choices.relay.batches():
+            for event in batch:
+                index = choices.index(event)
+                texts[index].append(event.text)
+                if isinstance(event, TokenEvent):
+                    if choices.logprobs is not None:
+                        choices.logprobs[index].add(event)
+                elif event.reason in OPENAI_FINISH:
+                    choices.finishes[index] = event
+                else:
+                    raise choices.fail(event)
+        wholes = choices.whole_logprobs()
+        answers = ["".join(pieces) for pieces in texts]
+        body = envelope.completion(answers, choices.finished(), wholes, parsed.n)
         return web.Response(text=json.dumps(body), content_type="application/json")
 
     async def _stream(
-        self,
-        request: web.Request,
-        parsed: OpenAIRequest,
-        envelope: Envelope,
-        relay: EventRelay,
-        logprobs: LogprobsBuilder | None = None,
+        self, request: web.Request, parsed: OpenAIRequest, envelope: Envelope, choices: Choices
     ) -> web.StreamResponse:
         """Headers go out with the first event, so a request refused or
-        expired before its first token still gets its own status."""
-        encoder = ChunkEncoder(envelope, parsed.include_usage)
+        expired before its first token still gets its own status. Choices'
+        chunks go out as their tokens come, each with its ``index``."""
+        encoder = ChunkEncoder(envelope, parsed.include_usage, choices.num_choices)
         response: web.StreamResponse | None = None
         try:
-            async for batch in relay.batches():
+            async for batch in choices.relay.batches():
                 out = []
                 if response is None:
                     first = batch[0]
                     if isinstance(first, FinishEvent) and first.reason not in OPENAI_FINISH:
-                        raise finish_error(first)
+                        raise choices.fail(first)
                     response = web.StreamResponse(headers=SSE_HEADERS)
                     await response.prepare(request)
-                    out.append(encoder.first())
+                    out.extend(encoder.first(index) for index in range(choices.num_choices))
+                failure = None
                 for event in batch:
+                    index = choices.index(event)
                     if isinstance(event, TokenEvent):
-                        chunk = None if logprobs is None else logprobs.chunk(event)
-                        out.append(encoder.token(event.text, chunk))
+                        logprobs = choices.logprobs
+                        chunk = None if logprobs is None else logprobs[index].chunk(event)
+                        out.append(encoder.token(event.text, chunk, index))
                     elif event.reason in OPENAI_FINISH:
-                        out.append(encoder.finish(event.text, event))
+                        choices.finishes[index] = event
+                        out.append(encoder.finish(event.text, event, index))
                     else:
-                        out.append(error_line(finish_error(event).body()))
+                        failure = choices.fail(event)
+                        out.append(error_line(failure.body()))
+                        break
+                if failure is None and choices.relay.is_finished:
+                    out.append(encoder.end(choices.finished(), parsed.n))
                 await response.write(b"".join(out))
+                if failure is not None:
+                    break
             assert response is not None
             await response.write_eof()
         except ConnectionResetError:
             log.debug("http_client_gone", id=envelope.id)
         assert response is not None
         return response
+
+
+class Choices:
+    """One request's choices in flight: which engine request is which
+    choice, each one's log-probabilities (where asked) and finish."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        relay: EventRelay,
+        req_ids: list[str],
+        logprobs: list[LogprobsBuilder] | None,
+    ) -> None:
+        self.relay = relay
+        self.logprobs = logprobs
+        self.num_choices = len(req_ids)
+        self.finishes: list[FinishEvent | None] = [None] * len(req_ids)
+        self._engine = engine
+        self._indexes = {req_id: index for index, req_id in enumerate(req_ids)}
+
+    def index(self, event: Event) -> int:
+        return self._indexes[event.req_id]
+
+    def fail(self, event: FinishEvent) -> ApiError:
+        """The answer to a choice that ended without one; the others are
+        aborted at once, of no use now."""
+        abort_unfinished(self._engine, self.relay, "another choice of the request failed")
+        return finish_error(event)
+
+    def finished(self) -> list[FinishEvent]:
+        """Every choice's finish, once all have come."""
+        assert all(event is not None for event in self.finishes)
+        return self.finishes  # type: ignore[return-value]
+
+    def whole_logprobs(self) -> list[object]:
+        if self.logprobs is None:
+            return [None] * self.num_choices
+        return [builder.whole() for builder in self.logprobs]
+
+
+def abort_unfinished(engine: Engine, relay: EventRelay, message: str) -> None:
+    """Aborts the relay's requests that have not finished."""
+    for req_id in relay.give_up():
+        engine.abort(req_id, message=message)
 
 
 async def _json(request: web.Request) -> object:

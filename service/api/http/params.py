@@ -3,11 +3,12 @@ without its prompt, so the engine request is then built by the very code
 the gRPC service uses (``wire.to_generation_request``).
 
 Accepted: ``model``, ``prompt`` (a string, a list of token ids, or a
-one-element list of either) or ``messages``, ``stream``,
+list of either, each one prompt) or ``messages``, ``stream``,
 ``stream_options.include_usage``, ``max_tokens`` / ``max_completion_tokens``,
-``temperature`` (0 to 2), ``top_p``, ``seed``, ``stop``, ``n`` = 1,
-``user``, ``logprobs`` (completions: 0 to 20 alternatives; chat: a boolean,
-with ``top_logprobs`` 0 to 20); the Slipstream extensions ``priority``,
+``temperature`` (0 to 2), ``top_p``, ``seed``, ``stop``, ``n`` (prompts
+times ``n`` at most ``Limits.max_choices``), ``user``, ``logprobs``
+(completions: 0 to 20 alternatives; chat: a boolean, with ``top_logprobs``
+0 to 20); the Slipstream extensions ``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
 Anything else that would change the answer (``echo``, ``suffix``,
 ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
@@ -66,24 +67,35 @@ _T = TypeVar("_T", int, float)
 
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
-    """One parsed request. ``prompt`` is text or token ids (completions) or
-    (role, content) pairs (chat); ``submit`` has every field but the prompt."""
+    """One parsed request. ``prompts`` are text or token ids (completions,
+    one or more) or (role, content) pairs (chat, one); ``submit`` has every
+    field but the prompt. It asks for ``n`` choices of each prompt."""
 
     is_chat: bool
     model: str
-    prompt: Prompt
+    prompts: list[Prompt]
     submit: pb.Submit
     is_stream: bool
     include_usage: bool
+    n: int = 1
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 def parse(
-    body: object, headers: Mapping[str, str], is_chat: bool, max_model_len: int = MAX_UINT32
+    body: object,
+    headers: Mapping[str, str],
+    is_chat: bool,
+    max_model_len: int = MAX_UINT32,
+    max_choices: int = MAX_UINT32,
 ) -> OpenAIRequest:
     """Raises ``ApiError`` (400) naming the first field that is wrong.
     ``max_model_len``: the served model's context, the most tokens a
     request may ask for (in the field it used: ``max_tokens`` or
-    ``max_completion_tokens``)."""
+    ``max_completion_tokens``); ``max_choices``: the most prompts times
+    ``n`` it may ask for."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     if is_chat:
@@ -94,12 +106,12 @@ def parse(
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string; see GET /v1/models)", "model")
     _text(model, "model", "model")
-    if body.get("n") not in (None, 1):
-        raise invalid("only n=1 is supported", "n")
+    n = _int(body, "n", 1, MAX_UINT32) or 1
     _optional(body, "user", str)
     is_stream = bool(_optional(body, "stream", bool))
     include_usage = _stream_options(body, is_stream)
-    prompt = _messages(body) if is_chat else _prompt(body)
+    prompts: list[Prompt] = [_messages(body)] if is_chat else _prompts(body)
+    _check_choices(len(prompts), n, max_choices)
     submit = pb.Submit()
     priority = _controls_int(body, headers, "priority", HEADER_PRIORITY, MAX_INT32)
     if priority is not None:
@@ -118,7 +130,7 @@ def parse(
     for name, value in caller_trace_context(headers).items():
         # Bytes that are not UTF-8 arrive as lone surrogates.
         submit.trace_context[name] = _text(value, name, name)
-    return OpenAIRequest(is_chat, model, prompt, submit, is_stream, include_usage)
+    return OpenAIRequest(is_chat, model, prompts, submit, is_stream, include_usage, n)
 
 
 def caller_trace_context(headers: Mapping[str, str]) -> dict[str, str]:
@@ -202,25 +214,45 @@ def _stream_options(body: Mapping[str, object], is_stream: bool) -> bool:
     return include
 
 
-def _prompt(body: Mapping[str, object]) -> str | list[int]:
+def _prompts(body: Mapping[str, object]) -> list[str | list[int]]:
+    """``prompt``: one prompt, or a list of them (strings or token-id lists)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise invalid("one prompt per request (n=1); send a batch as requests", "prompt")
-        prompt = prompt[0]
+        if len(prompt) == 1:
+            return [_prompt(prompt[0], "prompt")]
+        return [_prompt(one, f"prompt[{i}]") for i, one in enumerate(prompt)]
+    return [_prompt(prompt, "prompt")]
+
+
+def _prompt(prompt: object, name: str) -> str | list[int]:
+    """One prompt; ``name`` says where it is in the request."""
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt is empty", "prompt")
-        return _text(prompt, "prompt", "prompt")
+            raise invalid(f"{name} is empty", "prompt")
+        return _text(prompt, name, "prompt")
     if isinstance(prompt, list) and prompt:
         # the wire's uint32 (the model's vocabulary is checked later)
         ids_ok = (
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_UINT32 for t in prompt
         )
         if not all(ids_ok):
-            raise invalid("a token-id prompt must be a list of integers in [0, 2**32)", "prompt")
+            message = f"a token-id {name} must be a list of integers in [0, 2**32)"
+            raise invalid(message, "prompt")
         return prompt
-    raise invalid("prompt must be a non-empty string or list of token ids", "prompt")
+    raise invalid(f"{name} must be a non-empty string or list of token ids", "prompt")
+
+
+def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    """Each prompt's ``n`` choices are an engine request each: at most
+    ``max_choices`` in all, the one at fault named."""
+    if n > max_choices:
+        raise invalid(f"n must be in [1, {max_choices}] on this server, got {n}", "n")
+    if num_prompts * n > max_choices:
+        message = (
+            f"{num_prompts} prompts with n={n} ask for {num_prompts * n} choices, "
+            f"more than the {max_choices} this server allows"
+        )
+        raise invalid(message, "n" if n > 1 else "prompt")
 
 
 def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:

@@ -1,8 +1,12 @@
 """OpenAI response bodies: whole completions and server-sent-event chunks.
 
+A request of ``n`` choices per prompt numbers them as OpenAI and vLLM do:
+choice ``prompt_index * n + sample_index``.
+
 A streamed token costs one ``json.dumps`` of its text: each chunk is a
-prefix and a suffix fixed for the request around that encoded delta (and,
-for a request that asked, a second around its log-probabilities).
+prefix (one per choice) and a suffix fixed for the request around that
+encoded delta (and, for a request that asked, a second around its
+log-probabilities).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slipstream.scheduler.request import FinishReason
@@ -28,11 +33,14 @@ def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
-def usage(event: FinishEvent) -> dict[str, int]:
+def usage(finishes: Sequence[FinishEvent], n: int = 1) -> dict[str, int]:
+    """Every choice's output, and each prompt once (the first of its ``n``)."""
+    num_prompt_tokens = sum(event.num_prompt_tokens for event in finishes[::n])
+    num_output_tokens = sum(event.num_output_tokens for event in finishes)
     return {
-        "prompt_tokens": event.num_prompt_tokens,
-        "completion_tokens": event.num_output_tokens,
-        "total_tokens": event.num_prompt_tokens + event.num_output_tokens,
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
     }
 
 
@@ -58,30 +66,40 @@ class Envelope:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def completion(
-        self, text: str, event: FinishEvent, logprobs: object = None
+        self,
+        texts: Sequence[str],
+        finishes: Sequence[FinishEvent],
+        logprobs: Sequence[object],
+        n: int = 1,
     ) -> dict[str, object]:
-        """The whole answer (no streaming); ``logprobs`` as ``LogprobsBuilder.whole``."""
-        choice: dict[str, object] = {"index": 0}
-        if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice["logprobs"] = logprobs
-        choice["finish_reason"] = OPENAI_FINISH[event.reason]
-        return {**self.head(False), "choices": [choice], "usage": usage(event)}
+        """The whole answer (no streaming), a choice per text in index order;
+        ``logprobs`` as ``LogprobsBuilder.whole`` (or None), one per choice."""
+        choices = []
+        for index, (text, event, chosen) in enumerate(zip(texts, finishes, logprobs, strict=True)):
+            choice: dict[str, object] = {"index": index}
+            if self.is_chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = chosen
+            choice["finish_reason"] = OPENAI_FINISH[event.reason]
+            choices.append(choice)
+        return {**self.head(False), "choices": choices, "usage": usage(finishes, n)}
 
 
 class ChunkEncoder:
-    """SSE lines of one streamed response."""
+    """SSE lines of one streamed response of ``num_choices`` choices."""
 
-    def __init__(self, envelope: Envelope, include_usage: bool) -> None:
+    def __init__(self, envelope: Envelope, include_usage: bool, num_choices: int = 1) -> None:
         self._envelope = envelope
         self._include_usage = include_usage
         head = _dumps(envelope.head(True))[:-1]
         key = "delta" if envelope.is_chat else "text"
-        self._prefix = f'data: {head},"choices":[{{"index":0,"{key}":'.encode()
-        if envelope.is_chat:
-            self._prefix += b'{"content":'
+        opening = '{"content":' if envelope.is_chat else ""
+        self._prefixes = [
+            f'data: {head},"choices":[{{"index":{index},"{key}":{opening}'.encode()
+            for index in range(num_choices)
+        ]
         tail = "}" if envelope.is_chat else ""
         usage_null = ',"usage":null' if include_usage else ""
         end = f',"finish_reason":null}}]{usage_null}}}\n\n'.encode()
@@ -89,32 +107,38 @@ class ChunkEncoder:
         self._logprobs_infix = f'{tail},"logprobs":'.encode()
         self._logprobs_end = end
 
-    def first(self) -> bytes:
-        """Chat's opening chunk carries the role; completions have none."""
+    def first(self, index: int = 0) -> bytes:
+        """Chat's opening chunk of a choice carries the role; completions have none."""
         if not self._envelope.is_chat:
             return b""
         delta = {"role": "assistant", "content": ""}
-        return self._line([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        return self._line(
+            [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
+        )
 
-    def token(self, text: str, logprobs: object = None) -> bytes:
-        """A chunk of ``text``; ``logprobs`` (``LogprobsBuilder.chunk``) where asked."""
+    def token(self, text: str, logprobs: object = None, index: int = 0) -> bytes:
+        """A chunk of choice ``index``'s ``text``; ``logprobs``
+        (``LogprobsBuilder.chunk``) where asked."""
         if logprobs is None:
-            return self._prefix + _dumps(text).encode() + self._suffix
-        head = self._prefix + _dumps(text).encode() + self._logprobs_infix
+            return self._prefixes[index] + _dumps(text).encode() + self._suffix
+        head = self._prefixes[index] + _dumps(text).encode() + self._logprobs_infix
         return head + _dumps(logprobs).encode() + self._logprobs_end
 
-    def finish(self, text: str, event: FinishEvent) -> bytes:
-        """The last chunk (held-back text, finish reason), usage if asked, [DONE]."""
+    def finish(self, text: str, event: FinishEvent, index: int = 0) -> bytes:
+        """A choice's last chunk: held-back text and its finish reason."""
         key = "delta" if self._envelope.is_chat else "text"
         delta: object = {"content": text} if self._envelope.is_chat else text
         if self._envelope.is_chat and not text:
             delta = {}
-        choice = {"index": 0, key: delta, "logprobs": None}
+        choice = {"index": index, key: delta, "logprobs": None}
         choice["finish_reason"] = OPENAI_FINISH[event.reason]
-        out = self._line([choice])
-        if self._include_usage:
-            out += self._line([], usage(event))
-        return out + DONE
+        return self._line([choice])
+
+    def end(self, finishes: Sequence[FinishEvent], n: int = 1) -> bytes:
+        """After every choice's finish: usage if asked, then [DONE]."""
+        if not self._include_usage:
+            return DONE
+        return self._line([], usage(finishes, n)) + DONE
 
     def _line(self, choices: list[dict[str, object]], usage: object = None) -> bytes:
         body = {**self._envelope.head(True), "choices": choices}

@@ -580,7 +580,9 @@ def test_a_request_refused_while_its_body_parses_joins_the_callers_trace(
     [
         ({"logprobs": 21}, "logprobs"),  # 0 to 20 alternatives
         ({"echo": True}, "echo"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),  # past --max-choices (16)
+        ({"n": True}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"suffix": "x"}, "suffix"),
@@ -602,7 +604,9 @@ def test_a_request_refused_while_its_body_parses_joins_the_callers_trace(
         ({"deadline_ms": -5}, "deadline_ms"),
         ({"expected_output_tokens": -3}, "expected_output_tokens"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt"),
+        ({"prompt": ["a"] * 17}, "prompt"),  # past --max-choices (16)
         ({"prompt": [1, -2]}, "prompt"),
         ({"prompt": [2**32]}, "prompt"),  # was a plain-text 500: the wire's uint32
         ({"prompt": [[1, 10**20]]}, "prompt"),
