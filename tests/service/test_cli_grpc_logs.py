@@ -43,8 +43,16 @@ def test_grpc_logs_a_user_asked_for_still_print(tmp_path: Path) -> None:
 @pytest.mark.parametrize("key", ["GRPC_VERBOSITY", "GRPC_TRACE"])
 def test_a_user_setting_of_grpc_logging_wins(key: str) -> None:
     environ = {key: "debug" if key == "GRPC_VERBOSITY" else "http"}
-    quiet_grpc_logs(environ)
+    quiet_grpc_logs(environ, ["generate"])
     assert environ == {key: environ[key]}
     unset: dict[str, str] = {}
-    quiet_grpc_logs(unset)
+    quiet_grpc_logs(unset, ["generate"])
     assert unset == {"GRPC_VERBOSITY": "NONE"}
+
+
+def test_serve_keeps_grpcs_default_logging() -> None:
+    """A server's operator may need gRPC's errors (a client's failed TLS
+    handshake is logged nowhere else)."""
+    environ: dict[str, str] = {}
+    quiet_grpc_logs(environ, ["serve", "--model", "tiny"])
+    assert environ == {}
