@@ -297,6 +297,13 @@ class Client:
             raise RuntimeError("the client is closed")
 
     def stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
+        with self._lock:
+            return self._open_stream(metadata, timeout)
+
+    def _open_stream(self, metadata: Metadata = None, timeout: float | None = None) -> Stream:
+        """A new stream (caller holds the lock: a racing close() either comes
+        first, or finds the stream and ends it, never closes the channel
+        under a call it has not seen)."""
         self._check_open()
         stream = Stream(self.stub, call_metadata(self._metadata, metadata), timeout)
         self._streams.add(stream)
@@ -316,12 +323,12 @@ class Client:
         self._check_open()
         if not multiplex:
             return self.generate_one(prompt, metadata=metadata, **options)
-        if metadata:
-            stream = self.stream(metadata)
-            generation = stream.generate(prompt, **options)
-            stream.close()
-            return generation
         with self._lock:
+            if metadata:
+                stream = self._open_stream(metadata)
+                generation = stream.generate(prompt, **options)
+                stream.close()
+                return generation
             return self._shared_stream().generate(prompt, **options)
 
     def _on_state(self, state: grpc.ChannelConnectivity) -> None:
@@ -348,11 +355,12 @@ class Client:
         self._check_open()
         submit = build_one(request_id, prompt, GenerateOptions(**options))
         check_call_timeout(timeout)
-        call = self.stub.GenerateOne(
-            submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
-        )
-        generation = Generation(call.cancel, request_id)
-        with self._lock:
+        with self._lock:  # opened and registered at once, as _open_stream's streams
+            self._check_open()
+            call = self.stub.GenerateOne(
+                submit, metadata=call_metadata(self._metadata, metadata), timeout=timeout
+            )
+            generation = Generation(call.cancel, request_id)
             self._calls[generation] = call
         call.add_done_callback(lambda _: self._forget(generation))
         threading.Thread(
@@ -382,7 +390,7 @@ class Client:
             self._shared.close()
             self._shared = None
         if self._shared is None or self._shared.is_broken:
-            self._shared = self.stream()
+            self._shared = self._open_stream()
             self._left_ready = False
             if not self._watching:
                 self._watching = True

@@ -12,6 +12,7 @@ from typing import TypedDict
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
+from slipstream.v1 import MAX_DURATION_S as MAX_DURATION_S  # exported too
 from slipstream.v1 import inference_pb2 as pb
 
 Prompt = str | Sequence[int]
@@ -133,9 +134,8 @@ _INTEGERS = (
     ("top_logprobs", 0, 2**32 - 1),
     ("priority", -(2**31), 2**31 - 1),
 )
-# Duration keyword arguments, and the range of google.protobuf.Duration (s).
+# Duration keyword arguments; MAX_DURATION_S (the wire's) bounds them.
 _DURATIONS = ("deadline_s", "first_token_timeout_s")
-MAX_DURATION_S = 315_576_000_000
 # gRPC keeps a call's deadline as int64 nanoseconds since the epoch: a longer
 # timeout overflowed into one that had already passed. A century is plenty.
 _MAX_CALL_TIMEOUT_S = 100 * 365 * 86_400

@@ -35,13 +35,14 @@ from slipstream.service.engine.events import (
     RequestSpec,
     TokenEvent,
 )
+from slipstream.v1 import MAX_DURATION_S
 from slipstream.v1 import inference_pb2 as pb
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_REQUEST_ID_BYTES = Limits().max_request_id_bytes  # echoed in every event of the request
 # (lowest seconds, highest seconds, lowest nanos) that google.protobuf.Duration
 # (±10,000 years) and Timestamp (years 1-9999) define.
-DURATION_RANGE = (-315_576_000_000, 315_576_000_000, -999_999_999)
+DURATION_RANGE = (-MAX_DURATION_S, MAX_DURATION_S, -999_999_999)
 TIMESTAMP_RANGE = (-62_135_596_800, 253_402_300_799, 0)
 
 

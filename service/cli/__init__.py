@@ -10,7 +10,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 
 from slipstream.kernels.cpu_answer import prepare_environment
 from slipstream.service.cli.extras import ServerExtraMissing, missing_server_modules
@@ -107,7 +107,22 @@ def _command_parser(
     return parser
 
 
+def quiet_grpc_logs(environ: MutableMapping[str, str], argv: list[str]) -> None:
+    """Turns gRPC's native log lines off (``E1129 … ssl_transport_security.cc:
+    …] Could not load any root certificate.`` before the command's own error
+    line): a client command says what failed in one line. ``serve`` keeps
+    gRPC's default (errors), which an operator may need (a client's failed
+    TLS handshake is logged nowhere else). A ``GRPC_VERBOSITY`` or
+    ``GRPC_TRACE`` the user set wins. gRPC reads it once, when it is imported."""
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command == "serve":
+        return
+    if "GRPC_VERBOSITY" not in environ and "GRPC_TRACE" not in environ:
+        environ["GRPC_VERBOSITY"] = "NONE"
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_grpc_logs(os.environ, sys.argv[1:] if argv is None else argv)  # before grpc loads
     try:
         answer = prepare_environment(os.environ)  # before anything loads torch
     except ValueError as exc:

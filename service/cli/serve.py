@@ -509,6 +509,15 @@ def telemetry(args: argparse.Namespace) -> object:
     return Telemetry.from_env(os.environ, metrics)
 
 
+_WILDCARD_HOSTS = ("0.0.0.0", "[::]", "::")
+
+
+def connect_host(host: str) -> str:
+    """The address a client on this machine connects to for a server on
+    ``--host``: a wildcard is listened on, never connected to."""
+    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
+
+
 def usage_hint(
     host: str,
     port: int,
@@ -517,13 +526,16 @@ def usage_hint(
     has_tenants: bool = False,
     has_chat_template: bool = False,
 ) -> str:
-    address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
+    address = f"{connect_host(host)}:{port}"
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
     client = " --tls-ca CA.pem" if has_tls else ""
     grpcurl = "-cacert CA.pem" if has_tls else "-plaintext"
     auth = ' -H "authorization: Bearer $SLIPSTREAM_TOKEN"' if has_tenants else ""
     generate = f"grpcurl {grpcurl}{auth} -d '{{}}' {address} slipstream.v1.Inference/Generate"
-    lines = [f"slipstream: serving {model} on {host}:{port} (listening on {address})", "try:"]
+    # "listening on" names the address bound (tests and `bench` read it); the
+    # commands under "try:" name one a client on this machine can connect to.
+    scope = " (every interface)" if host in _WILDCARD_HOSTS else ""
+    lines = [f"slipstream: serving {model}, listening on {host}:{port}{scope}", "try:"]
     if has_chat_template:
         chat = (
             '{"submit": {"request_id": "a", "messages": {"messages": '
@@ -543,7 +555,7 @@ def usage_hint(
 
 def http_hint(host: str, port: int, has_tls: bool = False) -> str:
     """The line that says where the HTTP front listens (``bench serve`` reads it)."""
-    address = f"{'127.0.0.1' if host in ('0.0.0.0', '[::]', '::') else host}:{port}"
+    address = f"{connect_host(host)}:{port}"
     scheme = "https" if has_tls else "http"
     return f"slipstream: OpenAI-compatible HTTP API at {scheme}://{address}/v1"
 

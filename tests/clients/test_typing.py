@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -30,13 +31,43 @@ async def amain(client: AsyncClient) -> None:
 """
 
 
-def test_the_client_package_ships_its_py_typed_marker() -> None:
-    """Without it mypy skips an installed client: "missing library stubs or
-    py.typed marker"."""
+@pytest.mark.parametrize("package", [slipstream.clients, slipstream.v1], ids=lambda p: p.__name__)
+def test_each_typed_package_ships_its_py_typed_marker(package: ModuleType) -> None:
+    """Without it mypy skips an installed package: "missing library stubs or
+    py.typed marker" (so it did for ``slipstream.v1``, the stubs' types)."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     package_data = pyproject["tool"]["setuptools"]["package-data"]
-    assert "py.typed" in package_data["slipstream.clients"]
-    assert (Path(slipstream.clients.__file__).parent / "py.typed").is_file()
+    assert "py.typed" in package_data[package.__name__]
+    assert (Path(package.__file__ or "").parent / "py.typed").is_file()
+
+
+def test_mypy_reads_the_stubs_types_from_an_install(tmp_path: Path) -> None:
+    """An install's packages sit in site-packages, where mypy reads only those
+    that carry ``py.typed`` (MYPYPATH, below, reads any)."""
+    pytest.importorskip("mypy")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run(
+        [venv / "bin/python", "-c", where], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    package = Path(site) / "slipstream"
+    package.mkdir()
+    (package / "clients").symlink_to(Path(slipstream.clients.__file__).parent)
+    (package / "v1").symlink_to(Path(slipstream.v1.__file__ or "").parent)
+    user = tmp_path / "user.py"
+    user.write_text(
+        "from slipstream.clients import Client\n"
+        "from slipstream.v1 import inference_pb2 as pb\n\n\n"
+        "def name(client: Client) -> pb.ModelInfo:\n"
+        "    return client.model_info()\n"
+    )
+    command = [sys.executable, "-m", "mypy", "--strict", "--no-incremental"]
+    command += ["--python-executable", str(venv / "bin/python")]
+    command += ["--follow-imports=silent", "--cache-dir", str(tmp_path / "cache"), "user.py"]
+    done = subprocess.run(command, capture_output=True, text=True, env={"PATH": ""}, cwd=tmp_path)
+    assert "user.py:" not in done.stdout, done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_mypy_catches_a_misspelled_or_mistyped_option(tmp_path: Path) -> None:

@@ -1,2 +1,8 @@
 """Slipstream wire contract v1: stubs generated from ``inference.proto`` by
-``protos/generate.py`` (``make protos``)."""
+``protos/generate.py`` (``make protos``), and the bounds the contract's
+well-known types set, which the server and the clients both check against."""
+
+# google.protobuf.Duration's range, ±10,000 years, in seconds: the bound of
+# every timeout on the wire (clients.wire checks arguments against it, the
+# server the Durations it receives).
+MAX_DURATION_S = 315_576_000_000

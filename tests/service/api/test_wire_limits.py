@@ -58,6 +58,21 @@ def test_bad_first_token_timeout_is_a_clear_error(timeout: Duration) -> None:
         convert(submit(first_token_timeout=timeout))
 
 
+def test_the_server_and_the_client_bound_durations_by_one_constant() -> None:
+    """The server kept a copy of the client's bound: one could move alone."""
+    from slipstream import v1
+    from slipstream.clients import wire as client_wire
+
+    assert wire.DURATION_RANGE[1] is client_wire.MAX_DURATION_S is v1.MAX_DURATION_S
+    assert wire.DURATION_RANGE[0] == -v1.MAX_DURATION_S
+    largest = v1.MAX_DURATION_S
+    convert(submit(first_token_timeout=Duration(seconds=largest)))
+    with pytest.raises(ValueError, match=r"^first_token_timeout is out of range$"):
+        convert(submit(first_token_timeout=Duration(seconds=largest + 1)))
+    with pytest.raises(ValueError, match="first_token_timeout_s must be a finite number"):
+        build_submit("r", "hi", GenerateOptions(first_token_timeout_s=largest + 1))
+
+
 @pytest.mark.parametrize("field", ["timeout", "first_token_timeout"])
 @pytest.mark.parametrize(
     "duration", [Duration(seconds=1, nanos=-5), Duration(seconds=-1, nanos=5)], ids=["+-", "-+"]

@@ -1,0 +1,30 @@
+"""``slipstream serve``'s start-up banner: where it listens, and commands that connect."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from slipstream.service.cli.serve import http_hint, usage_hint
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "[::]"])
+def test_a_wildcard_host_is_said_as_listened_on_and_the_commands_connect_to_loopback(
+    host: str,
+) -> None:
+    banner = usage_hint(host, 53100, "tiny", has_chat_template=True)
+    first, *commands = banner.splitlines()
+    assert f"listening on {host}:53100 (every interface)" in first
+    addresses = {m for line in commands for m in re.findall(r"\S+:53100\b", line)}
+    assert addresses == {"127.0.0.1:53100"}
+    assert http_hint(host, 8000) == (
+        "slipstream: OpenAI-compatible HTTP API at http://127.0.0.1:8000/v1"
+    )
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3", "[::1]", "localhost"])
+def test_a_named_host_is_listened_on_and_connected_to_as_given(host: str) -> None:
+    first, *commands = usage_hint(host, 53100, "tiny").splitlines()
+    assert first == f"slipstream: serving tiny, listening on {host}:53100"
+    assert all(f"{host}:53100" in line for line in commands[1:])
