@@ -358,7 +358,7 @@ class ServerMetrics:
         self.rejections = Counter(
             "slipstream_rejections",
             "Requests refused at the door or rejected after queueing, by cause; and calls "
-            "refused whole (unauthenticated, draining), which submitted no request",
+            "refused whole (unauthenticated, loading, draining), which submitted no request",
             ["reason"],
             registry=self.registry,
         )
@@ -481,7 +481,8 @@ class ServerMetrics:
 
     def call_refused(self, reason: str) -> None:
         """A whole call refused before any request of it was read (``unauthenticated``,
-        ``draining``): a rejection, and no finished request (none was submitted)."""
+        ``loading``, ``draining``): a rejection, and no finished request (none was
+        submitted)."""
         self.rejections.labels(reason).inc()
 
     def unadmitted(self, event: FinishEvent, tenant: str = "") -> None:

@@ -205,7 +205,7 @@ class Telemetry:
 
     def not_serving(self, method: str, peer: str, reason: str, message: str) -> None:
         """A call refused because the server is loading or draining; ``reason``
-        as on the wire (``draining``)."""
+        as on the wire (``loading``, ``draining``)."""
         log.info("call_refused", method=method, peer=peer, reason=reason, detail=message)
         if self.metrics is not None:
             self.metrics.call_refused(reason)
