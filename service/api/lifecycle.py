@@ -29,7 +29,12 @@ class Phase(enum.IntEnum):
 
 
 class NotServing(Exception):
-    """The server is loading or draining (UNAVAILABLE)."""
+    """The server is loading or draining (UNAVAILABLE); raised as this class
+    while draining, as ``Loading`` while loading."""
+
+
+class Loading(NotServing):
+    """The server is still loading its model (UNAVAILABLE, as draining is)."""
 
 
 class Lifecycle:
@@ -40,13 +45,15 @@ class Lifecycle:
 
     @property
     def engine(self) -> Engine:
-        """The engine, for calls that need it; raises NotServing while loading."""
+        """The engine, for calls that need it; raises Loading while loading."""
         if self._engine is None:
-            raise NotServing("the model is still loading")
+            raise Loading("the model is still loading")
         return self._engine
 
     def require_serving(self) -> Engine:
         """The engine, if new calls are accepted now."""
+        if self.phase is Phase.LOADING:
+            raise Loading("the server is loading")
         if self.phase is not Phase.SERVING:
             raise NotServing(f"the server is {self.phase.name.lower()}")
         return self.engine

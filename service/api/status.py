@@ -26,7 +26,7 @@ from slipstream.scheduler.errors import (
 )
 from slipstream.scheduler.request import FinishReason, RejectCause
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
-from slipstream.service.api.lifecycle import NotServing
+from slipstream.service.api.lifecycle import Loading, NotServing
 from slipstream.service.telemetry.request_trace import WireStatus
 from slipstream.v1 import inference_pb2 as pb
 
@@ -36,13 +36,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
+    """``label``: a finer name than the wire's reason has, for a whole call's
+    refusal, which carries only the label (``loading``, on the wire
+    REJECT_REASON_DRAINING); empty for the reason's own name."""
+
     reject_reason: int  # pb.RejectReason
     status: grpc.StatusCode
+    label: str = ""
 
     @property
     def reason_name(self) -> str:
         """``queue_full``, ``invalid``, ...: the reject reason as a label."""
-        return reject_reason_name(self.reject_reason)
+        return self.label or reject_reason_name(self.reject_reason)
 
     @property
     def wire_status(self) -> WireStatus:
@@ -74,7 +79,9 @@ _REJECTIONS: dict[type[Exception], Rejection] = {
         pb.REJECT_REASON_DEADLINE_INFEASIBLE, grpc.StatusCode.DEADLINE_EXCEEDED
     ),
     Draining: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
-    # A whole call refused while the server loads or drains: the same reason.
+    # A whole call refused while the server loads or drains: the same wire
+    # reason, labelled (trailer, logs, metrics) as what the server is doing.
+    Loading: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE, "loading"),
     NotServing: Rejection(pb.REJECT_REASON_DRAINING, grpc.StatusCode.UNAVAILABLE),
     Unauthenticated: Rejection(pb.REJECT_REASON_UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED),
     PermissionDenied: Rejection(

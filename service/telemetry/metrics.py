@@ -29,8 +29,14 @@ choosing priorities freely cannot add series without bound)::
     slipstream_prefix_cache_hit_tokens_total                counter (of those, found cached)
     slipstream_prefix_cache_hit_rate                        gauge (hit / queried since start)
     slipstream_prefix_cache_blocks                          gauge (device blocks cached)
-    slipstream_rejections_total{reason}                     counter
-    slipstream_requests_finished_total{priority, reason}    counter
+    slipstream_rejections_total{reason}                     counter (every refusal, at the door
+                                                            or after queueing, by cause; and
+                                                            calls refused whole: unauthenticated,
+                                                            loading, draining)
+    slipstream_requests_finished_total{priority, reason}    counter (every request once, by how it
+                                                            ended: refusals at the door too, as
+                                                            reason=rejected, priority=unknown when
+                                                            unread; summed: all requests)
     slipstream_shed_total{priority}                         counter (shed from a full queue)
     slipstream_overload_refused_total{priority}             counter (refused as overloaded)
     slipstream_capacity_refusals_total{priority, reason}    counter (reason=overloaded|queue_full)
@@ -127,6 +133,9 @@ DURATION_BUCKETS = (
 # Classes above this share one label (priority_label): the wire accepts any
 # non-negative priority, and each distinct label value is a series kept forever.
 MAX_LABELLED_PRIORITY = 7
+# The class label of a request refused before its priority was read.
+UNKNOWN_PRIORITY = "unknown"
+_REJECTED = FinishReason.REJECTED.name.lower()
 # Outcomes that say whether a deadline was met; a cancelled or failed request says neither.
 _JUDGED = frozenset(
     {
@@ -348,13 +357,15 @@ class ServerMetrics:
         labels = ["priority"]
         self.rejections = Counter(
             "slipstream_rejections",
-            "Submits refused, by reason",
+            "Requests refused at the door or rejected after queueing, by cause; and calls "
+            "refused whole (unauthenticated, loading, draining), which submitted no request",
             ["reason"],
             registry=self.registry,
         )
         self.finished = Counter(
             "slipstream_requests_finished",
-            "Requests finished, by priority class and finish reason",
+            "Requests finished, by priority class and finish reason; every request once, "
+            "refusals at the door included (reason rejected), so summed they are all requests",
             ["priority", "reason"],
             registry=self.registry,
         )
@@ -457,10 +468,22 @@ class ServerMetrics:
         engine = self._engine_collector.engine
         return engine is not None and engine.is_started and not engine.stats().is_draining
 
-    def rejected(self, reason: str, tenant: str = "") -> None:
+    def rejected(self, reason: str, tenant: str = "", priority: int | None = None) -> None:
+        """A submit refused at the door: a rejection by ``reason``, and a request
+        finished ``rejected``, as one the scheduler rejects after queueing is, so
+        the finished requests summed over reasons are every request submitted."""
+        label = UNKNOWN_PRIORITY if priority is None else priority_label(priority)
         self.rejections.labels(reason).inc()
+        self.finished.labels(label, _REJECTED).inc()
         if tenant:
             self.tenant_rejections.labels(tenant, reason).inc()
+            self.tenant_finished.labels(tenant, _REJECTED).inc()
+
+    def call_refused(self, reason: str) -> None:
+        """A whole call refused before any request of it was read (``unauthenticated``,
+        ``loading``, ``draining``): a rejection, and no finished request (none was
+        submitted)."""
+        self.rejections.labels(reason).inc()
 
     def unadmitted(self, event: FinishEvent, tenant: str = "") -> None:
         """A request that finished before the engine took it, counted as the
@@ -486,7 +509,9 @@ class ServerMetrics:
 
     def on_finish(self, event: FinishEvent) -> None:
         with self._lock:
-            priority, deadline, tenant = self._requests.pop(event.req_id, ("unknown", None, ""))
+            priority, deadline, tenant = self._requests.pop(
+                event.req_id, (UNKNOWN_PRIORITY, None, "")
+            )
         reason = event.reason.name.lower()
         self.finished.labels(priority, reason).inc()
         if event.num_held_back:

@@ -6,7 +6,9 @@ context, and ends when the request finishes::
 
     text_completion small                         gen_ai.*, slipstream.*
     ├─ slipstream.queue          arrival → first scheduled
-    ├─ slipstream.prefill        one per prefill chunk (step, batch, positions)
+    ├─ slipstream.prefill        one per prefill chunk (step, batch, positions,
+    │                            tokens found cached), and one per resume after a
+    │                            recompute, however few tokens it computes
     ├─ slipstream.preempted      preemption → resume (kind swap | recompute)
     ├─ slipstream.decode         first token → finish
     └─ events: slipstream.scheduled, slipstream.preempt, slipstream.resume,
@@ -29,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 from opentelemetry import trace
@@ -100,6 +102,20 @@ class _Preemption:
         }
 
 
+class _Prefill(NamedTuple):
+    """One prefill chunk of a traced request: its step's times, step and
+    batch size, the positions it computed, and how many tokens before them
+    admission found in the prefix cache (0 for a chunk that continues one)."""
+
+    start: float
+    end: float
+    step: int
+    size: int
+    start_pos: int
+    num_tokens: int
+    num_cached_tokens: int
+
+
 @dataclass(slots=True)
 class _Timeline:
     """What happened to one traced request, as plain values (engine thread).
@@ -117,21 +133,30 @@ class _Timeline:
     queue_wait_s: float = 0.0
     preempt_kind: str = ""
     swapped_bytes: int = 0
-    prefills: list[tuple[float, float, int, int, int, int]] = field(default_factory=list)
+    prefills: list[_Prefill] = field(default_factory=list)
     preemptions: list[_Preemption] = field(default_factory=list)
     tokens: list[tuple[float, int, int, float]] = field(default_factory=list)
 
     def scheduled(self, seq: ScheduledSeq, step: int, size: int, start: float, end: float) -> None:
+        # Admitted (first, or again after a recompute preemption): its prefill
+        # starts at its first uncached token, and has a span even when the
+        # prefix cache held all but the one token a decode step would compute.
+        is_admitted = False
         if self.waiting_since is not None:
             if self.first_scheduled is None:
                 self.first_scheduled = start
+                is_admitted = True
             elif self.preemptions:
-                self.preemptions[-1].resumed = start
-                self.preemptions[-1].resume_step = step
+                pause = self.preemptions[-1]
+                pause.resumed, pause.resume_step = start, step
+                is_admitted = pause.kind == "recompute"
             self.queue_wait_s += start - self.waiting_since
             self.waiting_since = None
-        if len(seq.token_ids) > 1 or seq.start_pos < self.num_prompt_tokens:
-            self.prefills.append((start, end, step, size, seq.start_pos, len(seq.token_ids)))
+        if is_admitted or len(seq.token_ids) > 1 or seq.start_pos < self.num_prompt_tokens:
+            cached = seq.start_pos if is_admitted else 0
+            self.prefills.append(
+                _Prefill(start, end, step, size, seq.start_pos, len(seq.token_ids), cached)
+            )
 
     def preempted(self, step: int, at: float, bytes_per_block: int) -> None:
         kind = "recompute" if self.state is None else preemption_kind(self.state)
@@ -518,18 +543,19 @@ class RequestTracer:
     def _child_spans(self, timeline: _Timeline, parent: Context, now: float) -> None:
         first = timeline.first_scheduled
         self._child("slipstream.queue", parent, timeline.arrival, now if first is None else first)
-        for start, end, step, size, pos, num in timeline.prefills:
+        for chunk in timeline.prefills:
             self._child(
                 "slipstream.prefill",
                 parent,
-                start,
-                end,
+                chunk.start,
+                chunk.end,
                 {
-                    "slipstream.step": step,
-                    "slipstream.batch.id": step,
-                    "slipstream.batch.size": size,
-                    "slipstream.prefill.start_pos": pos,
-                    "slipstream.prefill.num_tokens": num,
+                    "slipstream.step": chunk.step,
+                    "slipstream.batch.id": chunk.step,
+                    "slipstream.batch.size": chunk.size,
+                    "slipstream.prefill.start_pos": chunk.start_pos,
+                    "slipstream.prefill.num_tokens": chunk.num_tokens,
+                    "slipstream.prefill.cached_tokens": chunk.num_cached_tokens,
                 },
             )
         for pause in timeline.preemptions:

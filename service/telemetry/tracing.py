@@ -178,7 +178,7 @@ class Telemetry:
             client_request_id, reason, status, message, parent, tenant, req_id, refusal
         )
         if self.metrics is not None:
-            self.metrics.rejected(reason, tenant)
+            self.metrics.rejected(reason, tenant, None if refusal is None else refusal.priority)
 
     def unadmitted(
         self,
@@ -201,14 +201,14 @@ class Telemetry:
         """A call refused for want of a valid bearer token (never logs the token)."""
         log.warning("call_unauthenticated", method=method, peer=peer, detail=message)
         if self.metrics is not None:
-            self.metrics.rejected("unauthenticated")
+            self.metrics.call_refused("unauthenticated")
 
     def not_serving(self, method: str, peer: str, reason: str, message: str) -> None:
         """A call refused because the server is loading or draining; ``reason``
-        as on the wire (``draining``)."""
+        as on the wire (``loading``, ``draining``)."""
         log.info("call_refused", method=method, peer=peer, reason=reason, detail=message)
         if self.metrics is not None:
-            self.metrics.rejected(reason)
+            self.metrics.call_refused(reason)
 
     def shutdown(self) -> None:
         """Record finished requests still queued, then flush buffered spans

@@ -21,7 +21,7 @@ from slipstream.scheduler.errors import (
     QueueFull,
 )
 from slipstream.service.api.auth import PermissionDenied, QuotaExceeded, Unauthenticated
-from slipstream.service.api.lifecycle import NotServing
+from slipstream.service.api.lifecycle import Loading, NotServing
 from slipstream.service.api.status import (
     INVALID,
     Rejection,
@@ -108,7 +108,8 @@ _STATUSES: dict[type[Exception], tuple[int, str, str | None]] = {
     # The google.rpc mapping of DEADLINE_EXCEEDED; answered before any token.
     DeadlineInfeasible: (504, "deadline_exceeded", "deadline_infeasible"),
     Draining: (503, "service_unavailable", "draining"),
-    NotServing: (503, "service_unavailable", "draining"),  # loading, or draining
+    Loading: (503, "service_unavailable", "loading"),
+    NotServing: (503, "service_unavailable", "draining"),
     Unauthenticated: (401, "authentication_error", "invalid_api_key"),
     PermissionDenied: (403, "permission_denied", "permission_denied"),
     QuotaExceeded: (429, "rate_limit_exceeded", "quota_exceeded"),

@@ -145,7 +145,7 @@ def choice_request(spec: RequestSpec, index: int, num_choices: int) -> RequestSp
 
 def not_serving(exc: NotServing, request: web.Request, telemetry: Telemetry | None) -> ApiError:
     """The 503 of a call refused while loading or draining, counted and
-    logged as a gRPC call's refusal is (reason ``draining`` on both)."""
+    logged as a gRPC call's refusal is (reason ``loading`` or ``draining`` on both)."""
     error = _domain(exc)
     if telemetry is not None:
         where = f"{request.method} {request.path}"

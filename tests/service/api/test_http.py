@@ -1103,8 +1103,9 @@ def test_a_body_refused_at_parsing_is_counted_as_a_rejection(servers: Servers) -
 # ---------------------------------------------------------------- loading or draining
 
 
-def test_a_call_refused_while_loading_is_counted_logged_and_trailed_on_both_fronts() -> None:
+def test_a_call_refused_while_loading_or_draining_says_which_on_both_fronts() -> None:
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from slipstream.service.api.http.app import HttpFront
     from slipstream.service.api.lifecycle import Lifecycle
@@ -1130,25 +1131,38 @@ def test_a_call_refused_while_loading_is_counted_logged_and_trailed_on_both_fron
         return asyncio.run_coroutine_threadsafe(coro, loop).result()  # type: ignore[arg-type]
 
     server, port, http, http_port = call(start())  # type: ignore[misc]
+    front = type("Front", (), {"base_url": f"http://127.0.0.1:{http_port}"})
     try:
-        with capture_logs() as logs:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = pb_grpc.InferenceStub(channel)
-                with pytest.raises(grpc.RpcError) as refused:
-                    list(stub.GenerateOne(pb.Submit(request_id="a", text="x"), timeout=5))
-            front = type("Front", (), {"base_url": f"http://127.0.0.1:{http_port}"})
-            status, _, reply = raw(front, "/v1/completions", b'{"model": "tiny", "prompt": "x"}')  # type: ignore[arg-type]
-        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert dict(refused.value.trailing_metadata())[REJECT_REASON_KEY] == "draining"
-        assert status == 503 and json.loads(reply)["error"]["code"] == "draining"
-        refusals = [
-            (line["method"], line["reason"]) for line in logs if line["event"] == "call_refused"
-        ]
-        assert refusals == [("GenerateOne", "draining"), ("POST /v1/completions", "draining")]
-        counted = metrics.registry.get_sample_value(
-            "slipstream_rejections_total", {"reason": "draining"}
-        )
-        assert counted == 2
+        call(lifecycle.report_loading())
+        for phase in ("loading", "draining"):  # each front names the one it is in
+            if phase == "draining":
+                call(lifecycle.drain())
+            with capture_logs() as logs:
+                with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    stub = pb_grpc.InferenceStub(channel)
+                    with pytest.raises(grpc.RpcError) as refused:
+                        list(stub.GenerateOne(pb.Submit(request_id="a", text="x"), timeout=5))
+                    health = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=""), timeout=5
+                    )
+                body = b'{"model": "tiny", "prompt": "x"}'
+                status, _, reply = raw(front, "/v1/completions", body)  # type: ignore[arg-type]
+                checked, _, checked_reply = raw(front, "/health", method="GET")  # type: ignore[arg-type]
+            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert f"is {phase}" in refused.value.details()
+            assert dict(refused.value.trailing_metadata())[REJECT_REASON_KEY] == phase
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert status == 503 and json.loads(reply)["error"]["code"] == phase
+            assert f"is {phase}" in json.loads(reply)["error"]["message"]
+            assert checked == 503 and json.loads(checked_reply)["error"]["code"] == phase
+            refusals = [
+                (line["method"], line["reason"]) for line in logs if line["event"] == "call_refused"
+            ]
+            assert refusals == [("GenerateOne", phase), ("POST /v1/completions", phase)]
+            counted = metrics.registry.get_sample_value(
+                "slipstream_rejections_total", {"reason": phase}
+            )
+            assert counted == 2
     finally:
         call(http.stop())
         call(server.stop(0))  # type: ignore[attr-defined]

@@ -142,6 +142,45 @@ def test_an_expired_deadline_is_a_miss_of_its_class(
     assert value(after, miss, priority="3") - value(before, miss, priority="3") == 1
 
 
+def test_finished_requests_summed_over_reasons_are_every_request(
+    setup: tuple[ServerThread, Callable[[], Samples]],
+) -> None:
+    server, scrape = setup
+    finished = "slipstream_requests_finished_total"
+    before = scrape()
+    with Client(server.target) as client:
+        stream = client.stream()
+        ran = stream.generate([5, 6, 7], max_tokens=2, priority=4)
+        refused = stream.generate(list(range(5, 105)), max_tokens=4, priority=4)  # at the door
+        assert ran.result(timeout=60).is_ok
+        assert refused.result(timeout=60).reject_reason == "prompt_too_long"
+        stream.close()
+    after = scrape()
+    assert total(after, finished) - total(before, finished) == 2
+    rejected = value(after, finished, priority="4", reason="rejected")
+    assert rejected - value(before, finished, priority="4", reason="rejected") == 1
+    too_long = value(after, "slipstream_rejections_total", reason="prompt_too_long")
+    assert too_long - value(before, "slipstream_rejections_total", reason="prompt_too_long") == 1
+
+
+def test_a_call_refused_whole_is_a_rejection_and_no_finished_request() -> None:
+    metrics = ServerMetrics()
+    metrics.call_refused("draining")
+    metrics.rejected("queue_full", tenant="search")  # a submit: unread priority
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_rejections_total", {"reason": "draining"}) == 1
+    assert (
+        sample("slipstream_requests_finished_total", {"priority": "unknown", "reason": "rejected"})
+        == 1
+    )
+    assert (
+        sample(
+            "slipstream_tenant_requests_finished_total", {"tenant": "search", "reason": "rejected"}
+        )
+        == 1
+    )
+
+
 def test_an_endpoint_pickers_gauges_follow_the_engine(
     setup: tuple[ServerThread, Callable[[], Samples]],
 ) -> None:

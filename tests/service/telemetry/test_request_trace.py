@@ -102,6 +102,50 @@ def test_a_resume_carries_the_step_that_rescheduled_it() -> None:
     assert tokens[-1]["slipstream.batch.id"] == events["slipstream.resume"]["slipstream.step"]
 
 
+def test_a_recompute_resume_found_whole_in_the_prefix_cache_has_its_prefill_span() -> None:
+    tracer, exporter = traced()
+    state = submit(tracer)  # 6 prompt tokens, 4-token blocks in the engine
+    tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 100.0, 100.1)
+    tracer.on_step(StepPlan(2, [seq("a", 6, 1)]), [RequestOutput("a", [8])], 100.1, 100.2)
+    state.status = RequestStatus.WAITING  # dropped: recompute
+    tracer.on_step(StepPlan(3, [seq("b", 0, 1)], preempted_req_ids=["a"]), [], 100.2, 100.3)
+    # Its 8 computed tokens are two cached blocks: the resume computes only
+    # the one token a decode step would have.
+    state.status = RequestStatus.RUNNING
+    tracer.on_step(StepPlan(4, [seq("a", 8, 1)]), [RequestOutput("a", [7])], 100.4, 100.5)
+    tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=3))
+    assert tracer.flush(timeout=10)
+
+    prefills = [s for s in exporter.get_finished_spans() if s.name == "slipstream.prefill"]
+    chunks = [
+        (
+            s.attributes["slipstream.step"],
+            s.attributes["slipstream.prefill.start_pos"],
+            s.attributes["slipstream.prefill.num_tokens"],
+            s.attributes["slipstream.prefill.cached_tokens"],
+        )
+        for s in prefills
+    ]
+    assert chunks == [(1, 0, 6, 0), (4, 8, 1, 8)]  # not step 2's decode
+
+
+def test_a_swap_resume_and_a_continued_chunk_are_no_cache_hits() -> None:
+    tracer, exporter = traced()
+    state = submit(tracer)
+    tracer.on_step(StepPlan(1, [seq("a", 0, 4)]), [], 100.0, 100.1)
+    tracer.on_step(StepPlan(2, [seq("a", 4, 2)]), [RequestOutput("a", [9])], 100.1, 100.2)
+    state.status, state.host_block_ids = RequestStatus.SWAPPED, [3, 4]
+    tracer.on_step(StepPlan(3, [seq("b", 0, 1)], preempted_req_ids=["a"]), [], 100.2, 100.3)
+    state.status = RequestStatus.RUNNING
+    tracer.on_step(StepPlan(4, [seq("a", 6, 1)]), [RequestOutput("a", [8])], 100.4, 100.5)
+    tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=2))
+    assert tracer.flush(timeout=10)
+
+    prefills = [s for s in exporter.get_finished_spans() if s.name == "slipstream.prefill"]
+    assert [s.attributes["slipstream.step"] for s in prefills] == [1, 2]  # swapped back: decodes
+    assert [s.attributes["slipstream.prefill.cached_tokens"] for s in prefills] == [0, 0]
+
+
 def test_a_preemptions_span_and_event_name_their_attributes_alike() -> None:
     tracer, exporter = traced()
     state = submit(tracer)
