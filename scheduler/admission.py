@@ -118,9 +118,24 @@ class Admission(PrefixSharing):
         self._requests[req.req_id] = req
         self._waiting.append(req)
         self._waiting_version += 1
+        if len(self._deadlines) > 4 * len(self._requests) + 256:
+            self._compact_deadlines()
         for when in (req.deadline, req.first_token_deadline):
             if when is not None:
                 heapq.heappush(self._deadlines, (when, req.arrival_index, req))
+
+    def _compact_deadlines(self) -> None:
+        """Drops the deadline entries of requests that ended. They are
+        otherwise dropped only when their time comes, and a finished request
+        with a deadline hours away would be held (prompt, output) until then:
+        memory growing with the arrival rate times the deadlines' length. Run
+        when the heap is over twice what the live requests need (two entries
+        each, at most), it costs O(1) an arrival amortised."""
+        live = self._requests
+        self._deadlines = [
+            entry for entry in self._deadlines if live.get(entry[2].req_id) is entry[2]
+        ]
+        heapq.heapify(self._deadlines)
 
     def _count_refusal(self, priority: int, reason: str) -> None:
         key = (priority, reason)

@@ -105,7 +105,8 @@ class SchedulerState:
         self._num_prefix_hit_tokens = 0  # of those, found cached
         self._num_lost_swaps = 0  # swapped requests requeued by _requeue_lost_swap
         # (time, arrival_index, req) per deadline / first-token deadline;
-        # entries of finished requests are dropped lazily when they surface.
+        # entries of finished requests are dropped when they surface, or all
+        # at once by Admission._compact_deadlines when they pile up.
         self._deadlines: list[tuple[float, int, Request]] = []
         # Requests ended outside schedule() (shed by add_request), reported
         # in the next plan's ``finished``.

@@ -380,3 +380,17 @@ def test_cost_model_predictions_follow_every_refit() -> None:
 def test_times_in_messages_keep_three_significant_digits(seconds: float, text: str) -> None:
     """A 1 ms deadline against a 1.3 ms estimate read "0.001s" twice."""
     assert duration(seconds) == text
+
+
+@pytest.mark.parametrize("policy", ["deadline", "fcfs"])
+def test_requests_that_ended_are_not_held_until_their_deadline(policy: str) -> None:
+    """A finished request's deadline entry used to stay in the expiry heap
+    (holding its prompt and output) until the deadline came: with deadlines
+    an hour away, memory grew with every request served."""
+    sched = make_sched(policy=policy, max_queue_len=10_000)
+    for i in range(5_000):
+        sched.add_request(make_request(f"r{i}", 4, 2, arrival=0.0, deadline=3_600.0))
+        sched.abort_request(f"r{i}")
+    assert len(sched._deadlines) <= 4 * len(sched._requests) + 256 + 2
+    sched.add_request(make_request("live", 4, 2, arrival=0.0, deadline=3_600.0))
+    assert [entry[2].req_id for entry in sched._deadlines if entry[2].req_id == "live"] == ["live"]
