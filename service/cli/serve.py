@@ -221,8 +221,9 @@ def add_engine_args(
         "--kv-cache-gb",
         type=positive_finite_float,
         default=defaults.kv_cache_memory_gb,
-        help="GiB the KV cache may take on the CPU; on a GPU, the host pool's size "
-        "(default: %(default)s)",
+        help="GiB of the device KV pool on the CPU (raised to one full-length sequence "
+        "if less; the host swap pool, --num-host-blocks, comes on top: half as much "
+        "unless set); on a GPU, the host pool's size (default: %(default)s)",
     )
     group.add_argument(
         "--kv-cache-dtype",

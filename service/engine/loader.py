@@ -337,6 +337,14 @@ def _pool_sizes(config: EngineConfig, model: LlamaModel, max_model_len: int) -> 
     device = config.num_device_blocks or max(
         blocks_per_seq, min(by_memory, config.max_num_seqs * blocks_per_seq)
     )
+    if not config.num_device_blocks and by_memory < blocks_per_seq:
+        log.warning(
+            "kv_cache_raised_to_one_sequence",
+            kv_cache_gb=config.kv_cache_memory_gb,
+            blocks=device,
+            detail="--kv-cache-gb holds less than one full-length sequence; the pool is "
+            "raised to one (lower --max-model-len to keep it smaller)",
+        )
     host = config.num_host_blocks if config.num_host_blocks is not None else device // 2
     return device, host
 

@@ -222,3 +222,19 @@ def test_a_max_model_len_past_the_kv_pool_is_cut_to_it_and_said(monkeypatch) -> 
     assert [(e, f["requested"], f["max_model_len"]) for e, f in warned] == [
         ("max_model_len_above_the_pool", 1024, 512)
     ]
+
+
+def test_a_kv_cache_smaller_than_one_sequence_is_raised_to_one_and_said(monkeypatch) -> None:
+    """--kv-cache-gb below one full-length sequence was raised silently."""
+    from slipstream.service.engine import loader
+
+    warned: list[tuple[str, dict[str, object]]] = []
+    monkeypatch.setattr(loader.log, "warning", lambda event, **f: warned.append((event, f)))
+    engine = load_engine(
+        EngineConfig(model="tiny", kv_cache_memory_gb=1e-6, block_size=32, device="cpu")
+    )
+    engine.shutdown()
+    one_sequence = -(-engine.info.max_model_len // 32)
+    assert [(e, f["blocks"]) for e, f in warned] == [
+        ("kv_cache_raised_to_one_sequence", one_sequence)
+    ]
