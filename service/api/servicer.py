@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -72,7 +73,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         session = await self._session(context, "Generate")
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
-        context.add_done_callback(lambda _: session.abort_all())
+        context.add_done_callback(_aborts_when_done(session))
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             batches = wants_batches(context.invocation_metadata() or ())
@@ -112,7 +113,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             log.warning("call_invalid", method="GenerateOne", error=message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         # Cancelled, disconnected or past its deadline: abort at once.
-        context.add_done_callback(lambda _: session.abort_all())
+        context.add_done_callback(_aborts_when_done(session))
         try:
             await session.submit_one(request)
             is_first = True
@@ -196,6 +197,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 REJECT_REASON_KEY = "slipstream-reject-reason"
 RETRY_AFTER_KEY = "slipstream-retry-after-ms"
+
+
+def _aborts_when_done(session: StreamSession) -> Callable[[object], None]:
+    """A call's done callback that aborts ``session``'s requests. It holds the
+    session weakly: grpc keeps the last call's callbacks until the next call
+    comes, and an ended stream's buffers must go when it ends. (A session
+    with requests in the engine is held by their callbacks.)"""
+    ref = weakref.ref(session)
+
+    def abort_all(_: object) -> None:
+        if (alive := ref()) is not None:
+            alive.abort_all()
+
+    return abort_all
 
 
 def _is_rejection(response: pb.GenerateResponse) -> bool:
