@@ -20,11 +20,14 @@ from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.session import StreamSession, wants_batches
 from slipstream.service.api.status import reject_reason_name, rejection_for
+from slipstream.service.api.tokenize import AnswerTooLarge, TokenCosts, tokenize
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.tracing import Telemetry
 
@@ -45,6 +48,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._tenants = tenants
         self.limits = limits or Limits()
         self.workers = workers or WorkerPool.for_limits(self.limits)
+        self._token_costs: tuple[Tokenizer, TokenCosts] | None = None
 
     async def _session(self, context: grpc.aio.ServicerContext, method: str) -> StreamSession:
         """The call's session: its tenant checked, the engine serving (else the
@@ -138,16 +142,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         tokenizer = engine.tokenizer.backend_tokenizer
+        max_bytes = self.limits.max_message_bytes
 
-        def tokenize() -> pb.TokenizeResponse:
-            # encode_batch releases the GIL while it works (encode does not).
-            encoding = tokenizer.encode_batch([request.text], add_special_tokens=add_special)[0]
-            return pb.TokenizeResponse(token_ids=encoding.ids, tokens=encoding.tokens)
+        def run() -> pb.TokenizeResponse:
+            costs = self._token_costs_of(tokenizer)
+            return tokenize(tokenizer, costs, request.text, add_special, max_bytes)
 
         try:
-            return await self.workers.run(tokenize, num_bytes)
+            return await self.workers.run(run, num_bytes)
         except WorkersBusy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except AnswerTooLarge as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _token_costs_of(self, tokenizer: Tokenizer) -> TokenCosts:
+        """``tokenizer``'s table, built once (on a worker: a large vocabulary
+        takes tens of ms); two workers may both build it, to the same end."""
+        cached = self._token_costs
+        if cached is None or cached[0] is not tokenizer:
+            cached = self._token_costs = (tokenizer, TokenCosts(tokenizer))
+        return cached[1]
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -222,6 +222,28 @@ def test_tokenize_over_the_limit_fails_that_call(channel: grpc.Channel, engine: 
     assert list(reply.tokens) == tokenizer.convert_ids_to_tokens(tokenizer.encode(text))
 
 
+def test_tokenize_refuses_an_answer_over_the_message_limit(engine: object) -> None:
+    """Text within the prompt limit whose answer would not fit in one message
+    is refused INVALID_ARGUMENT, naming the limit (not left for gRPC to fail
+    RESOURCE_EXHAUSTED once it is built); an answer of exactly the limit
+    goes out."""
+    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+    text = "é🙂 \x00" * 500
+    ids = tokenizer.encode(text)
+    answer = pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+    srv = ServerThread(engine, limits=Limits(max_message_bytes=answer.ByteSize()))
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            assert stub.Tokenize(pb.TokenizeRequest(text=text)) == answer
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Tokenize(pb.TokenizeRequest(text=text + "é"))
+    finally:
+        srv.stop()
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"message limit of {answer.ByteSize()} bytes" in (err.value.details() or "")
+
+
 # ---------------------------------------------------------------- off the event loop
 
 
