@@ -2,8 +2,10 @@
 done, and the bounds of each stream's outbound buffer. One frozen dataclass,
 built from ``serve``'s flags at the entry point (``--max-prompt-bytes``, ...).
 
-Every limit fails the request (or, for a frame, the stream) alone with
-INVALID_ARGUMENT and a message naming the limit; none of them ends the server.
+Every limit fails the request alone with INVALID_ARGUMENT and a message
+naming the limit, except ``max_message_bytes``, which gRPC enforces: a
+message over it ends its call (a whole stream) RESOURCE_EXHAUSTED. None of
+them ends the server.
 """
 
 from __future__ import annotations

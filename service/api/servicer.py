@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -19,11 +20,14 @@ from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.session import StreamSession, wants_batches
 from slipstream.service.api.status import reject_reason_name, rejection_for
+from slipstream.service.api.tokenize import AnswerTooLarge, TokenCosts, tokenize
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
     from slipstream.service.engine.engine import Engine
     from slipstream.service.telemetry.tracing import Telemetry
 
@@ -44,6 +48,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._tenants = tenants
         self.limits = limits or Limits()
         self.workers = workers or WorkerPool.for_limits(self.limits)
+        self._token_costs: tuple[Tokenizer, TokenCosts] | None = None
 
     async def _session(self, context: grpc.aio.ServicerContext, method: str) -> StreamSession:
         """The call's session: its tenant checked, the engine serving (else the
@@ -72,7 +77,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         session = await self._session(context, "Generate")
         # A dropped client or a passed call deadline ends the call without
         # resuming this generator; the callback still frees the requests.
-        context.add_done_callback(lambda _: session.abort_all())
+        context.add_done_callback(_aborts_when_done(session))
         reader = asyncio.create_task(session.read(request_iterator))
         try:
             batches = wants_batches(context.invocation_metadata() or ())
@@ -112,7 +117,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             log.warning("call_invalid", method="GenerateOne", error=message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         # Cancelled, disconnected or past its deadline: abort at once.
-        context.add_done_callback(lambda _: session.abort_all())
+        context.add_done_callback(_aborts_when_done(session))
         try:
             await session.submit_one(request)
             is_first = True
@@ -137,16 +142,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         tokenizer = engine.tokenizer.backend_tokenizer
+        max_bytes = self.limits.max_message_bytes
 
-        def tokenize() -> pb.TokenizeResponse:
-            # encode_batch releases the GIL while it works (encode does not).
-            encoding = tokenizer.encode_batch([request.text], add_special_tokens=add_special)[0]
-            return pb.TokenizeResponse(token_ids=encoding.ids, tokens=encoding.tokens)
+        def run() -> pb.TokenizeResponse:
+            costs = self._token_costs_of(tokenizer)
+            return tokenize(tokenizer, costs, request.text, add_special, max_bytes)
 
         try:
-            return await self.workers.run(tokenize, num_bytes)
+            return await self.workers.run(run, num_bytes)
         except WorkersBusy as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except AnswerTooLarge as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _token_costs_of(self, tokenizer: Tokenizer) -> TokenCosts:
+        """``tokenizer``'s table, built once (on a worker: a large vocabulary
+        takes tens of ms); two workers may both build it, to the same end."""
+        cached = self._token_costs
+        if cached is None or cached[0] is not tokenizer:
+            cached = self._token_costs = (tokenizer, TokenCosts(tokenizer))
+        return cached[1]
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -196,6 +211,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 REJECT_REASON_KEY = "slipstream-reject-reason"
 RETRY_AFTER_KEY = "slipstream-retry-after-ms"
+
+
+def _aborts_when_done(session: StreamSession) -> Callable[[object], None]:
+    """A call's done callback that aborts ``session``'s requests. It holds the
+    session weakly: grpc keeps the last call's callbacks until the next call
+    comes, and an ended stream's buffers must go when it ends. (A session
+    with requests in the engine is held by their callbacks.)"""
+    ref = weakref.ref(session)
+
+    def abort_all(_: object) -> None:
+        if (alive := ref()) is not None:
+            alive.abort_all()
+
+    return abort_all
 
 
 def _is_rejection(response: pb.GenerateResponse) -> bool:

@@ -12,9 +12,12 @@ request, not a token (outbox.py says why).
 Backpressure: when the client stops reading, ``yield`` in ``responses()``
 stops returning and the outbox fills. At its bound (``Limits.max_outbox_*``)
 the stream's requests are paused in the engine (not decoded, KV kept); when
-the client has read half of it they resume. A stream paused for longer than
-``Limits.slow_reader_grace_s`` has its requests cancelled SLOW_READER and
-their unread chunks dropped.
+the client has read half of it they resume. The bound holds for every
+response, not only the engine's: an Accepted, a refusal or a cancel's
+Finished counts too, and while the stream is paused its submits wait
+unanswered (and, past ``MAX_WAITING_SUBMITS``, unread). A stream paused for
+longer than ``Limits.slow_reader_grace_s`` has its requests cancelled
+SLOW_READER and their unread chunks dropped.
 
 Inbound: the reader never waits for a submit's prompt to be tokenized. It
 queues each submit in ``_waiting`` and goes on reading; one admission task
@@ -136,7 +139,9 @@ class StreamSession:
         self._waiting_bytes = 0
         self._pending: dict[str, _Waiting] = {}  # client request id -> its waiting submit
         self._admitting: asyncio.Task[None] | None = None
-        self._has_room = asyncio.Event()
+        self._has_room = asyncio.Event()  # set as waiting submits are answered
+        self._is_unpaused = asyncio.Event()  # the client reads: submits may be answered
+        self._is_unpaused.set()
         self._failure: BaseException | None = None  # the admission task's, not the client's
         # Items are (client id, engine event) from the engine thread or
         # ready responses from the loop.
@@ -222,10 +227,14 @@ class StreamSession:
 
     async def _admit_waiting(self) -> None:
         """Admits or refuses the waiting submits one at a time, in the order
-        they were read; a cancelled one is skipped (it has had its Finished)."""
+        they were read; a cancelled one is skipped (it has had its Finished).
+        While the stream is paused none is answered: a client that does not
+        read would otherwise have each answer buffered."""
         while self._waiting:
             waiting = self._waiting[0]
             if not waiting.is_cancelled:
+                await self._is_unpaused.wait()
+            if not waiting.is_cancelled:  # perhaps cancelled while paused
                 await self.submit(waiting.submit, waiting.message, waiting)
             self._waiting.popleft()
             self._waiting_bytes -= waiting.num_bytes
@@ -295,6 +304,11 @@ class StreamSession:
                     refusal=refusal,
                 )
 
+    @property
+    def num_unread(self) -> int:
+        """Responses queued for the client and not yet taken to send."""
+        return len(self._outbox)
+
     def engine_id(self, request_id: str) -> str:
         """The engine's id for this stream's ``request_id`` (ids are per stream)."""
         return f"{self.stream_id}/{request_id}"
@@ -339,7 +353,7 @@ class StreamSession:
         # Accepted goes in first so it precedes any token the engine thread
         # may publish before submit() returns; withdrawn if submit raises.
         ack = wire.accepted(request_id, engine.num_waiting, len(request.prompt_token_ids))
-        self._outbox.put(ack, ack.ByteSize())
+        self._send(ack)
         if self._telemetry is not None:
             self._telemetry.begin(request, request_id, self._metadata, submit.trace_context)
         try:
@@ -356,15 +370,18 @@ class StreamSession:
             engine.pause((request.req_id,))
             if self._grace_timer is None:
                 self._arm_grace()
-        self._wakeup.set()
 
     def _reject(
         self, request_id: str, rejection: Rejection, message: str, error: Exception | None = None
     ) -> None:
-        response = wire.rejected(
-            request_id, rejection.reject_reason, rejection.status.name, message, error
-        )
-        self._outbox.put(response, response.ByteSize())
+        reason, status = rejection.reject_reason, rejection.status.name
+        self._send(wire.rejected(request_id, reason, status, message, error))
+
+    def _send(self, response: pb.GenerateResponse) -> None:
+        """Queues a response made on the loop; it counts against the stream's
+        unread bound as an engine event does."""
+        if self._outbox.put(response, response.ByteSize()):
+            self._on_full()
         self._wakeup.set()
 
     async def submit_one(self, submit: pb.Submit) -> None:
@@ -397,9 +414,7 @@ class StreamSession:
         )
         # A ready response, not an engine event: draining it must not take
         # from ``_live`` a later request that reuses the id.
-        response = wire.finished(request_id, event)
-        self._outbox.put(response, response.ByteSize())
-        self._wakeup.set()
+        self._send(wire.finished(request_id, event))
         if self._telemetry is not None:
             self._telemetry.unadmitted(
                 event,
@@ -428,6 +443,7 @@ class StreamSession:
         if self._is_paused or self._is_ended or not self._outbox.is_full:
             return
         self._is_paused = True
+        self._is_unpaused.clear()
         self._engine.pause(self._live.values())
         self._arm_grace()
         log.debug(
@@ -444,6 +460,7 @@ class StreamSession:
 
     def _resume(self) -> None:
         self._is_paused = False
+        self._is_unpaused.set()
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None

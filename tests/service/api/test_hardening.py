@@ -6,14 +6,17 @@ SLOW_READER). Each fails alone; the server and its other streams go on."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -21,7 +24,7 @@ import structlog
 from server_thread import ServerThread
 from structlog.testing import capture_logs
 
-from slipstream.service.api import wire, workers
+from slipstream.service.api import servicer, session, wire, workers
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
 from slipstream.service.engine.config import EngineConfig
@@ -219,6 +222,28 @@ def test_tokenize_over_the_limit_fails_that_call(channel: grpc.Channel, engine: 
     assert list(reply.tokens) == tokenizer.convert_ids_to_tokens(tokenizer.encode(text))
 
 
+def test_tokenize_refuses_an_answer_over_the_message_limit(engine: object) -> None:
+    """Text within the prompt limit whose answer would not fit in one message
+    is refused INVALID_ARGUMENT, naming the limit (not left for gRPC to fail
+    RESOURCE_EXHAUSTED once it is built); an answer of exactly the limit
+    goes out."""
+    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+    text = "é🙂 \x00" * 500
+    ids = tokenizer.encode(text)
+    answer = pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+    srv = ServerThread(engine, limits=Limits(max_message_bytes=answer.ByteSize()))
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            assert stub.Tokenize(pb.TokenizeRequest(text=text)) == answer
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Tokenize(pb.TokenizeRequest(text=text + "é"))
+    finally:
+        srv.stop()
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"message limit of {answer.ByteSize()} bytes" in (err.value.details() or "")
+
+
 # ---------------------------------------------------------------- off the event loop
 
 
@@ -341,6 +366,59 @@ def test_a_client_that_stops_reading_is_paused_then_cancelled(
     finally:
         client.kill()
         client.wait()
+
+
+def test_a_client_that_writes_refused_submits_and_never_reads_is_held_back(
+    server: ServerThread, engine: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refusals count against the unread bound as tokens do: past it the
+    stream's submits wait unanswered, then unread, so the server's buffer
+    stays bounded however many the client writes; its running request ends
+    SLOW_READER after the grace, every submit is answered once the client
+    reads, and the ended stream leaves nothing behind."""
+    monkeypatch.setattr(session, "MAX_WAITING_SUBMITS", 8)
+    sessions: list[weakref.ref[session.StreamSession]] = []
+
+    class Recorded(session.StreamSession):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            sessions.append(weakref.ref(self))
+
+    monkeypatch.setattr(servicer, "StreamSession", Recorded)
+    num_refused = 3000  # 12 MB: more than flow control lets the client write ahead
+    num_sent = 0
+
+    def frames() -> Iterator[pb.GenerateRequest]:
+        nonlocal num_sent
+        yield submit("running", 1000)
+        for i in range(num_refused):
+            num_sent += 1
+            refused = submit(f"over{i}")
+            refused.submit.stopping.stop_sequences.append("x" * 4000)  # over the limit
+            yield refused
+
+    def unread() -> int:
+        stream = sessions[0]()
+        return -1 if stream is None else stream.num_unread
+
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16384)]
+    with grpc.insecure_channel(server.target, options=options) as channel:
+        call = pb_grpc.InferenceStub(channel).Generate(frames(), timeout=60)
+        assert wait_until(lambda: bool(sessions) and unread() > 0)
+        # Held back: what the client wrote stops being read and answered.
+        assert wait_until(lambda: not _live_outputs(engine), timeout_s=15)  # SLOW_READER
+        held = num_sent
+        time.sleep(0.5)
+        assert num_sent == held < num_refused
+        assert 0 < unread() <= LIMITS.max_outbox_events + 8 + 1
+        finished = [(r.request_id, r.finished) for r in call if r.WhichOneof("event") == "finished"]
+        assert call.code() is grpc.StatusCode.OK
+    reasons = dict(finished)
+    assert len(finished) == len(reasons) == num_refused + 1
+    assert reasons.pop("running").reason == pb.FINISH_REASON_SLOW_READER
+    assert {f.reason for f in reasons.values()} == {pb.FINISH_REASON_REJECTED}
+    del call
+    assert wait_until(lambda: gc.collect() >= 0 and sessions[0]() is None)
 
 
 def test_slow_reader_finish_maps_to_the_wire() -> None:
