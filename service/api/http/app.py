@@ -41,9 +41,12 @@ if TYPE_CHECKING:
     from slipstream.service.api.workers import WorkerPool
     from slipstream.service.telemetry.tracing import Telemetry
 
-# Bodies past this are refused (413) before they are read in full. A prompt
-# that fits any context is far smaller: 1 Mi token ids are ~8 MiB of JSON.
-DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# A body is one prompt of at most --max-prompt-bytes (text, or token ids in
+# JSON) and a little else; bodies past the two are refused (413) before they
+# are read in full. The whole body parses on the event loop (json.loads
+# holds the GIL, so a thread would not help), at ~30 ms a MiB on a slow
+# core: this bounds the stall one request can cause.
+BODY_MARGIN_BYTES = 2**20
 
 # What stop() gives handlers still running (after draining and the engine's
 # shutdown, all of them have their answer already).
@@ -95,7 +98,7 @@ class HttpFront:
         self,
         lifecycle: Lifecycle,
         telemetry: Telemetry | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_body_bytes: int | None = None,
         authenticate: Authenticator | None = None,
         tenants: Tenants | None = None,
         workers: WorkerPool | None = None,
@@ -103,7 +106,11 @@ class HttpFront:
         tls: ServerTLS | None = None,
     ) -> None:
         """``tls``: the files are read here (TLSFilesError), before anything
-        listens."""
+        listens. ``max_body_bytes``: by default the prompt limit of
+        ``limits`` plus ``BODY_MARGIN_BYTES``."""
+        limits = limits or Limits()
+        if max_body_bytes is None:
+            max_body_bytes = limits.max_prompt_bytes + BODY_MARGIN_BYTES
         self._lifecycle = lifecycle
         self._certificates = None if tls is None else CertificateFiles(tls, front="http")
         self._telemetry = telemetry
