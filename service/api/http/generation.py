@@ -215,7 +215,7 @@ class Generations:
             None if self._tenants is None or tenant is None else TenantGate(self._tenants, tenant)
         )
         try:
-            body = await _json(request)
+            body = await _json(request, self._limits.http_read_timeout_s)
             max_model_len, max_choices = engine.info.max_model_len, self._limits.max_choices
             parsed = parse(body, request.headers, is_chat, max_model_len, max_choices)
             if parsed.model != engine.info.name:
@@ -502,9 +502,14 @@ def abort_unfinished(engine: Engine, relay: EventRelay, message: str) -> None:
         engine.abort(req_id, message=message)
 
 
-async def _json(request: web.Request) -> object:
+async def _json(request: web.Request, timeout_s: float | None = None) -> object:
     # A body over the size limit raises HTTPRequestEntityTooLarge (413, app.py).
-    raw = await request.read()
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:  # aiohttp reads what is left for a while, then closes
+        message = f"the request body did not arrive within {timeout_s:g} s"
+        raise ApiError(408, message, code="request_timeout") from None
     charset = request.charset or "utf-8"
     try:
         # A leading byte order mark is skipped, as OpenAI's servers do.
