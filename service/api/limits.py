@@ -59,6 +59,15 @@ class Limits:
     # lowest CPU priority, which returns freed memory to the system afterwards
     # (malloc_trim).
     trim_after_bytes: int = 1 * MiB
+    # Open HTTP connections; past it a new one is closed as soon as it is
+    # accepted. ``serve`` lowers it to half the open-file limit where that
+    # is lower, so the HTTP front cannot take gRPC's file descriptors.
+    max_http_connections: int = 1024
+    # An HTTP request's headers must all arrive within this long of its
+    # connection opening (or of its last answer: an idle connection is
+    # closed then too), and its body within this long of its headers (408).
+    # Above the 60 s idle timeout of common load balancers.
+    http_read_timeout_s: float = 75.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -69,6 +78,7 @@ class Limits:
             "max_outbox_bytes",
             "num_tokenizer_workers",
             "max_choices",
+            "max_http_connections",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -83,5 +93,6 @@ class Limits:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
-        if not self.slow_reader_grace_s > 0:
-            raise ValueError("slow_reader_grace_s must be positive")
+        for name in ("slow_reader_grace_s", "http_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")

@@ -379,22 +379,45 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
             non_negative_int,
             "prompts waiting for a tokenizer thread before QUEUE_FULL",
         ),
+        (
+            "max_http_connections",
+            positive_int,
+            "open HTTP connections; past it a new one is closed at once "
+            f"({defaults.max_http_connections}, or half the open-file limit where lower)",
+        ),
+        (
+            "http_read_timeout",
+            positive_float,
+            "seconds an HTTP request's headers, then its body, may take to arrive "
+            "(408); also how long an idle HTTP connection is kept",
+        ),
     )
+    computed = {"max_http_connections": max_http_connections(defaults.max_http_connections)}
     for name, kind, text in flags:
         field = _LIMIT_FIELDS.get(name, name)
         group.add_argument(
             "--" + name.replace("_", "-"),
             dest=field,
             type=kind,
-            default=getattr(defaults, field),
+            default=computed.get(field, getattr(defaults, field)),
             help=f"{text} (default: %(default)s)",
         )
+
+
+def max_http_connections(most: int) -> int:
+    """``most``, or half this process's open-file limit where that is lower:
+    the other half stays for gRPC, the model's files and the metrics port."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return most if soft == resource.RLIM_INFINITY else max(1, min(most, soft // 2))
 
 
 # Flag names that differ from their Limits field.
 _LIMIT_FIELDS = {
     "slow_reader_grace": "slow_reader_grace_s",
     "tokenizer_workers": "num_tokenizer_workers",
+    "http_read_timeout": "http_read_timeout_s",
 }
 
 
@@ -412,6 +435,7 @@ def limits(args: argparse.Namespace) -> object:
         "max_outbox_events",
         "max_outbox_bytes",
         "max_queued_prompts",
+        "max_http_connections",
         *_LIMIT_FIELDS.values(),
     ]
     return Limits(**{name: getattr(args, name) for name in names})

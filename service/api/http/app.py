@@ -16,6 +16,8 @@ With a ``ServerTLS`` it speaks HTTPS only, with gRPC's files and rotation
 
 from __future__ import annotations
 
+import asyncio
+import math
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -41,13 +43,21 @@ if TYPE_CHECKING:
     from slipstream.service.api.workers import WorkerPool
     from slipstream.service.telemetry.tracing import Telemetry
 
-# Bodies past this are refused (413) before they are read in full. A prompt
-# that fits any context is far smaller: 1 Mi token ids are ~8 MiB of JSON.
-DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# A body is one prompt of at most --max-prompt-bytes (text, or token ids in
+# JSON) and a little else; bodies past the two are refused (413) before they
+# are read in full. The whole body parses on the event loop (json.loads
+# holds the GIL, so a thread would not help), at ~30 ms a MiB on a slow
+# core: this bounds the stall one request can cause.
+BODY_MARGIN_BYTES = 2**20
 
 # What stop() gives handlers still running (after draining and the engine's
 # shutdown, all of them have their answer already).
 SHUTDOWN_TIMEOUT_S = 5.0
+
+# aiohttp's default: how long an unread body is read after its answer.
+LINGERING_S = 10.0
+# A refused connection is logged at most this often, with the count since.
+REFUSED_LOG_INTERVAL_S = 10.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -88,6 +98,64 @@ def _http_error(exc: web.HTTPException) -> web.StreamResponse:
     ).response()
 
 
+class ConnectionCap:
+    """The listening socket's protocol factory: aiohttp's own handler for
+    each connection until ``max_connections`` are open, then a protocol that
+    closes a new one as soon as it is accepted. Without it every unfinished
+    request holds a file descriptor, until the process has none left for
+    gRPC either.
+
+    Open connections are aiohttp's (``Server.connections``, from its
+    ``connection_made`` to its ``connection_lost``) plus those accepted and
+    not yet made: asyncio accepts a burst of them before any is made, and
+    makes each just after the step that created it."""
+
+    def __init__(
+        self, server: web.Server, max_connections: int, telemetry: Telemetry | None = None
+    ) -> None:
+        self._server = server
+        self._max_connections = max_connections
+        self._metrics = None if telemetry is None else telemetry.metrics
+        self._num_accepting = 0
+        self._num_refused = 0  # since the last warning
+        self._last_warning = -math.inf
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._server.connections) + self._num_accepting
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.num_connections >= self._max_connections:
+            self._refused()
+            return _Refused()
+        self._num_accepting += 1
+        asyncio.get_running_loop().call_soon(self._accepted)
+        return self._server()
+
+    def _accepted(self) -> None:
+        self._num_accepting -= 1
+
+    def _refused(self) -> None:
+        if self._metrics is not None:
+            self._metrics.call_refused("too_many_connections")
+        self._num_refused += 1
+        now = time.monotonic()
+        if now - self._last_warning >= REFUSED_LOG_INTERVAL_S:
+            log.warning(
+                "http_connections_refused",
+                max_connections=self._max_connections,
+                num_refused=self._num_refused,
+            )
+            self._last_warning, self._num_refused = now, 0
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: reset at once, nothing read or written."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.abort()  # type: ignore[attr-defined]
+
+
 class HttpFront:
     """The OpenAI-compatible front door of one server process."""
 
@@ -95,7 +163,7 @@ class HttpFront:
         self,
         lifecycle: Lifecycle,
         telemetry: Telemetry | None = None,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_body_bytes: int | None = None,
         authenticate: Authenticator | None = None,
         tenants: Tenants | None = None,
         workers: WorkerPool | None = None,
@@ -103,10 +171,15 @@ class HttpFront:
         tls: ServerTLS | None = None,
     ) -> None:
         """``tls``: the files are read here (TLSFilesError), before anything
-        listens."""
+        listens. ``max_body_bytes``: by default the prompt limit of
+        ``limits`` plus ``BODY_MARGIN_BYTES``."""
+        limits = limits or Limits()
+        if max_body_bytes is None:
+            max_body_bytes = limits.max_prompt_bytes + BODY_MARGIN_BYTES
         self._lifecycle = lifecycle
         self._certificates = None if tls is None else CertificateFiles(tls, front="http")
         self._telemetry = telemetry
+        self._limits = limits
         self._created = int(time.time())
         generations = Generations(lifecycle, telemetry, authenticate, tenants, workers, limits)
         # With tenants, what names the model or the tenants asks a token as a
@@ -123,28 +196,50 @@ class HttpFront:
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
+        self.connections: ConnectionCap | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: a free port); returns the bound port."""
-        # Cancel a handler the moment its client disconnects: that is what
-        # frees the request's KV while it still waits in the queue.
+        limits = self._limits
         sock = socket.create_server((host.strip("[]"), port))
         self._runner = web.AppRunner(
             self.app,
+            # Cancel a handler the moment its client disconnects: that is
+            # what frees the request's KV while it still waits in the queue.
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            # aiohttp closes a connection this long without a whole request's
+            # headers (from its start or its last answer; idle ones too).
+            # The body's own timeout is the handler's (generation.py).
+            keepalive_timeout=limits.http_read_timeout_s,
+            # After an answer, the rest of an unread body is read (so the
+            # client sees the answer) for at most as long, then it is closed.
+            lingering_time=min(LINGERING_S, limits.http_read_timeout_s),
         )
         await self._runner.setup()
+        assert self._runner.server is not None
+        self.connections = ConnectionCap(
+            self._runner.server, limits.max_http_connections, self._telemetry
+        )
         certificates = self._certificates
         ssl_context = None if certificates is None else certificates.ssl_context()
-        site = web.SockSite(self._runner, sock, ssl_context=ssl_context)
-        await site.start()
+        # Not a web.SockSite: this factory, not aiohttp's, makes each connection.
+        self._listener = await asyncio.get_running_loop().create_server(
+            self.connections,
+            sock=sock,
+            ssl=ssl_context,
+            ssl_handshake_timeout=None if ssl_context is None else limits.http_read_timeout_s,
+        )
         return int(sock.getsockname()[1])
 
     async def stop(self) -> None:
         """Stop listening and close connections; call after draining and
         after the engine has ended every request."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+from slipstream.scheduler.errors import PromptTooLong
 from slipstream.scheduler.request import MAX_TOP_LOGPROBS
-from slipstream.service.api.http.errors import invalid
+from slipstream.service.api.http.errors import ApiError, from_domain, invalid
 from slipstream.v1 import inference_pb2 as pb
 
 # OpenAI's documented defaults where they differ from the gRPC API's.
@@ -110,15 +111,19 @@ def parse(
     _optional(body, "user", str)
     is_stream = bool(_optional(body, "stream", bool))
     include_usage = _stream_options(body, is_stream)
-    prompts: list[Prompt] = [_messages(body)] if is_chat else _prompts(body)
-    _check_choices(len(prompts), n, max_choices)
     submit = pb.Submit()
+    # Before the prompt: a token-id prompt's refusal names its max_tokens.
+    _stopping(body, submit.stopping, is_chat, max_model_len)
+    if is_chat:
+        _check_choices(1, n, max_choices)
+        prompts: list[Prompt] = [_messages(body)]
+    else:
+        prompts = _prompts(body, n, max_choices, max_model_len, submit.stopping.max_new_tokens)
     priority = _controls_int(body, headers, "priority", HEADER_PRIORITY, MAX_INT32)
     if priority is not None:
         submit.priority = priority
     _sampling(body, submit.sampling)
     _logprobs(body, submit, is_chat)
-    _stopping(body, submit.stopping, is_chat, max_model_len)
     deadline_ms = _deadline_ms(body, headers)
     if deadline_ms is not None:
         submit.timeout.FromNanoseconds(round(deadline_ms * 1e6))
@@ -214,23 +219,37 @@ def _stream_options(body: Mapping[str, object], is_stream: bool) -> bool:
     return include
 
 
-def _prompts(body: Mapping[str, object]) -> list[str | list[int]]:
-    """``prompt``: one prompt, or a list of them (strings or token-id lists)."""
+def _prompts(
+    body: Mapping[str, object], n: int, max_choices: int, max_model_len: int, max_new: int
+) -> list[str | list[int]]:
+    """``prompt``: one prompt, or a list of them (strings or token-id lists).
+    Counts and lengths are checked before any element is: a body of
+    millions of ids is refused in microseconds, not read id by id."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        _check_choices(len(prompt), n, max_choices)
         if len(prompt) == 1:
-            return [_prompt(prompt[0], "prompt")]
-        return [_prompt(one, f"prompt[{i}]") for i, one in enumerate(prompt)]
-    return [_prompt(prompt, "prompt")]
+            return [_prompt(prompt[0], "prompt", max_model_len, max_new)]
+        return [
+            _prompt(one, f"prompt[{i}]", max_model_len, max_new) for i, one in enumerate(prompt)
+        ]
+    _check_choices(1, n, max_choices)
+    return [_prompt(prompt, "prompt", max_model_len, max_new)]
 
 
-def _prompt(prompt: object, name: str) -> str | list[int]:
+def _prompt(prompt: object, name: str, max_model_len: int, max_new: int) -> str | list[int]:
     """One prompt; ``name`` says where it is in the request."""
     if isinstance(prompt, str):
         if not prompt:
             raise invalid(f"{name} is empty", "prompt")
         return _text(prompt, name, "prompt")
     if isinstance(prompt, list) and prompt:
+        if len(prompt) > max_model_len:  # worded as the gRPC front's (wire._prompt_ids)
+            message = (
+                f"prompt ({len(prompt)}) + max_new_tokens ({max_new}) "
+                f"exceeds max_model_len ({max_model_len})"
+            )
+            raise _over_context(message)
         # the wire's uint32 (the model's vocabulary is checked later)
         ids_ok = (
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_UINT32 for t in prompt
@@ -240,6 +259,13 @@ def _prompt(prompt: object, name: str) -> str | list[int]:
             raise invalid(message, "prompt")
         return prompt
     raise invalid(f"{name} must be a non-empty string or list of token ids", "prompt")
+
+
+def _over_context(message: str) -> ApiError:
+    """The answer (and the recorded refusal) a prompt over the context gets later."""
+    error = from_domain(PromptTooLong(message), "prompt")
+    assert error is not None  # PromptTooLong is mapped
+    return error
 
 
 def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:

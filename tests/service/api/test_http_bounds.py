@@ -1,0 +1,249 @@
+"""What one HTTP client can cost every other: how large a body is read,
+how long it takes to parse on the event loop, how many connections it may
+hold open and for how long, on the ``tiny`` model's front."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+
+import pytest
+from structlog.testing import capture_logs
+
+from slipstream.service.api.http import generation
+from slipstream.service.api.http.errors import ApiError
+from slipstream.service.api.http.params import parse
+from slipstream.service.api.limits import Limits
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.telemetry.metrics import ServerMetrics
+from slipstream.service.telemetry.tracing import Telemetry
+
+CONFIG = EngineConfig(model="tiny", dtype="float32", calibrate_cost_model=False)
+
+
+class Front:
+    """The HTTP front alone around one engine, on its own event loop thread."""
+
+    def __init__(
+        self, engine: object, limits: Limits | None = None, telemetry: Telemetry | None = None
+    ) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = self._call(self._start(engine, limits, telemetry))
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def _call(self, coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
+
+    async def _start(
+        self, engine: object, limits: Limits | None, telemetry: Telemetry | None
+    ) -> int:
+        from slipstream.service.api.http.app import HttpFront
+        from slipstream.service.api.lifecycle import Lifecycle
+
+        lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
+        self.http = HttpFront(lifecycle, telemetry, limits=limits)
+        port = await self.http.start("127.0.0.1", 0)
+        await lifecycle.serve()
+        return port
+
+    def stop(self) -> None:
+        self._call(self.http.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+    def post(self, body: bytes | str) -> tuple[int, dict[str, object]]:
+        request = urllib.request.Request(
+            self.base_url + "/v1/completions",
+            data=body.encode() if isinstance(body, str) else body,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+
+def refusal(body: dict[str, object], **limits: int) -> ApiError:
+    with pytest.raises(ApiError) as refused:
+        parse(body, {}, False, **limits)
+    return refused.value
+
+
+def test_a_token_id_prompt_over_the_context_is_refused_before_its_ids_are_read() -> None:
+    """Its length first, in the gRPC front's words: a body of millions of
+    ids is not checked id by id on the event loop (it took ~1 s)."""
+    error = refusal({"model": "tiny", "prompt": [0] * 2000 + ["x"]}, max_model_len=1024)
+    assert (error.status, error.code, error.param) == (400, "context_length_exceeded", "prompt")
+    assert error.message == "prompt (2001) + max_new_tokens (16) exceeds max_model_len (1024)"
+    error = refusal({"model": "tiny", "prompt": [0] * 1023 + ["x"]}, max_model_len=1024)
+    assert error.message.startswith("a token-id prompt must be a list of integers")
+
+
+def test_a_list_of_too_many_prompts_is_refused_before_each_is_read() -> None:
+    error = refusal({"model": "tiny", "prompt": [[0]] * 20 + [["x"]]}, max_choices=16)
+    assert (error.status, error.param) == (400, "prompt")
+    assert error.message == (
+        "21 prompts with n=1 ask for 21 choices, more than the 16 this server allows"
+    )
+
+
+class Body:
+    """Just what ``generation._json`` reads of a request."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.charset = None
+
+    async def read(self) -> bytes:
+        return self.raw
+
+
+def test_a_body_parses_with_the_collector_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200,000 small lists would start hundreds of collections mid-parse,
+    on the event loop: ``[[0],[0],...]`` parsed ~7x slower."""
+    collections: list[dict[str, int]] = []
+    parsing = threading.Event()
+    loads = json.loads
+
+    def parse_watched(text: str) -> object:
+        parsing.set()
+        try:
+            return loads(text)
+        finally:
+            parsing.clear()
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and parsing.is_set():
+            collections.append(info)
+
+    monkeypatch.setattr(generation.json, "loads", parse_watched)
+    body = b'{"prompt": [' + b",".join([b"[0]"] * 200_000) + b"]}"
+    gc.callbacks.append(count)
+    try:
+        parsed = asyncio.run(generation._json(Body(body)))  # type: ignore[arg-type]
+    finally:
+        gc.callbacks.remove(count)
+    assert len(parsed["prompt"]) == 200_000  # type: ignore[index]
+    assert collections == [] and gc.isenabled()
+    with pytest.raises(ApiError):
+        asyncio.run(generation._json(Body(b"[" * 100 + b"x")))  # type: ignore[arg-type]
+    assert gc.isenabled()
+
+
+@pytest.fixture(scope="module")
+def small_prompts(engine: object) -> Iterator[Front]:
+    front = Front(engine, Limits(max_prompt_bytes=4096))
+    yield front
+    front.stop()
+
+
+def test_the_body_limit_is_the_prompt_limit_and_a_margin(small_prompts: Front) -> None:
+    """A body past --max-prompt-bytes and 1 MiB is refused before it is
+    read or parsed, so the worst parse is bounded by the prompt limit (the
+    limit was a fixed 16 MiB: ~2 s of parsing on the event loop)."""
+    limit = 4096 + 2**20
+    ids = b'{"model": "tiny", "prompt": [' + b",".join([b"0"] * (limit // 2)) + b"]}"
+    status, reply = small_prompts.post(ids)
+    assert status == 413, reply
+    assert reply["error"]["message"] == f"the request body is over {limit} bytes"  # type: ignore[index]
+    padded = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}) + " " * (2**20 - 64)
+    status, reply = small_prompts.post(padded.encode())
+    assert status == 200, reply
+
+
+def connect(front: Front, first_bytes: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+    sock.sendall(first_bytes)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """What the server sends until it closes (a reset ends it too)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def num_connections(front: Front) -> int:
+    assert front.http.connections is not None
+    return front.http.connections.num_connections
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+UNFINISHED_HEADERS = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+UNFINISHED_BODY = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 100\r\n\r\n{"
+)
+
+
+def test_connections_past_the_cap_are_closed_at_once(engine: object) -> None:
+    """Unfinished requests once held a descriptor each until the process
+    had none (gRPC calls then failed too) and asyncio logged every failed
+    accept; now one past --max-http-connections is reset as it is
+    accepted, counted, and warned of once in a while."""
+    telemetry = Telemetry(None, ServerMetrics())
+    front = Front(engine, Limits(max_http_connections=4), telemetry)
+    held = [connect(front, UNFINISHED_HEADERS if i % 2 else UNFINISHED_BODY) for i in range(4)]
+    try:
+        assert wait_until(lambda: num_connections(front) == 4)
+        with capture_logs() as logs:
+            for _ in range(20):
+                with connect(front, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n") as extra:
+                    assert read_all(extra) == b""
+        refused = [entry for entry in logs if entry["event"] == "http_connections_refused"]
+        assert len(refused) == 1 and refused[0]["max_connections"] == 4, logs
+        registry = telemetry.metrics.registry  # type: ignore[union-attr]
+        labels = {"reason": "too_many_connections"}
+        assert registry.get_sample_value("slipstream_rejections_total", labels) == 20
+        held.pop().close()
+        assert wait_until(lambda: num_connections(front) == 3)
+        status, reply = front.post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        assert status == 200, reply
+    finally:
+        for sock in held:
+            sock.close()
+        front.stop()
+
+
+def test_a_request_that_stalls_is_ended_and_frees_its_slot(engine: object) -> None:
+    """Headers that never end are closed, a body that stalls is a 408:
+    each after --http-read-timeout, and its connection is gone soon after."""
+    front = Front(engine, Limits(max_http_connections=2, http_read_timeout_s=1.0))
+    try:
+        start = time.monotonic()
+        with connect(front, UNFINISHED_HEADERS) as headers, connect(front, UNFINISHED_BODY) as body:
+            assert wait_until(lambda: num_connections(front) == 2)
+            assert read_all(headers) == b""
+            answer = read_all(body)
+        assert 1.0 <= time.monotonic() - start < 5.0
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["message"] == "the request body did not arrive within 1 s"
+        assert wait_until(lambda: num_connections(front) == 0, timeout_s=3.0)
+        status, reply = front.post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
+        assert status == 200, reply
+    finally:
+        front.stop()
