@@ -30,16 +30,19 @@ class PrefixSharing(SchedulerState):
 
     def _take_prefix(self, req: Request, hits: list[int]) -> None:
         """Waiting ``req`` starts with the shared ``hits``: its prefill
-        starts at the first uncached token."""
+        starts at the first uncached token. Only its first admission counts
+        in ``num_cached_tokens`` and the hit counters, so the hit rate is the
+        requests' cached prompt tokens over their prompt tokens."""
         self.device_pool.share(hits)
         req.block_ids = list(hits)
         req.num_committed_blocks = len(hits)
         req.num_computed_tokens = len(hits) * self.config.block_size
-        if req.first_scheduled_time is None:
-            req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        if req.first_scheduled_time is not None:
+            return  # a re-admission after a recompute: its own blocks are no reuse
+        req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
         if self._prefix_cache:
-            self._num_prefix_queried_tokens += req.num_tokens
-            self._num_prefix_hit_tokens += req.num_computed_tokens
+            self._num_prefix_queried_tokens += req.num_prompt_tokens
+            self._num_prefix_hit_tokens += req.num_cached_tokens
 
     def _released_prefix(self, req: Request) -> list[int] | None:
         """The shared prefix swapped ``req`` released, found again in the

@@ -40,12 +40,12 @@ class RoomMaking(Preemption, PrefixSharing):
             hits = self._prefix_hits(candidate)
             cached = len(hits) * self.config.block_size
             chunk = min(candidate.num_tokens - cached, self.config.max_num_batched_tokens)
-            need = reserved_blocks + self._blocks_to_admit(
-                hits, self.device_pool.blocks_for(cached + chunk)
-            )
             min_tokens = min(chunk, self.config.block_size) if budget else 0
             has_room = False
             while True:
+                # Asked again after each victim: a preempted candidate's need
+                # counts the running requests (see _blocks_to_start).
+                need = reserved_blocks + self._blocks_to_start(candidate, hits, chunk)
                 if self._fits(need, num_admitted + 1):
                     if not budget:
                         has_room = True
@@ -105,6 +105,25 @@ class RoomMaking(Preemption, PrefixSharing):
                 return False
         req.block_ids.extend(pool.allocate(need))
         return True
+
+    def _blocks_to_start(self, req: Request, hits: list[int], chunk: int) -> int:
+        """Free blocks waiting ``req`` needs to be admitted with a first
+        chunk of ``chunk`` tokens after its shared ``hits``.
+
+        A request preempted before (dropped for recompute, or a lost swap)
+        needs room for its whole recompute, prompt and outputs so far, plus
+        one block per running request. It was pushed out because the running
+        work needed its blocks: taken back on its first chunk alone, it would
+        be pushed out again by the next block that work grows into, its
+        prefill lost each time (the recompute thrash). So it waits until work
+        finishes; on a drained pool it always fits (``add_request`` refuses a
+        request larger than the pool). A request never preempted needs its
+        first chunk only, so admission under no pressure is unchanged."""
+        if req.num_preemptions == 0:
+            tokens = len(hits) * self.config.block_size + chunk
+            return self._blocks_to_admit(hits, self.device_pool.blocks_for(tokens))
+        need = self._blocks_to_admit(hits, self.device_pool.blocks_for(req.num_tokens))
+        return need + len(self._running)
 
     def _ordered_waiting(self, state: _StepState, now: float) -> list[Request]:
         """``policy.order_waiting`` of the waiting queue, asked once per step

@@ -34,8 +34,9 @@ Invariants kept by every public method:
   its first uncached token; preemption swaps out only the blocks a request
   holds alone and releases its shared prefix, found again at swap-in;
 - a finished request holds no blocks and is forgotten;
-- nothing preempted in a step runs in that step, and a step that preempts
-  swaps nothing in (both guard against thrashing). Swap-outs are always
+- nothing preempted in a step runs in that step, a step that preempts
+  swaps nothing in, and a request preempted before is admitted again only
+  when all of it fits (room.py; all guard against thrashing). Swap-outs are always
   planned before swap-ins and the runner executes them in that order, so a
   block one frees and the other reuses is read before it is overwritten.
 

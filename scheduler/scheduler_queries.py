@@ -65,12 +65,14 @@ class SchedulerQueries(SchedulerState):
 
     @property
     def num_prefix_queried_tokens(self) -> int:
-        """Tokens looked up in the prefix cache, one look-up per admission."""
+        """Prompt tokens looked up in the prefix cache, once per request at its
+        first admission (a re-admission after a recompute is not counted)."""
         return self._num_prefix_queried_tokens
 
     @property
     def num_prefix_hit_tokens(self) -> int:
-        """Of ``num_prefix_queried_tokens``, those found cached (not prefilled)."""
+        """Of ``num_prefix_queried_tokens``, those found cached (not
+        prefilled): the requests' ``num_cached_tokens`` summed."""
         return self._num_prefix_hit_tokens
 
     @property

@@ -84,12 +84,10 @@ class StepPlanning(RoomMaking):
             if num_new <= 0:
                 state.is_held_back = True
                 return  # the step is as slow as urgent work can afford
-            target = cached + num_new
-            if not self.device_pool.can_allocate(
-                self._blocks_to_admit(hits, self.device_pool.blocks_for(target))
-            ):
+            if not self.device_pool.can_allocate(self._blocks_to_start(req, hits, num_new)):
                 state.is_saturated = True
                 return  # the head waits for blocks; nobody overtakes it
+            target = cached + num_new
             self._take_prefix(req, hits)
             self._admit(req, now)
             req.block_ids.extend(self.device_pool.append(req.block_ids, target))

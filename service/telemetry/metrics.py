@@ -316,7 +316,9 @@ def _prefix_cache_metrics(stats: PrefixCacheStats) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily(
         "slipstream_prefix_cache_hit_rate",
-        "Prefix-cache hit tokens / queried tokens since start (0 before any look-up)",
+        "Prompt tokens found in the prefix cache / prompt tokens, over requests admitted"
+        " since start (their cached_tokens; a re-admission after a preemption is not a"
+        " look-up; 0 before any)",
         value=stats.hit_rate,
     )
     yield GaugeMetricFamily(

@@ -216,7 +216,14 @@ def test_recompute_preemption_finds_its_own_prefix_again() -> None:
     sched.add_request(b, 0.0)
     driver.run_until_idle()
     assert sched.num_recompute_preemptions > 0
-    assert sched.num_prefix_hit_tokens > 0  # a re-admission found blocks it computed
+    # The re-admission found blocks it computed before it was pushed out ...
+    [pushed_out] = [p.step for p in driver.plans if p.preempted_req_ids == ["b"]]
+    readmission = next(s for p in driver.plans[pushed_out:] for s in p.seqs if s.req_id == "b")
+    assert readmission.start_pos > 0 and readmission.output_index > 0
+    # ... which is no reuse: the hit counters and the requests' cached tokens agree.
+    assert a.num_cached_tokens == b.num_cached_tokens == 0
+    assert sched.num_prefix_hit_tokens == 0
+    assert sched.num_prefix_queried_tokens == a.num_prompt_tokens + b.num_prompt_tokens
     for req in (a, b):
         assert driver.outputs[req.req_id] == reference_outputs(req)
     check_pools(sched)

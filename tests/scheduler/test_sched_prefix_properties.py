@@ -115,6 +115,11 @@ def _check_prefix_script(
             assert produced == expected[: len(produced)]
         assert 0 <= req.num_cached_tokens < req.num_prompt_tokens
     assert 0 <= sched.num_prefix_hit_tokens <= sched.num_prefix_queried_tokens
+    # The hit rate is the requests' own figure: cached over prompt tokens of
+    # every request admitted, each once however often it was recomputed.
+    admitted = [r for r in submitted.values() if r.first_scheduled_time is not None]
+    assert sched.num_prefix_hit_tokens == sum(r.num_cached_tokens for r in admitted)
+    assert sched.num_prefix_queried_tokens == sum(r.num_prompt_tokens for r in admitted)
     event(f"prefix hits: {sched.num_prefix_hit_tokens > 0}")
     event(f"evictions: {sched.device_pool.num_evictions > 0}")
     event(f"swap preemption: {sched.num_swap_preemptions > 0}")

@@ -178,6 +178,27 @@ def test_no_new_admission_in_a_step_where_running_work_ran_out_of_blocks() -> No
     assert driver.finishes["c"] == [FinishReason.MAX_TOKENS]
 
 
+def test_a_request_dropped_for_recompute_waits_for_room_for_all_of_it() -> None:
+    # 8 blocks of 2, 4 tokens a step. "a" grows to 7 blocks; "b" (4 blocks)
+    # is pushed out when "a" needs one. Taken back on its first chunk's
+    # blocks, "b" was pushed out again at each block "a" grew into, its
+    # re-prefill lost each time; it now waits until all of it fits.
+    sched = make_scheduler(
+        num_device_blocks=8, block_size=2, max_model_len=16, max_num_batched_tokens=4
+    )
+    driver = Driver(sched)
+    a = make_request("a", prompt_len=4, max_new_tokens=10, arrival=0.0)
+    b = make_request("b", prompt_len=4, max_new_tokens=4, arrival=1.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    driver.run_until_idle()
+    assert (a.num_preemptions, b.num_preemptions) == (0, 1)
+    for req in (a, b):  # and it is not starved: it runs once "a" is done
+        assert driver.outputs[req.req_id] == reference_outputs(req)
+        assert driver.finishes[req.req_id] == [FinishReason.MAX_TOKENS]
+    check_pools(sched)
+
+
 def test_swap_preemption_moves_blocks_to_host_and_back_exactly() -> None:
     sched = make_scheduler(
         num_device_blocks=6, block_size=2, max_model_len=12, num_host_blocks=6, policy=SwapPolicy()
