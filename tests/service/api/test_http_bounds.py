@@ -10,11 +10,10 @@ import json
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
+from http_front_thread import FrontThread
 from structlog.testing import capture_logs
 
 from slipstream.service.api.http import generation
@@ -28,49 +27,11 @@ from slipstream.service.telemetry.tracing import Telemetry
 CONFIG = EngineConfig(model="tiny", dtype="float32", calibrate_cost_model=False)
 
 
-class Front:
-    """The HTTP front alone around one engine, on its own event loop thread."""
-
-    def __init__(
-        self, engine: object, limits: Limits | None = None, telemetry: Telemetry | None = None
-    ) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = self._call(self._start(engine, limits, telemetry))
-        self.base_url = f"http://127.0.0.1:{self.port}"
-
-    def _call(self, coro: object) -> object:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
-
-    async def _start(
-        self, engine: object, limits: Limits | None, telemetry: Telemetry | None
-    ) -> int:
-        from slipstream.service.api.http.app import HttpFront
-        from slipstream.service.api.lifecycle import Lifecycle
-
-        lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
-        self.http = HttpFront(lifecycle, telemetry, limits=limits)
-        port = await self.http.start("127.0.0.1", 0)
-        await lifecycle.serve()
-        return port
-
-    def stop(self) -> None:
-        self._call(self.http.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
+class Front(FrontThread):
     def post(self, body: bytes | str) -> tuple[int, dict[str, object]]:
-        request = urllib.request.Request(
-            self.base_url + "/v1/completions",
-            data=body.encode() if isinstance(body, str) else body,
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        data = body.encode() if isinstance(body, str) else body
+        status, reply = self.post_bytes("/v1/completions", data)
+        return status, json.loads(reply)
 
 
 def refusal(body: dict[str, object], **limits: int) -> ApiError:

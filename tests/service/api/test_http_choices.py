@@ -6,16 +6,14 @@ that fails takes the others down at once, and nothing is left running."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 
 import openai
 import pytest
+from http_front_thread import FrontThread
 
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api.auth import Tenants, parse_tenants, token_sha256
@@ -39,36 +37,7 @@ max_inflight = 2
 SAMPLED = {"model": "tiny", "max_tokens": 12, "temperature": 1, "extra_body": {"ignore_eos": True}}
 
 
-class Front:
-    """The HTTP front alone around one engine, on its own event loop thread."""
-
-    def __init__(
-        self, engine: object, limits: Limits | None = None, tenants: Tenants | None = None
-    ) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = self._call(self._start(engine, limits, tenants))
-        self.base_url = f"http://127.0.0.1:{self.port}"
-
-    def _call(self, coro: object) -> object:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()  # type: ignore[arg-type]
-
-    async def _start(self, engine: object, limits: Limits | None, tenants: Tenants | None) -> int:
-        from slipstream.service.api.http.app import HttpFront
-        from slipstream.service.api.lifecycle import Lifecycle
-
-        lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
-        self.http = HttpFront(lifecycle, limits=limits, tenants=tenants)
-        port = await self.http.start("127.0.0.1", 0)
-        await lifecycle.serve()
-        return port
-
-    def stop(self) -> None:
-        self._call(self.http.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join()
-
+class Front(FrontThread):
     def client(self, **kwargs: object) -> openai.OpenAI:
         options = {"api_key": "unused", "max_retries": 0, **kwargs}
         return openai.OpenAI(base_url=f"{self.base_url}/v1", **options)  # type: ignore[arg-type]
@@ -76,16 +45,7 @@ class Front:
     def post(
         self, path: str, body: dict[str, object], headers: dict[str, str] | None = None
     ) -> tuple[int, bytes]:
-        request = urllib.request.Request(
-            self.base_url + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", **(headers or {})},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, reply.read()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read()
+        return self.post_bytes(path, json.dumps(body).encode(), headers)
 
 
 @pytest.fixture(scope="module")
