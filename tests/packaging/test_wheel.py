@@ -50,6 +50,9 @@ def test_wheel_carries_generated_stubs_and_every_room(wheel: Path) -> None:
     for room in ("engine", "models", "api", "telemetry", "cli", "bench"):
         assert f"slipstream/service/{room}/__init__.py" in names, room
     assert "slipstream/service/models/assets/corpus.txt.xz" in names
+    # The native kernels' sources, built where they run (a container's install too).
+    sources = {p.name for p in (REPO / "kernels" / "csrc").iterdir()}
+    assert {f"slipstream/kernels/csrc/{name}" for name in sources} <= names
     # PEP 561 markers: without them mypy skips the installed client and stubs.
     assert {"slipstream/clients/py.typed", "slipstream/v1/py.typed"} <= names
 
