@@ -107,7 +107,7 @@ class Admission(PrefixSharing):
                 retry = self.retry_after_seconds(req.priority)
                 self._count_refusal(req.priority, "queue_full")
                 raise QueueFull(
-                    f"waiting queue is full ({self.config.max_queue_len} requests); "
+                    f"waiting queue is full (it holds {self.config.max_queue_len}); "
                     f"retry after {retry:.3f}s",
                     retry,
                 )

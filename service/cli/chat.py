@@ -23,7 +23,12 @@ from slipstream.service.cli.arg_types import (
     non_negative_uint64,
     positive_uint32,
 )
-from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
+from slipstream.service.cli.connect import (
+    add_connection_args,
+    call_failed,
+    client_tls,
+    unreadable_file,
+)
 
 PROMPT = "you> "
 RESET, EXIT = "/reset", "/exit"
@@ -163,10 +168,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             info = client.model_info()
         except grpc.RpcError as exc:
-            print(
-                f"slipstream: error: {args.server}: {exc.code().name}: {exc.details()}",
-                file=sys.stderr,
-            )
+            print(call_failed(args.server, exc.code().name, exc.details()), file=sys.stderr)
             return 1
         if not info.has_chat_template:
             print(f"slipstream: error: model {info.name!r} has no chat template", file=sys.stderr)

@@ -32,6 +32,15 @@ def add_connection_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     return group
 
 
+def call_failed(server: str, code: str, details: str) -> str:
+    """The one error line for a call the server refused or that could not be
+    made; an UNAUTHENTICATED one says how to give a token."""
+    line = f"slipstream: error: {server}: {code}: {details}"
+    if code == "UNAUTHENTICATED":
+        line += f" (give --token or set {TOKEN_ENV})"
+    return line
+
+
 def unreadable_file(exc: OSError) -> str:
     """The one error line for a --tls-* file that cannot be read."""
     return f"slipstream: error: cannot read {exc.filename}: {exc.strerror}"

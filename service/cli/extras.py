@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.util
 
 SERVER_EXTRA_MODULES = ("torch", "transformers", "structlog")
-INSTALL_HINT = "pip install 'slipstream[server]'"
+# From the source tree, as the README says: torch first, so that its CPU
+# wheel (or the CUDA one you choose) is the one the extra finds.
+INSTALL_HINT = "pip install torch==2.13.0 && pip install '.[server]' (in the source tree)"
 
 
 def missing_server_modules() -> list[str]:

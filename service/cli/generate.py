@@ -40,7 +40,12 @@ from slipstream.service.cli.arg_types import (
     positive_int,
     positive_uint32,
 )
-from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
+from slipstream.service.cli.connect import (
+    add_connection_args,
+    call_failed,
+    client_tls,
+    unreadable_file,
+)
 from slipstream.service.cli.extras import require_server_extra
 from slipstream.service.cli.serve import add_engine_args, engine_config
 
@@ -662,7 +667,7 @@ def run(args: argparse.Namespace, mode_flags: ModeFlags | None = None) -> int:
         try:
             outputs = asyncio.run(run_remote(specs, args))
         except StreamError as exc:  # the whole call failed: unreachable, TLS, token
-            print(f"slipstream: error: {args.server}: {exc}", file=sys.stderr)
+            print(call_failed(args.server, exc.code, exc.details), file=sys.stderr)
             return 1
         except OSError as exc:  # a --tls-* file
             print(unreadable_file(exc), file=sys.stderr)

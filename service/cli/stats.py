@@ -13,7 +13,12 @@ from slipstream.clients.balancing import channel_target
 from slipstream.clients.security import secure_channel, with_token
 from slipstream.clients.wire import call_metadata
 from slipstream.service.cli.arg_types import positive_finite_float
-from slipstream.service.cli.connect import add_connection_args, client_tls, unreadable_file
+from slipstream.service.cli.connect import (
+    add_connection_args,
+    call_failed,
+    client_tls,
+    unreadable_file,
+)
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -85,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                 pb.GetServerStatsRequest(), timeout=args.timeout_s, metadata=metadata
             )
     except grpc.RpcError as exc:
-        print(f"slipstream: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(call_failed(args.server, exc.code().name, exc.details()), file=sys.stderr)
         return 1
     except OSError as exc:  # a --tls-* file
         print(unreadable_file(exc), file=sys.stderr)

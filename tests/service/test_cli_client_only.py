@@ -52,7 +52,7 @@ def test_a_command_without_the_server_extra_says_what_to_install(
     assert (
         f"slipstream: error: `slipstream {command}` needs the server extra (torch missing)" in err
     )
-    assert "pip install 'slipstream[server]'" in err
+    assert "pip install torch==2.13.0 && pip install '.[server]'" in err
 
 
 def test_the_bench_list_names_commands_as_a_full_install_does(

@@ -460,7 +460,9 @@ def test_cli_takes_the_token_from_the_environment(
     assert "kv_blocks_used" in json.loads(stats)
     monkeypatch.delenv("SLIPSTREAM_TOKEN")
     assert main(["stats", "--server", target, "--json"]) == 1
-    assert "UNAUTHENTICATED: missing bearer token" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "UNAUTHENTICATED: missing bearer token" in err
+    assert "(give --token or set SLIPSTREAM_TOKEN)" in err  # what to do about it
     # generate's asyncio client may see INTERNAL instead: grpc.aio overwrites
     # the status of a call the server ended while the client still wrote
     # (grpc/grpc#36066), for any early refusal.
