@@ -21,6 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 def _build(args: argparse.Namespace) -> int:
     home = slipstream_home()
+    # A first build compiles three C++ files (a minute or more); later ones load.
+    print("native CPU kernels: building or loading from the cache", flush=True)
     results = {
         "fused attention": (cpu_attention.is_available(home), cpu_attention.failure()),
         "fused elementwise ops": (fused_ops.is_available(home), fused_ops.failure()),
