@@ -180,6 +180,12 @@ class _Usage:
         self.bucket = min(float(rate), self.bucket + (now - self.refilled_at) * rate / 60.0)
         self.refilled_at = now
 
+    def is_settled(self, now: float) -> bool:
+        """Nothing in flight and the bucket full: nothing left to remember."""
+        self.refill(now)
+        rate = self.tenant.tokens_per_minute
+        return self.num_inflight == 0 and (rate is None or self.bucket >= rate)
+
 
 @dataclass(slots=True)
 class Grant:
@@ -220,7 +226,9 @@ class Grant:
 
 class Tenants:
     """The tenants of one server and their live usage. ``replace`` swaps in
-    a re-read file; a tenant that keeps its name keeps its usage."""
+    a re-read file; a tenant that keeps its name keeps its usage, and so does
+    one removed and added back while its requests still ran or its bucket
+    still refilled (a typo fixed in two reloads must not reset its limits)."""
 
     def __init__(
         self, tenants: Mapping[str, Tenant], clock: Callable[[], float] = time.monotonic
@@ -228,6 +236,7 @@ class Tenants:
         self._clock = clock
         self._lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
+        self._removed: dict[str, _Usage] = {}  # not settled yet, by name
         self._digests: list[tuple[str, _Usage]] = []
         self.replace(tenants)
 
@@ -243,9 +252,10 @@ class Tenants:
     def replace(self, tenants: Mapping[str, Tenant]) -> None:
         now = self._clock()
         with self._lock:
+            known = {**self._removed, **self._usage}
             usage: dict[str, _Usage] = {}
             for name, tenant in tenants.items():
-                old = self._usage.get(name)
+                old = known.get(name)
                 if old is None:
                     rate = tenant.tokens_per_minute
                     usage[name] = _Usage(tenant, bucket=float(rate or 0), refilled_at=now)
@@ -259,6 +269,11 @@ class Tenants:
                     old.tenant = tenant
                     usage[name] = old
             self._usage = usage
+            self._removed = {
+                name: gone
+                for name, gone in known.items()
+                if name not in usage and not gone.is_settled(now)
+            }
             self._digests = [(d, u) for u in usage.values() for d in u.tenant.token_sha256]
 
     def authenticate(self, authorization: str | None) -> Tenant:

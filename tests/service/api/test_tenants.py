@@ -219,6 +219,33 @@ def test_a_reload_that_drops_a_token_refuses_the_calls_that_hold_it() -> None:
         other.admit(request)
 
 
+def test_a_tenant_removed_and_added_back_keeps_its_usage() -> None:
+    """Two reloads (a tenant dropped by mistake, then put back) leave its
+    in-flight count and its bucket's debt as they were: limits still hold."""
+    clock = FakeClock()
+    digest = token_sha256("t")
+    a = Tenant("a", (digest,), max_inflight=2, tokens_per_minute=60)
+    b = Tenant("b", (token_sha256("b"),))
+    tenants = Tenants({"a": a, "b": b}, clock=clock)
+    gate = tenants.gate("Bearer t")
+    first, second = (tenants.admit(a, 0, 8, 10) for _ in range(2))
+    first.charge(100)  # a long answer: 60 - 20 - 100 = -60, a minute of debt
+    tenants.replace({"b": b})
+    tenants.replace({"a": a, "b": b})
+    assert tenants.num_inflight("a") == 2
+    with pytest.raises(QuotaExceeded, match="2 requests in flight"):
+        gate.admit(RequestSpec("r", [5], max_new_tokens=8))
+    first.release()
+    second.release()
+    assert tenants.num_inflight("a") == 0
+    with pytest.raises(QuotaExceeded, match="tokens per minute"):
+        gate.admit(RequestSpec("r", [5], max_new_tokens=8))
+    clock.now += 120  # settled: the next reloads may forget it
+    tenants.replace({"b": b})
+    tenants.replace({"a": a, "b": b})
+    tenants.admit(a, 0, 8, 60).release(0)
+
+
 def test_a_reload_that_adds_or_lowers_a_rate_takes_effect_at_once() -> None:
     clock = FakeClock()
     digest = token_sha256("t")
