@@ -5,10 +5,15 @@ spend per minute.
 
 Every front door uses the same two calls::
 
-    tenant = tenants.authenticate(authorization_header)   # Unauthenticated
-    grant = tenants.admit(tenant, priority, max_new_tokens, num_prompt_tokens)
-    #        PermissionDenied (never allowed) | QuotaExceeded (retry later)
+    gate = tenants.gate(authorization_header)   # Unauthenticated
+    spec, grant = gate.admit(spec)  # for each request the call makes
+    #   Unauthenticated (its token was revoked since) | PermissionDenied
+    #   (never allowed) | QuotaExceeded (retry later)
     ... grant.charge(n) as output tokens are made; grant.release() once, at the end
+
+A gate holds the hash of the call's token: a reload that drops the hash (or
+its tenant) refuses the later requests of a call that is already open, as it
+refuses new calls. Requests admitted before the reload run to their end.
 
 The tenants file is TOML, one table per tenant; every limit is optional::
 
@@ -175,6 +180,12 @@ class _Usage:
         self.bucket = min(float(rate), self.bucket + (now - self.refilled_at) * rate / 60.0)
         self.refilled_at = now
 
+    def is_settled(self, now: float) -> bool:
+        """Nothing in flight and the bucket full: nothing left to remember."""
+        self.refill(now)
+        rate = self.tenant.tokens_per_minute
+        return self.num_inflight == 0 and (rate is None or self.bucket >= rate)
+
 
 @dataclass(slots=True)
 class Grant:
@@ -215,7 +226,9 @@ class Grant:
 
 class Tenants:
     """The tenants of one server and their live usage. ``replace`` swaps in
-    a re-read file; a tenant that keeps its name keeps its usage."""
+    a re-read file; a tenant that keeps its name keeps its usage, and so does
+    one removed and added back while its requests still ran or its bucket
+    still refilled (a typo fixed in two reloads must not reset its limits)."""
 
     def __init__(
         self, tenants: Mapping[str, Tenant], clock: Callable[[], float] = time.monotonic
@@ -223,6 +236,7 @@ class Tenants:
         self._clock = clock
         self._lock = threading.Lock()
         self._usage: dict[str, _Usage] = {}
+        self._removed: dict[str, _Usage] = {}  # not settled yet, by name
         self._digests: list[tuple[str, _Usage]] = []
         self.replace(tenants)
 
@@ -238,9 +252,10 @@ class Tenants:
     def replace(self, tenants: Mapping[str, Tenant]) -> None:
         now = self._clock()
         with self._lock:
+            known = {**self._removed, **self._usage}
             usage: dict[str, _Usage] = {}
             for name, tenant in tenants.items():
-                old = self._usage.get(name)
+                old = known.get(name)
                 if old is None:
                     rate = tenant.tokens_per_minute
                     usage[name] = _Usage(tenant, bucket=float(rate or 0), refilled_at=now)
@@ -254,40 +269,61 @@ class Tenants:
                     old.tenant = tenant
                     usage[name] = old
             self._usage = usage
+            self._removed = {
+                name: gone
+                for name, gone in known.items()
+                if name not in usage and not gone.is_settled(now)
+            }
             self._digests = [(d, u) for u in usage.values() for d in u.tenant.token_sha256]
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant whose token an ``authorization`` header (``Bearer <token>``)
-        carries; raises Unauthenticated. Every known digest is compared, so
-        the time taken does not depend on which one matches."""
+        carries; raises Unauthenticated."""
+        return self.gate(authorization).tenant
+
+    def gate(self, authorization: str | None) -> TenantGate:
+        """``authenticate``, bound to the token: what a call admits its
+        requests through. Every known digest is compared, so the time taken
+        does not depend on which one matches."""
         if not authorization:
             raise Unauthenticated("missing bearer token (authorization: Bearer <token>)")
         scheme, _, token = authorization.strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("the authorization header must be 'Bearer <token>'")
-        presented = token_sha256(token).encode()
+        presented = token_sha256(token)
         with self._lock:
             digests = self._digests
         found: _Usage | None = None
         for digest, usage in digests:
-            if hmac.compare_digest(presented, digest.encode()):
+            if hmac.compare_digest(presented.encode(), digest.encode()):
                 found = usage
         if found is None:
             raise Unauthenticated("unknown bearer token")
-        return found.tenant
+        return TenantGate(self, found.tenant, presented)
 
     def admit(
-        self, tenant: Tenant, priority: int, max_new_tokens: int, num_prompt_tokens: int
+        self,
+        tenant: Tenant,
+        priority: int,
+        max_new_tokens: int,
+        num_prompt_tokens: int,
+        token_digest: str | None = None,
     ) -> Grant:
-        """A grant for one request of ``tenant``; raises PermissionDenied for a
-        request it may never make, QuotaExceeded when it must wait."""
+        """A grant for one request of ``tenant``; raises Unauthenticated when
+        a reload has since dropped the tenant or ``token_digest`` (the hash of
+        the token the request came with), PermissionDenied for a request it
+        may never make, QuotaExceeded when it must wait."""
         now = self._clock()
         with self._lock:
             usage = self._usage.get(tenant.name)
             if usage is None:  # removed by a reload since it authenticated
-                raise PermissionDenied(f"tenant {tenant.name!r} no longer exists")
+                raise Unauthenticated(f"tenant {tenant.name!r} was removed by a tenants reload")
             limits = usage.tenant  # the latest file's, should it have been re-read
+            if token_digest is not None and not _lists(limits, token_digest):
+                raise Unauthenticated(
+                    f"the bearer token was revoked by a tenants reload (tenant {tenant.name!r})"
+                )
             _check_permission(limits, priority, max_new_tokens, num_prompt_tokens)
             if limits.max_inflight is not None and usage.num_inflight >= limits.max_inflight:
                 raise QuotaExceeded(
@@ -336,6 +372,15 @@ class Tenants:
                 usage.bucket -= owed
 
 
+def _lists(tenant: Tenant, digest: str) -> bool:
+    """Whether ``tenant`` still holds the token of hash ``digest``; each of
+    its few hashes is compared, in constant time."""
+    listed = False
+    for known in tenant.token_sha256:
+        listed |= hmac.compare_digest(digest.encode(), known.encode())
+    return listed
+
+
 def _check_permission(
     tenant: Tenant, priority: int, max_new_tokens: int, num_prompt_tokens: int
 ) -> None:
@@ -367,11 +412,12 @@ def authorization_header(metadata: Iterable[tuple[str, str | bytes]]) -> str | N
 
 @dataclass(frozen=True, slots=True)
 class TenantGate:
-    """One call's tenant, bound to the registry: what a session admits its
-    requests through."""
+    """One call's tenant, bound to the registry and to the call's token: what
+    a session admits its requests through (``Tenants.gate`` makes one)."""
 
     tenants: Tenants
     tenant: Tenant
+    token_digest: str  # the SHA-256 of the call's token; never logged
 
     @property
     def default_priority(self) -> int:
@@ -382,6 +428,10 @@ class TenantGate:
     def admit(self, request: RequestSpec) -> tuple[RequestSpec, Grant]:
         """``request`` labelled with the tenant, and its grant."""
         grant = self.tenants.admit(
-            self.tenant, request.priority, request.max_new_tokens, len(request.prompt_token_ids)
+            self.tenant,
+            request.priority,
+            request.max_new_tokens,
+            len(request.prompt_token_ids),
+            self.token_digest,
         )
         return replace(request, tenant=self.tenant.name), grant

@@ -183,7 +183,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return None
         try:
             header = authorization_header(context.invocation_metadata() or ())
-            return TenantGate(self._tenants, self._tenants.authenticate(header))
+            return self._tenants.gate(header)
         except Unauthenticated as exc:
             if self._telemetry is not None:
                 self._telemetry.unauthenticated(method, context.peer(), str(exc))

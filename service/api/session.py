@@ -74,9 +74,14 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-# Why a request ends when its call does before it finished (the caller
-# cancelled the call or disconnected, or its gRPC deadline passed).
-CALL_ENDED = "the call ended before the request finished"
+# Why a request ends when its call does before it finished. grpc.aio tells
+# the server nothing more: a caller's cancel, a dropped connection, a passed
+# gRPC deadline and the connection closed at the end of
+# --max-connection-age-grace-s all look the same, so the line names them all.
+CALL_ENDED = (
+    "the call ended before the request finished: cancelled or disconnected by the "
+    "client, or its connection closed by the server (--max-connection-age-grace-s)"
+)
 
 _Item = tuple[str, Event] | pb.GenerateResponse
 

@@ -32,7 +32,7 @@ from aiohttp import web
 from slipstream.scheduler.errors import InvalidRequest, PromptTooLong, QueueFull, SchedulerError
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
-from slipstream.service.api.auth import Grant, Tenant, TenantGate, Tenants, Unauthenticated
+from slipstream.service.api.auth import Grant, TenantGate, Tenants, Unauthenticated
 from slipstream.service.api.http.errors import (
     ApiError,
     from_domain,
@@ -188,16 +188,16 @@ class Generations:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, is_chat=True)
 
-    def check_token(self, request: web.Request) -> Tenant | None:
-        """The request's tenant on a server with tenants (None without):
-        a missing or unknown bearer token is a 401, logged and counted as a
-        gRPC call's is."""
+    def check_token(self, request: web.Request) -> TenantGate | None:
+        """The request's tenant on a server with tenants (None without), bound
+        to its token: a missing or unknown bearer token is a 401, logged and
+        counted as a gRPC call's is."""
         if self._authenticate is not None:
             self._authenticate(request.headers.get("Authorization"))
         if self._tenants is None:
             return None
         try:
-            return self._tenants.authenticate(request.headers.get("Authorization"))
+            return self._tenants.gate(request.headers.get("Authorization"))
         except Exception as exc:
             if isinstance(exc, Unauthenticated) and self._telemetry is not None:
                 where = f"{request.method} {request.path}"
@@ -210,10 +210,7 @@ class Generations:
             engine = self._lifecycle.require_serving()
         except NotServing as exc:
             raise not_serving(exc, request, self._telemetry) from None
-        tenant = self.check_token(request)  # 401 before any work
-        gate = (
-            None if self._tenants is None or tenant is None else TenantGate(self._tenants, tenant)
-        )
+        gate = self.check_token(request)  # 401 before any work
         try:
             body = await _json(request, self._limits.http_read_timeout_s)
             max_model_len, max_choices = engine.info.max_model_len, self._limits.max_choices

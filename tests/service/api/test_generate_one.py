@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from server_thread import hold_every_submit
 from structlog.testing import capture_logs
 
-from slipstream.clients import AsyncClient, Client
+from slipstream.clients import AsyncClient, Client, StreamError
 from slipstream.service.api.lifecycle import Lifecycle
 from slipstream.service.api.server import build_server, connection_age_options
 from slipstream.service.api.session import CALL_ENDED
@@ -318,6 +318,27 @@ def test_past_its_maximum_age_the_stream_finishes_and_new_requests_use_a_new_one
             assert all(g.result(timeout=30).is_ok for g in later)
             result = running.result(timeout=60)  # within the grace, on the old connection
             assert result.finish_reason == "max_tokens" and len(result.token_ids) == 200
+    finally:
+        srv.stop()
+
+
+def test_a_request_cut_off_by_the_age_grace_is_not_logged_as_a_client_cancel(
+    engine: object, server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server cannot tell the connection closed at the end of the grace
+    from a client's cancel: the line says it may be either. (``server``'s
+    telemetry, attached to the engine, writes the line.)"""
+    hold_every_submit(engine, monkeypatch)  # it cannot finish within the grace
+    srv = ServerThread(engine, options=connection_age_options(0.3, 0.3))
+    try:
+        with Client(srv.target) as client, capture_logs() as logs:
+            running = client.generate("cut off", max_tokens=LONG, ignore_eos=True)
+            with pytest.raises(StreamError, match="max connection age"):
+                running.result(timeout=60)
+            assert wait_until(lambda: any(e["event"] == "request_finished" for e in logs))
+        [line] = [e for e in logs if e["event"] == "request_finished"]
+        assert line["reason"] == "cancelled"
+        assert "--max-connection-age-grace-s" in line["message"]
     finally:
         srv.stop()
 

@@ -36,6 +36,7 @@ from slipstream.service.api.auth import (
     token_sha256,
 )
 from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.events import RequestSpec
 from slipstream.v1 import inference_pb2 as pb
 
 CONFIG = EngineConfig(model="tiny", dtype="float32", calibrate_cost_model=False)
@@ -197,6 +198,52 @@ def test_replace_keeps_usage_of_tenants_that_stay() -> None:
         tenants.authenticate(f"Bearer {SEARCH_TOKEN}")
     grant.release(8)
     assert tenants.num_inflight("batch") == 0
+
+
+def test_a_reload_that_drops_a_token_refuses_the_calls_that_hold_it() -> None:
+    """A call authenticates once; each of its later requests is refused once
+    a reload has dropped its token's hash (or its tenant), as a new call is."""
+    old, new = token_sha256("old"), token_sha256("new")
+    tenants = Tenants({"a": Tenant("a", (old, new)), "b": Tenant("b", (token_sha256("b"),))})
+    kept, revoked, other = (tenants.gate(f"Bearer {t}") for t in ("new", "old", "b"))
+    request = RequestSpec("r", [5, 6, 7], max_new_tokens=8)
+    running = revoked.admit(request)[1]
+    tenants.replace({"a": Tenant("a", (new,)), "b": Tenant("b", (token_sha256("b"),))})
+    with pytest.raises(Unauthenticated, match="revoked by a tenants reload"):
+        revoked.admit(request)
+    assert kept.admit(request)[0].tenant == "a"
+    assert tenants.num_inflight("a") == 2  # the one admitted before goes on
+    running.release()
+    tenants.replace({"a": Tenant("a", (new,))})
+    with pytest.raises(Unauthenticated, match="removed by a tenants reload"):
+        other.admit(request)
+
+
+def test_a_tenant_removed_and_added_back_keeps_its_usage() -> None:
+    """Two reloads (a tenant dropped by mistake, then put back) leave its
+    in-flight count and its bucket's debt as they were: limits still hold."""
+    clock = FakeClock()
+    digest = token_sha256("t")
+    a = Tenant("a", (digest,), max_inflight=2, tokens_per_minute=60)
+    b = Tenant("b", (token_sha256("b"),))
+    tenants = Tenants({"a": a, "b": b}, clock=clock)
+    gate = tenants.gate("Bearer t")
+    first, second = (tenants.admit(a, 0, 8, 10) for _ in range(2))
+    first.charge(100)  # a long answer: 60 - 20 - 100 = -60, a minute of debt
+    tenants.replace({"b": b})
+    tenants.replace({"a": a, "b": b})
+    assert tenants.num_inflight("a") == 2
+    with pytest.raises(QuotaExceeded, match="2 requests in flight"):
+        gate.admit(RequestSpec("r", [5], max_new_tokens=8))
+    first.release()
+    second.release()
+    assert tenants.num_inflight("a") == 0
+    with pytest.raises(QuotaExceeded, match="tokens per minute"):
+        gate.admit(RequestSpec("r", [5], max_new_tokens=8))
+    clock.now += 120  # settled: the next reloads may forget it
+    tenants.replace({"b": b})
+    tenants.replace({"a": a, "b": b})
+    tenants.admit(a, 0, 8, 60).release(0)
 
 
 def test_a_reload_that_adds_or_lowers_a_rate_takes_effect_at_once() -> None:
@@ -568,6 +615,34 @@ def test_the_http_fronts_model_list_and_metrics_ask_a_token_health_does_not(
     for path in ("/metrics", "/v1/models", "/v1/models/tiny"):
         assert (get(path, None), get(path, "wrong"), get(path, SEARCH_TOKEN)) == (401, 401, 200)
     assert get("/health", None) == 200
+
+
+def test_a_revoked_token_stops_submitting_on_a_stream_opened_before(served: Served) -> None:
+    """Removing a token's hash and reloading revokes it on streams already
+    open too: their next submits are refused UNAUTHENTICATED, logged and
+    counted for the tenant, while what they had running finishes."""
+    files = parse_tenants(TENANTS_TOML)
+    old, new = token_sha256("rotated-old"), token_sha256("rotated-new")
+    served.tenants.replace({**files, "rotated": Tenant("rotated", (old, new))})
+    refused = "slipstream_tenant_rejections_total"
+    try:
+        with served.client("rotated-old") as client:
+            stream = client.stream()
+            running = stream.generate([5, 6, 7], max_tokens=40, ignore_eos=True)
+            next(iter(running))
+            served.tenants.replace({**files, "rotated": Tenant("rotated", (new,))})
+            late = stream.generate([5, 6], max_tokens=2).result(timeout=60)
+            assert late.reject_reason == "unauthenticated"
+            assert late.status_code == "UNAUTHENTICATED"
+            assert "revoked" in late.message
+            assert running.result(timeout=60).output_tokens == 40
+            stream.close()
+        with served.client("rotated-new") as client:
+            assert client.generate([5, 6], max_tokens=2).result(timeout=60).is_ok
+        served.telemetry.requests.flush(10)  # type: ignore[attr-defined]
+        assert served.metric(refused, tenant="rotated", reason="unauthenticated") == 1
+    finally:
+        served.tenants.replace(files)
 
 
 # ---------------------------------------------------------------- a real process
