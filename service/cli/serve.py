@@ -550,11 +550,17 @@ def usage_hint(
     has_tls: bool = False,
     has_tenants: bool = False,
     has_chat_template: bool = False,
+    has_client_ca: bool = False,
 ) -> str:
+    """The banner: where it listens, then commands that connect, with the
+    flags each needs (``has_client_ca``: mutual TLS, a client certificate)."""
     address = f"{connect_host(host)}:{port}"
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
     client = " --tls-ca CA.pem" if has_tls else ""
     grpcurl = "-cacert CA.pem" if has_tls else "-plaintext"
+    if has_tls and has_client_ca:
+        client += " --tls-cert CLIENT.pem --tls-key CLIENT.key"
+        grpcurl += " -cert CLIENT.pem -key CLIENT.key"
     auth = ' -H "authorization: Bearer $SLIPSTREAM_TOKEN"' if has_tenants else ""
     generate = f"grpcurl {grpcurl}{auth} -d '{{}}' {address} slipstream.v1.Inference/Generate"
     # "listening on" names the address bound (tests and `bench` read it); the
@@ -633,7 +639,15 @@ def run(args: argparse.Namespace) -> int:
 
     def on_ready(port: int, engine: object) -> None:
         has_template = engine.info.has_chat_template  # type: ignore[attr-defined]
-        hint = usage_hint(args.host, port, config.model, has_tls, has_tenants, has_template)
+        hint = usage_hint(
+            args.host,
+            port,
+            config.model,
+            has_tls,
+            has_tenants,
+            has_template,
+            has_client_ca=args.tls_client_ca is not None,
+        )
         print(hint, flush=True)
 
     def on_http(port: int) -> None:
