@@ -492,7 +492,12 @@ def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Prometheus /metrics here (0: any)",
     )
-    group.add_argument("--metrics-host", default=None, help="default: the --host address")
+    group.add_argument(
+        "--metrics-host",
+        default=None,
+        help="default: the --host address. Plain HTTP, no token: with --tenants "
+        "its /metrics names every tenant",
+    )
     group.add_argument(
         "--log-level",
         default=os.environ.get("SLIPSTREAM_LOG_LEVEL", "info"),
@@ -594,12 +599,14 @@ def http_hint(host: str, port: int, has_tls: bool = False) -> str:
 def exposure_allowed(args: argparse.Namespace, has_tls: bool, has_tenants: bool) -> bool:
     """Whether ``--host`` may be listened on as the flags ask: False (the
     refusal printed) when it is reachable from the network without TLS and
-    tenants on every front, unless ``--insecure`` (a warning printed)."""
+    tenants on every front, unless ``--insecure`` (a warning printed). A
+    metrics port that shows tenants' usage to the network is warned of."""
     from slipstream.service.api.server import exposure_remedy, exposure_warning
 
     http_port = getattr(args, "http_port", 0)
     warning = exposure_warning(args.host, has_tls, has_tenants, bool(http_port))
     if warning is None:
+        _warn_of_metrics_exposure(args, has_tenants)
         return True
     banner = "*" * 78
     if not args.insecure:
@@ -611,7 +618,18 @@ def exposure_allowed(args: argparse.Namespace, has_tls: bool, has_tenants: bool)
         )
         return False
     print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
+    _warn_of_metrics_exposure(args, has_tenants)
     return True
+
+
+def _warn_of_metrics_exposure(args: argparse.Namespace, has_tenants: bool) -> None:
+    from slipstream.service.api.server import metrics_exposure_warning
+
+    if args.metrics_port is None:
+        return
+    warning = metrics_exposure_warning(args.metrics_host or args.host, has_tenants)
+    if warning is not None:
+        print(f"slipstream: WARNING: {warning}.", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

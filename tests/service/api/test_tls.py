@@ -589,6 +589,35 @@ def test_the_refusal_names_what_is_missing_and_how_to_turn_the_http_front_off(
     assert "WARNING" in capsys.readouterr().err
 
 
+def test_a_metrics_port_that_shows_tenants_to_the_network_is_warned_of(
+    capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
+) -> None:
+    """The metrics port speaks plain HTTP with no token; with tenants its
+    page names them and their usage. On --host unless --metrics-host."""
+    from slipstream.service.cli.serve import exposure_allowed
+
+    tls = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+    tenants = ["--tenants", str(tmp_path / "tenants.toml")]
+    metrics = ["--metrics-port", "9400"]
+
+    def warned(*argv: str, has_tls: bool = True, has_tenants: bool = True) -> str:
+        assert exposure_allowed(serve_args(*argv), has_tls, has_tenants)  # type: ignore[arg-type]
+        return capsys.readouterr().err
+
+    err = warned("--host", "0.0.0.0", *tls, *tenants, *metrics)
+    assert "WARNING: the metrics port listens on 0.0.0.0" in err
+    assert "without a token" in err and "names every tenant" in err
+    assert "--metrics-host 127.0.0.1 keeps it on this machine" in err
+    assert "listens on 10.0.0.5" in warned(*tenants, *metrics, "--metrics-host", "10.0.0.5")
+
+    public = ("--host", "0.0.0.0", *tls, *tenants)
+    assert warned(*public, *metrics, "--metrics-host", "127.0.0.1") == ""
+    assert warned(*public) == ""  # no metrics port
+    assert warned(*tenants, *metrics) == ""  # on loopback, as --host
+    err = warned("--host", "0.0.0.0", "--insecure", *metrics, has_tls=False, has_tenants=False)
+    assert "--insecure" in err and "metrics" not in err  # no tenants to name
+
+
 def test_serve_says_which_file_is_unusable(
     capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
 ) -> None:
