@@ -338,8 +338,10 @@ class Result:
         return self.status_code == "OK"
 
 
-# Trailing metadata of a GenerateOne call that ended with a rejection.
+# Trailing metadata of a GenerateOne call that ended with a rejection: its
+# reason, and the hint a Generate stream's Finished.retry_after_ms carries.
 REJECT_REASON_KEY = "slipstream-reject-reason"
+RETRY_AFTER_KEY = "slipstream-retry-after-ms"
 
 
 def is_past_deadline(error: grpc.RpcError) -> bool:
@@ -373,7 +375,18 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
         reject_reason=str(reason),
         status_code=code.name,
         message=details,
+        retry_after_s=_retry_after_s(trailers.get(RETRY_AFTER_KEY)),
     )
+
+
+def _retry_after_s(value: str | bytes | None) -> float | None:
+    """A ``slipstream-retry-after-ms`` trailer in seconds; None when absent
+    or not a positive number of milliseconds."""
+    try:
+        ms = int(value) if value is not None else 0
+    except ValueError:
+        return None
+    return ms / 1000 if ms > 0 else None
 
 
 # The details of the StreamError of a request cut off by its client's close().

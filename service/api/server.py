@@ -165,6 +165,19 @@ def exposure_warning(
     return f"{where} without {missing}: anyone who reaches {ports} can submit work of any class"
 
 
+def metrics_exposure_warning(metrics_host: str, has_tenants: bool) -> str | None:
+    """Why the metrics port on ``metrics_host`` gives tenants' usage away, or
+    None (loopback, or no tenants). It speaks plain HTTP with no token, for
+    Prometheus, while the HTTP front's /metrics asks a tenant's token."""
+    if not has_tenants or is_loopback(metrics_host):
+        return None
+    return (
+        f"the metrics port listens on {metrics_host}, reachable from the network, in plain "
+        "HTTP without a token: its /metrics names every tenant and its usage. "
+        "--metrics-host 127.0.0.1 keeps it on this machine; else let only Prometheus reach it"
+    )
+
+
 def exposure_remedy(has_tls: bool, has_tenants: bool, http_port: int = 0) -> str:
     """What to do about ``exposure_warning``: the flags still missing, and,
     with the HTTP front on (``http_port``) and no TLS, how to turn it off."""

@@ -7,15 +7,18 @@ callback, which OpenSSL runs on every ClientHello, SNI or not, and moves the
 connection onto a context holding the new pair. Either way the files' stat
 (mtime, size, inode) is looked at: unchanged, the current certificate stays;
 changed, the files are read again and checked (the key matches the
-certificate, the client CA parses) before they are taken. A rotation caught
-half-written (a new certificate with the old key) fails that check, is
-logged, and the old certificate serves until the next connection finds the
-pair complete. Connections already open keep the certificate they were made
+certificate, the client CA parses, today is inside the certificate's validity
+period) before they are taken. A rotation caught half-written (a new
+certificate with the old key), or to an expired certificate, fails that
+check, is logged, and the old certificate serves until the next connection
+finds a usable pair. A certificate that expires within ``EXPIRY_WARNING`` is
+taken with a warning. Connections already open keep the certificate they were made
 with. Each front has its own ``CertificateFiles``: each sees every change.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import ssl
 import threading
@@ -24,8 +27,13 @@ from pathlib import Path
 
 import grpc
 import structlog
+from cryptography import x509
 
 log = structlog.get_logger(__name__)
+
+# A certificate that expires sooner than this is served with a warning at
+# start-up and on each rotation to it.
+EXPIRY_WARNING = datetime.timedelta(days=7)
 
 
 class TLSFilesError(ValueError):
@@ -56,6 +64,7 @@ class _Material:
     key: bytes
     client_ca: bytes | None
     context: ssl.SSLContext  # loaded from the same files, between the same two stamps
+    not_after: datetime.datetime  # the certificate's, in UTC
 
 
 class CertificateFiles:
@@ -67,6 +76,7 @@ class CertificateFiles:
         self._stamp, material = self._read()  # TLSFilesError: the server does not start
         self._initial = _configuration(material)
         self._context = material.context
+        self._warn_if_expiring(material)
         self.num_reloads = 0
         # The files' state (or error) of the last failed reload: said once,
         # not on every connection until the rotation completes.
@@ -127,8 +137,25 @@ class CertificateFiles:
                 return None
             self._stamp, self._failed = new_stamp, None
             self.num_reloads += 1
-        log.info("tls_certificate_reloaded", front=self.front, cert_file=str(self.tls.cert_file))
+        log.info(
+            "tls_certificate_reloaded",
+            front=self.front,
+            cert_file=str(self.tls.cert_file),
+            not_after=material.not_after.isoformat(),
+        )
+        self._warn_if_expiring(material)
         return material
+
+    def _warn_if_expiring(self, material: _Material) -> None:
+        left = material.not_after - datetime.datetime.now(datetime.UTC)
+        if left < EXPIRY_WARNING:
+            log.warning(
+                "tls_certificate_expires_soon",
+                front=self.front,
+                cert_file=str(self.tls.cert_file),
+                not_after=material.not_after.isoformat(),
+                hours_left=round(left.total_seconds() / 3600, 1),
+            )
 
     def _read(self) -> tuple[_Stamp, _Material]:
         """The files' stamp and contents, checked; the stamp is taken before
@@ -136,11 +163,13 @@ class CertificateFiles:
         tls = self.tls
         try:
             before = _stamp(tls.files)
+            cert = tls.cert_file.read_bytes()
             material = _Material(
-                tls.cert_file.read_bytes(),
+                cert,
                 tls.key_file.read_bytes(),
                 None if tls.client_ca_file is None else tls.client_ca_file.read_bytes(),
                 _server_context(tls),
+                _not_after(tls.cert_file, cert, datetime.datetime.now(datetime.UTC)),
             )
             if _stamp(tls.files) != before:
                 raise TLSFilesError("the files changed while they were read")
@@ -176,6 +205,23 @@ def _server_context(tls: ServerTLS) -> ssl.SSLContext:
             ) from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def _not_after(cert_file: Path, cert: bytes, now: datetime.datetime) -> datetime.datetime:
+    """The server certificate's (the chain's first) expiry; TLSFilesError
+    when ``now`` is outside its validity period. OpenSSL loads such a
+    certificate without a word, and every client then refuses it."""
+    try:
+        leaf = x509.load_pem_x509_certificate(cert)
+    except ValueError as exc:
+        raise TLSFilesError(f"{cert_file} is not a PEM certificate ({exc})") from None
+    if now < leaf.not_valid_before_utc:
+        raise TLSFilesError(
+            f"{cert_file} is not valid until {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+        )
+    if now > leaf.not_valid_after_utc:
+        raise TLSFilesError(f"{cert_file} expired on {leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC")
+    return leaf.not_valid_after_utc
 
 
 def _configuration(material: _Material) -> grpc.ServerCertificateConfiguration:

@@ -492,7 +492,12 @@ def add_telemetry_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="serve Prometheus /metrics here (0: any)",
     )
-    group.add_argument("--metrics-host", default=None, help="default: the --host address")
+    group.add_argument(
+        "--metrics-host",
+        default=None,
+        help="default: the --host address. Plain HTTP, no token: with --tenants "
+        "its /metrics names every tenant",
+    )
     group.add_argument(
         "--log-level",
         default=os.environ.get("SLIPSTREAM_LOG_LEVEL", "info"),
@@ -550,11 +555,17 @@ def usage_hint(
     has_tls: bool = False,
     has_tenants: bool = False,
     has_chat_template: bool = False,
+    has_client_ca: bool = False,
 ) -> str:
+    """The banner: where it listens, then commands that connect, with the
+    flags each needs (``has_client_ca``: mutual TLS, a client certificate)."""
     address = f"{connect_host(host)}:{port}"
     submit = '{"submit": {"request_id": "a", "text": "Hello", "stopping": {"max_new_tokens": 16}}}'
     client = " --tls-ca CA.pem" if has_tls else ""
     grpcurl = "-cacert CA.pem" if has_tls else "-plaintext"
+    if has_tls and has_client_ca:
+        client += " --tls-cert CLIENT.pem --tls-key CLIENT.key"
+        grpcurl += " -cert CLIENT.pem -key CLIENT.key"
     auth = ' -H "authorization: Bearer $SLIPSTREAM_TOKEN"' if has_tenants else ""
     generate = f"grpcurl {grpcurl}{auth} -d '{{}}' {address} slipstream.v1.Inference/Generate"
     # "listening on" names the address bound (tests and `bench` read it); the
@@ -588,12 +599,14 @@ def http_hint(host: str, port: int, has_tls: bool = False) -> str:
 def exposure_allowed(args: argparse.Namespace, has_tls: bool, has_tenants: bool) -> bool:
     """Whether ``--host`` may be listened on as the flags ask: False (the
     refusal printed) when it is reachable from the network without TLS and
-    tenants on every front, unless ``--insecure`` (a warning printed)."""
+    tenants on every front, unless ``--insecure`` (a warning printed). A
+    metrics port that shows tenants' usage to the network is warned of."""
     from slipstream.service.api.server import exposure_remedy, exposure_warning
 
     http_port = getattr(args, "http_port", 0)
     warning = exposure_warning(args.host, has_tls, has_tenants, bool(http_port))
     if warning is None:
+        _warn_of_metrics_exposure(args, has_tenants)
         return True
     banner = "*" * 78
     if not args.insecure:
@@ -605,7 +618,18 @@ def exposure_allowed(args: argparse.Namespace, has_tls: bool, has_tenants: bool)
         )
         return False
     print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
+    _warn_of_metrics_exposure(args, has_tenants)
     return True
+
+
+def _warn_of_metrics_exposure(args: argparse.Namespace, has_tenants: bool) -> None:
+    from slipstream.service.api.server import metrics_exposure_warning
+
+    if args.metrics_port is None:
+        return
+    warning = metrics_exposure_warning(args.metrics_host or args.host, has_tenants)
+    if warning is not None:
+        print(f"slipstream: WARNING: {warning}.", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -633,7 +657,15 @@ def run(args: argparse.Namespace) -> int:
 
     def on_ready(port: int, engine: object) -> None:
         has_template = engine.info.has_chat_template  # type: ignore[attr-defined]
-        hint = usage_hint(args.host, port, config.model, has_tls, has_tenants, has_template)
+        hint = usage_hint(
+            args.host,
+            port,
+            config.model,
+            has_tls,
+            has_tenants,
+            has_template,
+            has_client_ca=args.tls_client_ca is not None,
+        )
         print(hint, flush=True)
 
     def on_http(port: int) -> None:

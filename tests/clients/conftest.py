@@ -22,6 +22,10 @@ ABORT_CALL_PROMPT = "abort the call"
 DUPLICATE_PROMPT = "someone reused my id"
 # Its tokens go out with no pause: a cancel arrives after all of them.
 BURST_PROMPT = "all at once"
+# On GenerateOne: refused as a Slipstream server refuses a tenant over its
+# quota, the reason and the retry hint in the trailers.
+OVER_QUOTA_PROMPT = "over quota"
+OVER_QUOTA_RETRY_MS = 1500
 
 
 @dataclass
@@ -116,6 +120,14 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
         """The same tokens as ``Generate``; a cancel ends the call."""
         self.recorded.submits.append(submit)
         rid = submit.request_id
+        if submit.text == OVER_QUOTA_PROMPT:
+            trailers = (
+                ("slipstream-reject-reason", "quota_exceeded"),
+                ("slipstream-retry-after-ms", str(OVER_QUOTA_RETRY_MS)),
+            )
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "over quota", trailing_metadata=trailers
+            )
         yield pb.GenerateResponse(request_id=rid, accepted=pb.Accepted())
         for i in range(submit.stopping.max_new_tokens):
             chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)

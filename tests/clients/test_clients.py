@@ -10,7 +10,14 @@ import threading
 import time
 
 import pytest
-from conftest import ABORT_CALL_PROMPT, DUPLICATE_PROMPT, TOKEN_INTERVAL_S, ScriptedServer
+from conftest import (
+    ABORT_CALL_PROMPT,
+    DUPLICATE_PROMPT,
+    OVER_QUOTA_PROMPT,
+    OVER_QUOTA_RETRY_MS,
+    TOKEN_INTERVAL_S,
+    ScriptedServer,
+)
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -74,6 +81,25 @@ def test_a_cancelled_call_says_what_arrived_before_the_cancel(scripted: Scripted
                 if num_seen == 5:
                     await generation.cancel()
             _assert_counts_what_arrived(await generation.result(), num_seen)
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_call_carries_the_servers_retry_hint(scripted: ScriptedServer) -> None:
+    """A GenerateOne refusal ends the call; its trailers name the reason and
+    when a retry may succeed, as a Generate stream's Finished does."""
+
+    def assert_refused(result: Result) -> None:
+        assert (result.finish_reason, result.reject_reason) == ("rejected", "quota_exceeded")
+        assert result.status_code == "RESOURCE_EXHAUSTED"
+        assert result.retry_after_s == OVER_QUOTA_RETRY_MS / 1000
+
+    with Client(scripted.target) as client:
+        assert_refused(client.generate_one(OVER_QUOTA_PROMPT).result(timeout=5))
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            assert_refused(await (await client.generate_one(OVER_QUOTA_PROMPT)).result())
 
     asyncio.run(scenario())
 

@@ -28,3 +28,19 @@ def test_a_named_host_is_listened_on_and_connected_to_as_given(host: str) -> Non
     first, *commands = usage_hint(host, 53100, "tiny").splitlines()
     assert first == f"slipstream: serving tiny, listening on {host}:53100"
     assert all(f"{host}:53100" in line for line in commands[1:])
+
+
+@pytest.mark.parametrize("has_client_ca", [False, True])
+def test_under_mutual_tls_the_commands_present_a_client_certificate(has_client_ca: bool) -> None:
+    flags = {"has_tls": True, "has_chat_template": True, "has_client_ca": has_client_ca}
+    commands = usage_hint("127.0.0.1", 53100, "tiny", **flags).splitlines()[2:]
+    ours = [line for line in commands if line.startswith("  slipstream ")]
+    grpcurl = [line for line in commands if line.startswith("  grpcurl ")]
+    assert len(ours) == 3 and len(grpcurl) == 3
+    assert all("--tls-ca CA.pem" in line for line in ours)
+    assert all("-cacert CA.pem" in line for line in grpcurl)
+    client_cert = [
+        *("--tls-cert CLIENT.pem --tls-key CLIENT.key" in line for line in ours),
+        *("-cert CLIENT.pem -key CLIENT.key" in line for line in grpcurl),
+    ]
+    assert client_cert == [has_client_ca] * 6

@@ -57,13 +57,20 @@ class CA:
             serialization.Encoding.PEM
         )
 
-    def issue(self, subject: str, *, server: bool) -> Issued:
+    def issue(self, subject: str, *, server: bool, valid: tuple[float, float] = (-1, 30)) -> Issued:
+        """``valid``: the validity period, in days from now."""
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = self._build(subject, key, is_ca=False, server=server)
+        cert = self._build(subject, key, is_ca=False, server=server, valid=valid)
         return Issued(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
 
     def _build(
-        self, subject: str, key: ec.EllipticCurvePrivateKey, *, is_ca: bool, server: bool = False
+        self,
+        subject: str,
+        key: ec.EllipticCurvePrivateKey,
+        *,
+        is_ca: bool,
+        server: bool = False,
+        valid: tuple[float, float] = (-1, 30),
     ) -> x509.Certificate:
         now = datetime.datetime.now(datetime.UTC)
         builder = (
@@ -72,8 +79,8 @@ class CA:
             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, self.name)]))
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(now + datetime.timedelta(days=valid[0]))
+            .not_valid_after(now + datetime.timedelta(days=valid[1]))
             .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True)
         )
         if server:
@@ -108,12 +115,15 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pki")
     server_ca, client_ca, other_ca = CA("server-ca"), CA("client-ca"), CA("other-ca")
     server = server_ca.issue("localhost", server=True)
+    expired = server_ca.issue("localhost", server=True, valid=(-30, -1))
     client = client_ca.issue("client-a", server=False)
     stranger = other_ca.issue("client-b", server=False)
     files = {
         "server_ca": server_ca.cert,
         "server_cert": server.cert,
         "server_key": server.key,
+        "expired_cert": expired.cert,
+        "expired_key": expired.key,
         "client_ca": client_ca.cert,
         "client_cert": client.cert,
         "client_key": client.key,
@@ -252,6 +262,60 @@ def test_unusable_files_stop_the_server_from_starting(pki: dict[str, Path], tmp_
     garbage = write(tmp_path / "ca.pem", b"not a certificate")
     with pytest.raises(TLSFilesError, match="CA"):
         CertificateFiles(ServerTLS(pki["server_cert"], pki["server_key"], garbage))
+
+
+def test_a_certificate_outside_its_validity_period_stops_the_server_from_starting(
+    tmp_path: Path,
+) -> None:
+    ca = CA("ca")
+    for valid, complaint in [((-30, -1), "expired on"), ((1, 30), "is not valid until")]:
+        issued = ca.issue("localhost", server=True, valid=valid)
+        cert = write(tmp_path / "cert.pem", issued.cert)
+        key = write(tmp_path / "key.pem", issued.key)
+        with pytest.raises(TLSFilesError, match=f"cert.pem {complaint}"):
+            CertificateFiles(ServerTLS(cert, key))
+
+
+def test_a_rotation_to_an_expired_certificate_keeps_the_current_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.service.api import tls
+
+    failures: list[str] = []
+    monkeypatch.setattr(tls.log, "error", lambda event, **fields: failures.append(fields["detail"]))
+    ca = CA("ca")
+    valid, expired = ca.issue("localhost", server=True), ca.issue("x", server=True, valid=(-9, -2))
+    cert, key = write(tmp_path / "cert.pem", valid.cert), write(tmp_path / "key.pem", valid.key)
+    files = tls.CertificateFiles(ServerTLS(cert, key))
+    write(key, expired.key)
+    write(cert, expired.cert)
+    assert files.fetch() is None and files.num_reloads == 0
+    assert len(failures) == 1 and "expired on" in failures[0]
+    write(key, valid.key)
+    write(cert, valid.cert)
+    assert files.fetch() is not None and files.num_reloads == 1
+
+
+def test_a_certificate_about_to_expire_is_taken_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slipstream.service.api import tls
+
+    warnings: list[tuple[str, str]] = []
+    monkeypatch.setattr(
+        tls.log, "warning", lambda event, **fields: warnings.append((event, fields["front"]))
+    )
+    ca = CA("ca")
+    month, days = ca.issue("localhost", server=True), ca.issue("x", server=True, valid=(-1, 2))
+    cert, key = write(tmp_path / "cert.pem", month.cert), write(tmp_path / "key.pem", month.key)
+    files = tls.CertificateFiles(ServerTLS(cert, key), front="http")
+    assert warnings == []
+    write(key, days.key)
+    write(cert, days.cert)
+    assert files.fetch() is not None
+    assert warnings == [("tls_certificate_expires_soon", "http")]
+    tls.CertificateFiles(ServerTLS(cert, key))  # and at start-up
+    assert warnings[1:] == [("tls_certificate_expires_soon", "grpc")]
 
 
 # ---------------------------------------------------------------- the HTTP front (HTTPS)
@@ -525,6 +589,35 @@ def test_the_refusal_names_what_is_missing_and_how_to_turn_the_http_front_off(
     assert "WARNING" in capsys.readouterr().err
 
 
+def test_a_metrics_port_that_shows_tenants_to_the_network_is_warned_of(
+    capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
+) -> None:
+    """The metrics port speaks plain HTTP with no token; with tenants its
+    page names them and their usage. On --host unless --metrics-host."""
+    from slipstream.service.cli.serve import exposure_allowed
+
+    tls = ["--tls-cert", str(pki["server_cert"]), "--tls-key", str(pki["server_key"])]
+    tenants = ["--tenants", str(tmp_path / "tenants.toml")]
+    metrics = ["--metrics-port", "9400"]
+
+    def warned(*argv: str, has_tls: bool = True, has_tenants: bool = True) -> str:
+        assert exposure_allowed(serve_args(*argv), has_tls, has_tenants)  # type: ignore[arg-type]
+        return capsys.readouterr().err
+
+    err = warned("--host", "0.0.0.0", *tls, *tenants, *metrics)
+    assert "WARNING: the metrics port listens on 0.0.0.0" in err
+    assert "without a token" in err and "names every tenant" in err
+    assert "--metrics-host 127.0.0.1 keeps it on this machine" in err
+    assert "listens on 10.0.0.5" in warned(*tenants, *metrics, "--metrics-host", "10.0.0.5")
+
+    public = ("--host", "0.0.0.0", *tls, *tenants)
+    assert warned(*public, *metrics, "--metrics-host", "127.0.0.1") == ""
+    assert warned(*public) == ""  # no metrics port
+    assert warned(*tenants, *metrics) == ""  # on loopback, as --host
+    err = warned("--host", "0.0.0.0", "--insecure", *metrics, has_tls=False, has_tenants=False)
+    assert "--insecure" in err and "metrics" not in err  # no tenants to name
+
+
 def test_serve_says_which_file_is_unusable(
     capsys: pytest.CaptureFixture[str], pki: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -535,6 +628,7 @@ def test_serve_says_which_file_is_unusable(
     bad_tenants = write(tmp_path / "tenants.toml", b"[tenants.a\n")
     for extra, complaint in [
         (mismatched, "certificate and its key"),
+        (["--tls-cert", str(pki["expired_cert"]), "--tls-key", str(pki["expired_key"])], "expired"),
         (["--tenants", str(bad_tenants)], "not valid TOML"),
         (["--tls-cert", str(pki["server_cert"])], "--tls-cert and --tls-key go together"),
     ]:
