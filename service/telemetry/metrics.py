@@ -360,7 +360,8 @@ class ServerMetrics:
         self.rejections = Counter(
             "slipstream_rejections",
             "Requests refused at the door or rejected after queueing, by cause; and calls "
-            "refused whole (unauthenticated, loading, draining), which submitted no request",
+            "refused whole (unauthenticated, loading, draining) and HTTP connections over the "
+            "cap (too_many_connections), which submitted no request",
             ["reason"],
             registry=self.registry,
         )

@@ -20,6 +20,7 @@ import asyncio
 import math
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,8 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 # aiohttp's default: how long an unread body is read after its answer.
 LINGERING_S = 10.0
+# A TLS handshake takes a round trip or two; one not done by then is dropped.
+TLS_HANDSHAKE_TIMEOUT_S = 10.0
 # A refused connection is logged at most this often, with the count since.
 REFUSED_LOG_INTERVAL_S = 10.0
 
@@ -105,10 +108,11 @@ class ConnectionCap:
     request holds a file descriptor, until the process has none left for
     gRPC either.
 
-    Open connections are aiohttp's (``Server.connections``, from its
-    ``connection_made`` to its ``connection_lost``) plus those accepted and
-    not yet made: asyncio accepts a burst of them before any is made, and
-    makes each just after the step that created it."""
+    A connection counts from its accept to its close: each handler is
+    wrapped (``_Counted``) and held weakly. Over TLS, asyncio makes the
+    handler only once the handshake is done, and one that never completes
+    is closed at the handshake timeout without a word to the handler: it
+    stops counting when asyncio lets go of it."""
 
     def __init__(
         self, server: web.Server, max_connections: int, telemetry: Telemetry | None = None
@@ -116,37 +120,70 @@ class ConnectionCap:
         self._server = server
         self._max_connections = max_connections
         self._metrics = None if telemetry is None else telemetry.metrics
-        self._num_accepting = 0
+        self._open: weakref.WeakSet[_Counted] = weakref.WeakSet()
         self._num_refused = 0  # since the last warning
         self._last_warning = -math.inf
+        self._flush: asyncio.TimerHandle | None = None
 
     @property
     def num_connections(self) -> int:
-        return len(self._server.connections) + self._num_accepting
+        return len(self._open)
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.num_connections >= self._max_connections:
             self._refused()
             return _Refused()
-        self._num_accepting += 1
-        asyncio.get_running_loop().call_soon(self._accepted)
-        return self._server()
-
-    def _accepted(self) -> None:
-        self._num_accepting -= 1
+        counted = _Counted(self._server(), self._open)
+        self._open.add(counted)
+        return counted
 
     def _refused(self) -> None:
         if self._metrics is not None:
             self._metrics.call_refused("too_many_connections")
         self._num_refused += 1
-        now = time.monotonic()
-        if now - self._last_warning >= REFUSED_LOG_INTERVAL_S:
+        if time.monotonic() - self._last_warning >= REFUSED_LOG_INTERVAL_S:
+            self._warn()
+        elif self._flush is None:  # the rest of a burst, said when the interval ends
+            loop = asyncio.get_running_loop()
+            self._flush = loop.call_later(REFUSED_LOG_INTERVAL_S, self._warn)
+
+    def _warn(self) -> None:
+        self._flush = None
+        if self._num_refused:
             log.warning(
                 "http_connections_refused",
                 max_connections=self._max_connections,
                 num_refused=self._num_refused,
             )
-            self._last_warning, self._num_refused = now, 0
+        self._last_warning, self._num_refused = time.monotonic(), 0
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's handler for one connection, every event passed on; it
+    leaves its cap's open set when the connection is lost."""
+
+    def __init__(self, handler: asyncio.Protocol, open_set: weakref.WeakSet[_Counted]) -> None:
+        self._handler = handler
+        self._open_set = open_set
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._handler.eof_received()
+
+    def pause_writing(self) -> None:
+        self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._handler.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._open_set.discard(self)
+        self._handler.connection_lost(exc)
 
 
 class _Refused(asyncio.Protocol):
@@ -225,12 +262,15 @@ class HttpFront:
         )
         certificates = self._certificates
         ssl_context = None if certificates is None else certificates.ssl_context()
+        # A TLS connection over the cap is reset only once its handshake is
+        # done: the handshake gets a short time, as any unfinished request.
+        handshake_s = min(limits.http_read_timeout_s, TLS_HANDSHAKE_TIMEOUT_S)
         # Not a web.SockSite: this factory, not aiohttp's, makes each connection.
         self._listener = await asyncio.get_running_loop().create_server(
             self.connections,
             sock=sock,
             ssl=ssl_context,
-            ssl_handshake_timeout=None if ssl_context is None else limits.http_read_timeout_s,
+            ssl_handshake_timeout=None if ssl_context is None else handshake_s,
         )
         return int(sock.getsockname()[1])
 

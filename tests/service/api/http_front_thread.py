@@ -10,6 +10,7 @@ import urllib.request
 
 from slipstream.service.api.auth import Tenants
 from slipstream.service.api.limits import Limits
+from slipstream.service.api.tls import ServerTLS
 from slipstream.service.telemetry.tracing import Telemetry
 
 
@@ -20,11 +21,12 @@ class FrontThread:
         limits: Limits | None = None,
         telemetry: Telemetry | None = None,
         tenants: Tenants | None = None,
+        tls: ServerTLS | None = None,
     ) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.port = self._call(self._start(engine, limits, telemetry, tenants))
+        self.port = self._call(self._start(engine, limits, telemetry, tenants, tls))
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def _call(self, coro: object) -> object:
@@ -36,12 +38,13 @@ class FrontThread:
         limits: Limits | None,
         telemetry: Telemetry | None,
         tenants: Tenants | None,
+        tls: ServerTLS | None,
     ) -> int:
         from slipstream.service.api.http.app import HttpFront
         from slipstream.service.api.lifecycle import Lifecycle
 
         lifecycle = Lifecycle(engine)  # type: ignore[arg-type]
-        self.http = HttpFront(lifecycle, telemetry, limits=limits, tenants=tenants)
+        self.http = HttpFront(lifecycle, telemetry, limits=limits, tenants=tenants, tls=tls)
         port = await self.http.start("127.0.0.1", 0)
         await lifecycle.serve()
         return port

@@ -5,14 +5,20 @@ hold open and for how long, on the ``tiny`` model's front."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import gc
 import json
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from http_front_thread import FrontThread
 from structlog.testing import capture_logs
 
@@ -20,6 +26,7 @@ from slipstream.service.api.http import generation
 from slipstream.service.api.http.errors import ApiError
 from slipstream.service.api.http.params import parse
 from slipstream.service.api.limits import Limits
+from slipstream.service.api.tls import ServerTLS
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.telemetry.metrics import ServerMetrics
 from slipstream.service.telemetry.tracing import Telemetry
@@ -183,6 +190,55 @@ def test_connections_past_the_cap_are_closed_at_once(engine: object) -> None:
         assert wait_until(lambda: num_connections(front) == 3)
         status, reply = front.post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
         assert status == 200, reply
+    finally:
+        for sock in held:
+            sock.close()
+        front.stop()
+
+
+def _self_signed(tmp_path: Path) -> ServerTLS:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return ServerTLS(cert_file, key_file)
+
+
+def test_over_tls_a_connection_counts_from_its_accept(engine: object, tmp_path: Path) -> None:
+    """Over TLS aiohttp sees a connection only once its handshake is done:
+    sockets that never began one were counted nowhere, and any number of
+    them held a descriptor each until the handshake timeout."""
+    telemetry = Telemetry(None, ServerMetrics())
+    front = Front(engine, Limits(max_http_connections=3), telemetry, tls=_self_signed(tmp_path))
+    held = [socket.create_connection(("127.0.0.1", front.port), timeout=10) for _ in range(3)]
+    try:
+        assert wait_until(lambda: num_connections(front) == 3)
+        extra = [socket.create_connection(("127.0.0.1", front.port), timeout=10) for _ in range(5)]
+        registry = telemetry.metrics.registry  # type: ignore[union-attr]
+        labels = {"reason": "too_many_connections"}
+        assert wait_until(
+            lambda: registry.get_sample_value("slipstream_rejections_total", labels) == 5
+        )
+        assert num_connections(front) == 3
+        held.extend(extra)
     finally:
         for sock in held:
             sock.close()
