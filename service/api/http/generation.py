@@ -133,15 +133,16 @@ def engine_id(envelope: Envelope) -> str:
     return f"http-{envelope.id}"
 
 
-def choice_request(spec: RequestSpec, index: int, num_choices: int) -> RequestSpec:
-    """Choice ``index``'s engine request: ``spec`` (its prompt's) under an id
-    of its own, seeded ``seed + index`` (wrapped) so that seeded choices
-    differ yet repeat. A request of one choice is ``spec`` itself."""
+def choice_request(spec: RequestSpec, index: int, sample: int, num_choices: int) -> RequestSpec:
+    """Choice ``index``'s engine request, ``sample`` of its prompt: ``spec``
+    (the prompt's) under an id of its own, seeded ``seed + sample`` (wrapped)
+    so that a prompt's seeded choices differ yet repeat, and a prompt in a
+    list samples as it does sent alone. A request of one choice is ``spec``."""
     if num_choices == 1:
         return spec
     sampling = spec.sampling
     if sampling.seed is not None:
-        sampling = replace(sampling, seed=(sampling.seed + index) % (MAX_UINT64 + 1))
+        sampling = replace(sampling, seed=(sampling.seed + sample) % (MAX_UINT64 + 1))
     return replace(spec, req_id=f"{spec.req_id}-{index}", sampling=sampling)
 
 
@@ -311,7 +312,7 @@ class Generations:
             )
         num_choices = parsed.num_choices
         return [
-            choice_request(spec, p * parsed.n + sample, num_choices)
+            choice_request(spec, p * parsed.n + sample, sample, num_choices)
             for p, spec in enumerate(prompt_specs)
             for sample in range(parsed.n)
         ]
@@ -349,6 +350,13 @@ class Generations:
         quota); one refused gives back the grants of those before it."""
         if gate is None:
             return [(spec, None) for spec in specs]
+        most = gate.tenant.max_inflight
+        if most is not None and len(specs) > most:  # a 429 no retry could pass
+            message = (
+                f"{len(specs)} choices are more than this tenant may have in flight "
+                f"(max_inflight {most}); ask for at most {most}"
+            )
+            raise invalid(message, "n")
         admitted: list[tuple[RequestSpec, Grant | None]] = []
         try:
             for spec in specs:

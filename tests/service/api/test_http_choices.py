@@ -158,11 +158,13 @@ def test_a_list_of_prompts_is_numbered_prompt_major_and_matches_each_sent_alone(
     prompts = ["Once upon", "The quick brown fox"]
     batch = oai.completions.create(prompt=prompts, n=2, seed=40, **SAMPLED)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
-    # Choice index = prompt_index * n + sample_index, its seed seed + index:
-    # each prompt sent alone with its choices' seeds gives the same choices.
+    # Choice index = prompt_index * n + sample_index, its seed seed +
+    # sample_index: each prompt samples as it does sent alone with that seed.
     first = oai.completions.create(prompt=prompts[0], n=2, seed=40, **SAMPLED)
-    second = oai.completions.create(prompt=prompts[1], n=2, seed=42, **SAMPLED)
+    second = oai.completions.create(prompt=prompts[1], n=2, seed=40, **SAMPLED)
     assert [c.text for c in batch.choices] == [c.text for c in first.choices + second.choices]
+    twice = oai.completions.create(prompt=[prompts[1]] * 2, seed=40, **SAMPLED)
+    assert twice.choices[0].text == twice.choices[1].text  # the same prompt and seed
     ids = [tuple(r.prompt_token_ids) for r in submitted[:4]]
     assert ids[0] == ids[1] != ids[2] == ids[3]
     num_prompts = [len(engine.tokenizer.encode(p)) for p in prompts]  # type: ignore[attr-defined]
@@ -303,9 +305,16 @@ def test_a_tenant_over_its_quota_for_one_choice_is_refused_whole(engine: object)
     try:
         auth = {"Authorization": f"Bearer {TOKEN}"}
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+        # More choices than the tenant may ever have in flight: no retry could
+        # pass, so not a 429 (which the SDK retries) but a 400 naming n.
         status, reply = srv.post("/v1/completions", {**body, "n": 3}, auth)
+        assert status == 400 and json.loads(reply)["error"]["param"] == "n", reply
+        # One slot held elsewhere: n=2 is over the quota now, not for ever.
+        held = tenants.gate(f"Bearer {TOKEN}").admit(RequestSpec("held", [1], 1))[1]
+        status, reply = srv.post("/v1/completions", {**body, "n": 2}, auth)
         assert status == 429 and json.loads(reply)["error"]["code"] == "quota_exceeded", reply
-        assert tenants.num_inflight("pair") == 0  # the two admitted gave their slots back
+        assert tenants.num_inflight("pair") == 1  # the admitted choice gave its slot back
+        held.release()
         status, reply = srv.post("/v1/completions", {**body, "n": 2}, auth)
         assert status == 200 and len(json.loads(reply)["choices"]) == 2
         assert wait_until(lambda: tenants.num_inflight("pair") == 0)
