@@ -78,9 +78,11 @@ log = structlog.get_logger(__name__)
 # the server nothing more: a caller's cancel, a dropped connection, a passed
 # gRPC deadline and the connection closed at the end of
 # --max-connection-age-grace-s all look the same, so the line names them all.
+# The server cannot tell a client's cancel from its own connection-age close
+# (--max-connection-age-grace-s): both reach it alike (docs/operations.md).
 CALL_ENDED = (
     "the call ended before the request finished: cancelled or disconnected by the "
-    "client, or its connection closed by the server (--max-connection-age-grace-s)"
+    "client, or its connection closed by the server"
 )
 
 _Item = tuple[str, Event] | pb.GenerateResponse

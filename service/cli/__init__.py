@@ -115,7 +115,7 @@ def quiet_grpc_logs(environ: MutableMapping[str, str], argv: list[str]) -> None:
     TLS handshake is logged nowhere else). A ``GRPC_VERBOSITY`` or
     ``GRPC_TRACE`` the user set wins. gRPC reads it once, when it is imported."""
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    if command == "serve":
+    if command in ("serve", "bench"):  # bench starts servers, which inherit it
         return
     if "GRPC_VERBOSITY" not in environ and "GRPC_TRACE" not in environ:
         environ["GRPC_VERBOSITY"] = "NONE"

@@ -56,3 +56,5 @@ def test_serve_keeps_grpcs_default_logging() -> None:
     environ: dict[str, str] = {}
     quiet_grpc_logs(environ, ["serve", "--model", "tiny"])
     assert environ == {}
+    quiet_grpc_logs(environ, ["bench", "serve"])  # its servers inherit the setting
+    assert environ == {}
