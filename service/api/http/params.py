@@ -107,7 +107,7 @@ def parse(
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string; see GET /v1/models)", "model")
     _text(model, "model", "model")
-    n = _int(body, "n", 1, MAX_UINT32) or 1
+    n = _int(body, "n", 1, max_choices) or 1  # this server's bound, in its message
     _optional(body, "user", str)
     is_stream = bool(_optional(body, "stream", bool))
     include_usage = _stream_options(body, is_stream)
@@ -271,8 +271,6 @@ def _over_context(message: str) -> ApiError:
 def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:
     """Each prompt's ``n`` choices are an engine request each: at most
     ``max_choices`` in all, the one at fault named."""
-    if n > max_choices:
-        raise invalid(f"n must be in [1, {max_choices}] on this server, got {n}", "n")
     if num_prompts * n > max_choices:
         message = (
             f"{num_prompts} prompts with n={n} ask for {num_prompts * n} choices, "

@@ -221,7 +221,7 @@ def test_over_max_choices_is_400_naming_n_or_prompt(engine: object) -> None:
     srv = Front(engine, limits=Limits(max_choices=4, max_prompt_bytes=16))
     try:
         cases = [
-            ({"prompt": "hi", "n": 5}, "n", "n must be in [1, 4] on this server, got 5"),
+            ({"prompt": "hi", "n": 5}, "n", "n must be in [1, 4], got 5"),
             ({"prompt": ["a", "b", "c"], "n": 2}, "n", "3 prompts with n=2 ask for 6 choices"),
             ({"prompt": ["a"] * 5}, "prompt", "5 prompts with n=1 ask for 5 choices"),
             # Size limits hold per prompt.
