@@ -51,9 +51,8 @@ def check_request_fits(req: Request, config: SchedulerConfig) -> None:
     preempt everyone else and finish."""
     total = req.num_prompt_tokens + req.max_new_tokens
     if total > config.max_model_len:
-        raise PromptTooLong(
-            f"prompt ({req.num_prompt_tokens}) + max_new_tokens ({req.max_new_tokens}) "
-            f"exceeds max_model_len ({config.max_model_len})"
+        raise PromptTooLong.over_context(
+            req.num_prompt_tokens, req.max_new_tokens, config.max_model_len
         )
     blocks = -(-total // config.block_size)
     if blocks > config.num_device_blocks:

@@ -26,6 +26,16 @@ class InvalidRequest(ValueError):
 class PromptTooLong(SchedulerError):
     """The prompt (plus max_new_tokens) cannot fit the model's context or KV pool."""
 
+    @classmethod
+    def over_context(
+        cls, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int
+    ) -> PromptTooLong:
+        """The one wording of a request over the context, wherever it is caught."""
+        return cls(
+            f"prompt ({num_prompt_tokens}) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds max_model_len ({max_model_len})"
+        )
+
 
 class AtCapacity(SchedulerError):
     """Refused for want of capacity; ``retry_after_s`` hints when a retry

@@ -184,7 +184,7 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
         return encode_prompt(tokenizer, submit.text)
     if kind == "token_ids":
         # Length first: a list no context can hold is refused before it is
-        # read. Worded as the scheduler's own check (admission.py).
+        # read, as the scheduler's own check (admission.py) would.
         if len(submit.token_ids.ids) > info.max_model_len:
             stopping = submit.stopping
             max_new = (
@@ -192,10 +192,7 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
                 if stopping.HasField("max_new_tokens")
                 else DEFAULT_MAX_NEW_TOKENS
             )
-            raise PromptTooLong(
-                f"prompt ({len(submit.token_ids.ids)}) + max_new_tokens ({max_new}) "
-                f"exceeds max_model_len ({info.max_model_len})"
-            )
+            raise PromptTooLong.over_context(len(submit.token_ids.ids), max_new, info.max_model_len)
         return list(submit.token_ids.ids)  # Engine.submit checks them against the vocabulary
     if kind == "messages":
         # Rendered here, beside text tokenization, so both move together.

@@ -244,12 +244,8 @@ def _prompt(prompt: object, name: str, max_model_len: int, max_new: int) -> str 
             raise invalid(f"{name} is empty", "prompt")
         return _text(prompt, name, "prompt")
     if isinstance(prompt, list) and prompt:
-        if len(prompt) > max_model_len:  # worded as the gRPC front's (wire._prompt_ids)
-            message = (
-                f"prompt ({len(prompt)}) + max_new_tokens ({max_new}) "
-                f"exceeds max_model_len ({max_model_len})"
-            )
-            raise _over_context(message)
+        if len(prompt) > max_model_len:  # as the gRPC front's check (wire._prompt_ids)
+            raise _over_context(PromptTooLong.over_context(len(prompt), max_new, max_model_len))
         # the wire's uint32 (the model's vocabulary is checked later)
         ids_ok = (
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_UINT32 for t in prompt
@@ -261,9 +257,9 @@ def _prompt(prompt: object, name: str, max_model_len: int, max_new: int) -> str 
     raise invalid(f"{name} must be a non-empty string or list of token ids", "prompt")
 
 
-def _over_context(message: str) -> ApiError:
+def _over_context(exc: PromptTooLong) -> ApiError:
     """The answer (and the recorded refusal) a prompt over the context gets later."""
-    error = from_domain(PromptTooLong(message), "prompt")
+    error = from_domain(exc, "prompt")
     assert error is not None  # PromptTooLong is mapped
     return error
 
