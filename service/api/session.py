@@ -77,9 +77,8 @@ log = structlog.get_logger(__name__)
 # Why a request ends when its call does before it finished. grpc.aio tells
 # the server nothing more: a caller's cancel, a dropped connection, a passed
 # gRPC deadline and the connection closed at the end of
-# --max-connection-age-grace-s all look the same, so the line names them all.
-# The server cannot tell a client's cancel from its own connection-age close
-# (--max-connection-age-grace-s): both reach it alike (docs/operations.md).
+# --max-connection-age-grace-s all look the same (docs/operations.md), so the
+# line names them all.
 CALL_ENDED = (
     "the call ended before the request finished: cancelled or disconnected by the "
     "client, or its connection closed by the server"
@@ -147,8 +146,10 @@ class StreamSession:
         self._pending: dict[str, _Waiting] = {}  # client request id -> its waiting submit
         self._admitting: asyncio.Task[None] | None = None
         self._has_room = asyncio.Event()  # set as waiting submits are answered
-        self._is_unpaused = asyncio.Event()  # the client reads: submits may be answered
-        self._is_unpaused.set()
+        # Set while the stream is not paused: its requests decode and its
+        # waiting submits are answered.
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
         self._failure: BaseException | None = None  # the admission task's, not the client's
         # Items are (client id, engine event) from the engine thread or
         # ready responses from the loop.
@@ -158,7 +159,6 @@ class StreamSession:
         self._wakeup = asyncio.Event()
         self._wake_pending = False
         self._full_pending = False
-        self._is_paused = False  # the stream's requests are held in the engine
         self._grace_timer: asyncio.TimerHandle | None = None
         self._is_closed = False  # the client half-closed its side
         self._is_ended = False  # the call ended; nothing more is submitted
@@ -240,7 +240,7 @@ class StreamSession:
         while self._waiting:
             waiting = self._waiting[0]
             if not waiting.is_cancelled:
-                await self._is_unpaused.wait()
+                await self._unpaused.wait()
             if not waiting.is_cancelled:  # perhaps cancelled while paused
                 await self.submit(waiting.submit, waiting.message, waiting)
             self._waiting.popleft()
@@ -310,6 +310,11 @@ class StreamSession:
                     req_id=self.engine_id(request_id),
                     refusal=refusal,
                 )
+
+    @property
+    def _is_paused(self) -> bool:
+        """The stream's requests are held in the engine (read by its thread too)."""
+        return not self._unpaused.is_set()
 
     @property
     def num_unread(self) -> int:
@@ -449,8 +454,7 @@ class StreamSession:
         self._full_pending = False
         if self._is_paused or self._is_ended or not self._outbox.is_full:
             return
-        self._is_paused = True
-        self._is_unpaused.clear()
+        self._unpaused.clear()
         self._engine.pause(self._live.values())
         self._arm_grace()
         log.debug(
@@ -466,8 +470,7 @@ class StreamSession:
         )
 
     def _resume(self) -> None:
-        self._is_paused = False
-        self._is_unpaused.set()
+        self._unpaused.set()
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
