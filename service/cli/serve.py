@@ -605,19 +605,17 @@ def exposure_allowed(args: argparse.Namespace, has_tls: bool, has_tenants: bool)
 
     http_port = getattr(args, "http_port", 0)
     warning = exposure_warning(args.host, has_tls, has_tenants, bool(http_port))
-    if warning is None:
-        _warn_of_metrics_exposure(args, has_tenants)
-        return True
-    banner = "*" * 78
-    if not args.insecure:
-        remedy = exposure_remedy(has_tls, has_tenants, http_port)
-        print(
-            f"{banner}\nslipstream: error: refusing to start: {warning}.\n{remedy}\n{banner}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return False
-    print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
+    if warning is not None:
+        banner = "*" * 78
+        if not args.insecure:
+            remedy = exposure_remedy(has_tls, has_tenants, http_port)
+            print(
+                f"{banner}\nslipstream: error: refusing to start: {warning}.\n{remedy}\n{banner}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        print(f"{banner}\nslipstream: WARNING: {warning} (--insecure).\n{banner}", file=sys.stderr)
     _warn_of_metrics_exposure(args, has_tenants)
     return True
 
