@@ -32,7 +32,8 @@ choosing priorities freely cannot add series without bound)::
     slipstream_rejections_total{reason}                     counter (every refusal, at the door
                                                             or after queueing, by cause; and
                                                             calls refused whole: unauthenticated,
-                                                            loading, draining)
+                                                            loading, draining; HTTP connections
+                                                            over the cap: too_many_connections)
     slipstream_requests_finished_total{priority, reason}    counter (every request once, by how it
                                                             ended: refusals at the door too, as
                                                             reason=rejected, priority=unknown when
