@@ -14,13 +14,14 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import structlog
+from polling import wait_until
 from server_thread import ServerThread
 from structlog.testing import capture_logs
 
@@ -63,15 +64,6 @@ def server(engine: object) -> Iterator[ServerThread]:
 def channel(server: ServerThread) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(server.target) as ch:
         yield ch
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def no_blocks_used(channel: grpc.Channel) -> bool:

@@ -11,7 +11,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from http_front_thread import FrontThread
+from polling import wait_until
 from structlog.testing import capture_logs
 
 from slipstream.service.api.http import generation
@@ -149,15 +150,6 @@ def read_all(sock: socket.socket) -> bytes:
 def num_connections(front: Front) -> int:
     assert front.http.connections is not None
     return front.http.connections.num_connections
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 UNFINISHED_HEADERS = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"

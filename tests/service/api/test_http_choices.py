@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import openai
 import pytest
 from http_front_thread import FrontThread
+from polling import wait_until
 
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api.auth import Tenants, parse_tenants, token_sha256
@@ -78,15 +78,6 @@ def submitted(engine: object, monkeypatch: pytest.MonkeyPatch) -> list[RequestSp
 
     monkeypatch.setattr(engine, "submit", spy)
     return seen
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def engine_idle(engine: object) -> bool:

@@ -23,6 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from polling import wait_until
 
 from slipstream.clients import Client, StreamError
 from slipstream.service.api.auth import (
@@ -332,15 +333,6 @@ def served(engine: object) -> Iterator[Served]:
     server = ServerThread(engine, tenants, telemetry)
     yield Served(server, tenants, telemetry, spans)
     server.stop()
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_calls_without_a_known_token_are_unauthenticated(served: Served) -> None:
