@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 
 from slipstream.v1 import MAX_DURATION_S as MAX_DURATION_S  # exported too
+from slipstream.v1 import REJECT_REASON_KEY, RETRY_AFTER_KEY
 from slipstream.v1 import inference_pb2 as pb
 
 Prompt = str | Sequence[int]
@@ -336,12 +337,6 @@ class Result:
     @property
     def is_ok(self) -> bool:
         return self.status_code == "OK"
-
-
-# Trailing metadata of a GenerateOne call that ended with a rejection: its
-# reason, and the hint a Generate stream's Finished.retry_after_ms carries.
-REJECT_REASON_KEY = "slipstream-reject-reason"
-RETRY_AFTER_KEY = "slipstream-retry-after-ms"
 
 
 def is_past_deadline(error: grpc.RpcError) -> bool:

@@ -22,6 +22,7 @@ from slipstream.service.api.session import StreamSession, wants_batches
 from slipstream.service.api.status import reject_reason_name, rejection_for
 from slipstream.service.api.tokenize import AnswerTooLarge, TokenCosts, tokenize
 from slipstream.service.api.workers import WorkerPool, WorkersBusy
+from slipstream.v1 import REJECT_REASON_KEY, RETRY_AFTER_KEY
 from slipstream.v1 import inference_pb2 as pb
 from slipstream.v1 import inference_pb2_grpc as pb_grpc
 
@@ -207,10 +208,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self._telemetry.not_serving(method, context.peer(), rejection.reason_name, str(exc))
         trailers = ((REJECT_REASON_KEY, rejection.reason_name),)
         await context.abort(rejection.status, str(exc), trailing_metadata=trailers)
-
-
-REJECT_REASON_KEY = "slipstream-reject-reason"
-RETRY_AFTER_KEY = "slipstream-retry-after-ms"
 
 
 def _aborts_when_done(session: StreamSession) -> Callable[[object], None]:
