@@ -74,20 +74,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self,
         request_iterator: AsyncIterator[pb.GenerateRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
         session = await self._session(context, "Generate")
-        # A dropped client or a passed call deadline ends the call without
-        # resuming this generator; the callback still frees the requests.
+        # A dropped client or a passed call deadline cancels this handler
+        # (its finally frees the requests) or fails its write (see
+        # _ends_quietly); the callback frees them whatever ends the call.
         context.add_done_callback(_aborts_when_done(session))
         reader = asyncio.create_task(session.read(request_iterator))
         try:
-            batches = wants_batches(context.invocation_metadata() or ())
-            async for response in session.responses(batches):
-                yield response
-            if session.error is not None:
-                # One line per failed stream; no traceback: the client sent it.
-                log.warning("stream_invalid", stream_id=session.stream_id, error=str(session.error))
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(session.error))
+            async with _ends_quietly(session, "Generate"):
+                batches = wants_batches(context.invocation_metadata() or ())
+                async for response in session.responses(batches):
+                    await context.write(response)
+                if session.error is not None:
+                    # One line per failed stream; no traceback: the client sent it.
+                    error = str(session.error)
+                    log.warning("stream_invalid", stream_id=session.stream_id, error=error)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         finally:
             session.abort_all()
             reader.cancel()
@@ -96,7 +99,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GenerateOne(
         self, request: pb.Submit | wire.BadFrame, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
         """One request on its own call: the events of ``Generate``, then OK.
 
         A rejected submit sends no event: the call ends with the rejection's
@@ -120,13 +123,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # Cancelled, disconnected or past its deadline: abort at once.
         context.add_done_callback(_aborts_when_done(session))
         try:
-            await session.submit_one(request)
-            is_first = True
-            async for response in session.responses():
-                if is_first and _is_rejection(response):
-                    await _abort_rejected(context, response.finished)
-                is_first = False
-                yield response
+            async with _ends_quietly(session, "GenerateOne"):
+                await session.submit_one(request)
+                is_first = True
+                async for response in session.responses():
+                    if is_first and _is_rejection(response):
+                        await _abort_rejected(context, response.finished)
+                    is_first = False
+                    await context.write(response)
         finally:
             session.abort_all()
 
@@ -222,6 +226,23 @@ def _aborts_when_done(session: StreamSession) -> Callable[[object], None]:
             alive.abort_all()
 
     return abort_all
+
+
+@contextlib.asynccontextmanager
+async def _ends_quietly(session: StreamSession, method: str) -> AsyncIterator[None]:
+    """Ends a streaming handler whose call ended under one of its writes
+    (or its abort) as grpc ends a call it sees cancelled: CancelledError,
+    which grpc logs at debug. The write fails so when the client cancelled
+    or dropped the call, or its deadline passed, while the write waited on
+    flow control (a client that stopped reading); grpc's own write loop
+    (async generator handlers) logged an ERROR traceback for it,
+    ``ExecuteBatchError raised in core``, unless it had seen the cancel
+    first. The requests' own ends (CANCELLED) are logged as usual."""
+    try:
+        yield
+    except grpc.aio.InternalError as exc:  # ExecuteBatchError: the call is gone in core
+        log.debug("call_ended_while_writing", method=method, stream_id=session.stream_id)
+        raise asyncio.CancelledError from exc
 
 
 def _is_rejection(response: pb.GenerateResponse) -> bool:
