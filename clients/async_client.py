@@ -92,7 +92,7 @@ class AsyncGeneration:
         if kind == "chunk":
             self._chunks.put_nowait(self._acc.add_chunk(response.chunk))
         elif kind == "accepted":
-            self._acc.queue_position = response.accepted.queue_position
+            self._acc.accept(response.accepted)
         elif kind == "finished" and self._acc.ends_request(response.finished):
             if (tail := self._acc.tail_chunk(response.finished)) is not None:
                 self._chunks.put_nowait(tail)

@@ -312,7 +312,15 @@ def _token_logprobs(chunk: pb.TokenChunk) -> list[TokenLogprob]:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """A request's outcome. ``text`` is the whole output (chunks + held-back tail)."""
+    """A request's outcome. ``text`` is the whole output (chunks + held-back tail).
+
+    A ``generate_one`` call cancelled by its caller or past its gRPC deadline
+    gets no ``Finished``: its result is built by the client from what it
+    saw (``Accumulator``): ``prompt_tokens`` as the server's ``Accepted``
+    counted them (0 when the call ended before the request was accepted,
+    as for any request the server never admitted), the tokens and times
+    received; ``cached_tokens``, ``queue_wait_s``, ``preemptions`` and
+    ``held_back_steps``, which only the server knows, are 0 then."""
 
     request_id: str
     token_ids: list[int]
@@ -408,8 +416,13 @@ class Accumulator:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     queue_position: int | None = None
+    prompt_tokens: int = 0  # as the server counted them in Accepted
     started_at: float = field(default_factory=time.monotonic)
     first_chunk_at: float | None = None
+
+    def accept(self, accepted: pb.Accepted) -> None:
+        self.queue_position = accepted.queue_position
+        self.prompt_tokens = accepted.num_prompt_tokens
 
     def add_chunk(self, chunk: pb.TokenChunk) -> Chunk:
         if self.first_chunk_at is None:
@@ -441,10 +454,11 @@ class Accumulator:
 
     def _ended_by_call(self, reason: pb.FinishReason, message: str) -> Result:
         """No ``Finished`` comes, so usage and timings are what this client
-        saw: the tokens received, the time to the first of them and the
-        time until now."""
+        saw: the prompt's tokens as Accepted counted them, the tokens
+        received, the time to the first of them and the time until now."""
         status_code = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_")
         done = pb.Finished(reason=reason, status_code=status_code, message=message)
+        done.usage.prompt_tokens = self.prompt_tokens
         done.usage.output_tokens = len(self.token_ids)
         if self.first_chunk_at is not None:
             done.timings.time_to_first_token.CopyFrom(

@@ -28,6 +28,16 @@ OVER_QUOTA_PROMPT = "over quota"
 OVER_QUOTA_RETRY_MS = 1500
 
 
+def num_prompt_tokens(submit: pb.Submit) -> int:
+    """The scripted server's count of a prompt's tokens: its ids, else a
+    token a word."""
+    return len(submit.token_ids.ids) or len(submit.text.split())
+
+
+def accepted(submit: pb.Submit) -> pb.Accepted:
+    return pb.Accepted(num_prompt_tokens=num_prompt_tokens(submit))
+
+
 @dataclass
 class Recorded:
     metadata: list[dict[str, str]] = field(default_factory=list)  # of Generate calls
@@ -54,7 +64,7 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
 
         async def produce(submit: pb.Submit) -> None:
             rid = submit.request_id
-            await out.put(pb.GenerateResponse(request_id=rid, accepted=pb.Accepted()))
+            await out.put(pb.GenerateResponse(request_id=rid, accepted=accepted(submit)))
             if submit.text == DUPLICATE_PROMPT:
                 duplicate = pb.Finished(
                     reason=pb.FINISH_REASON_REJECTED,
@@ -128,7 +138,7 @@ class ScriptedServicer(pb_grpc.InferenceServicer):
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "over quota", trailing_metadata=trailers
             )
-        yield pb.GenerateResponse(request_id=rid, accepted=pb.Accepted())
+        yield pb.GenerateResponse(request_id=rid, accepted=accepted(submit))
         for i in range(submit.stopping.max_new_tokens):
             chunk = pb.TokenChunk(token_ids=[i], text=f"t{i} ", index=i)
             yield pb.GenerateResponse(request_id=rid, chunk=chunk)

@@ -53,6 +53,7 @@ def test_sync_client_multiplexes_iterates_and_cancels(scripted: ScriptedServer) 
 
 def _assert_counts_what_arrived(result: Result, num_seen: int) -> None:
     assert (result.finish_reason, result.status_code) == ("cancelled", "CANCELLED")
+    assert result.prompt_tokens == 3  # as the server's Accepted counted them
     assert result.output_tokens == len(result.token_ids) >= num_seen
     assert result.ttft_s is not None and result.ttft_s > 0
     # Four chunks sent TOKEN_INTERVAL_S apart came after the first (the first
@@ -64,7 +65,7 @@ def test_a_cancelled_call_says_what_arrived_before_the_cancel(scripted: Scripted
     """No Finished ends a cancelled GenerateOne call: its result counts the
     tokens and times the client saw, as a cancel on a stream reports them."""
     with Client(scripted.target) as client:
-        generation = client.generate_one("a", max_tokens=1000)
+        generation = client.generate_one("a b c", max_tokens=1000)
         num_seen = 0
         for chunk in generation:
             num_seen += len(chunk.token_ids)
@@ -74,7 +75,7 @@ def test_a_cancelled_call_says_what_arrived_before_the_cancel(scripted: Scripted
 
     async def scenario() -> None:
         async with AsyncClient(scripted.target) as client:
-            generation = await client.generate_one("b", max_tokens=1000)
+            generation = await client.generate_one([5, 6, 7], max_tokens=1000)
             num_seen = 0
             async for chunk in generation:
                 num_seen += len(chunk.token_ids)
@@ -448,16 +449,34 @@ def test_a_calls_own_deadline_ends_its_request_as_the_servers_would(
             "DEADLINE_EXCEEDED",
         )
         assert result.output_tokens == len(result.token_ids) > 0
+        assert result.prompt_tokens == 2  # as the server's Accepted counted them
 
     with Client(scripted.target) as client:
-        assert_expired(client.generate_one("a", max_tokens=1000, timeout=0.3).result(timeout=5))
+        expiring = client.generate_one("a b", max_tokens=1000, timeout=0.3)
+        assert_expired(expiring.result(timeout=5))
 
     async def scenario() -> None:
         async with AsyncClient(scripted.target) as client:
-            generation = await client.generate_one("b", max_tokens=1000, timeout=0.3)
+            generation = await client.generate_one([5, 6], max_tokens=1000, timeout=0.3)
             assert_expired(await generation.result())
 
     asyncio.run(scenario())
+
+
+def test_a_call_that_ends_before_its_accepted_counts_no_prompt_tokens() -> None:
+    """As for a request the server never admitted: 0 prompt tokens, not a
+    guess; once Accepted came, the server's count."""
+    from slipstream.clients.wire import Accumulator
+    from slipstream.v1 import inference_pb2 as pb
+
+    unanswered = Accumulator("r")
+    assert unanswered.cancelled_by_caller().prompt_tokens == 0
+    assert unanswered.deadline_passed().prompt_tokens == 0
+    answered = Accumulator("r")
+    answered.accept(pb.Accepted(queue_position=2, num_prompt_tokens=11))
+    assert answered.deadline_passed().prompt_tokens == 11
+    result = answered.cancelled_by_caller()
+    assert (result.prompt_tokens, result.queue_position, result.output_tokens) == (11, 2, 0)
 
 
 @pytest.mark.parametrize(

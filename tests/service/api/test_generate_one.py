@@ -231,6 +231,8 @@ def test_cancelling_the_call_frees_the_kv_at_once(client: Client, engine: object
         result = generation.result(timeout=10)
         assert (result.finish_reason, result.status_code) == ("cancelled", "CANCELLED")
         assert wait_until(lambda: any(e["event"] == "request_finished" for e in logs), 5.0)
+    # No Finished came: the client counts the prompt as the server's Accepted did.
+    assert result.prompt_tokens == len(client.tokenize("cancel me")) > 0
     # The server's line says the call ended, not "the stream ended" (GenerateOne has none).
     [line] = [e for e in logs if e["event"] == "request_finished"]
     assert line["message"] == CALL_ENDED
@@ -250,6 +252,7 @@ def test_the_call_deadline_is_the_requests_deadline(
     result = generation.result(timeout=10)
     assert result.finish_reason == "deadline_exceeded", result
     assert result.status_code == "DEADLINE_EXCEEDED"
+    assert result.prompt_tokens == len(client.tokenize("too slow")) > 0
     assert wait_until(lambda: engine_idle(engine), 2.0)
 
 
