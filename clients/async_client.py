@@ -209,6 +209,11 @@ class AsyncStream:
         if self._abort_reason is not None and error.code == "CANCELLED":
             error = StreamError("CANCELLED", self._abort_reason)
         self._error = error
+        # grpc.aio's task that writes the call waits on the queue for its
+        # next message even after the call ended (a deadline, the server's
+        # end, a lost connection): this ends it, else it is destroyed pending
+        # ("Task was destroyed but it is pending!") once the stream is gone.
+        self._outgoing.put_nowait(_CLOSE)
         orphans, self._pending = list(self._pending.values()), {}
         for generation in orphans:
             generation._settle(error)

@@ -228,6 +228,10 @@ class Stream:
             self._error = error
             orphans = list(self._pending.values())
             self._pending.clear()
+        # gRPC's thread that writes the call waits on the queue for its next
+        # message even after the call ended (a deadline, the server's end, a
+        # lost connection): this ends it, else it waits for good.
+        self._outgoing.put(_CLOSE)
         for generation in orphans:
             generation._settle(error)
 

@@ -20,6 +20,7 @@ from conftest import (
 )
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+from polling import wait_until
 
 from slipstream.clients import TLS, AsyncClient, Chunk, Client, Generation, Result, StreamError
 from slipstream.clients.wire import (
@@ -459,6 +460,42 @@ def test_a_calls_own_deadline_ends_its_request_as_the_servers_would(
         async with AsyncClient(scripted.target) as client:
             generation = await client.generate_one([5, 6], max_tokens=1000, timeout=0.3)
             assert_expired(await generation.result())
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_whose_call_ended_leaves_nothing_waiting_to_write_it(
+    scripted: ScriptedServer,
+) -> None:
+    """gRPC's writer of a Generate call (a thread; a task in grpc.aio) waits
+    on the stream's queue for the next message. A call that ended without
+    the client's half-close (its deadline here; the server's end or a lost
+    connection alike) left it waiting for good: a thread per ended stream,
+    or a task asyncio destroyed pending, with an error line, once the
+    stream was gone."""
+    with Client(scripted.target) as client:
+        client.model_info()  # the channel's own threads are up
+        num_threads = threading.active_count()
+        for _ in range(3):
+            stream = client.stream(timeout=0.3)
+            with pytest.raises(StreamError, match="DEADLINE_EXCEEDED"):
+                stream.generate("a", max_tokens=1000).result(timeout=5)
+        assert wait_until(lambda: threading.active_count() == num_threads)
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            await client.model_info()
+            tasks = asyncio.all_tasks()
+            stream = client.stream(timeout=0.3)
+            generation = await stream.generate("b", max_tokens=1000)
+            with pytest.raises(StreamError, match="DEADLINE_EXCEEDED"):
+                await generation.result()
+            await stream.wait_closed()
+            for _ in range(100):
+                if asyncio.all_tasks() == tasks:
+                    break
+                await asyncio.sleep(0.01)
+            assert asyncio.all_tasks() == tasks
 
     asyncio.run(scenario())
 
