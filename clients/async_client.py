@@ -42,6 +42,7 @@ from slipstream.clients.wire import (
     cancel_message,
     check_call_timeout,
     is_past_deadline,
+    stream_error,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -203,7 +204,7 @@ class AsyncStream:
                         if self._is_closing and not self._pending:
                             self._outgoing.put_nowait(_CLOSE)
         except grpc.RpcError as exc:
-            error = StreamError(exc.code().name, exc.details() or "")
+            error = stream_error(exc)
         except asyncio.CancelledError:
             error = StreamError("CANCELLED", "the stream was cancelled")
         if self._abort_reason is not None and error.code == "CANCELLED":

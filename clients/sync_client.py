@@ -48,6 +48,7 @@ from slipstream.clients.wire import (
     cancel_message,
     check_call_timeout,
     is_past_deadline,
+    stream_error,
     unbatched,
 )
 from slipstream.v1 import inference_pb2 as pb
@@ -223,7 +224,7 @@ class Stream:
             if self._abort_reason is not None and exc.code() is grpc.StatusCode.CANCELLED:
                 error = StreamError("CANCELLED", self._abort_reason)
             else:
-                error = StreamError(exc.code().name, exc.details() or "")
+                error = stream_error(exc)
         with self._lock:
             self._error = error
             orphans = list(self._pending.values())

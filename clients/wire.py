@@ -363,13 +363,8 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
     details = error.details() or ""  # type: ignore[attr-defined]
     trailers = dict(error.trailing_metadata() or ())  # type: ignore[attr-defined]
     reason = trailers.get(REJECT_REASON_KEY)
-    if reason is None and code is grpc.StatusCode.UNKNOWN and details.startswith("Stream removed"):
-        # The HTTP/2 stream ended with no gRPC status: the replica (or the
-        # proxy's connection to it) went away mid-request. Say so as gRPC does
-        # for a lost connection, so callers handle it like any other.
-        return StreamError("UNAVAILABLE", f"the connection to the server was lost ({details})")
     if reason is None:
-        return StreamError(code.name, details)
+        return stream_error(error)
     return Result(
         request_id=request_id,
         token_ids=[],
@@ -380,6 +375,18 @@ def call_outcome(request_id: str, error: grpc.RpcError) -> Result | StreamError:
         message=details,
         retry_after_s=_retry_after_s(trailers.get(RETRY_AFTER_KEY)),
     )
+
+
+def stream_error(error: grpc.RpcError) -> StreamError:
+    """A failed call as the ``StreamError`` of its unfinished requests."""
+    code = error.code()  # type: ignore[attr-defined]
+    details = error.details() or ""  # type: ignore[attr-defined]
+    if code is grpc.StatusCode.UNKNOWN and details.startswith("Stream removed"):
+        # The HTTP/2 stream ended with no gRPC status: the replica (or the
+        # proxy's connection to it) went away mid-call. Say so as gRPC does
+        # for a lost connection, so callers handle it like any other.
+        return StreamError("UNAVAILABLE", f"the connection to the server was lost ({details})")
+    return StreamError(code.name, details)
 
 
 def _retry_after_s(value: str | bytes | None) -> float | None:

@@ -8,7 +8,10 @@ import math
 import re
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
+from unittest import mock
 
+import grpc
 import pytest
 from conftest import (
     ABORT_CALL_PROMPT,
@@ -22,7 +25,17 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from polling import wait_until
 
-from slipstream.clients import TLS, AsyncClient, Chunk, Client, Generation, Result, StreamError
+from slipstream.clients import (
+    TLS,
+    AsyncClient,
+    AsyncStream,
+    Chunk,
+    Client,
+    Generation,
+    Result,
+    Stream,
+    StreamError,
+)
 from slipstream.clients.wire import (
     CLIENT_CLOSED,
     GenerateOptions,
@@ -496,6 +509,54 @@ def test_a_stream_whose_call_ended_leaves_nothing_waiting_to_write_it(
                     break
                 await asyncio.sleep(0.01)
             assert asyncio.all_tasks() == tasks
+
+    asyncio.run(scenario())
+
+
+class _StreamRemoved(grpc.RpcError):
+    """What gRPC raises for an HTTP/2 stream that ended with no grpc-status:
+    a proxy resetting it when its backend died (tests/ops/test_fleet.py)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNKNOWN
+
+    def details(self) -> str:
+        return "Stream removed"
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+
+def test_a_stream_that_ends_with_no_status_is_unavailable_as_a_call_is() -> None:
+    """generate_one said UNAVAILABLE for it; a stream's requests said
+    UNKNOWN 'Stream removed'."""
+
+    def removed(requests: Iterator[object]) -> Iterator[object]:
+        next(requests)
+        raise _StreamRemoved()
+        yield
+
+    stub = mock.Mock()
+    stub.Generate.side_effect = lambda requests, **_: removed(requests)
+    stream = Stream(stub)
+    with pytest.raises(StreamError) as err:
+        stream.generate("a").result(timeout=5)
+    assert err.value.code == "UNAVAILABLE", err.value
+    assert "the connection to the server was lost" in err.value.details
+
+    async def removed_async(requests: AsyncIterator[object]) -> AsyncIterator[object]:
+        await anext(requests)
+        raise _StreamRemoved()
+        yield
+
+    async def scenario() -> None:
+        stub = mock.Mock()
+        stub.Generate.side_effect = lambda requests, **_: removed_async(requests)
+        stream = AsyncStream(stub)
+        generation = await stream.generate("b")
+        with pytest.raises(StreamError) as err:
+            await generation.result()
+        assert err.value.code == "UNAVAILABLE", err.value
 
     asyncio.run(scenario())
 
