@@ -88,10 +88,15 @@ def is_blocked(sessions: list[session.StreamSession], num_calls: int) -> bool:
 
 
 def submit(i: int) -> pb.Submit:
+    """A long request whose every token is ~250 bytes on the wire (its top
+    20 alternatives): a hundred fill the client's window, however many
+    tokens a chunk carries."""
     return pb.Submit(
         request_id=f"r{i}",
         token_ids=pb.TokenIds(ids=[5, 6, 7 + i]),
         stopping=pb.StoppingCriteria(max_new_tokens=LONG, ignore_eos=True),
+        return_logprobs=True,
+        top_logprobs=20,
     )
 
 
