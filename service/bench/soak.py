@@ -8,7 +8,9 @@ The mix, offered at ``--load`` (0.8) of its capacity measured first:
                 with ignore_eos, classes 0-3, 30 % with a timeout of 0.05,
                 0.3, 1 or 3 s, 20 % cancelled within 0.5 s): issue 31's mix
     cancel      cancelled after a random delay
-    deadline    a timeout too short to finish (expires, DEADLINE_EXCEEDED)
+    deadline    a timeout of 30-200 ms, too short for its 400 tokens on most
+                machines (expires, DEADLINE_EXCEEDED, or refused at once as
+                infeasible; one finished within it met its deadline)
     disconnect  a stream of its own (200-600 tokens), dropped mid-generation
     slow        a stream of its own, read slowly (a pause of several seconds)
     stalled     every ``--stall-every`` s, a client process that submits and is

@@ -11,7 +11,7 @@ import pytest
 
 from slipstream.service.bench import soak, soak_capacity
 from slipstream.service.bench.soak_capacity import MixCapacity, measure_mix_capacity
-from slipstream.service.bench.soak_clients import KINDS, WEIGHTS, Load
+from slipstream.service.bench.soak_clients import KINDS, WEIGHTS, Load, SharedStream
 
 # What an arrival of each kind asks (max_new_tokens, a mixed stream's summed):
 # a plain request asks a fraction of the others, as in the real mix.
@@ -139,3 +139,62 @@ def test_a_refusal_with_room_is_judged_against_the_lower_capacity() -> None:
     assert not soak.refused_with_room(summary(0.3, 0.4, refusals=0))
     # The machine slowed during the run: after it, the load was 0.6 of it.
     assert not soak.refused_with_room(summary(0.3, 0.6, refusals=1))
+
+
+# ---------------------------------------------------------------- the deadline kind
+
+
+class OneFinish:
+    """A Generate call answering every submit with one Finished."""
+
+    def __init__(self, finished: object) -> None:
+        self.finished = finished
+        self.responses: asyncio.Queue[object] = asyncio.Queue()
+
+    async def write(self, message: object) -> None:
+        from slipstream.v1 import inference_pb2 as pb
+
+        if message.HasField("submit"):  # type: ignore[attr-defined]
+            response = pb.GenerateResponse(request_id=message.submit.request_id)  # type: ignore[attr-defined]
+            response.finished.CopyFrom(self.finished)
+            await self.responses.put(response)
+
+    def __aiter__(self) -> OneFinish:
+        return self
+
+    async def __anext__(self) -> object:
+        return await self.responses.get()
+
+    def cancel(self) -> None:
+        pass
+
+
+def deadline_outcome(total_s: float) -> dict[str, int]:
+    """The outcome of a deadline request (30-200 ms) that finished all its
+    tokens after ``total_s`` by the server's clock."""
+    from google.protobuf.duration_pb2 import Duration
+
+    from slipstream.v1 import inference_pb2 as pb
+
+    finished = pb.Finished(reason=pb.FINISH_REASON_MAX_TOKENS)
+    finished.timings.total.CopyFrom(Duration(nanos=int(total_s * 1e9)))
+
+    async def run() -> dict[str, int]:
+        class Stub:
+            def Generate(self) -> OneFinish:
+                return OneFinish(finished)
+
+        stream = SharedStream(Stub())
+        load = Load(random.Random(0), 1000)
+        await stream.run(load, "deadline", 0)
+        stream.reader.cancel()
+        return {"errors": len(load.interval.errors), **load.outcomes}
+
+    return asyncio.run(run())
+
+
+def test_a_deadline_met_is_no_error_and_one_missed_is() -> None:
+    """400 tokens can take under 0.2 s on a quiet fast machine: finished
+    within its timeout, the request met its deadline."""
+    assert deadline_outcome(total_s=0.01) == {"errors": 0, "deadline: MAX_TOKENS": 1}
+    assert deadline_outcome(total_s=0.5) == {"errors": 1, "deadline: MAX_TOKENS": 1}
