@@ -1,14 +1,16 @@
 """``slipstream bench soak --minutes N``: a long mixed load against a spawned
 ``slipstream serve``, to show that nothing accumulates.
 
-The mix, at ~80% of the capacity measured first (``--load``):
+The mix, offered at ``--load`` (0.8) of its capacity measured first:
 
     plain       submits on a few long-lived streams, read at once
     mixed       a stream of its own with 1-6 requests (max 1-128 tokens, half
                 with ignore_eos, classes 0-3, 30 % with a timeout of 0.05,
                 0.3, 1 or 3 s, 20 % cancelled within 0.5 s): issue 31's mix
     cancel      cancelled after a random delay
-    deadline    a timeout too short to finish (expires, DEADLINE_EXCEEDED)
+    deadline    a timeout of 30-200 ms, too short for its 400 tokens on most
+                machines (expires, DEADLINE_EXCEEDED, or refused at once as
+                infeasible; one finished within it met its deadline)
     disconnect  a stream of its own (200-600 tokens), dropped mid-generation
     slow        a stream of its own, read slowly (a pause of several seconds)
     stalled     every ``--stall-every`` s, a client process that submits and is
@@ -24,16 +26,23 @@ reports the blocks still used (leaked), RSS growth after the warm-up (the
 first fifth of the run) and the error count; JSON with ``--json``, a PNG
 with ``--plot``.
 
+The capacity is the mix's own (``soak_capacity``): the same kinds, weights
+and clients (not the stopped readers) with ``--calibrate-in-flight``
+arrivals always in flight for ``--calibrate-s`` seconds, before the run and
+again after it. The run's Poisson arrivals come at ``--load`` times the
+arrivals per second measured before; the report's ``calibration`` holds
+both measurements (arrivals, asked and read tokens per second, the
+machine's load average), the summary the shares of them the run offered
+(asked tokens) and was served (read tokens).
+
 Every submit refused (REJECTED) is counted by reject reason and by minute
 of the run (``refusals_by_reason``, ``refusals_per_minute``); refusals for
-capacity are ``queue_full`` and ``overloaded``. The capacity measurement
-also gives generated tokens per second; the load offered is bounded above
-by the ``max_new_tokens`` of every submit per second. A run offered under
-half the capacity (by that bound) that refuses anything for capacity fails
-(exit code 1), as do leaked blocks, errors nobody asked for and a mixed
-request refused DEADLINE_INFEASIBLE whose timeout was at least 1.5x what it
-needs alone (``infeasible_unjustified``; the isolated times are measured on
-the idle server first).
+capacity are ``queue_full`` and ``overloaded``. A run offered under half the
+capacity (the lower measured) that refuses anything for capacity fails
+(exit code 1), as do leaked blocks, errors nobody asked for (in the run or
+in the calibration) and a mixed request refused DEADLINE_INFEASIBLE whose
+timeout was at least 1.5x what it needs alone (``infeasible_unjustified``;
+the isolated times are measured on the idle server first).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -50,21 +60,17 @@ from pathlib import Path
 
 from slipstream.service.bench.report import hardware
 from slipstream.service.bench.serve_process import spawned_serve
+from slipstream.service.bench.soak_capacity import MixCapacity, measure_mix_capacity
 from slipstream.service.bench.soak_clients import (
     CAPACITY_REASONS,
+    Clients,
     Interval,
     Load,
-    SharedStream,
-    mixed_stream,
-    own_stream,
+    draw_kind,
     stalled_client,
 )
-from slipstream.service.cli.arg_types import positive_float, positive_int
+from slipstream.service.cli.arg_types import positive_finite_float, positive_float, positive_int
 from slipstream.service.engine.config import DTYPE_CHOICES
-
-KINDS = ("plain", "mixed", "cancel", "deadline", "disconnect", "slow")
-WEIGHTS = (0.5, 0.2, 0.075, 0.075, 0.075, 0.075)
-
 
 # ---------------------------------------------------------------- server
 
@@ -98,6 +104,7 @@ async def _sample(stub: object, pid: int) -> dict[str, float]:
         "host_blocks_used": stats.kv_blocks_used.host,
         "running": stats.running,
         "waiting": stats.waiting,
+        "machine_load_average": os.getloadavg()[0],  # other work on a shared machine
     }
 
 
@@ -173,31 +180,6 @@ def _infeasible_summary(
     }
 
 
-async def _capacity(target: str, vocab: int, seconds: float) -> tuple[float, float]:
-    """Plain requests and generated tokens per second with 32 always in
-    flight (closed loop)."""
-    import grpc
-
-    from slipstream.v1 import inference_pb2_grpc as pb_grpc
-
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        shared = SharedStream(stub)
-        load = Load(random.Random(1), vocab)
-        end = time.monotonic() + seconds
-        count = 0
-
-        async def worker(w: int) -> None:
-            nonlocal count
-            while time.monotonic() < end:
-                await shared.run(load, "plain", w * 100_000 + count)
-                count += 1
-
-        await asyncio.gather(*(worker(w) for w in range(32)))
-        shared.call.cancel()
-    return count / seconds, shared.output_tokens / seconds
-
-
 async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, object]:
     import grpc
 
@@ -211,15 +193,19 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
         stub = pb_grpc.InferenceStub(channel)
         vocab = (await stub.GetModelInfo(pb.GetModelInfoRequest())).vocab_size
         alone = await _isolated_seconds(stub, vocab)
-        capacity, capacity_tokens = await _capacity(target, vocab, args.calibrate_s)
-        rate = args.load * capacity
+        capacity, trial = await _measure_capacity(args, channel, slow_channel, vocab, seed=1)
+        rate = capacity.rate_at(args.load)
         print(
-            f"soak: capacity {capacity:.1f} req/s, {capacity_tokens:.0f} tok/s; "
-            f"offering {rate:.1f} req/s",
+            f"soak: the mix's capacity {capacity.arrivals_per_s:.1f} arrivals/s "
+            f"({capacity.asked_tokens_per_s:.0f} tok/s asked, "
+            f"{capacity.read_tokens_per_s:.0f} read) with {capacity.in_flight} in flight "
+            f"over {capacity.seconds:.0f} s (machine load average "
+            f"{capacity.load_average:.1f}, {os.cpu_count()} CPUs); "
+            f"offering {args.load:g} of it: {rate:.1f} arrivals/s",
             flush=True,
         )
         load = Load(random.Random(args.seed), vocab, args.slow_reader_grace)
-        streams = [SharedStream(stub) for _ in range(4)]
+        clients = Clients(channel, slow_channel)
         samples: list[dict[str, object]] = []
         tasks: set[asyncio.Task[None]] = set()
         started = time.monotonic()
@@ -248,39 +234,37 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
                 )
                 samples.append(sample)
                 next_sample += args.interval
-            kind = load.rng.choices(KINDS, WEIGHTS)[0]
-            if kind == "mixed":
-                coro = mixed_stream(load, pb_grpc.InferenceStub(channel), index)
-            elif kind in ("disconnect", "slow"):
-                own = slow_channel if kind == "slow" else channel
-                coro = own_stream(load, pb_grpc.InferenceStub(own), kind, index)
-            else:
-                coro = streams[index % len(streams)].run(load, kind, index)
-            task = asyncio.ensure_future(coro)
+            kind = draw_kind(load.rng)
+            task = asyncio.ensure_future(clients.arrival(load, kind, index))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             index += 1
             await asyncio.sleep(load.rng.expovariate(rate))
+        arrivals_s = time.monotonic() - started
         # Let everything started finish, then the server must be idle.
         if tasks:
             await asyncio.wait(tasks, timeout=args.slow_reader_grace + 400)
-        for stream in streams:
-            stream.call.cancel()
+        clients.close()
         tail = load.interval
-        mix_s = time.monotonic() - started
-        output_tokens = load.output_tokens + sum(s.output_tokens for s in streams)
+        output_tokens = load.output_tokens + clients.output_tokens
         idle = await _wait_idle(stub)
         final = await _sample(stub, pid)
         alone_after = await _isolated_seconds(stub, vocab)
+        # Again on the idle server: a machine whose other work slowed it
+        # during the run shows here, and is not held against the server.
+        capacity_after, trial_after = await _measure_capacity(
+            args, channel, slow_channel, vocab, seed=2
+        )
     errors = sum(int(s["errors"]) for s in samples) + len(tail.errors)  # type: ignore[call-overload]
     warm = [s for s in samples if float(s["t_s"]) >= args.minutes * 60 / 5]  # type: ignore[arg-type]
     warm_rss = float(warm[0]["rss_mb"]) if warm else float(samples[0]["rss_mb"])  # type: ignore[arg-type]
     capacity_refusals = sum(load.refusals.get(r, 0) for r in CAPACITY_REASONS)
-    offered_tokens_per_s = load.offered_tokens / mix_s
+    # Per second of arrivals, as the calibration counts them: the drain
+    # after the last (stopped readers wait 40 s) adds time but no work.
+    offered_tokens_per_s = load.offered_tokens / arrivals_s
+    read_tokens_per_s = output_tokens / arrivals_s
     return {
-        "capacity_req_per_s": capacity,
-        "capacity_tokens_per_s": capacity_tokens,
-        "offered_req_per_s": rate,
+        "calibration": _calibration(args, rate, (capacity, trial), (capacity_after, trial_after)),
         "requests": index,
         "samples": samples,
         "final": {**final, "idle": idle},
@@ -291,11 +275,17 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
             "rss_final_mb": final["rss_mb"],
             "rss_growth_after_warmup": final["rss_mb"] / warm_rss - 1.0,
             "errors_not_asked_for": errors,
-            # At most what was offered (every submit's max_new_tokens), and
-            # what the readers that read their tokens saw generated.
-            "offered_tokens_per_s_at_most": offered_tokens_per_s,
-            "read_tokens_per_s": output_tokens / mix_s,
-            "offered_share_of_capacity_at_most": offered_tokens_per_s / capacity_tokens,
+            "calibration_errors": len(trial.interval.errors) + len(trial_after.interval.errors),
+            # Offered against the mix's capacity in the same measures: the
+            # arrivals, every submit's max_new_tokens, and what the readers
+            # that read their tokens saw generated.
+            "offered_arrivals_per_s": index / arrivals_s,
+            "offered_tokens_per_s": offered_tokens_per_s,
+            "read_tokens_per_s": read_tokens_per_s,
+            "offered_share_of_capacity": offered_tokens_per_s / capacity.asked_tokens_per_s,
+            "offered_share_of_capacity_after": offered_tokens_per_s
+            / capacity_after.asked_tokens_per_s,
+            "read_share_of_capacity": read_tokens_per_s / capacity.read_tokens_per_s,
             "refusals_by_reason": dict(sorted(load.refusals.items())),
             "refusals_per_minute": {
                 str(m): dict(sorted(r.items())) for m, r in sorted(load.refusal_minutes.items())
@@ -311,6 +301,50 @@ async def _soak(args: argparse.Namespace, pid: int, target: str) -> dict[str, ob
             "error_samples": [e for s in samples for e in s["error_samples"]][:10]  # type: ignore[attr-defined]
             + tail.errors[:10],
         },
+    }
+
+
+async def _measure_capacity(
+    args: argparse.Namespace, channel: object, slow_channel: object, vocab: int, seed: int
+) -> tuple[MixCapacity, Load]:
+    """The mix's capacity (``soak_capacity``), and the Load its requests
+    were recorded in."""
+    trial = Load(random.Random(seed), vocab, args.slow_reader_grace)
+    clients = Clients(channel, slow_channel)
+    capacity = await measure_mix_capacity(
+        clients, trial, args.calibrate_in_flight, args.calibrate_s
+    )
+    clients.close()
+    return capacity, trial
+
+
+def _calibration(
+    args: argparse.Namespace,
+    rate: float,
+    before: tuple[MixCapacity, Load],
+    after: tuple[MixCapacity, Load],
+) -> dict[str, object]:
+    """How the offered load was chosen: the mix's capacity measured before
+    the run (the rate is ``load`` of it) and again after, each with what its
+    own requests met (a refusal there, with at most ``in_flight`` arrivals
+    in flight, is a finding too)."""
+
+    def measured(capacity: MixCapacity, trial: Load) -> dict[str, object]:
+        return {
+            **capacity.describe(),
+            "refusals_by_reason": dict(sorted(trial.refusals.items())),
+            "outcomes": dict(sorted(trial.outcomes.items())),
+            "error_samples": trial.interval.errors[:10],
+        }
+
+    return {
+        "method": "the soak's mix (no stopped readers) in a closed loop",
+        "load": args.load,
+        "offered_arrivals_per_s": rate,
+        "cpu_count": os.cpu_count(),
+        "server_threads": args.threads,
+        "capacity": measured(*before),
+        "capacity_after": measured(*after),
     }
 
 
@@ -364,10 +398,22 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
     parser.add_argument("--threads", type=positive_int, default=None)
     parser.add_argument("--minutes", type=positive_float, default=30.0)
     parser.add_argument(
-        "--load", type=positive_float, default=0.8, help="fraction of measured capacity"
+        "--load",
+        type=positive_float,
+        default=0.8,
+        help="fraction of the mix's measured capacity to offer",
     )
     parser.add_argument(
-        "--calibrate-s", type=positive_float, default=15.0, help="capacity measurement"
+        "--calibrate-s",
+        type=positive_finite_float,
+        default=15.0,
+        help="seconds of the capacity measurement (the mix in a closed loop)",
+    )
+    parser.add_argument(
+        "--calibrate-in-flight",
+        type=positive_int,
+        default=32,
+        help="arrivals of the mix in flight while the capacity is measured",
     )
     parser.add_argument(
         "--interval", type=positive_float, default=5.0, help="seconds between samples"
@@ -391,9 +437,16 @@ def add_parser(bench_subparsers: argparse._SubParsersAction) -> None:  # type: i
 
 
 def run(args: argparse.Namespace) -> int:
+    machine = hardware(args.dtype)
+    cpu = machine["cpu"]
+    assert isinstance(cpu, dict)
+    print(
+        f"soak: {args.model} ({machine['dtype']}) on {cpu['model']}, {os.cpu_count()} CPUs",
+        flush=True,
+    )
     with spawned(args) as (pid, target):
         report = asyncio.run(_soak(args, pid, target))
-    report["hardware"] = hardware(args.dtype)
+    report["hardware"] = machine
     report["settings"] = {k: str(v) for k, v in vars(args).items() if k != "func"}
     print(json.dumps(report["summary"], indent=2))
     if args.json is not None:
@@ -404,14 +457,16 @@ def run(args: argparse.Namespace) -> int:
     summary = report["summary"]
     assert isinstance(summary, dict)
     leaked = summary["leaked_device_blocks"] or summary["leaked_host_blocks"]
-    failed = leaked or summary["errors_not_asked_for"] or summary["infeasible_unjustified"]
+    errors = summary["errors_not_asked_for"] or summary["calibration_errors"]
+    failed = leaked or errors or summary["infeasible_unjustified"]
     return 1 if failed or refused_with_room(summary) else 0
 
 
 def refused_with_room(summary: dict[str, object]) -> bool:
     """Something was refused for capacity while the load offered was under
-    half the measured capacity (by its upper bound): a refusal that
-    protected nobody."""
-    share = summary["offered_share_of_capacity_at_most"]
-    assert isinstance(share, float)
-    return share < 0.5 and bool(summary["capacity_refusals"])
+    half the mix's capacity (the lower of the two measured, before and
+    after the run): a refusal that protected nobody."""
+    before = summary["offered_share_of_capacity"]
+    after = summary["offered_share_of_capacity_after"]
+    assert isinstance(before, float) and isinstance(after, float)
+    return max(before, after) < 0.5 and bool(summary["capacity_refusals"])

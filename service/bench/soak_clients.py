@@ -12,11 +12,19 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 
 # Refused for capacity (the reject reasons' lower-case names).
 CAPACITY_REASONS = ("queue_full", "overloaded")
+
+# The mix: each arrival is one of these kinds, drawn with these weights.
+KINDS = ("plain", "mixed", "cancel", "deadline", "disconnect", "slow")
+WEIGHTS = (0.5, 0.2, 0.075, 0.075, 0.075, 0.075)
+
+
+def draw_kind(rng: random.Random) -> str:
+    return rng.choices(KINDS, WEIGHTS)[0]
 
 
 @dataclass(slots=True)
@@ -197,6 +205,10 @@ async def own_stream(load: Load, stub: object, kind: str, index: int) -> None:
         outcome = "+".join(names)
         if len(reasons) != num_requests or not set(names) <= {"SLOW_READER", "MAX_TOKENS"}:
             error = f"finished {outcome}"
+    except asyncio.CancelledError:  # the soak is done with it (the calibration's)
+        call.cancel()
+        outcome = "ended by the soak"
+        raise
     except Exception as exc:  # an RpcError nobody asked for
         code = getattr(exc, "code", lambda: None)()
         if not (kind == "disconnect" and code is not None and code.name == "CANCELLED"):
@@ -236,8 +248,9 @@ class SharedStream:
         rng = load.rng
         request_id = f"{kind}-{index}"
         extra: dict[str, object] = {}
+        timeout_s = rng.uniform(0.03, 0.2) if kind == "deadline" else 0.0
         if kind == "deadline":
-            extra["timeout"] = Duration(nanos=int(rng.uniform(0.03, 0.2) * 1e9))
+            extra["timeout"] = Duration(nanos=int(timeout_s * 1e9))
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self.waiters[request_id] = future
         started = time.monotonic()
@@ -265,8 +278,44 @@ class SharedStream:
             error = None  # refused at once as unreachable: also what was asked for
         if kind == "cancel" and reason == pb.FINISH_REASON_MAX_TOKENS:
             error = None  # finished before the cancel arrived
+        if kind == "deadline" and reason == pb.FINISH_REASON_MAX_TOKENS:
+            # 400 tokens can take under 0.2 s alone: met its deadline by the
+            # server's clock, it is no error; finished past it, it is one.
+            total = finished.timings.total  # type: ignore[attr-defined]
+            if total.seconds + total.nanos / 1e9 <= timeout_s:
+                error = None
         latency = time.monotonic() - started if kind == "plain" else None
         load.record(kind, error, latency, outcome)
+
+
+class Clients:
+    """Starts one arrival of a kind of the mix on a run's channels: plain,
+    cancel and deadline on a few shared streams, the others on streams of
+    their own (slow readers on ``slow_channel``, whose window stays small)."""
+
+    def __init__(self, channel: object, slow_channel: object, num_shared: int = 4) -> None:
+        from slipstream.v1 import inference_pb2_grpc as pb_grpc
+
+        self._stub = pb_grpc.InferenceStub(channel)
+        self._slow_stub = pb_grpc.InferenceStub(slow_channel)
+        self.shared = [SharedStream(self._stub) for _ in range(num_shared)]
+
+    def arrival(self, load: Load, kind: str, index: int) -> Coroutine[object, object, None]:
+        if kind == "mixed":
+            return mixed_stream(load, self._stub, index)
+        if kind in ("disconnect", "slow"):
+            stub = self._slow_stub if kind == "slow" else self._stub
+            return own_stream(load, stub, kind, index)
+        return self.shared[index % len(self.shared)].run(load, kind, index)
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens read on the shared streams (the others count in their Load)."""
+        return sum(stream.output_tokens for stream in self.shared)
+
+    def close(self) -> None:
+        for stream in self.shared:
+            stream.call.cancel()
 
 
 # ---------------------------------------------------------------- a stopped reader

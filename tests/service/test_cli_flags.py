@@ -61,6 +61,8 @@ def test_serve_refuses_a_port_grpc_would_wrap(
         (["bench", "serve", "--model", "tiny", "--rate", "0"], "argument --rate: must be > 0"),
         (["bench", "soak", "--minutes", "0"], "argument --minutes: must be > 0"),
         (["bench", "soak", "--load", "nan"], "argument --load: must be > 0, got nan"),
+        (["bench", "soak", "--calibrate-in-flight", "0"], "argument --calibrate-in-flight"),
+        (["bench", "soak", "--calibrate-s", "inf"], "argument --calibrate-s: must be > 0 and"),
     ],
 )
 def test_a_benchmark_refuses_a_value_it_cannot_run(
