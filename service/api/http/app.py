@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import math
 import socket
+import ssl
 import time
 import weakref
+from asyncio import sslproto
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -109,17 +111,26 @@ class ConnectionCap:
     gRPC either.
 
     A connection counts from its accept to its close: each handler is
-    wrapped (``_Counted``) and held weakly. Over TLS, asyncio makes the
-    handler only once the handshake is done, and one that never completes
-    is closed at the handshake timeout without a word to the handler: it
-    stops counting when asyncio lets go of it."""
+    wrapped (``_Counted``) and held weakly. Over TLS (``tls``) the listener
+    accepts in the clear and each connection under the cap is wrapped in
+    its TLS layer here, so one over it is reset before any handshake work.
+    A handshake that never completes is closed at ``handshake_timeout_s``
+    without a word to the handler: it stops counting when asyncio lets go
+    of it."""
 
     def __init__(
-        self, server: web.Server, max_connections: int, telemetry: Telemetry | None = None
+        self,
+        server: web.Server,
+        max_connections: int,
+        telemetry: Telemetry | None = None,
+        tls: ssl.SSLContext | None = None,
+        handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self._server = server
         self._max_connections = max_connections
         self._metrics = None if telemetry is None else telemetry.metrics
+        self._tls = tls
+        self._handshake_timeout_s = handshake_timeout_s
         self._open: weakref.WeakSet[_Counted] = weakref.WeakSet()
         self._num_refused = 0  # since the last warning
         self._last_warning = -math.inf
@@ -135,7 +146,20 @@ class ConnectionCap:
             return _Refused()
         counted = _Counted(self._server(), self._open)
         self._open.add(counted)
-        return counted
+        if self._tls is None:
+            return counted
+        # What loop.create_server(ssl=...) wraps each accepted connection's
+        # protocol in; made here, the cap is asked first. (loop.start_tls,
+        # the public way, hands over the TLS transport a loop turn after the
+        # handshake: a request sent with it could reach aiohttp unmade.)
+        return sslproto.SSLProtocol(
+            asyncio.get_running_loop(),
+            counted,
+            self._tls,
+            None,  # type: ignore[arg-type]  # no waiter: nothing awaits the handshake
+            server_side=True,
+            ssl_handshake_timeout=self._handshake_timeout_s,  # type: ignore[arg-type]
+        )
 
     def _refused(self) -> None:
         if self._metrics is not None:
@@ -257,21 +281,18 @@ class HttpFront:
         )
         await self._runner.setup()
         assert self._runner.server is not None
-        self.connections = ConnectionCap(
-            self._runner.server, limits.max_http_connections, self._telemetry
-        )
         certificates = self._certificates
-        ssl_context = None if certificates is None else certificates.ssl_context()
-        # A TLS connection over the cap is reset only once its handshake is
-        # done: the handshake gets a short time, as any unfinished request.
-        handshake_s = min(limits.http_read_timeout_s, TLS_HANDSHAKE_TIMEOUT_S)
-        # Not a web.SockSite: this factory, not aiohttp's, makes each connection.
-        self._listener = await asyncio.get_running_loop().create_server(
-            self.connections,
-            sock=sock,
-            ssl=ssl_context,
-            ssl_handshake_timeout=None if ssl_context is None else handshake_s,
+        self.connections = ConnectionCap(
+            self._runner.server,
+            limits.max_http_connections,
+            self._telemetry,
+            tls=None if certificates is None else certificates.ssl_context(),
+            # A handshake gets a short time, as any unfinished request.
+            handshake_timeout_s=min(limits.http_read_timeout_s, TLS_HANDSHAKE_TIMEOUT_S),
         )
+        # Not a web.SockSite: this factory, not aiohttp's, makes each
+        # connection, TLS layer included: the listener itself is plain.
+        self._listener = await asyncio.get_running_loop().create_server(self.connections, sock=sock)
         return int(sock.getsockname()[1])
 
     async def stop(self) -> None:

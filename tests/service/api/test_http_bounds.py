@@ -9,6 +9,7 @@ import datetime
 import gc
 import json
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -231,6 +232,35 @@ def test_over_tls_a_connection_counts_from_its_accept(engine: object, tmp_path: 
         )
         assert num_connections(front) == 3
         held.extend(extra)
+    finally:
+        for sock in held:
+            sock.close()
+        front.stop()
+
+
+def test_over_tls_a_connection_past_the_cap_is_reset_before_its_handshake(
+    engine: object, tmp_path: Path
+) -> None:
+    """A plain connection past --max-http-connections is reset as it is
+    accepted; one over TLS was reset only after its handshake, the server's
+    share of the work done (and after up to 10 s of a client's stalling)."""
+    front = Front(engine, Limits(max_http_connections=2), tls=_self_signed(tmp_path))
+    client = ssl.create_default_context()
+    client.check_hostname, client.verify_mode = False, ssl.CERT_NONE  # the cap is tested, not trust
+    held = [socket.create_connection(("127.0.0.1", front.port), timeout=10) for _ in range(2)]
+    try:
+        assert wait_until(lambda: num_connections(front) == 2)
+        extra = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+        with extra, pytest.raises(OSError):  # reset: no ServerHello, no handshake
+            client.wrap_socket(extra)
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as silent:
+            assert read_all(silent) == b""  # reset without waiting for a ClientHello
+        assert num_connections(front) == 2
+        held.pop().close()
+        assert wait_until(lambda: num_connections(front) == 1)
+        with client.wrap_socket(socket.create_connection(("127.0.0.1", front.port))) as secure:
+            secure.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(secure).startswith(b"HTTP/1.1 200 ")
     finally:
         for sock in held:
             sock.close()
