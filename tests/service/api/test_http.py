@@ -1168,3 +1168,54 @@ def test_a_call_refused_while_loading_or_draining_says_which_on_both_fronts() ->
         call(server.stop(0))  # type: ignore[attr-defined]
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
+
+
+def test_the_model_is_not_told_before_the_server_serves() -> None:
+    """Between the model's load and its engine's start (a warm-up that can
+    take seconds) /v1/models answered 200 while /health and a completion
+    said 503 loading: a client polling it for readiness was refused."""
+    from types import SimpleNamespace
+
+    from slipstream.service.api.http.app import HttpFront
+    from slipstream.service.api.lifecycle import Lifecycle
+
+    starting, started = threading.Event(), threading.Event()
+
+    class StartingEngine:
+        info = SimpleNamespace(name="tiny", max_model_len=1024)
+
+        def start(self) -> None:
+            starting.set()
+            assert started.wait(30)
+
+    lifecycle = Lifecycle()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()  # type: ignore[arg-type]
+
+    http = HttpFront(lifecycle)
+    front = type("Front", (), {"base_url": f"http://127.0.0.1:{call(http.start('127.0.0.1', 0))}"})
+
+    def answers() -> list[tuple[int, object]]:
+        """/health's and /v1/models' statuses and error codes."""
+        codes = []
+        for path in ("/health", "/v1/models"):
+            status, _, body = raw(front, path, method="GET")  # type: ignore[arg-type]
+            codes.append((status, json.loads(body).get("error", {}).get("code")))
+        return codes
+
+    try:
+        serving = asyncio.run_coroutine_threadsafe(lifecycle.serve(StartingEngine()), loop)  # type: ignore[arg-type]
+        assert starting.wait(30)
+        assert answers() == [(503, "loading"), (503, "loading")]
+        started.set()
+        serving.result(30)
+        assert answers() == [(200, None), (200, None)]
+    finally:
+        started.set()
+        call(http.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
