@@ -590,7 +590,7 @@ def usage_hint(
 
 
 def http_hint(host: str, port: int, has_tls: bool = False) -> str:
-    """The line that says where the HTTP front listens (``bench serve`` reads it)."""
+    """The line that says where the HTTP front serves, printed once it does."""
     address = f"{connect_host(host)}:{port}"
     scheme = "https" if has_tls else "http"
     return f"slipstream: OpenAI-compatible HTTP API at {scheme}://{address}/v1"
@@ -653,6 +653,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
         return 1
 
+    # The HTTP front listens from the start, answering 503 "loading" (as gRPC
+    # answers UNAVAILABLE) until the model serves: it is announced then, with
+    # gRPC's banner, not as it starts listening.
+    http_ports: list[int] = []
+
     def on_ready(port: int, engine: object) -> None:
         has_template = engine.info.has_chat_template  # type: ignore[attr-defined]
         hint = usage_hint(
@@ -665,9 +670,8 @@ def run(args: argparse.Namespace) -> int:
             has_client_ca=args.tls_client_ca is not None,
         )
         print(hint, flush=True)
-
-    def on_http(port: int) -> None:
-        print(http_hint(args.host, port, has_tls), flush=True)
+        for http_port in http_ports:
+            print(http_hint(args.host, http_port, has_tls), flush=True)
 
     # Prompts are tokenized on the server's own workers, below the engine's
     # CPU priority (a large input at the lowest; service/api/workers.py); the
@@ -686,7 +690,7 @@ def run(args: argparse.Namespace) -> int:
                 tls=tls,  # type: ignore[arg-type]
                 tenants_file=args.tenants,
                 http_port=args.http_port,
-                on_http=on_http,
+                on_http=http_ports.append,
                 options=options,
                 limits=server_limits,  # type: ignore[arg-type]
             )
