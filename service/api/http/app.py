@@ -17,6 +17,7 @@ With a ``ServerTLS`` it speaks HTTPS only, with gRPC's files and rotation
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import socket
 import ssl
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
+from aiohttp.http import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream.service.api.auth import Tenants
@@ -67,6 +69,27 @@ REFUSED_LOG_INTERVAL_S = 10.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = structlog.get_logger(__name__)
+
+
+class _MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse (a broken client's, a
+    scanner's: a bad header, one over its size) 400 and logs it as an error
+    with its traceback, as it would a bug of the server's. Said here in one
+    line at info instead, as a refused call is; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        detail = " ".join(str(exc.message).split())  # aiohttp's spans lines, with a caret
+        log.info("http_bad_request", peer=peer, status=exc.code, detail=detail)
+        return False
+
+
+# aiohttp's server logger (its records keep its name), for this front's connections.
+_PROTOCOL_LOG = logging.getLogger("aiohttp.server.slipstream")
+_PROTOCOL_LOG.addFilter(_MalformedRequests())
 
 
 def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -270,6 +293,7 @@ class HttpFront:
             # what frees the request's KV while it still waits in the queue.
             handler_cancellation=True,
             access_log=None,
+            logger=_PROTOCOL_LOG,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             # aiohttp closes a connection this long without a whole request's
             # headers (from its start or its last answer; idle ones too).

@@ -8,6 +8,7 @@ import asyncio
 import datetime
 import gc
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -284,5 +285,34 @@ def test_a_request_that_stalls_is_ended_and_frees_its_slot(engine: object) -> No
         assert wait_until(lambda: num_connections(front) == 0, timeout_s=3.0)
         status, reply = front.post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
         assert status == 200, reply
+    finally:
+        front.stop()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    ],
+    ids=["bad-content-length", "header-too-long"],
+)
+def test_a_request_that_is_not_http_is_a_400_and_one_log_line_not_an_error(
+    engine: object, request_bytes: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp answers a request it cannot parse 400 and logged it as an
+    error with its traceback, as it would a bug of the server's: a
+    scanner's or a broken client's requests filled the log with them."""
+    front = Front(engine)
+    try:
+        with capture_logs() as logs, caplog.at_level(logging.INFO, logger="aiohttp"):
+            with connect(front, request_bytes) as sock:
+                assert read_all(sock).startswith(b"HTTP/1.0 400 ")
+            assert wait_until(lambda: any(e["event"] == "http_bad_request" for e in logs))
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+        assert errors == []
+        said = next(e for e in logs if e["event"] == "http_bad_request")
+        assert said["log_level"] == "info" and said["peer"] == "127.0.0.1", said
+        assert said["status"] == 400 and said["detail"], said
     finally:
         front.stop()
