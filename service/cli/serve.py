@@ -630,6 +630,21 @@ def _warn_of_metrics_exposure(args: argparse.Namespace, has_tenants: bool) -> No
         print(f"slipstream: WARNING: {warning}.", file=sys.stderr, flush=True)
 
 
+def port_clash(args: argparse.Namespace) -> str | None:
+    """Two listeners asked for one port of one host (0, a free port each,
+    never clashes): the second would fail "address already in use", as if
+    another process held it."""
+    ports = [("--port", args.port), ("--http-port", args.http_port)]
+    if args.metrics_port is not None and args.metrics_host in (None, args.host):
+        ports.append(("--metrics-port", args.metrics_port))
+    taken: dict[int, str] = {}
+    for flag, port in ports:
+        if port and port in taken:
+            return f"{flag} {port} is {taken[port]}'s too: each listener needs a port of its own"
+        taken[port] = flag
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
     from slipstream.service.api.server import StartupFailed, connection_age_options
@@ -642,6 +657,10 @@ def run(args: argparse.Namespace) -> int:
         server_limits = limits(args)
     except ValueError as exc:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    clash = port_clash(args)
+    if clash is not None:
+        print(f"slipstream: error: {clash}", file=sys.stderr, flush=True)
         return 2
     tls = server_tls(args)
     has_tls, has_tenants = tls is not None, args.tenants is not None
