@@ -105,7 +105,7 @@ def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResp
         except web.HTTPRequestEntityTooLarge:
             return too_large(f"the request body is over {max_body_bytes} bytes").response()
         except web.HTTPException as exc:
-            return _http_error(exc)
+            return _http_error(exc, request)
         except Exception:
             if request.writer.output_size > 0:
                 raise  # a stream already begun: aiohttp closes the connection
@@ -115,15 +115,30 @@ def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResp
     return middleware
 
 
-def _http_error(exc: web.HTTPException) -> web.StreamResponse:
+def _http_error(exc: web.HTTPException, request: web.Request) -> web.StreamResponse:
     if exc.status < 400:
         raise exc  # a redirect is not an error
+    message = exc.reason
+    if exc.status == 404:
+        message = _no_route(request.method, request.path)
     return ApiError(
         exc.status,
-        exc.reason,
+        message,
         code=exc.reason.lower().replace(" ", "_"),
         headers={k: v for k, v in exc.headers.items() if k == "Allow"},
     ).response()
+
+
+# OpenAI's paths, which this server serves under /v1 as OpenAI does.
+_OPENAI_PATHS = ("/completions", "/chat/completions", "/models")
+
+
+def _no_route(method: str, path: str) -> str:
+    """A 404's message; a client whose base URL lacks /v1 is told so."""
+    message = f"{method} {path} is not a route of this server"
+    if path.startswith(_OPENAI_PATHS):
+        message += f" (the API is under /v1: /v1{path}; a client's base URL ends in /v1)"
+    return message
 
 
 class ConnectionCap:

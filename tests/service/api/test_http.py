@@ -884,6 +884,21 @@ def test_malformed_bodies_and_routes(servers: Servers) -> None:
     assert status == 400 and json.loads(reply)["error"]["param"] == "x-slipstream-priority"
 
 
+def test_a_base_url_without_v1_is_told_where_the_api_is(servers: Servers) -> None:
+    """OpenAI(base_url="http://host:8000"), /v1 left off, got a bare
+    "Not Found" for every call."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{servers.http_port}", api_key="x")
+    with client, pytest.raises(openai.NotFoundError) as missed:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=1)
+    assert error_of(missed.value)["message"] == (
+        "POST /completions is not a route of this server "
+        "(the API is under /v1: /v1/completions; a client's base URL ends in /v1)"
+    )
+    status, _, reply = raw(servers, "/v1/nowhere")
+    message = json.loads(reply)["error"]["message"]
+    assert status == 404 and message == "GET /v1/nowhere is not a route of this server"
+
+
 def test_models_health_and_metrics(oai: openai.OpenAI, servers: Servers) -> None:
     assert [m.id for m in oai.models.list()] == ["tiny"]
     status, _, reply = raw(servers, "/health")
