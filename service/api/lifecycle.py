@@ -45,8 +45,10 @@ class Lifecycle:
 
     @property
     def engine(self) -> Engine:
-        """The engine, for calls that need it; raises Loading while loading."""
-        if self._engine is None:
+        """The engine, for calls that need it; raises Loading while loading,
+        its start included: what the model is (HTTP /v1/models, gRPC
+        GetModelInfo) is not told before health says SERVING."""
+        if self._engine is None or self.phase is Phase.LOADING:
             raise Loading("the model is still loading")
         return self._engine
 
@@ -61,8 +63,9 @@ class Lifecycle:
     async def serve(self, engine: Engine | None = None) -> None:
         if engine is not None:
             self._engine = engine
+        assert self._engine is not None, "serve() needs an engine"
         # Off the event loop: start() returns once the engine thread can step.
-        await asyncio.to_thread(self.engine.start)
+        await asyncio.to_thread(self._engine.start)
         self.phase = Phase.SERVING
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

@@ -590,7 +590,7 @@ def usage_hint(
 
 
 def http_hint(host: str, port: int, has_tls: bool = False) -> str:
-    """The line that says where the HTTP front listens (``bench serve`` reads it)."""
+    """The line that says where the HTTP front serves, printed once it does."""
     address = f"{connect_host(host)}:{port}"
     scheme = "https" if has_tls else "http"
     return f"slipstream: OpenAI-compatible HTTP API at {scheme}://{address}/v1"
@@ -630,6 +630,21 @@ def _warn_of_metrics_exposure(args: argparse.Namespace, has_tenants: bool) -> No
         print(f"slipstream: WARNING: {warning}.", file=sys.stderr, flush=True)
 
 
+def port_clash(args: argparse.Namespace) -> str | None:
+    """Two listeners asked for one port of one host (0, a free port each,
+    never clashes): the second would fail "address already in use", as if
+    another process held it."""
+    ports = [("--port", args.port), ("--http-port", args.http_port)]
+    if args.metrics_port is not None and args.metrics_host in (None, args.host):
+        ports.append(("--metrics-port", args.metrics_port))
+    taken: dict[int, str] = {}
+    for flag, port in ports:
+        if port and port in taken:
+            return f"{flag} {port} is {taken[port]}'s too: each listener needs a port of its own"
+        taken[port] = flag
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
     from slipstream.service.api.server import StartupFailed, connection_age_options
@@ -643,6 +658,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    clash = port_clash(args)
+    if clash is not None:
+        print(f"slipstream: error: {clash}", file=sys.stderr, flush=True)
+        return 2
     tls = server_tls(args)
     has_tls, has_tenants = tls is not None, args.tenants is not None
     if not exposure_allowed(args, has_tls, has_tenants):
@@ -652,6 +671,11 @@ def run(args: argparse.Namespace) -> int:
     except MetricsPortUnavailable as exc:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)
         return 1
+
+    # The HTTP front listens from the start, answering 503 "loading" (as gRPC
+    # answers UNAVAILABLE) until the model serves: it is announced then, with
+    # gRPC's banner, not as it starts listening.
+    http_ports: list[int] = []
 
     def on_ready(port: int, engine: object) -> None:
         has_template = engine.info.has_chat_template  # type: ignore[attr-defined]
@@ -665,9 +689,8 @@ def run(args: argparse.Namespace) -> int:
             has_client_ca=args.tls_client_ca is not None,
         )
         print(hint, flush=True)
-
-    def on_http(port: int) -> None:
-        print(http_hint(args.host, port, has_tls), flush=True)
+        for http_port in http_ports:
+            print(http_hint(args.host, http_port, has_tls), flush=True)
 
     # Prompts are tokenized on the server's own workers, below the engine's
     # CPU priority (a large input at the lowest; service/api/workers.py); the
@@ -686,7 +709,7 @@ def run(args: argparse.Namespace) -> int:
                 tls=tls,  # type: ignore[arg-type]
                 tenants_file=args.tenants,
                 http_port=args.http_port,
-                on_http=on_http,
+                on_http=http_ports.append,
                 options=options,
                 limits=server_limits,  # type: ignore[arg-type]
             )

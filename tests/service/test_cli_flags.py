@@ -52,6 +52,44 @@ def test_serve_refuses_a_port_grpc_would_wrap(
 
 
 @pytest.mark.parametrize(
+    ("ports", "complaint"),
+    [
+        (["--port", "46040", "--http-port", "46040"], "--http-port 46040 is --port's too"),
+        (
+            ["--port", "46040", "--http-port", "46041", "--metrics-port", "46041"],
+            "--metrics-port 46041 is --http-port's too",
+        ),
+    ],
+)
+def test_serve_refuses_one_port_for_two_listeners(
+    ports: list[str], complaint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The second listener failed 'address already in use', as if another
+    process held the port, after the first had started."""
+    from slipstream.service.cli import main
+
+    assert main(["serve", "--model", "tiny", *ports]) == 2
+    err = capsys.readouterr().err
+    assert f"slipstream: error: {complaint}: each listener needs a port of its own" in err
+    assert "already in use" not in err
+
+
+@pytest.mark.parametrize(
+    "ports",
+    [
+        ["--port", "0", "--http-port", "0", "--metrics-port", "0"],
+        ["--port", "46040", "--http-port", "0"],
+        ["--port", "46040", "--metrics-port", "46040", "--metrics-host", "127.0.0.2"],
+    ],
+)
+def test_free_ports_and_other_hosts_do_not_clash(ports: list[str]) -> None:
+    from slipstream.service.cli import build_parser
+    from slipstream.service.cli.serve import port_clash
+
+    assert port_clash(build_parser().parse_args(["serve", *ports])) is None
+
+
+@pytest.mark.parametrize(
     ("argv", "complaint"),
     [
         (["bench", "slo", "--sim", "--requests", "0"], "argument --requests: must be >= 1"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -44,3 +45,39 @@ def test_under_mutual_tls_the_commands_present_a_client_certificate(has_client_c
         *("-cert CLIENT.pem -key CLIENT.key" in line for line in grpcurl),
     ]
     assert client_cert == [has_client_ca] * 6
+
+
+def test_the_http_front_is_announced_with_grpcs_banner_once_the_model_serves(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both fronts listen while the model loads and answer 'loading'; the
+    HTTP line was printed then, seconds before the model served, as if the
+    API were up."""
+    from types import SimpleNamespace
+
+    from slipstream.service.api import server
+    from slipstream.service.cli import build_parser, serve
+
+    printed = {}
+
+    async def run(
+        *args: object,
+        on_ready: Callable[..., None],
+        on_http: Callable[[int], None],
+        **kwargs: object,
+    ) -> bool:
+        on_http(46031)  # listening, the model loading
+        printed["loading"] = capsys.readouterr().out
+        on_ready(46030, SimpleNamespace(info=SimpleNamespace(has_chat_template=False)))
+        printed["serving"] = capsys.readouterr().out
+        return True
+
+    monkeypatch.setattr(server, "run", run)
+    monkeypatch.setattr(serve, "telemetry", lambda args: None)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    flags = ["serve", "--model", "tiny", "--port", "46030", "--http-port", "46031"]
+    assert serve.run(build_parser().parse_args(flags)) == 0
+    assert printed["loading"] == ""
+    lines = printed["serving"].splitlines()
+    assert lines[0] == "slipstream: serving tiny, listening on 127.0.0.1:46030"
+    assert "slipstream: OpenAI-compatible HTTP API at http://127.0.0.1:46031/v1" in lines

@@ -17,15 +17,19 @@ With a ``ServerTLS`` it speaks HTTPS only, with gRPC's files and rotation
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import socket
+import ssl
 import time
 import weakref
+from asyncio import sslproto
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
+from aiohttp.http import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from slipstream.service.api.auth import Tenants
@@ -67,6 +71,27 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = structlog.get_logger(__name__)
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp answers a request it cannot parse (a broken client's, a
+    scanner's: a bad header, one over its size) 400 and logs it as an error
+    with its traceback, as it would a bug of the server's. Said here in one
+    line at info instead, as a refused call is; every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+        detail = " ".join(str(exc.message).split())  # aiohttp's spans lines, with a caret
+        log.info("http_bad_request", peer=peer, status=exc.code, detail=detail)
+        return False
+
+
+# aiohttp's server logger (its records keep its name), for this front's connections.
+_PROTOCOL_LOG = logging.getLogger("aiohttp.server.slipstream")
+_PROTOCOL_LOG.addFilter(_MalformedRequests())
+
+
 def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
     """Middleware: every error, ours or aiohttp's (404 route, 405 method,
     413 body) or a bug's (500, its traceback logged), in OpenAI's JSON shape."""
@@ -80,7 +105,7 @@ def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResp
         except web.HTTPRequestEntityTooLarge:
             return too_large(f"the request body is over {max_body_bytes} bytes").response()
         except web.HTTPException as exc:
-            return _http_error(exc)
+            return _http_error(exc, request)
         except Exception:
             if request.writer.output_size > 0:
                 raise  # a stream already begun: aiohttp closes the connection
@@ -90,15 +115,30 @@ def openai_errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResp
     return middleware
 
 
-def _http_error(exc: web.HTTPException) -> web.StreamResponse:
+def _http_error(exc: web.HTTPException, request: web.Request) -> web.StreamResponse:
     if exc.status < 400:
         raise exc  # a redirect is not an error
+    message = exc.reason
+    if exc.status == 404:
+        message = _no_route(request.method, request.path)
     return ApiError(
         exc.status,
-        exc.reason,
+        message,
         code=exc.reason.lower().replace(" ", "_"),
         headers={k: v for k, v in exc.headers.items() if k == "Allow"},
     ).response()
+
+
+# OpenAI's paths, which this server serves under /v1 as OpenAI does.
+_OPENAI_PATHS = ("/completions", "/chat/completions", "/models")
+
+
+def _no_route(method: str, path: str) -> str:
+    """A 404's message; a client whose base URL lacks /v1 is told so."""
+    message = f"{method} {path} is not a route of this server"
+    if path.startswith(_OPENAI_PATHS):
+        message += f" (the API is under /v1: /v1{path}; a client's base URL ends in /v1)"
+    return message
 
 
 class ConnectionCap:
@@ -109,17 +149,26 @@ class ConnectionCap:
     gRPC either.
 
     A connection counts from its accept to its close: each handler is
-    wrapped (``_Counted``) and held weakly. Over TLS, asyncio makes the
-    handler only once the handshake is done, and one that never completes
-    is closed at the handshake timeout without a word to the handler: it
-    stops counting when asyncio lets go of it."""
+    wrapped (``_Counted``) and held weakly. Over TLS (``tls``) the listener
+    accepts in the clear and each connection under the cap is wrapped in
+    its TLS layer here, so one over it is reset before any handshake work.
+    A handshake that never completes is closed at ``handshake_timeout_s``
+    without a word to the handler: it stops counting when asyncio lets go
+    of it."""
 
     def __init__(
-        self, server: web.Server, max_connections: int, telemetry: Telemetry | None = None
+        self,
+        server: web.Server,
+        max_connections: int,
+        telemetry: Telemetry | None = None,
+        tls: ssl.SSLContext | None = None,
+        handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
     ) -> None:
         self._server = server
         self._max_connections = max_connections
         self._metrics = None if telemetry is None else telemetry.metrics
+        self._tls = tls
+        self._handshake_timeout_s = handshake_timeout_s
         self._open: weakref.WeakSet[_Counted] = weakref.WeakSet()
         self._num_refused = 0  # since the last warning
         self._last_warning = -math.inf
@@ -135,7 +184,20 @@ class ConnectionCap:
             return _Refused()
         counted = _Counted(self._server(), self._open)
         self._open.add(counted)
-        return counted
+        if self._tls is None:
+            return counted
+        # What loop.create_server(ssl=...) wraps each accepted connection's
+        # protocol in; made here, the cap is asked first. (loop.start_tls,
+        # the public way, hands over the TLS transport a loop turn after the
+        # handshake: a request sent with it could reach aiohttp unmade.)
+        return sslproto.SSLProtocol(
+            asyncio.get_running_loop(),
+            counted,
+            self._tls,
+            None,  # type: ignore[arg-type]  # no waiter: nothing awaits the handshake
+            server_side=True,
+            ssl_handshake_timeout=self._handshake_timeout_s,  # type: ignore[arg-type]
+        )
 
     def _refused(self) -> None:
         if self._metrics is not None:
@@ -246,6 +308,7 @@ class HttpFront:
             # what frees the request's KV while it still waits in the queue.
             handler_cancellation=True,
             access_log=None,
+            logger=_PROTOCOL_LOG,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             # aiohttp closes a connection this long without a whole request's
             # headers (from its start or its last answer; idle ones too).
@@ -257,21 +320,18 @@ class HttpFront:
         )
         await self._runner.setup()
         assert self._runner.server is not None
-        self.connections = ConnectionCap(
-            self._runner.server, limits.max_http_connections, self._telemetry
-        )
         certificates = self._certificates
-        ssl_context = None if certificates is None else certificates.ssl_context()
-        # A TLS connection over the cap is reset only once its handshake is
-        # done: the handshake gets a short time, as any unfinished request.
-        handshake_s = min(limits.http_read_timeout_s, TLS_HANDSHAKE_TIMEOUT_S)
-        # Not a web.SockSite: this factory, not aiohttp's, makes each connection.
-        self._listener = await asyncio.get_running_loop().create_server(
-            self.connections,
-            sock=sock,
-            ssl=ssl_context,
-            ssl_handshake_timeout=None if ssl_context is None else handshake_s,
+        self.connections = ConnectionCap(
+            self._runner.server,
+            limits.max_http_connections,
+            self._telemetry,
+            tls=None if certificates is None else certificates.ssl_context(),
+            # A handshake gets a short time, as any unfinished request.
+            handshake_timeout_s=min(limits.http_read_timeout_s, TLS_HANDSHAKE_TIMEOUT_S),
         )
+        # Not a web.SockSite: this factory, not aiohttp's, makes each
+        # connection, TLS layer included: the listener itself is plain.
+        self._listener = await asyncio.get_running_loop().create_server(self.connections, sock=sock)
         return int(sock.getsockname()[1])
 
     async def stop(self) -> None:

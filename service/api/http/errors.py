@@ -35,6 +35,9 @@ from slipstream.service.engine.chat import ChatError
 # hint of its own (a full tokenizer pool).
 RETRY_AFTER_S = 1
 
+# Every 401 names the scheme it wants (RFC 9110 15.5.2; RFC 6750 3).
+BEARER_CHALLENGE = 'Bearer realm="slipstream"'
+
 
 @dataclass(slots=True)
 class ApiError(Exception):
@@ -63,11 +66,14 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
+        headers = self.headers
+        if self.status == 401:
+            headers = {"WWW-Authenticate": BEARER_CHALLENGE, **headers}
         return web.Response(
             status=self.status,
             text=json.dumps(self.body()),
             content_type="application/json",
-            headers=self.headers,
+            headers=headers,
         )
 
 

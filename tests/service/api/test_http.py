@@ -884,6 +884,21 @@ def test_malformed_bodies_and_routes(servers: Servers) -> None:
     assert status == 400 and json.loads(reply)["error"]["param"] == "x-slipstream-priority"
 
 
+def test_a_base_url_without_v1_is_told_where_the_api_is(servers: Servers) -> None:
+    """OpenAI(base_url="http://host:8000"), /v1 left off, got a bare
+    "Not Found" for every call."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{servers.http_port}", api_key="x")
+    with client, pytest.raises(openai.NotFoundError) as missed:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=1)
+    assert error_of(missed.value)["message"] == (
+        "POST /completions is not a route of this server "
+        "(the API is under /v1: /v1/completions; a client's base URL ends in /v1)"
+    )
+    status, _, reply = raw(servers, "/v1/nowhere")
+    message = json.loads(reply)["error"]["message"]
+    assert status == 404 and message == "GET /v1/nowhere is not a route of this server"
+
+
 def test_models_health_and_metrics(oai: openai.OpenAI, servers: Servers) -> None:
     assert [m.id for m in oai.models.list()] == ["tiny"]
     status, _, reply = raw(servers, "/health")
@@ -1166,5 +1181,56 @@ def test_a_call_refused_while_loading_or_draining_says_which_on_both_fronts() ->
     finally:
         call(http.stop())
         call(server.stop(0))  # type: ignore[attr-defined]
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+
+
+def test_the_model_is_not_told_before_the_server_serves() -> None:
+    """Between the model's load and its engine's start (a warm-up that can
+    take seconds) /v1/models answered 200 while /health and a completion
+    said 503 loading: a client polling it for readiness was refused."""
+    from types import SimpleNamespace
+
+    from slipstream.service.api.http.app import HttpFront
+    from slipstream.service.api.lifecycle import Lifecycle
+
+    starting, started = threading.Event(), threading.Event()
+
+    class StartingEngine:
+        info = SimpleNamespace(name="tiny", max_model_len=1024)
+
+        def start(self) -> None:
+            starting.set()
+            assert started.wait(30)
+
+    lifecycle = Lifecycle()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: object) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()  # type: ignore[arg-type]
+
+    http = HttpFront(lifecycle)
+    front = type("Front", (), {"base_url": f"http://127.0.0.1:{call(http.start('127.0.0.1', 0))}"})
+
+    def answers() -> list[tuple[int, object]]:
+        """/health's and /v1/models' statuses and error codes."""
+        codes = []
+        for path in ("/health", "/v1/models"):
+            status, _, body = raw(front, path, method="GET")  # type: ignore[arg-type]
+            codes.append((status, json.loads(body).get("error", {}).get("code")))
+        return codes
+
+    try:
+        serving = asyncio.run_coroutine_threadsafe(lifecycle.serve(StartingEngine()), loop)  # type: ignore[arg-type]
+        assert starting.wait(30)
+        assert answers() == [(503, "loading"), (503, "loading")]
+        started.set()
+        serving.result(30)
+        assert answers() == [(200, None), (200, None)]
+    finally:
+        started.set()
+        call(http.stop())
         loop.call_soon_threadsafe(loop.stop)
         thread.join()

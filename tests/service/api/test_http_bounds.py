@@ -8,7 +8,9 @@ import asyncio
 import datetime
 import gc
 import json
+import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -237,6 +239,35 @@ def test_over_tls_a_connection_counts_from_its_accept(engine: object, tmp_path: 
         front.stop()
 
 
+def test_over_tls_a_connection_past_the_cap_is_reset_before_its_handshake(
+    engine: object, tmp_path: Path
+) -> None:
+    """A plain connection past --max-http-connections is reset as it is
+    accepted; one over TLS was reset only after its handshake, the server's
+    share of the work done (and after up to 10 s of a client's stalling)."""
+    front = Front(engine, Limits(max_http_connections=2), tls=_self_signed(tmp_path))
+    client = ssl.create_default_context()
+    client.check_hostname, client.verify_mode = False, ssl.CERT_NONE  # the cap is tested, not trust
+    held = [socket.create_connection(("127.0.0.1", front.port), timeout=10) for _ in range(2)]
+    try:
+        assert wait_until(lambda: num_connections(front) == 2)
+        extra = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+        with extra, pytest.raises(OSError):  # reset: no ServerHello, no handshake
+            client.wrap_socket(extra)
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as silent:
+            assert read_all(silent) == b""  # reset without waiting for a ClientHello
+        assert num_connections(front) == 2
+        held.pop().close()
+        assert wait_until(lambda: num_connections(front) == 1)
+        with client.wrap_socket(socket.create_connection(("127.0.0.1", front.port))) as secure:
+            secure.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(secure).startswith(b"HTTP/1.1 200 ")
+    finally:
+        for sock in held:
+            sock.close()
+        front.stop()
+
+
 def test_a_request_that_stalls_is_ended_and_frees_its_slot(engine: object) -> None:
     """Headers that never end are closed, a body that stalls is a 408:
     each after --http-read-timeout, and its connection is gone soon after."""
@@ -254,5 +285,34 @@ def test_a_request_that_stalls_is_ended_and_frees_its_slot(engine: object) -> No
         assert wait_until(lambda: num_connections(front) == 0, timeout_s=3.0)
         status, reply = front.post(json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}))
         assert status == 200, reply
+    finally:
+        front.stop()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    ],
+    ids=["bad-content-length", "header-too-long"],
+)
+def test_a_request_that_is_not_http_is_a_400_and_one_log_line_not_an_error(
+    engine: object, request_bytes: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """aiohttp answers a request it cannot parse 400 and logged it as an
+    error with its traceback, as it would a bug of the server's: a
+    scanner's or a broken client's requests filled the log with them."""
+    front = Front(engine)
+    try:
+        with capture_logs() as logs, caplog.at_level(logging.INFO, logger="aiohttp"):
+            with connect(front, request_bytes) as sock:
+                assert read_all(sock).startswith(b"HTTP/1.0 400 ")
+            assert wait_until(lambda: any(e["event"] == "http_bad_request" for e in logs))
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+        assert errors == []
+        said = next(e for e in logs if e["event"] == "http_bad_request")
+        assert said["log_level"] == "info" and said["peer"] == "127.0.0.1", said
+        assert said["status"] == 400 and said["detail"], said
     finally:
         front.stop()

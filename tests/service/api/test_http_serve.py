@@ -36,7 +36,10 @@ def test_http_front_drains_on_sigterm(
     spawn_server: Callable[..., tuple[subprocess.Popen[str], str]],
 ) -> None:
     port = free_port()
-    proc, _ = spawn_server("--model", "tiny", "--no-calibrate", "--http-port", str(port))
+    # The stream's 400 tokens take ~2 s alone, over 20 s on a loaded 2-core
+    # machine: the default 30 s grace would cut them SHUTDOWN now and then.
+    flags = ("--model", "tiny", "--no-calibrate", "--grace-s", "300", "--http-port", str(port))
+    proc, _ = spawn_server(*flags)
     base_url = f"http://127.0.0.1:{port}"
     with openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0) as oai:
         assert health(base_url) == 200

@@ -609,6 +609,32 @@ def test_the_http_fronts_model_list_and_metrics_ask_a_token_health_does_not(
     assert get("/health", None) == 200
 
 
+def test_every_401_over_http_names_the_bearer_scheme(served: Served) -> None:
+    """RFC 9110 asks a 401 to say how to authenticate (WWW-Authenticate);
+    clients that retry with a token, or tell 'no token' from 'forbidden',
+    look for it."""
+    base = f"http://127.0.0.1:{served.server.http_port}"
+    body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+    requests = [
+        ("/v1/completions", body),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": []}'),
+        ("/v1/models", None),
+        ("/v1/models/tiny", None),
+        ("/metrics", None),
+    ]
+    for path, data in requests:
+        for authorization in (None, "Bearer wrong", "Basic c2VhcmNoOg=="):
+            headers = {"Content-Type": "application/json"}
+            if authorization is not None:
+                headers["Authorization"] = authorization
+            request = urllib.request.Request(base + path, data=data, headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=30)
+            assert refused.value.code == 401, (path, authorization)
+            challenge = refused.value.headers["WWW-Authenticate"]
+            assert challenge == 'Bearer realm="slipstream"', (path, authorization)
+
+
 def test_a_revoked_token_stops_submitting_on_a_stream_opened_before(served: Served) -> None:
     """Removing a token's hash and reloading revokes it on streams already
     open too: their next submits are refused UNAUTHENTICATED, logged and
