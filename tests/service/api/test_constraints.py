@@ -1,7 +1,8 @@
-"""Structured output through the gRPC front door on ``tiny``:
-``Submit.constraint``. A constrained output matches (greedy and sampled); a
-constraint that does not compile, or is too large, is refused
-INVALID_ARGUMENT with the compiler's message, that request alone; the
+"""Structured output through both front doors on ``tiny``: gRPC's
+``Submit.constraint`` and OpenAI's ``response_format``. A constrained
+output matches (greedy and sampled); a constraint that does not compile,
+or is too large, is refused INVALID_ARGUMENT (a 400 naming
+``response_format``) with the compiler's message, that request alone; the
 compiling runs off the event loop."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from http_front_thread import FrontThread
 from server_thread import ServerThread
 
 from slipstream.service.engine.config import EngineConfig
@@ -34,6 +36,13 @@ def server(engine: object) -> Iterator[ServerThread]:
 def stub(server: ServerThread) -> Iterator[pb_grpc.InferenceStub]:
     with grpc.insecure_channel(server.target) as channel:
         yield pb_grpc.InferenceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def front(engine: object) -> Iterator[FrontThread]:
+    front = FrontThread(engine)
+    yield front
+    front.stop()
 
 
 def _submit(request_id: str, constraint: pb.OutputConstraint | None, **fields) -> pb.Submit:
@@ -115,7 +124,7 @@ def test_malformed_constraints_are_invalid_argument(stub, constraint, words):
     assert words in info.value.details()
 
 
-def test_constraints_compile_off_the_event_loop(stub, server, engine, monkeypatch):
+def test_constraints_compile_off_the_event_loop(stub, server, front, engine, monkeypatch):
     threads = []
     compile_it = engine.grammars.compile
 
@@ -125,4 +134,70 @@ def test_constraints_compile_off_the_event_loop(stub, server, engine, monkeypatc
 
     monkeypatch.setattr(engine.grammars, "compile", spy)
     list(stub.GenerateOne(_submit("off", pb.OutputConstraint(regex="[0-9]{2}")), timeout=30))
-    assert threads and server.thread not in threads
+    status, _ = _complete(front, response_format={"type": "json_object"}, max_tokens=2)
+    assert status == 200
+    assert len(threads) == 2
+    assert server.thread not in threads and front.thread not in threads
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def _complete(front: FrontThread, **fields) -> tuple[int, dict]:
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16, **fields}
+    status, raw = front.post_bytes("/v1/completions", json.dumps(body).encode())
+    return status, json.loads(raw)
+
+
+def _json_schema(schema: object, **extra) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, **extra}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_response_format_json_schema_is_followed(front, temperature):
+    status, body = _complete(
+        front,
+        response_format=_json_schema(json.loads(YES_NO), strict=True),
+        temperature=temperature,
+        seed=3,
+        n=2,
+    )
+    assert status == 200, body
+    for choice in body["choices"]:
+        assert json.loads(choice["text"]) in ("yes", "no")
+        assert choice["finish_reason"] == "stop"
+
+
+def test_response_format_json_object_starts_an_object(front):
+    status, body = _complete(
+        front, response_format={"type": "json_object"}, max_tokens=4, temperature=0
+    )
+    assert status == 200, body
+    assert body["choices"][0]["text"].lstrip().startswith("{")
+
+
+def test_response_format_text_is_no_constraint(front):
+    asked = [{}, {"response_format": {"type": "text"}}]
+    replies = [_complete(front, temperature=0, **extra) for extra in asked]
+    assert all(status == 200 for status, _ in replies)
+    assert replies[0][1]["choices"] == replies[1][1]["choices"]
+
+
+@pytest.mark.parametrize(
+    ("response_format", "words"),
+    [
+        ({"type": "xml"}, "response_format.type must be"),
+        ("json", "must be an object with a type"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "name is required"),
+        ({"type": "json_object", "schema": {}}, "response_format.schema is not supported"),
+        (_json_schema({"type": "nope"}), "Invalid type: nope"),
+        (_json_schema({"enum": 5}), "enum must be an array"),
+    ],
+    ids=["type", "not_an_object", "no_name", "extra_key", "bad_type", "bad_enum"],
+)
+def test_a_bad_response_format_is_a_400_naming_it(front, response_format, words):
+    status, body = _complete(front, response_format=response_format)
+    assert status == 400, body
+    error = body["error"]
+    assert error["param"] == "response_format" and error["type"] == "invalid_request_error"
+    assert words in error["message"]
