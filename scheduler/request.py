@@ -101,7 +101,8 @@ class RequestSpec:
     (the gRPC layer prefixes the stream's id). ``first_token_deadline`` is
     the time by which the first output token must be out. ``stop_sequences``
     are matched on the text by the engine; ``tenant`` names who asked, for
-    telemetry only. The scheduler reads neither."""
+    telemetry only; ``constraint`` is what the output must match. The
+    scheduler reads none of the three."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -115,6 +116,23 @@ class RequestSpec:
     arrival_time: float | None = None
     first_token_deadline: float | None = None
     tenant: str = ""
+    constraint: OutputConstraint | None = None
+
+
+class ConstraintKind(enum.Enum):
+    JSON_SCHEMA = "json_schema"  # text: the schema's JSON
+    JSON_OBJECT = "json_object"  # any JSON object; no text
+    REGEX = "regex"  # text: the expression
+
+
+@dataclass(frozen=True, slots=True)
+class OutputConstraint:
+    """What a request's output must match (``RequestSpec.constraint``): the
+    engine masks every step's logits by it (service/engine/grammar.py,
+    where it is compiled); the scheduler never reads it."""
+
+    kind: ConstraintKind
+    text: str = ""
 
 
 @dataclass(slots=True)

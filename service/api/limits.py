@@ -39,6 +39,9 @@ class Limits:
     # Entries of Submit.trace_context, and UTF-8 bytes of its keys and values together.
     max_trace_context_entries: int = 8
     max_trace_context_bytes: int = 4096
+    # A constraint's text (JSON schema or regex), in UTF-8 bytes, checked
+    # before it is compiled: compiling costs up to a second for a large schema.
+    max_constraint_bytes: int = 64 * 1024
     # Choices one HTTP request may ask for (its ``n`` times its prompts): each
     # is an engine request of its own.
     max_choices: int = 16
@@ -87,6 +90,7 @@ class Limits:
             "max_stop_sequence_bytes",
             "max_trace_context_entries",
             "max_trace_context_bytes",
+            "max_constraint_bytes",
             "max_queued_prompts",
             "inline_prompt_bytes",
             "trim_after_bytes",

@@ -44,6 +44,7 @@ Finished; a submit leaves it when admitted, refused or cancelled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 import uuid
@@ -57,6 +58,7 @@ import structlog
 from slipstream.scheduler.errors import DuplicateRequest
 from slipstream.scheduler.request import FinishReason
 from slipstream.service.api import wire
+from slipstream.service.api.constraints import compile_constraint
 from slipstream.service.api.limits import Limits
 from slipstream.service.api.outbox import Outbox, event_bytes
 from slipstream.service.api.status import Rejection, caller_message, rejection_for
@@ -356,6 +358,11 @@ class StreamSession:
                 return
         else:
             request = convert()
+        if request.constraint is not None:  # compiled off the loop too (up to a second)
+            grammar = await compile_constraint(engine, request.constraint, self._workers)
+            if self._is_ended or (waiting is not None and waiting.is_cancelled):
+                return
+            request = dataclasses.replace(request, constraint=grammar)
         grant = None
         if self._gate is not None:  # PermissionDenied, QuotaExceeded: this request alone
             request, grant = self._gate.admit(request)

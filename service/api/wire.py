@@ -19,8 +19,10 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from slipstream.scheduler.errors import AtCapacity, DeadlineInfeasible, PromptTooLong
 from slipstream.scheduler.request import (
     MAX_TOP_LOGPROBS,
+    ConstraintKind,
     ExpiredLimit,
     FinishReason,
+    OutputConstraint,
     SamplingParams,
 )
 from slipstream.service.api.auth import QuotaExceeded
@@ -158,6 +160,14 @@ def check_sizes(submit: pb.Submit, num_prompt_bytes: int, limits: Limits) -> Non
         raise OverLimit(
             f"trace_context is longer than {limits.max_trace_context_bytes} bytes", "trace_context"
         )
+    constraint = submit.constraint
+    num_bytes = utf8_len(constraint.json_schema) + utf8_len(constraint.regex)  # one is set
+    if num_bytes > limits.max_constraint_bytes:
+        raise OverLimit(
+            f"the constraint is {num_bytes} bytes, over this server's limit of "
+            f"{limits.max_constraint_bytes}",
+            "constraint",
+        )
 
 
 def _seconds(value: Message, what: str, valid: tuple[int, int, int]) -> float:
@@ -228,6 +238,23 @@ def _logprobs(submit: pb.Submit) -> int | None:
     return submit.top_logprobs
 
 
+def _constraint(submit: pb.Submit) -> OutputConstraint | None:
+    """What the output must match (None: anything); compiled later, off the
+    event loop (service/api/constraints.py)."""
+    if not submit.HasField("constraint"):
+        return None
+    message = submit.constraint
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("constraint names no kind (set json_schema, json_object or regex)")
+    if kind == "json_object":
+        if not message.json_object:
+            raise ValueError("constraint.json_object must be true (unset the constraint for text)")
+        return OutputConstraint(ConstraintKind.JSON_OBJECT)
+    text = message.json_schema if kind == "json_schema" else message.regex
+    return OutputConstraint(ConstraintKind(kind), text)
+
+
 def _max_new_tokens(stopping: pb.StoppingCriteria, info: ModelInfo) -> int:
     if not stopping.HasField("max_new_tokens"):
         return DEFAULT_MAX_NEW_TOKENS
@@ -294,6 +321,7 @@ def to_generation_request(
         ),
         arrival_time=now,
         first_token_deadline=_first_token_deadline(submit, now),
+        constraint=_constraint(submit),
     )
 
 

@@ -47,6 +47,7 @@ from slipstream.service.engine.cuda_graphs import (
 )
 from slipstream.service.engine.device import describe_device
 from slipstream.service.engine.events import PoolStats, StepOutOfMemory
+from slipstream.service.engine.grammar import Matcher, mask_logits
 from slipstream.service.engine.layer_graphs import LayerGraphs
 from slipstream.service.engine.runner import DoneStep, KVPool, StepResult
 from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
@@ -269,18 +270,24 @@ class DeviceRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return PoolStats(int(total - free), int(free))
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, matchers: dict[str, Matcher] | None = None) -> StepResult:
         """Runs ``plan`` and waits for it; raises ``StepOutOfMemory`` when the
         device runs out."""
-        return self.launch(plan).result()
+        return self.launch(plan, matchers).result()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> DoneStep | LaunchedStep:
+    def launch(
+        self, plan: StepPlan, matchers: dict[str, Matcher] | None = None
+    ) -> DoneStep | LaunchedStep:
         """Queues ``plan`` on the device and returns without waiting; the
         handle's ``result()`` waits for its sampled ids. A ``PENDING_TOKEN`` of
         the plan is the step launched before it's sample for that request,
         taken on the device: planning and launching step N+1 need nothing
-        from step N but its place in the queue. Raises ``StepOutOfMemory``."""
+        from step N but its place in the queue. ``matchers``: of the
+        constrained sampled rows, by req_id (grammar.py); their masks are
+        filled on the host while the forward runs and applied before
+        sampling (the engine launches no step of theirs ahead of the
+        previous one's results). Raises ``StepOutOfMemory``."""
         try:
             self._swapper.swap_out(plan.swap_out)
             self._swapper.swap_in(plan.swap_in)
@@ -293,7 +300,7 @@ class DeviceRunner:
         if not plan.seqs:
             return DoneStep(StepResult({}, 0))
         try:
-            return self._forward(plan)
+            return self._forward(plan, matchers)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -308,7 +315,7 @@ class DeviceRunner:
             torch.cuda.empty_cache()
         return StepOutOfMemory(req_ids, str(exc).splitlines()[0] if str(exc) else "")
 
-    def _forward(self, plan: StepPlan) -> LaunchedStep:
+    def _forward(self, plan: StepPlan, matchers: dict[str, Matcher] | None) -> LaunchedStep:
         # Staging and sampled-id buffers come in pairs: the step two launches
         # back must have landed before its buffers are reused (the engine has
         # always read it by now; this keeps any caller right).
@@ -348,6 +355,8 @@ class DeviceRunner:
             return self._launched(LaunchedStep(self._record_done(), None, [], plan.num_tokens))
         wanted = LogprobRows.of_plan(staged.sampled_req_ids, plan.seqs)
         taken = None if wanted is None else wanted.log_probs(logits)  # before sampling scales
+        if matchers is not None:  # after the log-probabilities: the model's, unmasked
+            mask_logits(logits, staged.sampled_req_ids, matchers)
         batch = self._sampling_batch(staged, views)
         ids = sample_tensors(logits, batch, self._generator)
         picked = None if wanted is None or taken is None else wanted.pick(taken, ids)

@@ -21,6 +21,15 @@ launches step N+1 while the device runs step N, then takes N's results::
 so the scheduling, the bookkeeping and the publishing of a step overlap the
 device's work instead of adding to it. EOS and stop sequences land a step
 late (a request's token from the step after its last is dropped).
+
+Structured output (``RequestSpec.constraint``, grammar.py): a request with
+a constraint has a matcher; the runner masks its row's logits by it before
+sampling, and ``update`` advances it by the sampled token (through the stop
+check, which also ends the request once its output is complete). A
+constrained row's mask needs its previous token, so nothing is planned
+ahead of a step that sampled a constrained row: that step's results are
+taken first and the next step is planned after them (for that step, no
+overlap). A step with no constrained row runs as it would without any.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from slipstream.service.engine.events import (
     TokenEvent,
     TokenLogprobs,
 )
+from slipstream.service.engine.grammar import ConstraintBroken, Grammar, GrammarCompiler, Matcher
 from slipstream.service.engine.observer import EngineObserver
 
 if TYPE_CHECKING:
@@ -67,12 +77,14 @@ class Runner(Protocol):
     cuda_runner.py). ``execute(plan)`` gives a ``StepResult``: ``sampled``
     maps req_id to its token, ``logprobs`` to its log-probabilities where the
     request asked; ``launch(plan).result()`` is the same, split where the host may go on.
+    A step with constrained rows also passes their ``matchers`` (by req_id),
+    whose masks the runner applies before sampling; a step without, nothing.
     A runner may also define ``on_engine_thread()``, called once on the
     engine's thread before its first step."""
 
-    def execute(self, plan: StepPlan) -> Any: ...
+    def execute(self, plan: StepPlan, matchers: dict[str, Matcher] | None = None) -> Any: ...
 
-    def launch(self, plan: StepPlan) -> Any: ...
+    def launch(self, plan: StepPlan, matchers: dict[str, Matcher] | None = None) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -93,6 +105,7 @@ class _Live:
     on_event: EventCallback
     detokenizer: IncrementalDetokenizer
     pending_text: list[str] = field(default_factory=list)  # decoded, not yet published
+    matcher: Matcher | None = None  # where it has a constraint: its place in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +150,10 @@ class Engine:
         self._wakeup = threading.Event()
         self._aborts: queue.SimpleQueue[tuple[str, FinishReason, str]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        # Constraints: compiled for this model's tokenizer (front doors call it
+        # off their event loop); the matchers of the live constrained requests.
+        self.grammars = GrammarCompiler(tokenizer, info.eos_token_ids)
+        self._matchers: dict[str, Matcher] = {}
         self._draining = False
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -168,6 +185,10 @@ class Engine:
         self._prepared.wait(timeout)
 
     def submit(self, request: RequestSpec, on_event: EventCallback) -> None:
+        """Queues ``request``; raises a domain error (``InvalidRequest``,
+        ``QueueFull``, ... and ``InvalidConstraint``) when it is refused. A
+        ``constraint`` not yet compiled (``grammars.compile``) is compiled
+        here, on the caller's thread."""
         # An id outside the vocabulary would fail the whole step (the embedding's
         # index), so every request in it; the wire checks too, in-process callers may not.
         vocab = self.info.vocab_size
@@ -183,11 +204,20 @@ class Engine:
         detokenizer = IncrementalDetokenizer(
             self._fast_tokenizer, request.prompt_token_ids, request.stop_sequences
         )
+        matcher = None
+        constraint = request.constraint
+        if constraint is not None:
+            if not isinstance(constraint, Grammar):
+                constraint = self.grammars.compile(constraint)
+            matcher = constraint.start()
         with self._lock:
             if self._draining:
                 raise Draining("the server is draining and takes no new requests")
             self._scheduler.add_request(sched_request)
-            self._live[request.req_id] = _Live(request, sched_request, on_event, detokenizer)
+            live = _Live(request, sched_request, on_event, detokenizer, matcher=matcher)
+            self._live[request.req_id] = live
+            if matcher is not None:
+                self._matchers[request.req_id] = matcher
             if self.observer is not None:
                 self.observer.on_submit(request, sched_request)
         self._wakeup.set()
@@ -347,15 +377,25 @@ class Engine:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
             return
-        result = self._runner.execute(plan)
+        matchers = self._step_matchers(plan)
+        if matchers is None:
+            result = self._runner.execute(plan)
+        else:
+            result = self._runner.execute(plan, matchers)
         host.launch += time.monotonic() - planned
         self._settle(plan, result, started)
 
     def _step_ahead(self) -> None:
         """Plan and launch step N+1, then take step N's results (see the module).
         The refit sees a step's time from the later of its planning and the
-        previous step's settling: the device's pace once the pipe is full."""
+        previous step's settling: the device's pace once the pipe is full.
+        A step that sampled a constrained row lands before the next is
+        planned: that one's masks need its tokens."""
         pending, host = self._pending, self._host
+        if pending is not None and self._samples_constrained(pending.plan):
+            self._pending = None
+            self._land(pending, time.monotonic())
+            pending = None
         with self._lock:
             started = time.monotonic()
             plan = self._scheduler.schedule(started, ahead=pending is not None)
@@ -364,24 +404,47 @@ class Engine:
         host.planning += planned - started
         self._pending = None
         if not plan.is_empty:
+            matchers = self._step_matchers(plan)
             try:
-                self._pending = _Launched(plan, self._runner.launch(plan), started)
+                if matchers is None:
+                    handle = self._runner.launch(plan)
+                else:
+                    handle = self._runner.launch(plan, matchers)
+                self._pending = _Launched(plan, handle, started)
             except StepOutOfMemory as exc:
                 self._out_of_memory(plan, exc)
         launched = time.monotonic()
         host.launch += launched - planned
         if pending is not None:
-            try:
-                result = pending.handle.result()
-            except StepOutOfMemory as exc:
-                self._out_of_memory(pending.plan, exc)
-                return
-            finally:
-                host.device_wait += time.monotonic() - launched
-            self._settle(pending.plan, result, max(pending.started, self._last_settled))
+            self._land(pending, launched)
         elif self._pending is None:
             self._observe(plan, [], started)
             time.sleep(0.001)  # nothing runnable this instant (e.g. waiting on blocks)
+
+    def _land(self, pending: _Launched, since: float) -> None:
+        """Waits for a launched step's results (from ``since``) and settles it."""
+        try:
+            result = pending.handle.result()
+        except StepOutOfMemory as exc:
+            self._out_of_memory(pending.plan, exc)
+            return
+        finally:
+            self._host.device_wait += time.monotonic() - since
+        self._settle(pending.plan, result, max(pending.started, self._last_settled))
+
+    def _step_matchers(self, plan: StepPlan) -> dict[str, Matcher] | None:
+        """The matchers of the plan's constrained sampled rows; None if it has none."""
+        if not self._matchers:
+            return None
+        matchers = self._matchers
+        step = {
+            s.req_id: matchers[s.req_id] for s in plan.seqs if s.sample and s.req_id in matchers
+        }
+        return step or None
+
+    def _samples_constrained(self, plan: StepPlan) -> bool:
+        matchers = self._matchers
+        return bool(matchers) and any(s.sample and s.req_id in matchers for s in plan.seqs)
 
     def _settle(self, plan: StepPlan, result: StepResult, started: float) -> None:
         """A step's results: the scheduler's update, then observers and callers."""
@@ -423,7 +486,21 @@ class Engine:
         if live is None:
             return False
         live.pending_text.append(live.detokenizer.add(token_id))
+        if live.matcher is not None and self._advance(live.matcher, req_id, token_id):
+            return True  # its output is complete: it stops as at a stop sequence
         return live.detokenizer.stopped
+
+    def _advance(self, matcher: Matcher, req_id: str, token_id: int) -> bool:
+        """Advances a constrained request's matcher by its sampled token;
+        True once its output is complete. A token outside the constraint
+        (a fault: its mask forbade it) ends the request ERROR before the
+        next step."""
+        try:
+            return matcher.take(token_id)
+        except ConstraintBroken as exc:
+            log.error("constraint_broken", req_id=req_id, token_id=token_id, detail=str(exc))
+            self.abort(req_id, FinishReason.ERROR, f"a token outside the constraint: {exc}")
+            return False
 
     def _observe(self, plan: StepPlan, outputs: list[RequestOutput], started: float) -> None:
         # Before _publish, so an observer sees a request's last tokens before its finish.
@@ -523,6 +600,7 @@ class Engine:
         )
         with self._idle:
             del self._live[req_id]
+            self._matchers.pop(req_id, None)
             if not self._live:
                 self._idle.notify_all()
         if self.observer is not None:

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from slipstream.scheduler.request import (  # noqa: F401  RequestSpec: the engine's request
+    ConstraintKind,
     ExpiredLimit,
     FinishReason,
+    OutputConstraint,
     RejectCause,
     RequestSpec,
     SamplingParams,

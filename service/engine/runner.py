@@ -28,6 +28,7 @@ from slipstream.kernels.kv_layout import allocate_kv_cache, row_width
 from slipstream.kernels.sampling import sample
 from slipstream.scheduler.plan import StepPlan, with_pending_tokens
 from slipstream.service.engine.events import TokenLogprobs
+from slipstream.service.engine.grammar import Matcher, mask_logits
 from slipstream.service.engine.token_logprobs import LogprobRows
 from slipstream.service.models.llama import LlamaModel
 
@@ -124,16 +125,18 @@ class ModelRunner:
                 "that ends (kernels/compute_thread.py)",
             )
 
-    def launch(self, plan: StepPlan) -> DoneStep:
+    def launch(self, plan: StepPlan, matchers: dict[str, Matcher] | None = None) -> DoneStep:
         """Runs ``plan`` now (the CPU has nothing to overlap with), taking its
         pending tokens from the step launched before it; see ``Engine``'s
         ``plan_ahead``."""
-        result = self.execute(with_pending_tokens(plan, self._last_sampled))
+        result = self.execute(with_pending_tokens(plan, self._last_sampled), matchers)
         self._last_sampled = result.sampled
         return DoneStep(result)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def execute(self, plan: StepPlan, matchers: dict[str, Matcher] | None = None) -> StepResult:
+        """``matchers``: of the constrained sampled rows, by req_id (grammar.py);
+        their logits are masked before sampling."""
         if plan.swap_out:
             self._copy_blocks(self.device_pool, self.host_pool, plan.swap_out)
         if plan.swap_in:
@@ -142,7 +145,7 @@ class ModelRunner:
             self._copy_blocks(self.device_pool, self.device_pool, plan.copies)
         if not plan.seqs:
             return StepResult({}, 0)
-        return self._forward(plan)
+        return self._forward(plan, matchers)
 
     def _scratch(self, numel: int) -> torch.Tensor:
         """The sampler's scratch, grown to ``numel`` float32s when smaller."""
@@ -150,7 +153,7 @@ class ModelRunner:
             self._sampling_scratch = torch.empty(numel)
         return self._sampling_scratch
 
-    def _forward(self, plan: StepPlan) -> StepResult:
+    def _forward(self, plan: StepPlan, matchers: dict[str, Matcher] | None) -> StepResult:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -178,11 +181,12 @@ class ModelRunner:
         wanted = LogprobRows.of(
             [s.req_id for s in sampled_seqs], [s.sampling for s in sampled_seqs]
         )
-        # Every row greedy and none asking for log-probabilities: the LM head
-        # picks the tokens without logits where it can.
+        # Every row greedy and none asking for log-probabilities or masked:
+        # the LM head picks the tokens without logits where it can.
         greedy = (
             self.model.picks_greedy
             and wanted is None
+            and matchers is None
             and all(s.sampling.is_greedy for s in sampled_seqs)
         )
         logits = self.model.forward(
@@ -196,6 +200,8 @@ class ModelRunner:
         if not sampled_seqs:
             return StepResult({}, len(token_ids))
         taken = None if wanted is None else wanted.log_probs(logits)  # before sampling scales
+        if matchers is not None:  # after the log-probabilities: the model's, unmasked
+            mask_logits(logits, [s.req_id for s in sampled_seqs], matchers)
         tokens = (
             logits.tolist()
             if greedy

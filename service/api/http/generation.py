@@ -30,9 +30,10 @@ import structlog
 from aiohttp import web
 
 from slipstream.scheduler.errors import InvalidRequest, PromptTooLong, QueueFull, SchedulerError
-from slipstream.scheduler.request import FinishReason
+from slipstream.scheduler.request import FinishReason, OutputConstraint
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, TenantGate, Tenants, Unauthenticated
+from slipstream.service.api.constraints import compile_constraint
 from slipstream.service.api.http.errors import (
     ApiError,
     from_domain,
@@ -50,6 +51,7 @@ from slipstream.service.api.http.params import (
     parse,
 )
 from slipstream.service.api.http.relay import EventRelay
+from slipstream.service.api.http.response_format import PARAM as RESPONSE_FORMAT
 from slipstream.service.api.http.responses import (
     OPENAI_FINISH,
     ChunkEncoder,
@@ -310,6 +312,10 @@ class Generations:
             prompt_specs.append(
                 await self._request(engine, parsed, prompt, submit, req_id, now, default_priority)
             )
+        constraint = prompt_specs[0].constraint
+        if constraint is not None:  # compiled once; each choice's matcher starts from it
+            grammar = await self._compile(engine, constraint)
+            prompt_specs = [replace(spec, constraint=grammar) for spec in prompt_specs]
         num_choices = parsed.num_choices
         return [
             choice_request(spec, p * parsed.n + sample, sample, num_choices)
@@ -342,6 +348,14 @@ class Generations:
             )
         except (ValueError, SchedulerError) as exc:  # PromptTooLong: over the context
             raise _domain(exc, _prompt_param(exc, parsed)) from None
+
+    async def _compile(self, engine: Engine, constraint: OutputConstraint) -> OutputConstraint:
+        """``response_format`` compiled off the event loop; a 400 naming it
+        where it does not compile (429 with the pool full)."""
+        try:
+            return await compile_constraint(engine, constraint, self._workers)
+        except (ValueError, QueueFull) as exc:  # InvalidConstraint; WorkersBusy
+            raise _domain(exc, RESPONSE_FORMAT) from None
 
     def _admit(
         self, gate: TenantGate | None, specs: list[RequestSpec]
@@ -554,9 +568,12 @@ def _gc_paused() -> Iterator[None]:
 
 def _param(field: str, parsed: OpenAIRequest) -> str:
     """The request's own name (parameter or header) for a ``Submit`` field
-    (``prompt``, ``prompt_token_ids``, ``stop_sequences``, ``trace_context``)."""
+    (``prompt``, ``prompt_token_ids``, ``stop_sequences``, ``trace_context``,
+    ``constraint``)."""
     if field == "stop_sequences":
         return "stop"
+    if field == "constraint":
+        return RESPONSE_FORMAT
     if field == "trace_context":  # the larger of the two headers
         trace = parsed.submit.trace_context
         return max(trace, key=lambda name: len(trace[name]))

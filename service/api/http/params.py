@@ -8,11 +8,11 @@ list of either, each one prompt) or ``messages``, ``stream``,
 ``temperature`` (0 to 2), ``top_p``, ``seed``, ``stop``, ``n`` (prompts
 times ``n`` at most ``Limits.max_choices``), ``user``, ``logprobs``
 (completions: 0 to 20 alternatives; chat: a boolean, with ``top_logprobs``
-0 to 20); the Slipstream extensions ``priority``,
+0 to 20), ``response_format`` (response_format.py); the Slipstream extensions ``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
 Anything else that would change the answer (``echo``, ``suffix``,
 ``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
-``response_format``, ...; in chat, any ``echo``, ``suffix`` or ``best_of``,
+...; in chat, any ``echo``, ``suffix`` or ``best_of``,
 which are completions' alone) is refused with a 400 naming the field: this
 engine does not implement it, and ignoring it would silently change the
 request's meaning. A field set to ``null`` is absent, as on OpenAI's API
@@ -30,6 +30,7 @@ from typing import TypeVar
 from slipstream.scheduler.errors import PromptTooLong
 from slipstream.scheduler.request import MAX_TOP_LOGPROBS
 from slipstream.service.api.http.errors import ApiError, from_domain, invalid
+from slipstream.service.api.http.response_format import set_response_format
 from slipstream.v1 import inference_pb2 as pb
 
 # OpenAI's documented defaults where they differ from the gRPC API's.
@@ -48,7 +49,7 @@ _COMMON = frozenset(
     {
         "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
         "stop", "n", "user", "priority", "deadline_ms", "expected_output_tokens", "top_k",
-        "ignore_eos", "logprobs",
+        "ignore_eos", "logprobs", "response_format",
     }
 )  # fmt: skip
 # Accepted only at the value that means "off" (or null, as any field).
@@ -124,6 +125,7 @@ def parse(
         submit.priority = priority
     _sampling(body, submit.sampling)
     _logprobs(body, submit, is_chat)
+    set_response_format(body, submit)
     deadline_ms = _deadline_ms(body, headers)
     if deadline_ms is not None:
         submit.timeout.FromNanoseconds(round(deadline_ms * 1e6))

@@ -647,7 +647,7 @@ def test_temperature_is_openais_zero_to_two(servers: Servers) -> None:
         ({"logprobs": 1}, "logprobs"),  # a boolean in chat
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
         # Completions' alone, even at the values completions take as off.
         ({"echo": False}, "echo"),
         ({"best_of": 1}, "best_of"),

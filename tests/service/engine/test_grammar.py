@@ -1,0 +1,285 @@
+"""Structured output in the engine (service/engine/grammar.py) on ``tiny``,
+whose random weights would never write a number or a JSON string unasked:
+each constrained output matches its constraint, greedy and sampled, and
+ends STOP_SEQUENCE as soon as it is complete; a constrained request beside
+unconstrained ones leaves theirs as they were; planning ahead lands a step
+with a constrained row before planning the next; preemption (swap and
+recompute) keeps a constrained request's tokens; bad constraints are
+refused with llguidance's message; the mask itself, against a reference."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from slipstream.scheduler.request import FinishReason
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
+from slipstream.service.engine.engine import Engine, _Collector
+from slipstream.service.engine.events import (
+    ConstraintKind,
+    OutputConstraint,
+    RequestSpec,
+    SamplingParams,
+    TokenEvent,
+)
+from slipstream.service.engine.grammar import InvalidConstraint, mask_logits
+from slipstream.service.engine.loader import load_engine, load_parts
+from slipstream.service.models.llama import LlamaModel
+
+DIGITS = OutputConstraint(ConstraintKind.REGEX, "[0-9]{3}")
+YES_NO = OutputConstraint(ConstraintKind.JSON_SCHEMA, '{"enum": ["yes", "no"]}')
+PROMPTS = ["Once upon a time", "The capital of France is", "def main():"]
+
+
+def _engine(tiny_model_dir, **options) -> Engine:
+    options = {"dtype": "float32", "block_size": 16, **options}
+    engine = load_engine(EngineConfig(model=str(tiny_model_dir), **options))
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = _engine(tiny_model_dir)
+    yield eng
+    eng.shutdown()
+
+
+def _spec(engine, req_id, text, constraint=None, sampling=None, **fields) -> RequestSpec:
+    return RequestSpec(
+        req_id=req_id,
+        prompt_token_ids=engine.tokenizer.encode(text),
+        max_new_tokens=fields.pop("max_new_tokens", 24),
+        sampling=sampling or SamplingParams(),
+        constraint=constraint,
+        **fields,
+    )
+
+
+def _matches(constraint: OutputConstraint, text: str) -> bool:
+    if constraint is DIGITS:
+        return re.fullmatch("[0-9]{3}", text) is not None
+    return json.loads(text) in ("yes", "no")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_constrained_outputs_match_and_stop_when_complete(engine, temperature):
+    requests = [
+        _spec(engine, f"{kind}{i}", text, constraint, SamplingParams(temperature, seed=i))
+        for kind, constraint in (("digits", DIGITS), ("yes_no", YES_NO))
+        for i, text in enumerate(PROMPTS)
+    ]
+    for request, result in zip(requests, engine.generate(requests), strict=True):
+        assert _matches(request.constraint, result.text), (request.req_id, result.text)
+        # Complete after its last character: it ends there, no EOS step more.
+        assert result.finish.reason is FinishReason.STOP_SEQUENCE, result.finish
+        assert result.token_ids[-1] not in engine.info.eos_token_ids
+
+
+def test_greedy_rows_are_masked_where_the_lm_head_picks_tokens_itself(tiny_model_dir, engine):
+    """bf16 panels pick a greedy step's tokens in the LM head, without
+    logits (where this CPU has them): a step with a constrained row must
+    take the logits, to mask them."""
+    bf16 = _engine(tiny_model_dir, dtype="bfloat16")
+    try:
+        requests = [_spec(bf16, "yes_no", PROMPTS[0], YES_NO), _spec(bf16, "d", PROMPTS[1], DIGITS)]
+        results = bf16.generate(requests)
+    finally:
+        bf16.shutdown()
+    assert _matches(YES_NO, results[0].text) and _matches(DIGITS, results[1].text)
+
+
+def test_a_constrained_request_leaves_its_batch_neighbours_as_they_were(tiny_model_dir, engine):
+    plain = [_spec(engine, f"plain{i}", text, max_new_tokens=12) for i, text in enumerate(PROMPTS)]
+    alone = [r.token_ids for r in engine.generate(plain)]
+    constrained = _spec(engine, "c", PROMPTS[0], YES_NO)
+    collectors = {r.req_id: _Collector() for r in [constrained, *plain]}
+    batch_sizes: list[int] = []
+
+    def on_constrained(event):
+        if isinstance(event, TokenEvent):
+            batch_sizes.append(event.batch_size)
+        collectors["c"].on_event(event)
+
+    fresh = load_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=16))
+    try:  # submitted before it starts: all four in its first step
+        fresh.submit(constrained, on_constrained)
+        for r in plain:
+            fresh.submit(r, collectors[r.req_id].on_event)
+        fresh.start()
+        together = [collectors[r.req_id].wait(r.req_id).token_ids for r in plain]
+        answer = collectors["c"].wait("c").text
+    finally:
+        fresh.shutdown()
+    assert together == alone
+    assert _matches(YES_NO, answer)
+    assert batch_sizes[0] == 4, "the constrained request ran beside the others"
+
+
+def test_planning_ahead_lands_a_constrained_step_before_the_next(tiny_model_dir, engine):
+    """The CPU runs a step at its launch, so a step planned ahead would mask
+    its row before the previous token reached the matcher (a JSON string's
+    opening quote, twice): it must wait for that step's results."""
+    requests = [
+        _spec(engine, f"q{i}", text, constraint)
+        for i, (text, constraint) in enumerate(
+            [(PROMPTS[0], YES_NO), (PROMPTS[1], DIGITS), (PROMPTS[2], None)]
+        )
+    ]
+    behind = engine.generate(requests)
+    ahead_engine = _engine(tiny_model_dir, plan_ahead=True)
+    try:
+        ahead = ahead_engine.generate(requests)
+    finally:
+        ahead_engine.shutdown()
+    summary = [(r.token_ids, r.finish.reason) for r in ahead]
+    assert summary == [(r.token_ids, r.finish.reason) for r in behind]
+    assert _matches(YES_NO, ahead[0].text) and _matches(DIGITS, ahead[1].text)
+
+
+def test_bad_constraints_are_refused_with_the_compilers_message(engine):
+    cases = {
+        OutputConstraint(ConstraintKind.REGEX, "[0-9"): "unclosed character class",
+        OutputConstraint(ConstraintKind.JSON_SCHEMA, '{"type": "nope"}'): "nope",
+        OutputConstraint(ConstraintKind.JSON_SCHEMA, "{not json"): "not valid JSON",
+        OutputConstraint(ConstraintKind.REGEX, ""): "regex is empty",
+    }
+    for constraint, words in cases.items():
+        with pytest.raises(InvalidConstraint, match=re.escape(words)):
+            engine.submit(_spec(engine, "bad", "x", constraint), lambda event: None)
+    stats = engine.stats()
+    assert (stats.waiting, stats.running) == (0, 0)
+
+
+def test_the_mask_allows_eos_only_where_the_output_is_complete(engine):
+    grammar = engine.grammars.compile(OutputConstraint(ConstraintKind.REGEX, "[0-9]{1,2}"))
+    matcher = grammar.start()
+    vocab = engine.info.vocab_size
+    eos = engine.info.eos_token_ids[0]
+    digit = engine.tokenizer.convert_tokens_to_ids("7")
+
+    def allowed() -> set[int]:
+        logits = torch.zeros(1, vocab)
+        mask_logits(logits, ["r"], {"r": matcher})
+        return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+    first = allowed()
+    assert digit in first and eos not in first
+    assert not matcher.take(digit)
+    second = allowed()
+    assert digit in second and eos in second  # one digit is a whole match
+    assert matcher.take(digit)  # two: complete, nothing may follow
+    assert allowed() == {eos}
+
+
+def test_the_mask_touches_only_constrained_rows_and_blocks_padding():
+    """Against a reference: row 1 of 3 constrained, the logits 40 wider than
+    the bitmask's 64 tokens (a padded vocabulary)."""
+
+    class Fixed:
+        mask_words = 2
+
+        def fill(self, bitmask, row):
+            bitmask[row] = torch.tensor([0b1011, -(2**31)], dtype=torch.int32)
+
+    logits = torch.randn(3, 104)
+    before = logits.clone()
+    mask_logits(logits, ["a", "b", "c"], {"b": Fixed(), "z": Fixed()})
+    allowed = {0, 1, 3, 63}
+    expected = before.clone()
+    expected[1] = torch.tensor(
+        [v if t in allowed else float("-inf") for t, v in enumerate(before[1].tolist())]
+    )
+    assert torch.equal(logits, expected)
+
+
+# ---------------------------------------------------------------- preemption
+
+LONG_DIGITS = OutputConstraint(ConstraintKind.REGEX, "[0-9]{120}")  # ~60 tokens
+
+
+def _run(engine: Engine, early: list[RequestSpec], late: list[RequestSpec]):
+    collectors = {r.req_id: _Collector() for r in early + late}
+    for r in early:
+        engine.submit(r, collectors[r.req_id].on_event)
+    give_up = time.monotonic() + 60.0
+    while sum(len(collectors[r.req_id].token_ids) for r in early) < 6:
+        assert time.monotonic() < give_up, "the early requests never started"
+        time.sleep(0.005)
+    for r in late:
+        engine.submit(r, collectors[r.req_id].on_event)
+    return {r.req_id: collectors[r.req_id].wait(r.req_id) for r in early + late}
+
+
+@pytest.mark.parametrize("num_host_blocks", [10, 0], ids=["swap", "recompute"])
+def test_preempted_constrained_requests_keep_their_tokens(tiny_model_dir, engine, num_host_blocks):
+    """Background-class constrained requests hold the few device blocks
+    when urgent ones arrive: preempted (swapped, or dropped and recomputed),
+    they resume where their matcher is and give the tokens of a run alone."""
+    deadline = time.monotonic() + 600.0
+    early = [
+        _spec(engine, f"c{i}", text, LONG_DIGITS, max_new_tokens=100, priority=2)
+        for i, text in enumerate(PROMPTS)
+    ]
+    late = [
+        _spec(engine, f"u{i}", text, max_new_tokens=16, ignore_eos=True, deadline=deadline)
+        for i, text in enumerate(PROMPTS * 2)
+    ]
+    expected = {r.req_id: r.token_ids for r in engine.generate(early)}
+    tight = _engine(
+        tiny_model_dir,
+        max_num_batched_tokens=64,
+        num_device_blocks=8,
+        num_host_blocks=num_host_blocks,
+        max_num_seqs=3,
+        policy="deadline",
+    )
+    try:
+        results = _run(tight, early, late)
+        stats = tight.stats()
+    finally:
+        tight.shutdown()
+    assert sum(results[r.req_id].finish.num_preemptions for r in early) >= 1
+    if num_host_blocks:
+        assert stats.swap_preemptions >= 1
+    else:
+        assert stats.recompute_preemptions >= 1
+    for r in early:
+        assert results[r.req_id].token_ids == expected[r.req_id]
+        assert re.fullmatch("[0-9]{120}", results[r.req_id].text)
+        assert results[r.req_id].finish.reason is FinishReason.STOP_SEQUENCE
+    assert stats.device_blocks.used == 0 and stats.host_blocks.used == 0
+
+
+def test_the_device_runner_masks_as_the_cpu_runner_does(tiny_model_dir, engine):
+    """``DeviceRunner`` (the GPU's, here on the CPU with Triton under its
+    interpreter), planning ahead: the tokens ``ModelRunner`` gives, greedy
+    and seeded, a constrained row beside a plain one."""
+    requests = [
+        _spec(engine, "yes_no", PROMPTS[0], YES_NO),
+        _spec(engine, "digits", PROMPTS[1], DIGITS, SamplingParams(1.0, seed=5)),
+        _spec(engine, "plain", PROMPTS[2], max_new_tokens=6),
+    ]
+    expected = [(r.token_ids, r.finish.reason) for r in engine.generate(requests)]
+    config = EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", block_size=16, max_num_batched_tokens=48,
+        max_model_len=256,
+    )  # fmt: skip
+    parts = load_parts(config)
+    model = LlamaModel(tiny_model_dir, torch.float32, attention_backend="triton")
+    move_model_to(model, torch.device("cpu"))
+    runner = DeviceRunner(
+        model, 64, 0, 16, device=torch.device("cpu"), max_num_seqs=4,
+        max_num_batched_tokens=48, max_model_len=256, pin_memory=False,
+    )  # fmt: skip
+    device_engine = Engine(parts.scheduler(), runner, parts.tokenizer, parts.info, plan_ahead=True)
+    try:
+        got = [(r.token_ids, r.finish.reason) for r in device_engine.generate(requests)]
+    finally:
+        device_engine.shutdown()
+    assert got == expected
