@@ -16,6 +16,7 @@ frees device blocks for more urgent work.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -25,13 +26,25 @@ from slipstream.kernels.attention import build_attention_metadata
 from slipstream.kernels.backend import copy_blocks_for
 from slipstream.kernels.compute_thread import sleeps_per_region
 from slipstream.kernels.kv_layout import allocate_kv_cache, row_width
+from slipstream.kernels.logit_adjustments import (
+    AdjustedRow,
+    AdjustmentPlan,
+    LogitAdjustments,
+    adjustment_tensors,
+    plan_adjustments,
+)
 from slipstream.kernels.sampling import sample
-from slipstream.scheduler.plan import StepPlan, with_pending_tokens
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan, with_pending_tokens
+from slipstream.scheduler.request import Request
 from slipstream.service.engine.events import TokenLogprobs
 from slipstream.service.engine.token_logprobs import LogprobRows
 from slipstream.service.models.llama import LlamaModel
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
+# req_id -> the scheduler's record of a live request (its prompt, its
+# outputs so far), None once it has ended: what penalties are over. The
+# engine gives its runner one (``use_requests``), read on its thread.
+RequestLookup = Callable[[str], Request | None]
 
 log = structlog.get_logger(__name__)
 
@@ -72,6 +85,28 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
+def adjustment_plan(
+    sampled: Sequence[ScheduledSeq], requests: RequestLookup | None, vocab_size: int
+) -> AdjustmentPlan | None:
+    """The logit adjustments of a step's sampled rows (``sampled``, in row
+    order), None when no request asks for a penalty or a bias. A row's
+    generated tokens are its settled outputs before its last input token
+    (``logit_adjustments`` says why); a request no longer live (its token
+    is dropped) or a runner without ``requests`` counts that token alone."""
+    adjusted = []
+    for row, seq in enumerate(sampled):
+        params = seq.sampling
+        if not params.has_logit_adjustments:
+            continue
+        state = None if requests is None else requests(seq.req_id)
+        k = seq.output_index
+        prompt = () if state is None else state.prompt_token_ids
+        settled = () if state is None or k < 2 else state.output_token_ids[: k - 1]
+        penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
+        adjusted.append(AdjustedRow(row, *penalties, params.logit_bias, prompt, settled, k > 0))
+    return plan_adjustments(adjusted, len(sampled), vocab_size)
+
+
 @dataclass(frozen=True, slots=True)
 class DoneStep:
     """A launched step that already ran (``launch`` on the CPU): its result."""
@@ -107,6 +142,11 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
         # Where the sampler scales its rows, kept from step to step (see sample_tensors).
         self._sampling_scratch = torch.empty(0)
+        self._requests: RequestLookup | None = None
+
+    def use_requests(self, requests: RequestLookup) -> None:
+        """Where the sampler's penalties read each request's tokens (the engine's records)."""
+        self._requests = requests
 
     def on_engine_thread(self) -> None:
         """Says in the log when the engine thread's OpenMP workers sleep between
@@ -178,11 +218,14 @@ class ModelRunner:
         wanted = LogprobRows.of(
             [s.req_id for s in sampled_seqs], [s.sampling for s in sampled_seqs]
         )
-        # Every row greedy and none asking for log-probabilities: the LM head
-        # picks the tokens without logits where it can.
+        vocab = self.model.config.vocab_size
+        adjusting = adjustment_plan(sampled_seqs, self._requests, vocab)
+        # Every row greedy, none asking for log-probabilities or adjusting its
+        # logits: the LM head picks the tokens without logits where it can.
         greedy = (
             self.model.picks_greedy
             and wanted is None
+            and adjusting is None
             and all(s.sampling.is_greedy for s in sampled_seqs)
         )
         logits = self.model.forward(
@@ -207,6 +250,7 @@ class ModelRunner:
                 [s.sampling.seed for s in sampled_seqs],
                 [s.output_index for s in sampled_seqs],
                 scratch=self._scratch(len(sampled_seqs) * logits.shape[-1]),
+                adjustments=_adjustments(adjusting, token_ids, sample_rows),
             )
         )
         sampled = {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
@@ -214,3 +258,12 @@ class ModelRunner:
             return StepResult(sampled, len(token_ids))
         picked = wanted.pick(taken, torch.tensor(tokens))
         return StepResult(sampled, len(token_ids), picked.read())
+
+
+def _adjustments(
+    plan: AdjustmentPlan | None, token_ids: list[int], sample_rows: list[int]
+) -> LogitAdjustments | None:
+    """``plan``'s tensors on the CPU, each sampled row's last input token from the step's."""
+    if plan is None:
+        return None
+    return adjustment_tensors(plan, torch.tensor([token_ids[i] for i in sample_rows]))
