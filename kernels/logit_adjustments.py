@@ -123,6 +123,10 @@ def plan_adjustments(
             bias.append(np.fromiter((b for _, b in row.logit_bias), np.float32, len(ids)))
     tokens = _joined(generated + prompts, np.int64)
     slots = _joined(generated_slots + prompt_slots, np.int64)
+    if len(tokens) and not 0 <= tokens.min() <= tokens.max() < vocab_size:
+        # A pending token (-1) taken for a settled one would index another
+        # row here, or on a GPU end the process's CUDA context.
+        raise ValueError(f"penalised token ids must be in [0, {vocab_size})")
     return AdjustmentPlan(
         num_rows=num_rows,
         vocab_size=vocab_size,

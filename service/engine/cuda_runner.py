@@ -51,13 +51,8 @@ from slipstream.service.engine.cuda_graphs import (
 from slipstream.service.engine.device import describe_device
 from slipstream.service.engine.events import PoolStats, StepOutOfMemory
 from slipstream.service.engine.layer_graphs import LayerGraphs
-from slipstream.service.engine.runner import (
-    DoneStep,
-    KVPool,
-    RequestLookup,
-    StepResult,
-    adjustment_plan,
-)
+from slipstream.service.engine.request_tokens import RequestLookup, RequestTokens
+from slipstream.service.engine.runner import DoneStep, KVPool, StepResult
 from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
 from slipstream.service.engine.staging import (
     StagedStep,
@@ -215,7 +210,7 @@ class DeviceRunner:
         self._two_back: LaunchedStep | None = None
         self._pin = pin
         self._generator = torch.Generator(device=device).manual_seed(seed)
-        self._requests: RequestLookup | None = None
+        self._tokens = RequestTokens()  # what penalties are over
         # LlamaModel takes its attention callable from the backend name; the
         # staged one reads the staging views instead of building tensors per step.
         model._paged_attention = staged_paged_attention
@@ -250,7 +245,7 @@ class DeviceRunner:
 
     def use_requests(self, requests: RequestLookup) -> None:
         """Where the sampler's penalties read each request's tokens (the engine's records)."""
-        self._requests = requests
+        self._tokens.use(requests)
 
     def info(self) -> dict[str, Any]:
         """For the start-up log and ``GetModelInfo``."""
@@ -402,7 +397,7 @@ class DeviceRunner:
         Each sampled row's last input token is read on the device, where a
         pending one was put (``resolve_pending_tokens``)."""
         sampled = [s for s in plan.seqs if s.sample]  # stage_step's order
-        adjusting = adjustment_plan(sampled, self._requests, self.model.config.vocab_size)
+        adjusting = self._tokens.plan(sampled, self.model.config.vocab_size)
         if adjusting is None:
             return None
         last_tokens = views["token_ids"].index_select(0, views["sample_indices"][:num_sampled])

@@ -69,7 +69,7 @@ class Runner(Protocol):
     request asked; ``launch(plan).result()`` is the same, split where the host may go on.
     A runner may also define ``on_engine_thread()``, called once on the
     engine's thread before its first step, and ``use_requests(lookup)``,
-    given the engine's records of its live requests (``runner.RequestLookup``:
+    given the engine's records of its live requests (``request_tokens``:
     their prompts and outputs, which penalties are over)."""
 
     def execute(self, plan: StepPlan) -> Any: ...

@@ -16,7 +16,6 @@ frees device blocks for more urgent work.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -27,24 +26,18 @@ from slipstream.kernels.backend import copy_blocks_for
 from slipstream.kernels.compute_thread import sleeps_per_region
 from slipstream.kernels.kv_layout import allocate_kv_cache, row_width
 from slipstream.kernels.logit_adjustments import (
-    AdjustedRow,
     AdjustmentPlan,
     LogitAdjustments,
     adjustment_tensors,
-    plan_adjustments,
 )
 from slipstream.kernels.sampling import sample
-from slipstream.scheduler.plan import ScheduledSeq, StepPlan, with_pending_tokens
-from slipstream.scheduler.request import Request
+from slipstream.scheduler.plan import StepPlan, with_pending_tokens
 from slipstream.service.engine.events import TokenLogprobs
+from slipstream.service.engine.request_tokens import RequestLookup, RequestTokens
 from slipstream.service.engine.token_logprobs import LogprobRows
 from slipstream.service.models.llama import LlamaModel
 
 KVPool = list[tuple[torch.Tensor, torch.Tensor]]
-# req_id -> the scheduler's record of a live request (its prompt, its
-# outputs so far), None once it has ended: what penalties are over. The
-# engine gives its runner one (``use_requests``), read on its thread.
-RequestLookup = Callable[[str], Request | None]
 
 log = structlog.get_logger(__name__)
 
@@ -85,28 +78,6 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
 
 
-def adjustment_plan(
-    sampled: Sequence[ScheduledSeq], requests: RequestLookup | None, vocab_size: int
-) -> AdjustmentPlan | None:
-    """The logit adjustments of a step's sampled rows (``sampled``, in row
-    order), None when no request asks for a penalty or a bias. A row's
-    generated tokens are its settled outputs before its last input token
-    (``logit_adjustments`` says why); a request no longer live (its token
-    is dropped) or a runner without ``requests`` counts that token alone."""
-    adjusted = []
-    for row, seq in enumerate(sampled):
-        params = seq.sampling
-        if not params.has_logit_adjustments:
-            continue
-        state = None if requests is None else requests(seq.req_id)
-        k = seq.output_index
-        prompt = () if state is None else state.prompt_token_ids
-        settled = () if state is None or k < 2 else state.output_token_ids[: k - 1]
-        penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
-        adjusted.append(AdjustedRow(row, *penalties, params.logit_bias, prompt, settled, k > 0))
-    return plan_adjustments(adjusted, len(sampled), vocab_size)
-
-
 @dataclass(frozen=True, slots=True)
 class DoneStep:
     """A launched step that already ran (``launch`` on the CPU): its result."""
@@ -142,11 +113,11 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
         # Where the sampler scales its rows, kept from step to step (see sample_tensors).
         self._sampling_scratch = torch.empty(0)
-        self._requests: RequestLookup | None = None
+        self._tokens = RequestTokens()  # what penalties are over
 
     def use_requests(self, requests: RequestLookup) -> None:
         """Where the sampler's penalties read each request's tokens (the engine's records)."""
-        self._requests = requests
+        self._tokens.use(requests)
 
     def on_engine_thread(self) -> None:
         """Says in the log when the engine thread's OpenMP workers sleep between
@@ -218,8 +189,7 @@ class ModelRunner:
         wanted = LogprobRows.of(
             [s.req_id for s in sampled_seqs], [s.sampling for s in sampled_seqs]
         )
-        vocab = self.model.config.vocab_size
-        adjusting = adjustment_plan(sampled_seqs, self._requests, vocab)
+        adjusting = self._tokens.plan(sampled_seqs, self.model.config.vocab_size)
         # Every row greedy, none asking for log-probabilities or adjusting its
         # logits: the LM head picks the tokens without logits where it can.
         greedy = (

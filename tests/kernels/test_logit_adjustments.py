@@ -115,6 +115,12 @@ def test_a_biased_token_outside_the_vocabulary_is_refused():
         plan_adjustments([_row(0, logit_bias=((VOCAB, 1.0),))], 1, VOCAB)
 
 
+def test_a_pending_token_among_the_settled_ones_is_refused():
+    """-1 would index the row before (on a GPU: end the CUDA context)."""
+    with pytest.raises(ValueError, match="penalised token ids"):
+        plan_adjustments([_row(1, frequency=1.0, output_ids=(4, -1))], 2, VOCAB)
+
+
 def test_a_greedy_row_takes_the_argmax_of_its_adjusted_logits():
     logits = _logits(3, 1)
     top = logits.argmax(dim=-1).tolist()

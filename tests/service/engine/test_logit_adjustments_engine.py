@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from slipstream.scheduler.plan import ScheduledSeq
+from slipstream.scheduler.plan import PENDING_TOKEN, ScheduledSeq
 from slipstream.scheduler.request import FinishReason, Request, SamplingParams
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.config import EngineConfig
@@ -21,7 +21,7 @@ from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
 from slipstream.service.engine.engine import Engine
 from slipstream.service.engine.events import RequestSpec
 from slipstream.service.engine.loader import load_engine, load_parts
-from slipstream.service.engine.runner import adjustment_plan
+from slipstream.service.engine.request_tokens import RequestTokens
 from slipstream.service.models.llama import LlamaModel
 
 BLOCK = 16
@@ -140,27 +140,30 @@ def test_the_device_runner_adjusts_as_the_cpu_runner(tiny_model_dir, parts):
 
 
 def test_a_rows_generated_tokens_are_its_settled_outputs_and_its_last_input():
-    """Planned ahead, output k - 1 is not settled yet: it is the row's last
-    input, which the device may hold alone, so the host's share stops
-    before it whether or not it has landed."""
+    """Planned ahead, output k - 1 is not settled yet (the scheduler holds
+    a pending token in its place): it is the row's last input, which the
+    device may hold alone, so the host's share stops before it whether or
+    not it has landed, and the arrays kept from step to step follow."""
     request = Request("r", [5, 6, 7], 10)
-    request.output_token_ids = [9, 8, 9]
+    tokens = RequestTokens({"r": request}.get)
     ask = SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5)
 
-    def plan(output_index: int):
+    def plan(output_index: int, view: RequestTokens = tokens):
         seq = ScheduledSeq("r", [0], 3 + output_index - 1, [0], True, output_index, ask)
         other = ScheduledSeq("o", [0], 3, [0], True, 0, SamplingParams())
-        got = adjustment_plan([other, seq], {"r": request}.get, 32)
-        assert got is not None and got.rows == [1]
-        return got
+        got = view.plan([other, seq], 32)
+        assert got is not None and got.rows == [1] and got.seen[got.num_generated :].tolist() == [
+            32 + 5, 32 + 6, 32 + 7,
+        ]  # fmt: skip
+        return got.seen[: got.num_generated].tolist(), got.last_slots
 
-    for landed in (3, 2):  # output 2 settled, or still in flight
-        del request.output_token_ids[landed:]
-        behind = plan(3)
-        assert behind.seen[: behind.num_generated].tolist() == [32 + 9, 32 + 8]
-        assert behind.last_slots == [0] and behind.seen[2:].tolist() == [32 + 5, 32 + 6, 32 + 7]
-    first = plan(0)  # the first output: its last input is the prompt's
-    assert first.num_generated == 0 and first.last_slots == []
+    request.output_token_ids = [9, 8, PENDING_TOKEN]  # output 2 in flight
+    assert plan(3) == ([32 + 9, 32 + 8], [0])
+    request.output_token_ids[2] = 9  # landed
+    assert plan(3) == plan(3, RequestTokens({"r": request}.get)) == ([32 + 9, 32 + 8], [0])
+    request.output_token_ids.append(PENDING_TOKEN)
+    assert plan(4) == ([32 + 9, 32 + 8, 32 + 9], [0])
+    assert plan(0) == ([], [])  # the first output: its last input is the prompt's
 
 
 def test_a_greedy_row_the_lm_head_would_pick_sees_its_bias(tiny_model_dir):
