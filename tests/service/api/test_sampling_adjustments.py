@@ -15,6 +15,7 @@ import pytest
 from http_front_thread import FrontThread
 from server_thread import ServerThread
 
+from slipstream.scheduler.errors import InvalidRequest
 from slipstream.scheduler.request import SamplingParams
 from slipstream.service.api.http.params import parse
 from slipstream.service.engine.config import EngineConfig
@@ -119,6 +120,16 @@ def test_grpc_refuses_a_bad_adjustment_invalid_argument(stub, sampling, words) -
         generate(stub, **sampling)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert words in info.value.details()
+
+
+def test_an_in_process_caller_cannot_bias_a_token_outside_the_vocabulary(engine) -> None:
+    """The engine's own check, for callers that skip the wire's: one such id
+    would fail the whole step, every request in it."""
+    sampling = SamplingParams(logit_bias=((4096, -100.0),))
+    request = RequestSpec("outside", [5, 6], 2, sampling=sampling)
+    with pytest.raises(InvalidRequest) as refused:
+        engine.submit(request, lambda event: None)
+    assert refused.value.field == "logit_bias"
 
 
 # ---------------------------------------------------------------- HTTP
