@@ -15,6 +15,9 @@ device never waits for the host and the host never reads the device:
   samples, over the sampling rows' gather otherwise), top-k and top-p
   (``sampling_filters``), the unnormalised softmax (``exp_weights_``) and
   the pick (``pick_by_cdf``). When every row samples no argmax is taken.
+  Before all of it, the rows whose requests ask for penalties or a logit
+  bias are adjusted in place (``logit_adjustments``); a batch without
+  them runs none of that.
   On the CPU, where the host may read the device, a batch with top-k
   takes its weights from the rows' top-k candidates
   (``top_k_weights``: the same weights, 3-5x faster), and one with top-p
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slipstream.kernels.logit_adjustments import LogitAdjustments, adjust_logits_
 from slipstream.kernels.sampling_filters import (
     filter_top_k_,
     filter_top_p_,
@@ -168,6 +172,7 @@ def sample_tensors(
     batch: SamplingBatch,
     generator: torch.Generator | None = None,
     scratch: torch.Tensor | None = None,
+    adjustments: LogitAdjustments | None = None,
 ) -> torch.Tensor:
     """int64 ``[N]`` on the logits' device: one token per row of ``logits
     [N, vocab]``, by the batch's plan (the module docstring says how).
@@ -176,7 +181,9 @@ def sample_tensors(
     indices it gives over their exact float32 widening, and the rows that
     sample are widened by their division by the (float32) temperatures.
     ``generator`` (on the logits' device; default: its global RNG) draws
-    the unseeded rows. The logits are read, never written. ``scratch``
+    the unseeded rows. The logits are read, never written, but where
+    ``adjustments`` (penalties, logit biases: ``logit_adjustments``) adjust
+    them in place first, greedy rows' too. ``scratch``
     (float32, on the logits' device, at least ``len(plan.rows) * vocab``
     elements; kept by the caller from step to step): where the sampling
     rows are scaled and filtered, in place of a fresh vocabulary-wide tensor
@@ -185,6 +192,8 @@ def sample_tensors(
     plan = batch.plan
     if logits.dim() != 2 or logits.shape[0] != plan.num_rows:
         raise ValueError(f"logits must be [{plan.num_rows}, vocab], got {tuple(logits.shape)}")
+    if adjustments is not None:
+        adjust_logits_(logits, adjustments, scratch)
     if plan.all_greedy:
         return row_argmax(logits)
     every_row = len(plan.rows) == plan.num_rows

@@ -5,9 +5,10 @@ top-p, with the per-row parameters as lists and the tokens as a list.
 ``device_sampling.sample_tensors``: it plans the batch
 (``plan_sampling``), builds the plan's tensors and runs it, so the CPU and
 the GPU step pick by the same code. A batch with no sampling row takes
-``row_argmax`` alone. The math (one uniform draw a row, the inverse-CDF
-pick, the seeded draws) is ``sampling_primitives``'; its public names are
-importable from here too.
+``row_argmax`` alone, once any penalties or logit biases have adjusted
+their rows (``logit_adjustments``). The math (one uniform draw a row, the
+inverse-CDF pick, the seeded draws) is ``sampling_primitives``'; its public
+names are importable from here too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from slipstream.kernels.device_sampling import plan_sampling, sample_tensors, sampling_batch
+from slipstream.kernels.logit_adjustments import LogitAdjustments
 from slipstream.kernels.sampling_primitives import (
     divide_rows,
     exp_weights_,
@@ -42,6 +44,7 @@ def sample(
     output_indices: list[int],
     generator: torch.Generator | None = None,
     scratch: torch.Tensor | None = None,
+    adjustments: LogitAdjustments | None = None,
 ) -> list[int]:
     """One token per row of ``logits [N, vocab]`` (float32, or a low-precision
     model's: see ``sample_tensors``).
@@ -51,6 +54,8 @@ def sample(
     logit tied with the k-th largest. A seeded row's draw comes from ``(seed,
     output_index)`` alone; unseeded rows draw from ``generator`` (on the logits' device;
     default: its global RNG) in one batched call. ``scratch``: see ``sample_tensors``.
+    ``adjustments``: penalties and logit biases, made in place on their rows
+    first (``logit_adjustments``), before greedy rows take their argmax too.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, vocab], got {tuple(logits.shape)}")
@@ -58,7 +63,7 @@ def sample(
     if len(temperatures) != n:
         raise ValueError(f"every per-row list must have {n} entries")
     plan = plan_sampling(temperatures, top_ks, top_ps, seeds, output_indices, vocab)
-    if plan.all_greedy:
+    if plan.all_greedy and adjustments is None:
         return row_argmax(logits).tolist()
     batch = sampling_batch(plan, logits.device)
-    return sample_tensors(logits, batch, generator, scratch).tolist()
+    return sample_tensors(logits, batch, generator, scratch, adjustments).tolist()

@@ -11,9 +11,11 @@ One step, in stream order (the compute stream unless said)::
                      graph of the whole step (decodes' contexts up to 4096),
                      or a graph per layer around eager attention (layer_graphs.py);
                      else eager, through the Triton kernels
-    sampling         on the device (kernels/device_sampling.py); where a
-                     request asks, its log-probabilities around it, queued
-                     to the host behind the ids (token_logprobs.py)
+    sampling         on the device (kernels/device_sampling.py), eager;
+                     where a request asks, its penalties and logit bias
+                     first (kernels/logit_adjustments.py, two small uploads)
+                     and its log-probabilities around it, queued to the
+                     host behind the ids (token_logprobs.py)
     sampled ids      one device-to-host copy; ``launch`` returns here, and
                      the step's only wait is its handle's ``result()``
 
@@ -34,6 +36,7 @@ import torch
 from slipstream.kernels.device_sampling import SamplingBatch, sample_tensors
 from slipstream.kernels.kv_layout import allocate_kv_cache
 from slipstream.kernels.linear import Linear
+from slipstream.kernels.logit_adjustments import LogitAdjustments, adjustment_tensors
 from slipstream.kernels.triton_paged_decode import paged_decode, possible_num_splits
 from slipstream.kernels.triton_paged_prefill import paged_prefill
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan
@@ -49,6 +52,7 @@ from slipstream.service.engine.device import describe_device
 from slipstream.service.engine.events import PoolStats, StepOutOfMemory
 from slipstream.service.engine.grammar import Matcher, mask_logits
 from slipstream.service.engine.layer_graphs import LayerGraphs
+from slipstream.service.engine.request_tokens import RequestLookup, RequestTokens
 from slipstream.service.engine.runner import DoneStep, KVPool, StepResult
 from slipstream.service.engine.staged_attention import staged_metadata, staged_paged_attention
 from slipstream.service.engine.staging import (
@@ -207,6 +211,7 @@ class DeviceRunner:
         self._two_back: LaunchedStep | None = None
         self._pin = pin
         self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._tokens = RequestTokens()  # what penalties are over
         # LlamaModel takes its attention callable from the backend name; the
         # staged one reads the staging views instead of building tensors per step.
         model._paged_attention = staged_paged_attention
@@ -238,6 +243,10 @@ class DeviceRunner:
                     self._layer_graphs = None  # padded eager pieces would only cost more
             else:
                 self.layer_graph_stats = self._layer_graphs.stats
+
+    def use_requests(self, requests: RequestLookup) -> None:
+        """Where the sampler's penalties read each request's tokens (the engine's records)."""
+        self._tokens.use(requests)
 
     def info(self) -> dict[str, Any]:
         """For the start-up log and ``GetModelInfo``."""
@@ -358,7 +367,8 @@ class DeviceRunner:
         if matchers is not None:  # after the log-probabilities: the model's, unmasked
             mask_logits(logits, staged.sampled_req_ids, matchers)
         batch = self._sampling_batch(staged, views)
-        ids = sample_tensors(logits, batch, self._generator)
+        adjustments = self._adjustments(plan, views, num_sampled)
+        ids = sample_tensors(logits, batch, self._generator, adjustments=adjustments)
         picked = None if wanted is None or taken is None else wanted.pick(taken, ids)
         self._previous_ids = ids  # the next plan's pending tokens, on the device
         self._previous_rows = {req_id: row for row, req_id in enumerate(staged.sampled_req_ids)}
@@ -387,6 +397,20 @@ class DeviceRunner:
             seeded=views["seeded"][:seeded],
             seeded_uniforms=views["seeded_uniforms"][:seeded] if seeded else None,
         )
+
+    def _adjustments(
+        self, plan: StepPlan, views: dict[str, torch.Tensor], num_sampled: int
+    ) -> LogitAdjustments | None:
+        """The step's penalties and logit biases, None where no request asks.
+        Eager, after any graph replay: nothing a request asks is captured.
+        Each sampled row's last input token is read on the device, where a
+        pending one was put (``resolve_pending_tokens``)."""
+        sampled = [s for s in plan.seqs if s.sample]  # stage_step's order
+        adjusting = self._tokens.plan(sampled, self.model.config.vocab_size)
+        if adjusting is None:
+            return None
+        last_tokens = views["token_ids"].index_select(0, views["sample_indices"][:num_sampled])
+        return adjustment_tensors(adjusting, last_tokens)
 
     def _record_done(self) -> torch.cuda.Event | None:
         """An event after the work queued so far (None off CUDA: it has run)."""

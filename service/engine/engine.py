@@ -80,7 +80,9 @@ class Runner(Protocol):
     A step with constrained rows also passes their ``matchers`` (by req_id),
     whose masks the runner applies before sampling; a step without, nothing.
     A runner may also define ``on_engine_thread()``, called once on the
-    engine's thread before its first step."""
+    engine's thread before its first step, and ``use_requests(lookup)``,
+    given the engine's records of its live requests (``request_tokens``:
+    their prompts and outputs, which penalties are over)."""
 
     def execute(self, plan: StepPlan, matchers: dict[str, Matcher] | None = None) -> Any: ...
 
@@ -163,6 +165,9 @@ class Engine:
         self._host = _HostClock()  # written by the engine thread only
         # Telemetry hook; set before start(). None: no call, no cost.
         self.observer: EngineObserver | None = None
+        use_requests = getattr(runner, "use_requests", None)
+        if use_requests is not None:
+            use_requests(self._request_state)
 
     # -- caller side (any thread) -----------------------------------------
 
@@ -197,6 +202,12 @@ class Engine:
                 request.req_id,
                 f"prompt token ids must be in [0, vocab size {vocab})",
                 field="prompt_token_ids",
+            )
+        if any(not 0 <= t < vocab for t, _ in request.sampling.logit_bias):
+            raise InvalidRequest(
+                request.req_id,
+                f"logit_bias token ids must be in [0, vocab size {vocab})",
+                field="logit_bias",
             )
         arrival = request.arrival_time if request.arrival_time is not None else time.monotonic()
         eos = () if request.ignore_eos else tuple(self.info.eos_token_ids)
@@ -317,6 +328,12 @@ class Engine:
         return [collectors[r.req_id].wait(r.req_id) for r in requests]
 
     # -- engine thread -----------------------------------------------------
+
+    def _request_state(self, req_id: str) -> Request | None:
+        """The scheduler's record of a live request, for the runner (its
+        ``use_requests``): read on this thread, the one that updates it."""
+        live = self._live.get(req_id)
+        return None if live is None else live.state
 
     def _loop(self) -> None:
         prepare = getattr(self._runner, "on_engine_thread", None)

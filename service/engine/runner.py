@@ -25,10 +25,16 @@ from slipstream.kernels.attention import build_attention_metadata
 from slipstream.kernels.backend import copy_blocks_for
 from slipstream.kernels.compute_thread import sleeps_per_region
 from slipstream.kernels.kv_layout import allocate_kv_cache, row_width
+from slipstream.kernels.logit_adjustments import (
+    AdjustmentPlan,
+    LogitAdjustments,
+    adjustment_tensors,
+)
 from slipstream.kernels.sampling import sample
 from slipstream.scheduler.plan import StepPlan, with_pending_tokens
 from slipstream.service.engine.events import TokenLogprobs
 from slipstream.service.engine.grammar import Matcher, mask_logits
+from slipstream.service.engine.request_tokens import RequestLookup, RequestTokens
 from slipstream.service.engine.token_logprobs import LogprobRows
 from slipstream.service.models.llama import LlamaModel
 
@@ -108,6 +114,11 @@ class ModelRunner:
         self._last_sampled: dict[str, int] = {}  # the latest launch's, for pending tokens
         # Where the sampler scales its rows, kept from step to step (see sample_tensors).
         self._sampling_scratch = torch.empty(0)
+        self._tokens = RequestTokens()  # what penalties are over
+
+    def use_requests(self, requests: RequestLookup) -> None:
+        """Where the sampler's penalties read each request's tokens (the engine's records)."""
+        self._tokens.use(requests)
 
     def on_engine_thread(self) -> None:
         """Says in the log when the engine thread's OpenMP workers sleep between
@@ -181,12 +192,15 @@ class ModelRunner:
         wanted = LogprobRows.of(
             [s.req_id for s in sampled_seqs], [s.sampling for s in sampled_seqs]
         )
-        # Every row greedy and none asking for log-probabilities or masked:
-        # the LM head picks the tokens without logits where it can.
+        adjusting = self._tokens.plan(sampled_seqs, self.model.config.vocab_size)
+        # Every row greedy, none asking for log-probabilities, masked or
+        # adjusting its logits: the LM head picks the tokens without logits
+        # where it can.
         greedy = (
             self.model.picks_greedy
             and wanted is None
             and matchers is None
+            and adjusting is None
             and all(s.sampling.is_greedy for s in sampled_seqs)
         )
         logits = self.model.forward(
@@ -213,6 +227,7 @@ class ModelRunner:
                 [s.sampling.seed for s in sampled_seqs],
                 [s.output_index for s in sampled_seqs],
                 scratch=self._scratch(len(sampled_seqs) * logits.shape[-1]),
+                adjustments=_adjustments(adjusting, token_ids, sample_rows),
             )
         )
         sampled = {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
@@ -220,3 +235,12 @@ class ModelRunner:
             return StepResult(sampled, len(token_ids))
         picked = wanted.pick(taken, torch.tensor(tokens))
         return StepResult(sampled, len(token_ids), picked.read())
+
+
+def _adjustments(
+    plan: AdjustmentPlan | None, token_ids: list[int], sample_rows: list[int]
+) -> LogitAdjustments | None:
+    """``plan``'s tensors on the CPU, each sampled row's last input token from the step's."""
+    if plan is None:
+        return None
+    return adjustment_tensors(plan, torch.tensor([token_ids[i] for i in sample_rows]))

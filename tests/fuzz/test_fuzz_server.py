@@ -95,6 +95,10 @@ sampling = st.builds(
     top_k=_extremes(0, UINT32_MAX),
     top_p=st.one_of(st.none(), floats),
     seed=st.one_of(st.none(), _extremes(0, 2**64 - 1)),
+    presence_penalty=floats,
+    frequency_penalty=floats,
+    repetition_penalty=st.one_of(st.none(), floats),
+    logit_bias=st.dictionaries(_extremes(0, UINT32_MAX), floats, max_size=4),
 )
 stopping = st.builds(
     pb.StoppingCriteria,

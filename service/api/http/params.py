@@ -8,10 +8,13 @@ list of either, each one prompt) or ``messages``, ``stream``,
 ``temperature`` (0 to 2), ``top_p``, ``seed``, ``stop``, ``n`` (prompts
 times ``n`` at most ``Limits.max_choices``), ``user``, ``logprobs``
 (completions: 0 to 20 alternatives; chat: a boolean, with ``top_logprobs``
-0 to 20), ``response_format`` (response_format.py); the Slipstream extensions ``priority``,
+0 to 20), ``presence_penalty`` and ``frequency_penalty`` (-2 to 2),
+``logit_bias`` (token ids, as strings, to -100 to 100); vLLM's
+``repetition_penalty`` (above 0); ``response_format`` (response_format.py);
+the Slipstream extensions ``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
 Anything else that would change the answer (``echo``, ``suffix``,
-``best_of`` > 1, penalties, ``logit_bias``, ``tools``,
+``best_of`` > 1, ``tools``,
 ...; in chat, any ``echo``, ``suffix`` or ``best_of``,
 which are completions' alone) is refused with a 400 naming the field: this
 engine does not implement it, and ignoring it would silently change the
@@ -28,7 +31,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from slipstream.scheduler.errors import PromptTooLong
-from slipstream.scheduler.request import MAX_TOP_LOGPROBS
+from slipstream.scheduler.request import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+)
 from slipstream.service.api.http.errors import ApiError, from_domain, invalid
 from slipstream.service.api.http.response_format import set_response_format
 from slipstream.v1 import inference_pb2 as pb
@@ -49,17 +57,17 @@ _COMMON = frozenset(
     {
         "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
         "stop", "n", "user", "priority", "deadline_ms", "expected_output_tokens", "top_k",
-        "ignore_eos", "logprobs", "response_format",
+        "ignore_eos", "logprobs", "response_format", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logit_bias",
     }
 )  # fmt: skip
-# Accepted only at the value that means "off" (or null, as any field).
-_CHAT_OFF_VALUES: dict[str, tuple[object, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
+# Accepted only at the value that means "off" (or null, as any field). Chat
+# has no echo, suffix or best_of: OpenAI's SDK never sends them there.
+_COMPLETION_OFF_VALUES: dict[str, tuple[object, ...]] = {
+    "echo": (False,),
+    "suffix": (),
+    "best_of": (1,),
 }
-# Chat has no echo, suffix or best_of: OpenAI's SDK never sends them there.
-_COMPLETION_OFF_VALUES = {**_CHAT_OFF_VALUES, "echo": (False,), "suffix": (), "best_of": (1,)}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
@@ -101,7 +109,7 @@ def parse(
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     if is_chat:
-        _check_fields(body, CHAT_FIELDS, _CHAT_OFF_VALUES)
+        _check_fields(body, CHAT_FIELDS, {})
     else:
         _check_fields(body, COMPLETION_FIELDS, _COMPLETION_OFF_VALUES)
     model = body.get("model")
@@ -338,6 +346,55 @@ def _sampling(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
     seed = _int(body, "seed", 0, MAX_UINT64)
     if seed is not None:
         sampling.seed = seed
+    _penalties(body, sampling)
+
+
+def _penalties(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
+    """OpenAI's presence and frequency penalties and logit bias, vLLM's
+    repetition penalty; the bias's token ids are checked against the
+    vocabulary with the prompt's (``wire``)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name)
+        if value is not None:
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise invalid(f"{name} must be in [-2, 2], got {value:g}", name)
+            setattr(sampling, name, value)
+    repetition = _number(body, "repetition_penalty")
+    if repetition is not None:
+        if repetition <= 0:
+            message = f"repetition_penalty must be above 0 (1 is off), got {repetition:g}"
+            raise invalid(message, "repetition_penalty")
+        sampling.repetition_penalty = repetition
+    bias = body.get("logit_bias")
+    if bias is not None:
+        sampling.logit_bias.update(_logit_bias(bias))
+
+
+def _logit_bias(bias: object) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: an object of token ids (strings of digits,
+    as JSON's keys are) to biases in [-100, 100]."""
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias must be an object of token ids to biases", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        message = (
+            f"logit_bias has {len(bias)} tokens, more than the {MAX_LOGIT_BIAS_TOKENS} allowed"
+        )
+        raise invalid(message, "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        # 10 digits at most: the wire's uint32, and no int() of a huge string
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) <= MAX_UINT32):
+            message = (
+                f"logit_bias keys must be token ids (integers in [0, 2**32)), got {key[:24]!r}"
+            )
+            raise invalid(message, "logit_bias")
+        is_number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (is_number and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):  # NaN fails too
+            shown = f"{value:g}" if is_number else type(value).__name__
+            message = f"logit_bias[{key!r}] must be a number in [-100, 100], got {shown}"
+            raise invalid(message, "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def _logprobs(body: Mapping[str, object], submit: pb.Submit, is_chat: bool) -> None:

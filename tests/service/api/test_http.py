@@ -584,7 +584,7 @@ def test_a_request_refused_while_its_body_parses_joins_the_callers_trace(
         ({"n": 17}, "n"),  # past --max-choices (16)
         ({"n": True}, "n"),
         ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),  # OpenAI's range is [-2, 2]
         ({"suffix": "x"}, "suffix"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"max_tokens": "8"}, "max_tokens"),

@@ -1,0 +1,135 @@
+"""Penalties and logit bias on a CUDA GPU: the adjustment equals the CPU's,
+a step that makes it still waits on its sampled ids only (nothing a request
+asks is captured in a graph, nothing synchronises), and the engine planning
+ahead (a decode's last token pending on the device) gives the CPU engine's
+greedy tokens. Run as ``make test-gpu``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_marks import GPU_ONLY
+
+from slipstream.kernels.logit_adjustments import (
+    AdjustedRow,
+    adjust_logits_,
+    adjustment_tensors,
+    plan_adjustments,
+)
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan
+from slipstream.scheduler.request import FinishReason, Request, SamplingParams
+from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
+from slipstream.service.engine.events import RequestSpec
+from slipstream.service.engine.loader import load_engine
+from slipstream.service.engine.runner import ModelRunner
+from slipstream.service.models.llama import LlamaModel
+
+pytestmark = GPU_ONLY
+
+BLOCK = 16
+CUDA = torch.device("cuda", 0)
+ASKING = [
+    SamplingParams(frequency_penalty=2.0, presence_penalty=1.0),
+    SamplingParams(),
+    SamplingParams(repetition_penalty=1.5, logit_bias=((7, 3.0), (40, -100.0))),
+    # The biased token first, then never again (its last token counted on the device).
+    SamplingParams(logit_bias=((3, 100.0),), repetition_penalty=1000.0),
+]
+PROMPT = [4, 17, 29, 5, 8]  # holds no token 3
+
+
+def test_the_adjustment_on_the_gpu_is_the_cpus():
+    vocab, num_rows = 49_152, 64
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(num_rows, vocab, generator=gen) * 4
+    ids = torch.randint(0, vocab, (num_rows, 300), generator=gen).tolist()
+    rows = [
+        AdjustedRow(
+            row, 0.5 * (row % 3), 1.0 * (row % 2), (1.0, 1.3, 0.8)[row % 3],
+            tuple((t, 1.5) for t in ids[row][:40:4]), ids[row][:200], ids[row][150:290],
+            row % 4 != 0,
+        )
+        for row in range(0, num_rows, 2)
+    ]  # fmt: skip
+    plan = plan_adjustments(rows, num_rows, vocab)
+    assert plan is not None
+    last = torch.randint(0, vocab, (num_rows,), generator=gen)
+    want = adjust_logits_(logits.clone(), adjustment_tensors(plan, last))
+    got = adjust_logits_(logits.to(CUDA), adjustment_tensors(plan, last.to(CUDA)))
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-6)
+
+
+def _steps(runner, num_steps: int) -> list[list[int]]:
+    """``ASKING``'s rows over ``num_steps`` steps, each request's record kept
+    as the engine keeps it (the runner reads it through ``use_requests``)."""
+    requests = {f"r{i}": Request(f"r{i}", list(PROMPT), 64) for i in range(len(ASKING))}
+    runner.use_requests(requests.get)
+    tokens = [list(PROMPT) for _ in ASKING]
+    computed = [0] * len(ASKING)
+    for step in range(num_steps):
+        seqs = [
+            ScheduledSeq(f"r{i}", tokens[i][computed[i]:], computed[i],
+                         [i * 16 + j for j in range(16)], True, step, params)
+            for i, params in enumerate(ASKING)
+        ]  # fmt: skip
+        result = runner.execute(StepPlan(step=step, seqs=seqs))
+        for i in range(len(ASKING)):
+            computed[i] = len(tokens[i])
+            tokens[i].append(result.sampled[f"r{i}"])
+            requests[f"r{i}"].output_token_ids.append(result.sampled[f"r{i}"])
+    return [t[len(PROMPT) :] for t in tokens]
+
+
+def test_adjusted_steps_match_the_cpu_runner_and_wait_on_nothing_more(tiny_model_dir, monkeypatch):
+    cpu_model = LlamaModel(tiny_model_dir, torch.float32, attention_backend="triton")
+    cpu = _steps(ModelRunner(cpu_model, 256, 64, BLOCK), 6)
+    model = LlamaModel(tiny_model_dir, torch.float32, attention_backend="triton")
+    move_model_to(model, CUDA)
+    runner = DeviceRunner(
+        model, 256, 64, BLOCK, device=CUDA, max_num_seqs=16, max_num_batched_tokens=512,
+        max_model_len=512, use_cuda_graphs=True,
+    )  # fmt: skip
+    assert _steps(runner, 6) == cpu  # eager prefill, then the decode graphs
+    assert cpu[3][0] == 3 and 3 not in cpu[3][1:] and 40 not in cpu[2]
+    torch.cuda.synchronize()
+    waits: list[str] = []
+    event_wait = torch.cuda.Event.synchronize
+
+    def counted_event_wait(event: torch.cuda.Event) -> None:
+        waits.append("event")
+        event_wait(event)
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", counted_event_wait)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _steps(runner, 4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert waits == ["event"] * 4
+
+
+@pytest.mark.parametrize("plan_ahead", [True, False], ids=["ahead", "behind"])
+def test_the_engine_on_the_gpu_adjusts_as_the_cpu_engine(tiny_model_dir, plan_ahead):
+    requests = [
+        RequestSpec(f"q{i}", [4 + i, *PROMPT], 24, sampling=params, ignore_eos=True)
+        for i, params in enumerate(ASKING)
+    ]
+
+    def run(device: str, **options: object) -> list[list[int]]:
+        config = EngineConfig(
+            model=str(tiny_model_dir),
+            dtype="float32",
+            device=device,
+            calibrate_cost_model=False,
+            **options,
+        )  # type: ignore[arg-type]
+        engine = load_engine(config)
+        try:
+            results = engine.generate(requests)
+        finally:
+            engine.shutdown()
+        assert all(r.finish.reason is FinishReason.MAX_TOKENS for r in results)
+        return [r.token_ids for r in results]
+
+    assert run("cuda", plan_ahead=plan_ahead) == run("cpu")
