@@ -2,13 +2,36 @@
 prefill at its first uncached token, and a swapped request finds the shared
 prefix it released again at swap-in (or, when part of it was evicted, waits
 to be recomputed). The cache itself is ``block_manager.py``'s.
+
+A prefix still being computed is shared too. Requests that arrive together
+with one long prompt (an ``n > 1`` completion's choices, a burst with one
+system prompt) find nothing cached: the first one admitted computes the
+prefix, and the rest would compute it again beside it. So a waiting request
+whose next uncached blocks this very step completes, in another request's
+chunk, sits the step out and is admitted on the next with those blocks as
+cache hits (``_waits_for_computing``)::
+
+    step 1    A: prefill blocks 0..11  ─────────▶ committed at update
+              B, C, D: wait (their next blocks are A's 0..11)
+    step 2    B, C, D: hits 0..11, prefill their last block only
+
+Only blocks a sequence of the current step completes count, so nobody waits
+on a request that is waiting, paused, swapped, preempted or finished, no two
+requests wait on each other, and a wait lasts one step: if the blocks are
+not committed by then (the computing request was aborted or its step
+failed), the waiter finds them uncached and nobody computing them, and
+computes them itself. It may wait again on the next step's chunk, but each
+wait leaves fewer of its blocks uncached, so the waits end. A request waits
+only when waiting costs its prefill no progress (``_waits_for_computing``
+says when), whichever class or deadline the computing request has.
 """
 
 from __future__ import annotations
 
-from .block_manager import find_cached_prefix
+from .block_manager import BlockHash, find_cached_prefix
+from .policy_base import has_time_limit
 from .request import Request, RequestStatus
-from .scheduler_state import SchedulerState
+from .scheduler_state import SchedulerState, _StepState
 
 
 class PrefixSharing(SchedulerState):
@@ -43,6 +66,56 @@ class PrefixSharing(SchedulerState):
         if self._prefix_cache:
             self._num_prefix_queried_tokens += req.num_prompt_tokens
             self._num_prefix_hit_tokens += req.num_cached_tokens
+
+    def _computing_blocks(self, state: _StepState) -> set[BlockHash]:
+        """Hashes of the full blocks the step's sequences so far complete
+        and have not committed: cached once the step's results come.
+        One-token sequences are passed over (this is asked every step that
+        admits, beside hundreds of them): a decode completes no block with
+        a hash yet, and a prefill cut to one token is rare enough."""
+        computing: set[BlockHash] = set()
+        scheduled = state.scheduled
+        for seq in state.seqs:
+            num_new = len(seq.token_ids)
+            if num_new > 1:
+                self._note_computing(computing, scheduled[seq.req_id], seq.start_pos + num_new)
+        return computing
+
+    def _note_computing(self, computing: set[BlockHash], req: Request, end: int) -> None:
+        """Adds the blocks ``req`` completes this step, computing up to token
+        ``end``: those past its committed ones, full by ``end``, whose hashes
+        it has (a request's prompt blocks are hashed when it is admitted)."""
+        num_full = min(end // self.config.block_size, len(req.block_hashes))
+        for index in range(req.num_committed_blocks, num_full):
+            computing.add(req.block_hashes[index])
+
+    def _waits_for_computing(
+        self, req: Request, hits: list[int], num_new: int, computing: set[BlockHash]
+    ) -> bool:
+        """Whether waiting ``req``, which would be admitted with the cached
+        ``hits`` and a first chunk of ``num_new`` tokens, waits a step
+        instead: when the step's other sequences complete (``computing``)
+        its next uncached block and every other shareable block its chunk
+        would complete. Waiting then costs its prefill no progress — on the
+        next step it starts with those blocks cached, where its own chunk
+        would have ended (to within a block) — and saves the step a chunk.
+        What it may cost is a step of first-token latency, where the chunk
+        would have ended the prefill; a request with a time limit
+        (deadline, first-token deadline) does not pay that: it never waits
+        when it could sample this step."""
+        block = self.config.block_size
+        first = len(hits)
+        max_blocks = (req.num_tokens - 1) // block  # the last token's block is never shared
+        if first >= max_blocks or req.block_hashes[first] not in computing:
+            return False
+        end = first * block + num_new
+        if end >= req.num_tokens and has_time_limit(req):
+            return False
+        num_own = min(end // block, max_blocks)  # shareable blocks its chunk would complete
+        index = first + 1
+        while index < num_own and req.block_hashes[index] in computing:
+            index += 1
+        return index >= num_own
 
     def _released_prefix(self, req: Request) -> list[int] | None:
         """The shared prefix swapped ``req`` released, found again in the

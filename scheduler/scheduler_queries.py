@@ -76,6 +76,13 @@ class SchedulerQueries(SchedulerState):
         return self._num_prefix_hit_tokens
 
     @property
+    def num_prefix_waits(self) -> int:
+        """Steps waiting requests sat out because another request's chunk in
+        that step computed their next uncached blocks (prefix_sharing.py);
+        what the wait saved shows in ``num_prefix_hit_tokens``."""
+        return self._num_prefix_waits
+
+    @property
     def num_lost_swaps(self) -> int:
         """Swapped requests sent back to wait because their shared prefix was evicted."""
         return self._num_lost_swaps

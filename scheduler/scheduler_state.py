@@ -104,6 +104,7 @@ class SchedulerState:
         self._num_prefix_queried_tokens = 0  # looked up at admissions
         self._num_prefix_hit_tokens = 0  # of those, found cached
         self._num_lost_swaps = 0  # swapped requests requeued by _requeue_lost_swap
+        self._num_prefix_waits = 0  # steps waiting requests sat out for a computing prefix
         # (time, arrival_index, req) per deadline / first-token deadline;
         # entries of finished requests are dropped when they surface, or all
         # at once by Admission._compact_deadlines when they pile up.

@@ -6,6 +6,7 @@ the budget held back for more urgent waiting work.
 
 from __future__ import annotations
 
+from .block_manager import BlockHash
 from .plan import ScheduledSeq
 from .request import Request, RequestStatus
 from .room import RoomMaking
@@ -69,11 +70,19 @@ class StepPlanning(RoomMaking):
             self._add_seq(state, req, num_new)
 
     def _schedule_waiting(self, state: _StepState, now: float) -> None:
+        """Admits waiting work in the policy's order until the budget, the
+        sequences or the blocks run out. A request that waits a step for a
+        prefix being computed (prefix_sharing.py) keeps its place: those
+        behind it may use the budget it leaves, not the blocks and the
+        sequence slot it would have taken, so its waiting leaves nobody
+        behind it better placed for the next step than its admission would."""
         if state.is_kv_exhausted:
             state.is_saturated = bool(self._waiting)
             return
+        computing: set[BlockHash] | None = None  # built when first asked
+        held_blocks = held_seqs = 0  # kept for requests waiting on a computing prefix
         for req in self._ordered_waiting(state, now):
-            if not self._has_room_for_another(state):
+            if not self._has_room_for_another(state, held_seqs):
                 state.is_saturated = True
                 return
             if req.req_id in state.preempted_ids or req.req_id in self._paused:
@@ -84,14 +93,25 @@ class StepPlanning(RoomMaking):
             if num_new <= 0:
                 state.is_held_back = True
                 return  # the step is as slow as urgent work can afford
-            if not self.device_pool.can_allocate(self._blocks_to_start(req, hits, num_new)):
+            need = self._blocks_to_start(req, hits, num_new)
+            if not self.device_pool.can_allocate(need + held_blocks):
                 state.is_saturated = True
                 return  # the head waits for blocks; nobody overtakes it
+            if self._prefix_cache:
+                if computing is None:
+                    computing = self._computing_blocks(state)
+                if self._waits_for_computing(req, hits, num_new, computing):
+                    held_blocks += need
+                    held_seqs += 1
+                    self._num_prefix_waits += 1
+                    continue
             target = cached + num_new
             self._take_prefix(req, hits)
             self._admit(req, now)
             req.block_ids.extend(self.device_pool.append(req.block_ids, target))
             self._add_seq(state, req, num_new)
+            if computing is not None:
+                self._note_computing(computing, req, target)
 
     def _add_seq(self, state: _StepState, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens
@@ -143,8 +163,9 @@ class StepPlanning(RoomMaking):
         key = self.policy.urgency_key(req, now)
         return sum(tokens for k, tokens in state.reservations if k < key)
 
-    def _has_room_for_another(self, state: _StepState) -> bool:
-        return state.token_budget > 0 and len(self._running) < self.config.max_num_seqs
+    def _has_room_for_another(self, state: _StepState, num_held: int = 0) -> bool:
+        """Budget left, and a sequence slot besides ``num_held`` kept ones."""
+        return state.token_budget > 0 and len(self._running) + num_held < self.config.max_num_seqs
 
     def _most_urgent_waiting_key(self, now: float) -> tuple[float, ...] | None:
         if not self.policy.is_urgency_driven or not self._waiting:

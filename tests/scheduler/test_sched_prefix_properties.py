@@ -74,6 +74,32 @@ ops = st.lists(
 )
 
 
+# Bursts of whole shared prefixes with short tails, several to a step:
+# requests that wait for a prefix another one is computing (prefix_sharing.py).
+burst_add_op = st.tuples(
+    st.just("add"),
+    st.integers(0, len(PREFIXES) - 1),
+    st.just(8),
+    st.lists(st.integers(1, 96), max_size=2),
+    st.integers(1, 8),
+    st.integers(0, 2),
+    st.one_of(st.none(), st.floats(0.5, 30.0)),
+)
+burst_ops = st.lists(
+    st.one_of(
+        burst_add_op,
+        burst_add_op,
+        burst_add_op,
+        st.tuples(st.just("step")),
+        st.tuples(st.just("preempt"), st.integers(0, 50), st.booleans()),
+        st.tuples(st.just("cancel"), st.integers(0, 50)),
+        st.tuples(st.just("cancel_in_flight"), st.integers(0, 50)),
+    ),
+    min_size=20,
+    max_size=60,
+)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs(), policy_name=st.sampled_from(POLICY_DRAWS), script=ops)
 def test_shared_prefixes_keep_reference_counts_exact_and_end_with_nothing_used(
@@ -90,6 +116,21 @@ def test_shared_prefixes_hold_when_planning_ahead(
     """Blocks are committed to the cache when a plan is taken as done, before
     its results: the same counts and tokens as planning after them."""
     _check_prefix_script(config, policy_name, script, ahead=True)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=configs(),
+    policy_name=st.sampled_from(POLICY_DRAWS),
+    script=burst_ops,
+    ahead=st.booleans(),
+)
+def test_requests_waiting_for_a_prefix_being_computed_keep_the_same_invariants(
+    config: SchedulerConfig, policy_name: str, script: list[tuple[object, ...]], ahead: bool
+) -> None:
+    """Waiters whose prefix is cancelled in flight or preempted still end,
+    with their exact tokens, and nothing leaks."""
+    _check_prefix_script(config, policy_name, script, ahead=ahead)
 
 
 def _check_prefix_script(
@@ -125,6 +166,7 @@ def _check_prefix_script(
     event(f"swap preemption: {sched.num_swap_preemptions > 0}")
     event(f"recompute preemption: {sched.num_recompute_preemptions > 0}")
     event(f"lost swap: {sched.num_lost_swaps > 0}")
+    event(f"prefix wait: {sched.num_prefix_waits > 0}")
     event(f"expiry: {sched.num_expired > 0}")
 
 
