@@ -17,6 +17,7 @@ With a ``ServerTLS`` it speaks HTTPS only, with gRPC's files and rotation
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import socket
@@ -25,7 +26,7 @@ import time
 import weakref
 from asyncio import sslproto
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -82,9 +83,14 @@ class _MalformedRequests(logging.Filter):
         if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
             return True
         peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
-        detail = " ".join(str(exc.message).split())  # aiohttp's spans lines, with a caret
-        log.info("http_bad_request", peer=peer, status=exc.code, detail=detail)
+        log.info("http_bad_request", peer=peer, status=exc.code, detail=_one_line(exc.message))
         return False
+
+
+def _one_line(message: object) -> str:
+    """aiohttp's detail of a request it cannot parse, which spans lines and
+    points a caret at the bad byte, on one line without the caret."""
+    return " ".join(word for word in str(message).split() if word != "^")
 
 
 # aiohttp's server logger (its records keep its name), for this front's connections.
@@ -124,9 +130,37 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> web.StreamRespo
     return ApiError(
         exc.status,
         message,
-        code=exc.reason.lower().replace(" ", "_"),
+        code=_code(exc.reason),
         headers={k: v for k, v in exc.headers.items() if k == "Allow"},
     ).response()
+
+
+def _code(reason: str) -> str:
+    """An error's code for a status aiohttp answers: ``Bad Request`` -> ``bad_request``."""
+    return reason.lower().replace(" ", "_")
+
+
+class _OpenAIProtocol(web.RequestHandler):
+    """aiohttp's handler of one connection, except that what it answers
+    itself, before any route or middleware (a request it cannot parse: a
+    bad header, one over its size, bytes that are not HTTP), is in OpenAI's
+    JSON shape too, not in plain text. aiohttp logs it as before."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs; raises if begun
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        detail = _one_line(message or plain.reason)
+        answer = ApiError(status, detail, kind, code=_code(plain.reason)).response()
+        answer.force_close()  # as aiohttp's: the rest of the bytes cannot be trusted
+        return answer
 
 
 # OpenAI's paths, which this server serves under /v1 as OpenAI does.
@@ -142,11 +176,11 @@ def _no_route(method: str, path: str) -> str:
 
 
 class ConnectionCap:
-    """The listening socket's protocol factory: aiohttp's own handler for
-    each connection until ``max_connections`` are open, then a protocol that
-    closes a new one as soon as it is accepted. Without it every unfinished
-    request holds a file descriptor, until the process has none left for
-    gRPC either.
+    """The listening socket's protocol factory: a handler of
+    ``make_handler``'s (aiohttp's) for each connection until
+    ``max_connections`` are open, then a protocol that closes a new one as
+    soon as it is accepted. Without it every unfinished request holds a
+    file descriptor, until the process has none left for gRPC either.
 
     A connection counts from its accept to its close: each handler is
     wrapped (``_Counted``) and held weakly. Over TLS (``tls``) the listener
@@ -158,13 +192,13 @@ class ConnectionCap:
 
     def __init__(
         self,
-        server: web.Server,
+        make_handler: Callable[[], asyncio.Protocol],
         max_connections: int,
         telemetry: Telemetry | None = None,
         tls: ssl.SSLContext | None = None,
         handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        self._server = server
+        self._make_handler = make_handler
         self._max_connections = max_connections
         self._metrics = None if telemetry is None else telemetry.metrics
         self._tls = tls
@@ -182,7 +216,7 @@ class ConnectionCap:
         if self.num_connections >= self._max_connections:
             self._refused()
             return _Refused()
-        counted = _Counted(self._server(), self._open)
+        counted = _Counted(self._make_handler(), self._open)
         self._open.add(counted)
         if self._tls is None:
             return counted
@@ -302,14 +336,10 @@ class HttpFront:
         """Listen on ``host:port`` (0: a free port); returns the bound port."""
         limits = self._limits
         sock = socket.create_server((host.strip("[]"), port))
-        self._runner = web.AppRunner(
-            self.app,
-            # Cancel a handler the moment its client disconnects: that is
-            # what frees the request's KV while it still waits in the queue.
-            handler_cancellation=True,
+        # Each connection's handler (RequestHandler's arguments).
+        handler_args: dict[str, Any] = dict(
             access_log=None,
             logger=_PROTOCOL_LOG,
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             # aiohttp closes a connection this long without a whole request's
             # headers (from its start or its last answer; idle ones too).
             # The body's own timeout is the handler's (generation.py).
@@ -318,11 +348,22 @@ class HttpFront:
             # client sees the answer) for at most as long, then it is closed.
             lingering_time=min(LINGERING_S, limits.http_read_timeout_s),
         )
+        self._runner = web.AppRunner(
+            self.app,
+            # Cancel a handler the moment its client disconnects: that is
+            # what frees the request's KV while it still waits in the queue.
+            handler_cancellation=True,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            **handler_args,
+        )
         await self._runner.setup()
-        assert self._runner.server is not None
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
         certificates = self._certificates
         self.connections = ConnectionCap(
-            self._runner.server,
+            # What server() would make (requests go to the app), of the subclass.
+            functools.partial(_OpenAIProtocol, server, loop=loop, **handler_args),
             limits.max_http_connections,
             self._telemetry,
             tls=None if certificates is None else certificates.ssl_context(),
@@ -331,7 +372,7 @@ class HttpFront:
         )
         # Not a web.SockSite: this factory, not aiohttp's, makes each
         # connection, TLS layer included: the listener itself is plain.
-        self._listener = await asyncio.get_running_loop().create_server(self.connections, sock=sock)
+        self._listener = await loop.create_server(self.connections, sock=sock)
         return int(sock.getsockname()[1])
 
     async def stop(self) -> None:

@@ -297,22 +297,34 @@ def test_a_request_that_stalls_is_ended_and_frees_its_slot(engine: object) -> No
     ],
     ids=["bad-content-length", "header-too-long"],
 )
-def test_a_request_that_is_not_http_is_a_400_and_one_log_line_not_an_error(
+def test_a_request_that_is_not_http_is_a_json_400_and_one_log_line_not_an_error(
     engine: object, request_bytes: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     """aiohttp answers a request it cannot parse 400 and logged it as an
     error with its traceback, as it would a bug of the server's: a
-    scanner's or a broken client's requests filled the log with them."""
+    scanner's or a broken client's requests filled the log with them.
+    Its answer was plain text, the one error of the front's not in
+    OpenAI's JSON shape."""
     front = Front(engine)
     try:
         with capture_logs() as logs, caplog.at_level(logging.INFO, logger="aiohttp"):
             with connect(front, request_bytes) as sock:
-                assert read_all(sock).startswith(b"HTTP/1.0 400 ")
+                answer = read_all(sock)
             assert wait_until(lambda: any(e["event"] == "http_bad_request" for e in logs))
         errors = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
         assert errors == []
         said = next(e for e in logs if e["event"] == "http_bad_request")
         assert said["log_level"] == "info" and said["peer"] == "127.0.0.1", said
         assert said["status"] == 400 and said["detail"], said
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.0 400 "), answer
+        assert b"\r\nContent-Type: application/json" in head, answer
+        error = json.loads(body)["error"]
+        assert error == {
+            "message": said["detail"],  # aiohttp's, on one line
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "bad_request",
+        }
     finally:
         front.stop()
