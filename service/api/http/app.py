@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import math
 import socket
@@ -26,6 +27,7 @@ import time
 import weakref
 from asyncio import sslproto
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -185,10 +187,10 @@ class ConnectionCap:
     A connection counts from its accept to its close: each handler is
     wrapped (``_Counted``) and held weakly. Over TLS (``tls``) the listener
     accepts in the clear and each connection under the cap is wrapped in
-    its TLS layer here, so one over it is reset before any handshake work.
-    A handshake that never completes is closed at ``handshake_timeout_s``
-    without a word to the handler: it stops counting when asyncio lets go
-    of it."""
+    its TLS layer here (``_TLSOrPlain``, at its first bytes), so one over
+    it is reset before any handshake work. A handshake that never completes
+    is closed at ``handshake_timeout_s`` from the accept, without a word to
+    the handler: it stops counting when asyncio lets go of it."""
 
     def __init__(
         self,
@@ -220,18 +222,8 @@ class ConnectionCap:
         self._open.add(counted)
         if self._tls is None:
             return counted
-        # What loop.create_server(ssl=...) wraps each accepted connection's
-        # protocol in; made here, the cap is asked first. (loop.start_tls,
-        # the public way, hands over the TLS transport a loop turn after the
-        # handshake: a request sent with it could reach aiohttp unmade.)
-        return sslproto.SSLProtocol(
-            asyncio.get_running_loop(),
-            counted,
-            self._tls,
-            None,  # type: ignore[arg-type]  # no waiter: nothing awaits the handshake
-            server_side=True,
-            ssl_handshake_timeout=self._handshake_timeout_s,  # type: ignore[arg-type]
-        )
+        make_tls = functools.partial(_tls_layer, counted, self._tls)
+        return _TLSOrPlain(make_tls, self._handshake_timeout_s)
 
     def _refused(self) -> None:
         if self._metrics is not None:
@@ -280,6 +272,119 @@ class _Counted(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._open_set.discard(self)
         self._handler.connection_lost(exc)
+
+
+def _tls_layer(
+    protocol: asyncio.Protocol, context: ssl.SSLContext, handshake_timeout_s: float
+) -> asyncio.BufferedProtocol:
+    # What loop.create_server(ssl=...) wraps each accepted connection's
+    # protocol in; made here, the cap is asked first. (loop.start_tls, the
+    # public way, hands over the TLS transport a loop turn after the
+    # handshake: a request sent with it could reach aiohttp unmade.)
+    return sslproto.SSLProtocol(
+        asyncio.get_running_loop(),
+        protocol,
+        context,
+        None,  # type: ignore[arg-type]  # no waiter: nothing awaits the handshake
+        server_side=True,
+        ssl_handshake_timeout=handshake_timeout_s,  # type: ignore[arg-type]
+    )
+
+
+def _is_tls(first_byte: int) -> bool:
+    """nginx's test: a TLS record of a ClientHello begins 0x16 (handshake),
+    an SSLv2-style hello with its high bit set."""
+    return first_byte == 0x16 or first_byte & 0x80 != 0
+
+
+def _plain_answer(error: ApiError) -> bytes:
+    """``error`` as a whole HTTP/1.1 response that closes its connection."""
+    body = json.dumps(error.body()).encode()
+    head = (
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_PLAIN_HTTP_ON_TLS = _plain_answer(
+    ApiError(400, "this port speaks HTTPS: a plain HTTP request was sent to it", code="bad_request")
+)
+
+
+class _TLSOrPlain(asyncio.Protocol):
+    """A connection to the HTTPS port until its first bytes, which a client
+    sends first. A TLS hello hands it to its TLS layer (``make_tls``, made
+    then with what is left of ``timeout_s``), the hello fed to it: no wait
+    a handshake would not have had. Anything else (a client speaking plain
+    HTTP to the port, which would get an empty reply) is answered a 400
+    saying so, as nginx does, and closed once the client has had it: the
+    rest of its request is read and dropped for ``timeout_s`` at most, as
+    closing with bytes unread resets the connection and can lose the
+    answer. One that sends nothing within ``timeout_s`` of its accept is
+    reset."""
+
+    def __init__(
+        self, make_tls: Callable[[float], asyncio.BufferedProtocol], timeout_s: float
+    ) -> None:
+        self._make_tls = make_tls
+        self._timeout_s = timeout_s
+        self._deadline = 0.0
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._is_answered = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        loop = asyncio.get_running_loop()
+        self._transport = transport
+        self._deadline = loop.time() + self._timeout_s
+        self._timer = loop.call_at(self._deadline, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_answered:
+            return  # the rest of the plain request
+        assert self._transport is not None and self._timer is not None
+        self._timer.cancel()
+        if _is_tls(data[0]):
+            self._start_tls(self._transport, data)
+        else:
+            self._answer_plain(self._transport)
+
+    def _start_tls(self, transport: asyncio.Transport, hello: bytes) -> None:
+        remaining_s = self._deadline - asyncio.get_running_loop().time()
+        tls = self._make_tls(max(remaining_s, 0.0))
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+        _feed(tls, hello)
+
+    def _answer_plain(self, transport: asyncio.Transport) -> None:
+        self._is_answered = True
+        peer = transport.get_extra_info("peername")
+        detail = "plain HTTP on the HTTPS port"
+        log.info("http_bad_request", peer=peer[0] if peer else None, status=400, detail=detail)
+        transport.write(_PLAIN_HTTP_ON_TLS)
+        transport.write_eof()  # once sent; closed at the client's own close
+        self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.close)
+
+    def eof_received(self) -> bool:
+        return False  # close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
+    """Hands ``data`` to ``protocol`` as a transport would."""
+    view = memoryview(data)
+    while view:
+        buffer = memoryview(protocol.get_buffer(len(view)))
+        num_bytes = min(len(buffer), len(view))
+        buffer[:num_bytes] = view[:num_bytes]
+        protocol.buffer_updated(num_bytes)
+        view = view[num_bytes:]
 
 
 class _Refused(asyncio.Protocol):
