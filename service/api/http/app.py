@@ -17,6 +17,8 @@ With a ``ServerTLS`` it speaks HTTPS only, with gRPC's files and rotation
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import math
 import socket
@@ -25,7 +27,8 @@ import time
 import weakref
 from asyncio import sslproto
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -82,9 +85,14 @@ class _MalformedRequests(logging.Filter):
         if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
             return True
         peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
-        detail = " ".join(str(exc.message).split())  # aiohttp's spans lines, with a caret
-        log.info("http_bad_request", peer=peer, status=exc.code, detail=detail)
+        log.info("http_bad_request", peer=peer, status=exc.code, detail=_one_line(exc.message))
         return False
+
+
+def _one_line(message: object) -> str:
+    """aiohttp's detail of a request it cannot parse, which spans lines and
+    points a caret at the bad byte, on one line without the caret."""
+    return " ".join(word for word in str(message).split() if word != "^")
 
 
 # aiohttp's server logger (its records keep its name), for this front's connections.
@@ -124,9 +132,37 @@ def _http_error(exc: web.HTTPException, request: web.Request) -> web.StreamRespo
     return ApiError(
         exc.status,
         message,
-        code=exc.reason.lower().replace(" ", "_"),
+        code=_code(exc.reason),
         headers={k: v for k, v in exc.headers.items() if k == "Allow"},
     ).response()
+
+
+def _code(reason: str) -> str:
+    """An error's code for a status aiohttp answers: ``Bad Request`` -> ``bad_request``."""
+    return reason.lower().replace(" ", "_")
+
+
+class _OpenAIProtocol(web.RequestHandler):
+    """aiohttp's handler of one connection, except that what it answers
+    itself, before any route or middleware (a request it cannot parse: a
+    bad header, one over its size, bytes that are not HTTP), is in OpenAI's
+    JSON shape too, not in plain text. aiohttp logs it as before."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs; raises if begun
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        detail = _one_line(message or plain.reason)
+        answer = ApiError(status, detail, kind, code=_code(plain.reason)).response()
+        answer.force_close()  # as aiohttp's: the rest of the bytes cannot be trusted
+        return answer
 
 
 # OpenAI's paths, which this server serves under /v1 as OpenAI does.
@@ -142,29 +178,29 @@ def _no_route(method: str, path: str) -> str:
 
 
 class ConnectionCap:
-    """The listening socket's protocol factory: aiohttp's own handler for
-    each connection until ``max_connections`` are open, then a protocol that
-    closes a new one as soon as it is accepted. Without it every unfinished
-    request holds a file descriptor, until the process has none left for
-    gRPC either.
+    """The listening socket's protocol factory: a handler of
+    ``make_handler``'s (aiohttp's) for each connection until
+    ``max_connections`` are open, then a protocol that closes a new one as
+    soon as it is accepted. Without it every unfinished request holds a
+    file descriptor, until the process has none left for gRPC either.
 
     A connection counts from its accept to its close: each handler is
     wrapped (``_Counted``) and held weakly. Over TLS (``tls``) the listener
     accepts in the clear and each connection under the cap is wrapped in
-    its TLS layer here, so one over it is reset before any handshake work.
-    A handshake that never completes is closed at ``handshake_timeout_s``
-    without a word to the handler: it stops counting when asyncio lets go
-    of it."""
+    its TLS layer here (``_TLSOrPlain``, at its first bytes), so one over
+    it is reset before any handshake work. A handshake that never completes
+    is closed at ``handshake_timeout_s`` from the accept, without a word to
+    the handler: it stops counting when asyncio lets go of it."""
 
     def __init__(
         self,
-        server: web.Server,
+        make_handler: Callable[[], asyncio.Protocol],
         max_connections: int,
         telemetry: Telemetry | None = None,
         tls: ssl.SSLContext | None = None,
         handshake_timeout_s: float = TLS_HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        self._server = server
+        self._make_handler = make_handler
         self._max_connections = max_connections
         self._metrics = None if telemetry is None else telemetry.metrics
         self._tls = tls
@@ -182,22 +218,12 @@ class ConnectionCap:
         if self.num_connections >= self._max_connections:
             self._refused()
             return _Refused()
-        counted = _Counted(self._server(), self._open)
+        counted = _Counted(self._make_handler(), self._open)
         self._open.add(counted)
         if self._tls is None:
             return counted
-        # What loop.create_server(ssl=...) wraps each accepted connection's
-        # protocol in; made here, the cap is asked first. (loop.start_tls,
-        # the public way, hands over the TLS transport a loop turn after the
-        # handshake: a request sent with it could reach aiohttp unmade.)
-        return sslproto.SSLProtocol(
-            asyncio.get_running_loop(),
-            counted,
-            self._tls,
-            None,  # type: ignore[arg-type]  # no waiter: nothing awaits the handshake
-            server_side=True,
-            ssl_handshake_timeout=self._handshake_timeout_s,  # type: ignore[arg-type]
-        )
+        make_tls = functools.partial(_tls_layer, counted, self._tls)
+        return _TLSOrPlain(make_tls, self._handshake_timeout_s)
 
     def _refused(self) -> None:
         if self._metrics is not None:
@@ -246,6 +272,119 @@ class _Counted(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._open_set.discard(self)
         self._handler.connection_lost(exc)
+
+
+def _tls_layer(
+    protocol: asyncio.Protocol, context: ssl.SSLContext, handshake_timeout_s: float
+) -> asyncio.BufferedProtocol:
+    # What loop.create_server(ssl=...) wraps each accepted connection's
+    # protocol in; made here, the cap is asked first. (loop.start_tls, the
+    # public way, hands over the TLS transport a loop turn after the
+    # handshake: a request sent with it could reach aiohttp unmade.)
+    return sslproto.SSLProtocol(
+        asyncio.get_running_loop(),
+        protocol,
+        context,
+        None,  # type: ignore[arg-type]  # no waiter: nothing awaits the handshake
+        server_side=True,
+        ssl_handshake_timeout=handshake_timeout_s,  # type: ignore[arg-type]
+    )
+
+
+def _is_tls(first_byte: int) -> bool:
+    """nginx's test: a TLS record of a ClientHello begins 0x16 (handshake),
+    an SSLv2-style hello with its high bit set."""
+    return first_byte == 0x16 or first_byte & 0x80 != 0
+
+
+def _plain_answer(error: ApiError) -> bytes:
+    """``error`` as a whole HTTP/1.1 response that closes its connection."""
+    body = json.dumps(error.body()).encode()
+    head = (
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+_PLAIN_HTTP_ON_TLS = _plain_answer(
+    ApiError(400, "this port speaks HTTPS: a plain HTTP request was sent to it", code="bad_request")
+)
+
+
+class _TLSOrPlain(asyncio.Protocol):
+    """A connection to the HTTPS port until its first bytes, which a client
+    sends first. A TLS hello hands it to its TLS layer (``make_tls``, made
+    then with what is left of ``timeout_s``), the hello fed to it: no wait
+    a handshake would not have had. Anything else (a client speaking plain
+    HTTP to the port, which would get an empty reply) is answered a 400
+    saying so, as nginx does, and closed once the client has had it: the
+    rest of its request is read and dropped for ``timeout_s`` at most, as
+    closing with bytes unread resets the connection and can lose the
+    answer. One that sends nothing within ``timeout_s`` of its accept is
+    reset."""
+
+    def __init__(
+        self, make_tls: Callable[[float], asyncio.BufferedProtocol], timeout_s: float
+    ) -> None:
+        self._make_tls = make_tls
+        self._timeout_s = timeout_s
+        self._deadline = 0.0
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._is_answered = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        loop = asyncio.get_running_loop()
+        self._transport = transport
+        self._deadline = loop.time() + self._timeout_s
+        self._timer = loop.call_at(self._deadline, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if self._is_answered:
+            return  # the rest of the plain request
+        assert self._transport is not None and self._timer is not None
+        self._timer.cancel()
+        if _is_tls(data[0]):
+            self._start_tls(self._transport, data)
+        else:
+            self._answer_plain(self._transport)
+
+    def _start_tls(self, transport: asyncio.Transport, hello: bytes) -> None:
+        remaining_s = self._deadline - asyncio.get_running_loop().time()
+        tls = self._make_tls(max(remaining_s, 0.0))
+        transport.set_protocol(tls)
+        tls.connection_made(transport)
+        _feed(tls, hello)
+
+    def _answer_plain(self, transport: asyncio.Transport) -> None:
+        self._is_answered = True
+        peer = transport.get_extra_info("peername")
+        detail = "plain HTTP on the HTTPS port"
+        log.info("http_bad_request", peer=peer[0] if peer else None, status=400, detail=detail)
+        transport.write(_PLAIN_HTTP_ON_TLS)
+        transport.write_eof()  # once sent; closed at the client's own close
+        self._timer = asyncio.get_running_loop().call_later(self._timeout_s, transport.close)
+
+    def eof_received(self) -> bool:
+        return False  # close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _feed(protocol: asyncio.BufferedProtocol, data: bytes) -> None:
+    """Hands ``data`` to ``protocol`` as a transport would."""
+    view = memoryview(data)
+    while view:
+        buffer = memoryview(protocol.get_buffer(len(view)))
+        num_bytes = min(len(buffer), len(view))
+        buffer[:num_bytes] = view[:num_bytes]
+        protocol.buffer_updated(num_bytes)
+        view = view[num_bytes:]
 
 
 class _Refused(asyncio.Protocol):
@@ -302,14 +441,10 @@ class HttpFront:
         """Listen on ``host:port`` (0: a free port); returns the bound port."""
         limits = self._limits
         sock = socket.create_server((host.strip("[]"), port))
-        self._runner = web.AppRunner(
-            self.app,
-            # Cancel a handler the moment its client disconnects: that is
-            # what frees the request's KV while it still waits in the queue.
-            handler_cancellation=True,
+        # Each connection's handler (RequestHandler's arguments).
+        handler_args: dict[str, Any] = dict(
             access_log=None,
             logger=_PROTOCOL_LOG,
-            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             # aiohttp closes a connection this long without a whole request's
             # headers (from its start or its last answer; idle ones too).
             # The body's own timeout is the handler's (generation.py).
@@ -318,11 +453,22 @@ class HttpFront:
             # client sees the answer) for at most as long, then it is closed.
             lingering_time=min(LINGERING_S, limits.http_read_timeout_s),
         )
+        self._runner = web.AppRunner(
+            self.app,
+            # Cancel a handler the moment its client disconnects: that is
+            # what frees the request's KV while it still waits in the queue.
+            handler_cancellation=True,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            **handler_args,
+        )
         await self._runner.setup()
-        assert self._runner.server is not None
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
         certificates = self._certificates
         self.connections = ConnectionCap(
-            self._runner.server,
+            # What server() would make (requests go to the app), of the subclass.
+            functools.partial(_OpenAIProtocol, server, loop=loop, **handler_args),
             limits.max_http_connections,
             self._telemetry,
             tls=None if certificates is None else certificates.ssl_context(),
@@ -331,7 +477,7 @@ class HttpFront:
         )
         # Not a web.SockSite: this factory, not aiohttp's, makes each
         # connection, TLS layer included: the listener itself is plain.
-        self._listener = await asyncio.get_running_loop().create_server(self.connections, sock=sock)
+        self._listener = await loop.create_server(self.connections, sock=sock)
         return int(sock.getsockname()[1])
 
     async def stop(self) -> None:

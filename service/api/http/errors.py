@@ -32,7 +32,10 @@ from slipstream.service.api.status import (
 from slipstream.service.engine.chat import ChatError
 
 # What a client refused for want of capacity waits when the refusal has no
-# hint of its own (a full tokenizer pool).
+# hint of its own (a full tokenizer pool), and what a 503 without one says
+# (loading, draining, cut off at shutdown). How long the server stays
+# unavailable is not known (gRPC's UNAVAILABLE carries no hint either): a
+# second is the cap of the gRPC clients' own backoff (clients/balancing.py).
 RETRY_AFTER_S = 1
 
 # Every 401 names the scheme it wants (RFC 9110 15.5.2; RFC 6750 3).
@@ -66,9 +69,13 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
+        """Every 401 names its scheme; every 503 says when to retry (RFC 9110
+        10.2.3), its own hint where it has one."""
         headers = self.headers
         if self.status == 401:
             headers = {"WWW-Authenticate": BEARER_CHALLENGE, **headers}
+        if self.status == 503:
+            headers = {**retry_after(None), **headers}
         return web.Response(
             status=self.status,
             text=json.dumps(self.body()),

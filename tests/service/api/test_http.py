@@ -30,6 +30,7 @@ from slipstream.service.api import wire
 from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.http import generation
 from slipstream.service.api.http.errors import from_domain
+from slipstream.service.api.lifecycle import Loading, NotServing
 from slipstream.service.api.workers import WorkersBusy
 from slipstream.service.engine.chat import render_chat
 from slipstream.service.engine.config import EngineConfig
@@ -1010,6 +1011,23 @@ def test_a_shed_request_is_told_when_to_retry() -> None:
     assert generation.finish_error(FinishEvent("r", FinishReason.ERROR)).headers == {}
 
 
+def test_every_503_says_when_to_retry() -> None:
+    """A 503 (loading, draining, cut off at shutdown) carried no Retry-After,
+    as a 429 does: a client or a balancer could not tell when to come back.
+    Its own hint where it has one (shed), else a second."""
+    cut_off = generation.finish_error(FinishEvent("r", FinishReason.SHUTDOWN))
+    shed = generation.finish_error(
+        FinishEvent("r", FinishReason.REJECTED, reject_cause=RejectCause.SHED, retry_after_s=2.5)
+    )
+    loading, draining = from_domain(Loading("loading")), from_domain(NotServing("draining"))
+    assert loading is not None and draining is not None
+    for refused, retry_after in ((cut_off, "1"), (shed, "3"), (loading, "1"), (draining, "1")):
+        assert refused.status == 503
+        assert refused.response().headers["Retry-After"] == retry_after, refused
+    failed = generation.finish_error(FinishEvent("r", FinishReason.ERROR))
+    assert "Retry-After" not in failed.response().headers  # a 500: no retry promised
+
+
 def test_queue_full_is_429_and_draining_is_503() -> None:
     from slipstream.service.engine.loader import load_engine
 
@@ -1161,8 +1179,8 @@ def test_a_call_refused_while_loading_or_draining_says_which_on_both_fronts() ->
                         health_pb2.HealthCheckRequest(service=""), timeout=5
                     )
                 body = b'{"model": "tiny", "prompt": "x"}'
-                status, _, reply = raw(front, "/v1/completions", body)  # type: ignore[arg-type]
-                checked, _, checked_reply = raw(front, "/health", method="GET")  # type: ignore[arg-type]
+                status, said, reply = raw(front, "/v1/completions", body)  # type: ignore[arg-type]
+                checked, checked_said, checked_reply = raw(front, "/health", method="GET")  # type: ignore[arg-type]
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
             assert f"is {phase}" in refused.value.details()
             assert dict(refused.value.trailing_metadata())[REJECT_REASON_KEY] == phase
@@ -1170,6 +1188,7 @@ def test_a_call_refused_while_loading_or_draining_says_which_on_both_fronts() ->
             assert status == 503 and json.loads(reply)["error"]["code"] == phase
             assert f"is {phase}" in json.loads(reply)["error"]["message"]
             assert checked == 503 and json.loads(checked_reply)["error"]["code"] == phase
+            assert said["Retry-After"] == checked_said["Retry-After"] == "1"
             refusals = [
                 (line["method"], line["reason"]) for line in logs if line["event"] == "call_refused"
             ]

@@ -268,6 +268,41 @@ def test_over_tls_a_connection_past_the_cap_is_reset_before_its_handshake(
         front.stop()
 
 
+def test_plain_http_to_the_https_port_is_a_400_saying_so(engine: object, tmp_path: Path) -> None:
+    """A client that spoke plain HTTP to the HTTPS port (http:// for
+    https://) had its connection closed without a word, an "empty reply";
+    as nginx does, it is told so in a 400, its whole request read first.
+    A TLS client is served as before, and a connection that sends nothing
+    is still closed at the handshake's timeout."""
+    front = Front(engine, Limits(http_read_timeout_s=1.0), tls=_self_signed(tmp_path))
+    client = ssl.create_default_context()
+    client.check_hostname, client.verify_mode = False, ssl.CERT_NONE  # TLS is tested, not trust
+    body = b"{" + b" " * 2**20 + b"}"  # more than one read: it comes after the answer
+    post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    try:
+        with capture_logs() as logs:
+            for request in (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", post + body):
+                with connect(front, request) as plain:
+                    answer = read_all(plain)
+                head, reply = answer.split(b"\r\n\r\n", 1)
+                assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, answer
+                error = json.loads(reply)["error"]
+                assert "speaks HTTPS" in error["message"] and error["code"] == "bad_request"
+        said = [e for e in logs if e["event"] == "http_bad_request"]
+        assert len(said) == 2 and said[0]["peer"] == "127.0.0.1", said
+        assert said[0]["detail"] == "plain HTTP on the HTTPS port", said
+        with client.wrap_socket(socket.create_connection(("127.0.0.1", front.port))) as secure:
+            secure.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(secure).startswith(b"HTTP/1.1 200 ")
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", front.port), timeout=10) as silent:
+            assert read_all(silent) == b""
+        assert 1.0 <= time.monotonic() - start < 5.0
+        assert wait_until(lambda: num_connections(front) == 0, timeout_s=3.0)
+    finally:
+        front.stop()
+
+
 def test_a_request_that_stalls_is_ended_and_frees_its_slot(engine: object) -> None:
     """Headers that never end are closed, a body that stalls is a 408:
     each after --http-read-timeout, and its connection is gone soon after."""
@@ -297,22 +332,34 @@ def test_a_request_that_stalls_is_ended_and_frees_its_slot(engine: object) -> No
     ],
     ids=["bad-content-length", "header-too-long"],
 )
-def test_a_request_that_is_not_http_is_a_400_and_one_log_line_not_an_error(
+def test_a_request_that_is_not_http_is_a_json_400_and_one_log_line_not_an_error(
     engine: object, request_bytes: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     """aiohttp answers a request it cannot parse 400 and logged it as an
     error with its traceback, as it would a bug of the server's: a
-    scanner's or a broken client's requests filled the log with them."""
+    scanner's or a broken client's requests filled the log with them.
+    Its answer was plain text, the one error of the front's not in
+    OpenAI's JSON shape."""
     front = Front(engine)
     try:
         with capture_logs() as logs, caplog.at_level(logging.INFO, logger="aiohttp"):
             with connect(front, request_bytes) as sock:
-                assert read_all(sock).startswith(b"HTTP/1.0 400 ")
+                answer = read_all(sock)
             assert wait_until(lambda: any(e["event"] == "http_bad_request" for e in logs))
         errors = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
         assert errors == []
         said = next(e for e in logs if e["event"] == "http_bad_request")
         assert said["log_level"] == "info" and said["peer"] == "127.0.0.1", said
         assert said["status"] == 400 and said["detail"], said
+        head, body = answer.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.0 400 "), answer
+        assert b"\r\nContent-Type: application/json" in head, answer
+        error = json.loads(body)["error"]
+        assert error == {
+            "message": said["detail"],  # aiohttp's, on one line
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "bad_request",
+        }
     finally:
         front.stop()
