@@ -251,7 +251,7 @@ class StreamSession:
             if not waiting.is_cancelled:
                 await self._unpaused.wait()
             if not waiting.is_cancelled:  # perhaps cancelled while paused
-                await self.submit(waiting.submit, waiting.message, waiting)
+                await self.submit(waiting)
             self._waiting.popleft()
             self._waiting_bytes -= waiting.num_bytes
             if self._pending.get(waiting.submit.request_id) is waiting:
@@ -266,61 +266,49 @@ class StreamSession:
             self._failure = task.exception()
             self._wakeup.set()
 
-    async def submit(
-        self,
-        submit: pb.Submit,
-        message: pb.GenerateRequest | None = None,
-        waiting: _Waiting | None = None,
-    ) -> None:
-        """Admits ``submit`` or refuses it with a Finished event; ``waiting``:
-        its place in the stream's queue (None for ``GenerateOne``'s)."""
-        request_id = submit.request_id
-        # Its clock (queue wait, deadline, span) starts when it was read, not
-        # after the submits ahead of it on the stream were tokenized.
-        arrival = time.monotonic() if waiting is None else waiting.read_at
+    async def submit(self, waiting: _Waiting) -> None:
+        """Admits ``waiting``'s submit or refuses it with a Finished event."""
+        submit = waiting.submit
         try:
-            self._check_id(request_id, waiting)
-            wire.check_limits(message or pb.GenerateRequest(), submit, self._limits)
-            await self._admit(submit, request_id, arrival, waiting)
+            self._check_id(waiting)
+            wire.check_limits(waiting.message, submit, self._limits)
+            await self._admit(waiting)
         except Exception as exc:
             rejection = rejection_for(exc)
             if rejection is None:
                 raise
-            if waiting is not None and waiting.is_cancelled:
+            if waiting.is_cancelled:
                 return  # cancelled while it was tokenized: it has had its Finished
             detail = caller_message(exc)
-            self._reject(request_id, rejection, detail, exc)
-            self._record_refusal(submit, arrival, exc, rejection, detail)
+            self._reject(submit.request_id, rejection, detail, exc)
+            self._record_refusal(waiting, exc, rejection, detail)
 
-    def _check_id(self, request_id: str, waiting: _Waiting | None) -> None:
+    def _check_id(self, waiting: _Waiting) -> None:
         """Raises what refuses a submit by its id alone: invalid, or naming
         an unfinished request."""
+        request_id = waiting.submit.request_id
         wire.check_request_id(request_id, self._limits.max_request_id_bytes)
         if request_id in self._live:
             raise DuplicateRequest(
                 f"request_id {request_id!r} is already running on this stream; "
                 "that request goes on, this submit is refused"
             )
-        if waiting is not None and waiting.is_duplicate:  # its namesake ended since
+        if waiting.is_duplicate:  # its namesake ended since
             raise DuplicateRequest(
                 f"request_id {request_id!r} named an unfinished request on this "
                 "stream when this submit came; this submit is refused"
             )
 
     def _record_refusal(
-        self,
-        submit: pb.Submit,
-        arrival: float,
-        exc: Exception,
-        rejection: Rejection,
-        detail: str,
+        self, waiting: _Waiting, exc: Exception, rejection: Rejection, detail: str
     ) -> None:
         """Traces, logs and counts a refused submit."""
         if self._telemetry is None:
             return
+        submit = waiting.submit
         expired, retry_after_s = wire.refusal_hints(exc)
         refusal = Refusal(
-            arrival,
+            waiting.read_at,  # the wait behind the submits ahead of it shows
             wire.priority_of(submit, self._default_priority),
             None if expired is None else expired.name.lower(),
             retry_after_s,
@@ -363,17 +351,18 @@ class StreamSession:
         permitted one (``TenantGate.default_priority``), else 0."""
         return 0 if self._gate is None else self._gate.default_priority
 
-    async def _admit(
-        self, submit: pb.Submit, request_id: str, arrival: float, waiting: _Waiting | None = None
-    ) -> None:
+    async def _admit(self, waiting: _Waiting) -> None:
         engine = self._engine
+        submit, request_id = waiting.submit, waiting.submit.request_id
         convert = functools.partial(
             wire.to_generation_request,
             submit,
             self.engine_id(request_id),
             engine.tokenizer,
             engine.info,
-            arrival,
+            # Its clock (queue wait, deadline, span) starts when it was read,
+            # not after the submits ahead of it on the stream were tokenized.
+            waiting.read_at,
             self._call_deadline,
             self._default_priority,
         )
@@ -384,7 +373,7 @@ class StreamSession:
         num_bytes = wire.prompt_bytes(submit)
         if self._workers is not None and num_bytes > self._limits.inline_prompt_bytes:
             request = await self._workers.run(convert, num_bytes)
-            if self._is_ended or (waiting is not None and waiting.is_cancelled):
+            if self._is_ended or waiting.is_cancelled:
                 return
         else:
             request = convert()
@@ -436,7 +425,7 @@ class StreamSession:
         self._is_closed = True
         waiting = _Waiting(submit, pb.GenerateRequest(), 0, is_duplicate=False)
         self._waiting.append(waiting)
-        await self.submit(submit, None, waiting)
+        await self.submit(waiting)
         self._waiting.remove(waiting)  # answered: admitted, or refused with its Finished
 
     def cancel(self, request_id: str) -> None:
@@ -504,16 +493,13 @@ class StreamSession:
         for waiting in self._waiting:
             if waiting.is_cancelled:
                 continue  # it has had its Finished
-            request_id = waiting.submit.request_id
             try:
-                self._check_id(request_id, waiting)
+                self._check_id(waiting)
             except (ValueError, DuplicateRequest) as exc:
                 waiting.is_cancelled = True
                 rejection = rejection_for(exc)
                 assert rejection is not None  # both have their rows in the table
-                self._record_refusal(
-                    waiting.submit, waiting.read_at, exc, rejection, caller_message(exc)
-                )
+                self._record_refusal(waiting, exc, rejection, caller_message(exc))
                 continue
             self._finish_unadmitted(waiting, CALL_ENDED_UNADMITTED)
 
