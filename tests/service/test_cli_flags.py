@@ -129,6 +129,8 @@ def test_a_benchmark_refuses_a_value_it_cannot_run(
         ("--max-connection-age-s", "nan", "must be in (0, 2147483.647] seconds, got nan"),
         ("--max-connection-age-s", "1e10", "must be in (0, 2147483.647] seconds, got 1e10"),
         ("--max-connection-age-grace-s", "-1", "must be in [0, 2147483.647] seconds, got -1"),
+        ("--keepalive-s", "0", "must be in (0, 2147483.647] seconds, got 0"),
+        ("--keepalive-timeout-s", "nan", "must be in (0, 2147483.647] seconds, got nan"),
         ("--max-message-bytes", "4294967296", "must be in [1, 2147483647], got 4294967296"),
         ("--max-prompt-bytes", "0", "must be >= 1, got 0"),
         ("--max-stop-sequences", "-1", "must be >= 0, got -1"),

@@ -20,6 +20,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from polling import wait_until
 from server_thread import ServerThread
+from structlog.testing import capture_logs
 
 from slipstream.service.api import servicer, session
 from slipstream.service.api.limits import Limits
@@ -164,3 +165,41 @@ def test_a_client_that_dies_while_the_server_is_blocked_writing_ends_quietly(
     finally:
         client.kill()
         client.wait()
+
+
+def test_submits_waiting_on_a_paused_stream_are_counted_when_its_call_ends(
+    server: ServerThread, sessions: list[session.StreamSession]
+) -> None:
+    """A paused stream answers no submit until its client reads: those
+    waiting when the call ends are never admitted, yet each has its
+    ``request_finished`` line and its count, as a cancel before admission."""
+    num_running, num_waiting = 4, 3
+    more = threading.Event()
+
+    def frames() -> Iterator[pb.GenerateRequest]:
+        for i in range(num_running):
+            yield pb.GenerateRequest(submit=submit(i))
+        more.wait(30)
+        for i in range(num_running, num_running + num_waiting):
+            yield pb.GenerateRequest(submit=submit(i))
+        ended.wait(30)  # half-closes only once cancelled
+
+    ended = threading.Event()
+    before = num_cancelled(server)
+    with grpc.insecure_channel(server.target, options=SMALL_WINDOW) as channel:
+        call = pb_grpc.InferenceStub(channel).Generate(frames(), timeout=60)
+        call.add_callback(ended.set)
+        with capture_logs() as logs:
+            assert wait_until(lambda: is_blocked(sessions, 1), timeout_s=30)  # paused
+            more.set()
+            assert wait_until(lambda: sessions[0].num_waiting == num_waiting)
+            call.cancel()
+            assert wait_until(lambda: engine_is_empty(server.target))
+            assert wait_until(lambda: num_cancelled(server) - before == num_running + num_waiting)
+            assert server.telemetry.requests.flush(10)
+    unadmitted = sorted(
+        e["client_request_id"]
+        for e in logs
+        if e.get("event") == "request_finished" and e["message"] == session.CALL_ENDED_UNADMITTED
+    )
+    assert unadmitted == ["r4", "r5", "r6"]

@@ -11,16 +11,18 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from polling import wait_until
 from server_thread import ServerThread
 from structlog.testing import capture_logs
 
-from slipstream.service.api import session, wire
+from slipstream.service.api import servicer, session, wire
 from slipstream.service.api.limits import Limits
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.events import RequestSpec
@@ -359,12 +361,23 @@ def test_a_stream_whose_pending_submit_is_cancelled_ends_while_it_is_tokenized(
     assert admitted == []
 
 
-def test_a_call_that_ends_drops_its_pending_submits(
-    stub: pb_grpc.InferenceStub,
-    tokenizing: Tokenizing,
-    admitted: list[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def sessions(monkeypatch: pytest.MonkeyPatch) -> list[session.StreamSession]:
+    """The sessions of the calls the server takes from here on."""
+    made: list[session.StreamSession] = []
+
+    class Recorded(session.StreamSession):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(servicer, "StreamSession", Recorded)
+    return made
+
+
+@pytest.fixture
+def call_ended(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once a session has ended its call (``abort_all``)."""
     ended = threading.Event()
     abort_all = session.StreamSession.abort_all
 
@@ -373,15 +386,90 @@ def test_a_call_that_ends_drops_its_pending_submits(
         ended.set()
 
     monkeypatch.setattr(session.StreamSession, "abort_all", noted)
+    return ended
+
+
+def finished_count(server: ServerThread, reason: str, priority: int = 1) -> float:
+    """``slipstream_requests_finished_total`` at ``priority``: the tests of
+    calls that end use class 1, which no other test here ends."""
+    metrics = server.telemetry.metrics
+    labels = {"priority": str(priority), "reason": reason}
+    return metrics.registry.get_sample_value("slipstream_requests_finished_total", labels) or 0.0
+
+
+def test_a_call_that_ends_finishes_its_pending_submits_unadmitted(
+    server: ServerThread,
+    stub: pb_grpc.InferenceStub,
+    tokenizing: Tokenizing,
+    admitted: list[str],
+    call_ended: threading.Event,
+    sessions: list[session.StreamSession],
+) -> None:
+    """The submit being tokenized and those waiting behind it are never
+    admitted, yet each ends visibly: a ``request_finished`` line and a count,
+    CANCELLED, as a cancel before admission is; a duplicate waiting there is
+    refused, as it would have been in its turn."""
+    cancelled_before = finished_count(server, "cancelled")
+    rejected_before = finished_count(server, "rejected")
     stream = Stream(stub)
-    stream.send(submit("big", 4, text=LARGE_TEXT))
-    stream.send(submit("behind", 4))
-    assert tokenizing.entered.wait(10)
-    stream.call.cancel()
-    stream.read_to_end()
+    frames = [
+        submit("big", 4, text=LARGE_TEXT),
+        submit("behind", 4),
+        submit("behind", 4),  # a duplicate of a waiting submit
+    ]
+    for frame in frames:
+        frame.submit.priority = 1
+    with capture_logs() as logs:
+        for frame in frames:
+            stream.send(frame)
+        assert tokenizing.entered.wait(10)
+        # The reader goes on while "big" is tokenized: all three are read.
+        assert wait_until(lambda: [s.num_waiting for s in sessions] == [3])
+        stream.call.cancel()
+        stream.read_to_end()
+        # The client's cancel reaches the server a moment later: from then on.
+        assert call_ended.wait(10)
+        assert server.telemetry.requests.flush(10)
     assert stream.status is grpc.StatusCode.CANCELLED
-    # The client's cancel reaches the server a moment later: from then on.
-    assert ended.wait(10)
+    ended = [e for e in logs if e.get("client_request_id") in ("big", "behind")]
+    finished = sorted(
+        (e["client_request_id"], e["reason"], e["message"])
+        for e in ended
+        if e["event"] == "request_finished"
+    )
+    message = session.CALL_ENDED_UNADMITTED
+    assert finished == [("behind", "cancelled", message), ("big", "cancelled", message)]
+    [refused] = [e for e in ended if e["event"] == "request_rejected"]
+    assert refused["client_request_id"] == "behind"
+    assert refused["reason"] == "duplicate_request_id"
+    assert finished_count(server, "cancelled") == cancelled_before + 2
+    assert finished_count(server, "rejected") == rejected_before + 1
+    tokenizing.release.set()
+    time.sleep(0.3)
+    assert admitted == []
+
+
+def test_a_generate_one_call_that_ends_while_its_prompt_is_tokenized_counts_it(
+    server: ServerThread,
+    stub: pb_grpc.InferenceStub,
+    tokenizing: Tokenizing,
+    admitted: list[str],
+    call_ended: threading.Event,
+) -> None:
+    cancelled_before = finished_count(server, "cancelled")
+    one = submit("big-one", 4, text=LARGE_TEXT).submit
+    one.priority = 1
+    with capture_logs() as logs:
+        call = stub.GenerateOne(one, timeout=60)
+        assert tokenizing.entered.wait(10)
+        call.cancel()
+        assert call_ended.wait(10)
+        assert server.telemetry.requests.flush(10)
+    assert call.code() is grpc.StatusCode.CANCELLED
+    [line] = [e for e in logs if e.get("client_request_id") == "big-one"]
+    assert line["event"] == "request_finished" and line["reason"] == "cancelled"
+    assert line["message"] == session.CALL_ENDED_UNADMITTED and line["priority"] == 1
+    assert finished_count(server, "cancelled") == cancelled_before + 1
     tokenizing.release.set()
     time.sleep(0.3)
     assert admitted == []
