@@ -427,6 +427,9 @@ async def run(
         http = HttpFront(
             lifecycle, telemetry, tenants=tenants, workers=workers, limits=limits, tls=tls
         )
+    # gRPC's health service says SERVING until told otherwise: a probe must
+    # never hear that from a server whose model has not loaded.
+    await lifecycle.report_loading()
     await server.start()
     if http is not None:
         try:
@@ -444,7 +447,6 @@ async def run(
         loop.add_signal_handler(sig, stop.set)
     if tenants is not None and tenants_file is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_tenants, tenants, tenants_file)
-    await lifecycle.report_loading()
     log.info(
         "server_loading",
         host=host,

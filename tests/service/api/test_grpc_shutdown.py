@@ -234,3 +234,43 @@ def test_requests_cut_off_at_the_grace_end_shutdown_not_cancelled(
     assert [line["num_running"] for line in expired] == [1]
     labels = {"priority": "0", "reason": "shutdown"}
     assert metrics.registry.get_sample_value("slipstream_requests_finished_total", labels) == 1
+
+
+def test_health_says_not_serving_from_the_moment_the_port_listens(monkeypatch) -> None:
+    """gRPC's health service says SERVING until told otherwise: a probe that
+    reached the port between its start and the loading report was told the
+    server serves while the model had not begun to load."""
+    from slipstream.service.api import server as server_module
+
+    seen: list[int] = []
+    real_build = server_module.build_server
+
+    def build_and_probe_at_start(*args: object, **kwargs: object) -> tuple[object, int]:
+        server, bound = real_build(*args, **kwargs)
+        real_start = server.start
+
+        async def start_then_probe() -> None:
+            await real_start()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{bound}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                seen.append(answer.status)
+
+        server.start = start_then_probe
+        return server, bound
+
+    monkeypatch.setattr(server_module, "build_server", build_and_probe_at_start)
+
+    release = threading.Event()
+
+    def load_until_stopped() -> object:
+        os.kill(os.getpid(), signal.SIGTERM)  # the server's own handler
+        release.wait(30)
+        raise RuntimeError("the load was released")
+
+    try:
+        served = asyncio.run(server_module.run(load_until_stopped, "127.0.0.1", 0, 30.0))
+    finally:
+        release.set()
+    assert served is False
+    assert seen == [health_pb2.HealthCheckResponse.NOT_SERVING]
