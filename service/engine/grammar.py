@@ -56,6 +56,21 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 MAX_CACHED_GRAMMARS = 64
 MAX_CACHED_TEXT_BYTES = 512 * 1024
 
+# The work a constrained row's mask may take a step. llguidance's defaults
+# (200,000 lexer fuel, ~14 ms at its ~14,000 a ms; 50,000 Earley items, ~2.5
+# ms at ~20,000 a ms) let one costly grammar hold up every request in its
+# batch for longer than SmolLM2's whole CPU step (16-20 ms). Schemas and
+# expressions met in practice (nested objects, a 19 KB schema, string
+# formats and patterns, a 500-value enum, anyOf of 20 objects, recursion)
+# needed under 5,000 and 2,000 over 150 steps of SmolLM2's vocabulary;
+# these leave them four times that. A mask past either fails (llguidance
+# allows EOS alone then) and ``Matcher.take`` raises ``ConstraintTooComplex``.
+# They bound the lexer's and the parser's blow-ups, not every mask: an anyOf
+# of ~200 arrays of arrays costs 15-20 ms a mask (SmolLM2) within both, until
+# the items limit or llguidance's 2,000-item row stops it a step or two on.
+STEP_LEXER_FUEL = 20_000  # ~1.4 ms
+STEP_MAX_ITEMS = 10_000  # ~0.5 ms
+
 
 class InvalidConstraint(ValueError):
     """A constraint that does not compile, with llguidance's message
@@ -65,6 +80,11 @@ class InvalidConstraint(ValueError):
 class ConstraintBroken(RuntimeError):
     """A sampled token the constraint does not allow (a masked row's sampler
     picked outside its mask): a server fault, not the caller's."""
+
+
+class ConstraintTooComplex(ConstraintBroken):
+    """A step's mask needed more work than ``STEP_LEXER_FUEL`` or
+    ``STEP_MAX_ITEMS`` allow: the grammar's fault, and its request's alone."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -100,11 +120,19 @@ class Matcher:
 
     def take(self, token_id: int) -> bool:
         """Advances by a sampled token; True once the output is complete
-        (nothing but EOS may follow). Raises ``ConstraintBroken`` for a token
-        the constraint does not allow."""
-        if not self._matcher.consume_token(token_id):  # its first line: the rest dumps state
-            raise ConstraintBroken(self._matcher.get_error().partition("\n")[0])
-        return bool(self._matcher.is_stopped())
+        (nothing but EOS may follow). Raises ``ConstraintTooComplex`` when
+        this step's mask went past the step limits (the mask then allowed
+        EOS alone, and the output is not a match: no EOS may end it as
+        one), ``ConstraintBroken`` for a token the constraint does not
+        allow."""
+        matcher = self._matcher
+        if matcher.is_error():  # set by this step's mask: only a limit fails one
+            raise ConstraintTooComplex(
+                f"the constraint needs more work a step than allowed: {_first_line(matcher)}"
+            )
+        if not matcher.consume_token(token_id):
+            raise ConstraintBroken(_first_line(matcher))
+        return bool(matcher.is_stopped())
 
 
 class GrammarCompiler:
@@ -120,6 +148,8 @@ class GrammarCompiler:
         *,
         max_cached: int = MAX_CACHED_GRAMMARS,
         max_cached_bytes: int = MAX_CACHED_TEXT_BYTES,
+        step_lexer_fuel: int = STEP_LEXER_FUEL,
+        step_max_items: int = STEP_MAX_ITEMS,
     ) -> None:
         self._hf_tokenizer = tokenizer
         # Any of the model's EOS ids (end of turn included) may end a whole match.
@@ -127,6 +157,11 @@ class GrammarCompiler:
         self._tokenizer: Any = None  # llguidance.LLTokenizer, built on first use
         self._lock = threading.Lock()
         self._cache = GrammarCache(max_cached, max_cached_bytes)
+        # verbose_errors off: an error is one line, not a dump of the parser's
+        # state and the caller's schema (logged, and sent back).
+        self.limits = llguidance.LLParserLimits(
+            step_lexer_fuel=step_lexer_fuel, step_max_items=step_max_items, verbose_errors=False
+        )
 
     def cached(self, constraint: OutputConstraint) -> Grammar | None:
         """The compiled grammar of an equal constraint, if one is kept: a
@@ -147,7 +182,7 @@ class GrammarCompiler:
     def _compile(self, constraint: OutputConstraint) -> Grammar:
         grammar = _grammar_text(constraint)
         tokenizer = self._llg_tokenizer()
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise InvalidConstraint(f"{constraint.kind.value}: {matcher.get_error().rstrip()}")
         words = (tokenizer.vocab_size + 31) // 32
@@ -202,6 +237,11 @@ class GrammarCache:
             while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
                 _, (_, dropped) = self._entries.popitem(last=False)
                 self.num_bytes -= dropped
+
+
+def _first_line(matcher: Any) -> str:
+    """A matcher's error, its first line (the rest, if any, dumps state)."""
+    return str(matcher.get_error()).partition("\n")[0]
 
 
 def _grammar_text(constraint: OutputConstraint) -> str:

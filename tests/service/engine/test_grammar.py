@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.service.engine import grammar as grammar_module
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
 from slipstream.service.engine.engine import Engine, _Collector
@@ -29,6 +30,9 @@ from slipstream.service.engine.events import (
     TokenEvent,
 )
 from slipstream.service.engine.grammar import (
+    STEP_LEXER_FUEL,
+    STEP_MAX_ITEMS,
+    ConstraintTooComplex,
     Grammar,
     GrammarCache,
     GrammarCompiler,
@@ -281,6 +285,57 @@ def test_one_kept_grammar_serves_requests_on_many_threads(engine):
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+# ---------------------------------------------------------------- a step's limits
+
+# An expression whose lexer builds states as the text goes: ~4,900 fuel at
+# its costliest step on tiny's vocabulary.
+COSTLY = OutputConstraint(ConstraintKind.REGEX, "(.*a.{20})")
+COSTLY_TEXT = "banana and a bag of apples as a snack " * 3
+
+
+def test_matchers_are_built_with_the_step_limits(engine, monkeypatch):
+    real = grammar_module.llguidance.LLMatcher
+    limits = []
+
+    class Spy:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+        grammar_from_regex = staticmethod(real.grammar_from_regex)
+
+        def __new__(cls, *args, **kwargs):
+            limits.append(kwargs.get("limits"))
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", Spy)
+    _compiler(engine).compile(DIGITS)
+    (used,) = limits
+    assert (used.step_lexer_fuel, used.step_max_items) == (STEP_LEXER_FUEL, STEP_MAX_ITEMS)
+    assert (STEP_LEXER_FUEL, STEP_MAX_ITEMS) == (20_000, 10_000)  # llguidance's: 200k, 50k
+    assert not used.verbose_errors
+
+
+def test_a_mask_past_the_step_limits_fails_its_request_alone(engine):
+    seven = engine.tokenizer.convert_tokens_to_ids("7")
+    for fuel, fails in ((STEP_LEXER_FUEL, False), (2_000, True)):
+        costly = _compiler(engine, step_lexer_fuel=fuel).compile(COSTLY).start()
+        digits = engine.grammars.compile(LONG_DIGITS).start()
+        failed = None
+        for token in engine.tokenizer.encode(COSTLY_TEXT, add_special_tokens=False):
+            logits = torch.zeros(2, engine.info.vocab_size)
+            mask_logits(logits, ["costly", "digits"], {"costly": costly, "digits": digits})
+            assert logits[1, seven] == 0 and logits[1].isinf().sum() > 0  # its own mask
+            digits.take(seven)
+            try:
+                costly.take(token)
+            except ConstraintTooComplex as exc:
+                eos = engine.info.eos_token_ids[0]
+                assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [eos]
+                failed = exc
+                break
+        assert (failed is not None) == fails, failed
+    assert "the constraint needs more work a step than allowed" in str(failed)
+    assert "too many expressions" in str(failed) and "\n" not in str(failed)
 
 
 # ---------------------------------------------------------------- preemption
