@@ -3,6 +3,7 @@ arguments, and the chunk/result records a caller sees."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,9 @@ Prompt = str | Sequence[int]
 # A conversation: (role, content) pairs or {"role": ..., "content": ...} dicts.
 Messages = Sequence[tuple[str, str] | Mapping[str, str]]
 Metadata = Sequence[tuple[str, str]] | Mapping[str, str] | None
+# A JSON Schema: its JSON text, or the schema itself (a mapping; true or
+# false, the schemas that allow anything or nothing).
+JsonSchema = str | Mapping[str, object] | bool
 
 
 def trace_context() -> dict[str, str]:
@@ -104,6 +108,10 @@ class GenerateOptions:
     first_token_timeout_s: float | None = None
     logprobs: bool = False  # each token's log-probability (Chunk.logprobs, Result.logprobs)
     top_logprobs: int = 0  # with logprobs: this many likeliest tokens at each position (<= 20)
+    # Structured output, at most one: what the whole output must match.
+    json_schema: JsonSchema | None = None  # a JSON Schema: a dict, or its JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # a regular expression (Rust regex syntax)
 
 
 class Options(TypedDict, total=False):
@@ -124,6 +132,9 @@ class Options(TypedDict, total=False):
     first_token_timeout_s: float | None
     logprobs: bool
     top_logprobs: int
+    json_schema: JsonSchema | None
+    json_object: bool
+    regex: str | None
 
 
 # Integer keyword arguments: (name, smallest, largest value of their wire field).
@@ -205,6 +216,51 @@ def _stop_sequences(stop: object) -> list[str]:
     return list(stops)
 
 
+def _constraint(options: GenerateOptions) -> pb.OutputConstraint | None:
+    """The submit's ``constraint``, or None for none. Two kinds at once, or
+    a schema that is not JSON, raise ``ValueError`` naming the argument; the
+    server compiles it and refuses what does not (INVALID_ARGUMENT)."""
+    schema, json_object, regex = options.json_schema, options.json_object, options.regex
+    if not isinstance(json_object, bool):
+        raise TypeError(f"json_object must be a bool, got {json_object!r}")
+    given = [
+        name
+        for name, value in (("json_schema", schema), ("json_object", json_object), ("regex", regex))
+        if value is not None and value is not False
+    ]
+    if len(given) > 1:
+        both = " and ".join(given)
+        raise ValueError(f"give at most one of json_schema, json_object and regex, not {both}")
+    if json_object:
+        return pb.OutputConstraint(json_object=True)
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise TypeError(f"regex must be a str, got {regex!r}")
+        if not regex:
+            raise ValueError("regex is empty (leave it None for no constraint)")
+        return pb.OutputConstraint(regex=regex)
+    if schema is None:
+        return None
+    return pb.OutputConstraint(json_schema=_schema_text(schema))
+
+
+def _schema_text(schema: object) -> str:
+    """``json_schema`` as the JSON text the wire carries: a str must parse as
+    JSON; a mapping or bool is serialised (NaN and infinities are not JSON)."""
+    if isinstance(schema, str):
+        try:
+            json.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        return schema
+    if not isinstance(schema, Mapping | bool):
+        raise TypeError(f"json_schema must be a dict, a bool or JSON text, got {schema!r}")
+    try:
+        return json.dumps(schema, allow_nan=False)
+    except (TypeError, ValueError) as exc:  # a set, bytes, a cycle, NaN...
+        raise ValueError(f"json_schema is not JSON-serialisable: {exc}") from None
+
+
 def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
@@ -230,6 +286,7 @@ def build_submit(
         trace_context=trace_context(),
         return_logprobs=options.logprobs,
         top_logprobs=options.top_logprobs,
+        constraint=_constraint(options),  # None leaves it unset
     )
     if isinstance(prompt, Conversation):
         submit.messages.SetInParent()  # selects the oneof even for an empty conversation

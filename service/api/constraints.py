@@ -7,7 +7,10 @@ and the first one builds the tokenizer's tables (1 s for 49,152 tokens).
       await compile_constraint(...) ──▶         engine.grammars.compile(constraint)
       ◀── the compiled constraint, or InvalidConstraint (INVALID_ARGUMENT, a 400)
 
-Its text's size was checked before (``Limits.max_constraint_bytes``).
+A constraint compiled before is taken from the compiler's cache on the
+event loop (a dict lookup), without waiting for a worker: services send the
+same schema with every request. Its text's size was checked before
+(``Limits.max_constraint_bytes``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ async def compile_constraint(
     (the engine then starts each request's matcher from it): on the server's
     worker pool (full: ``WorkersBusy``, QUEUE_FULL) or, without one, a plain
     thread. Raises ``InvalidConstraint`` (a ``ValueError``)."""
+    grammar = engine.grammars.cached(constraint)
+    if grammar is not None:
+        return grammar
     compile_it = functools.partial(engine.grammars.compile, constraint)
     if workers is None:
         return await asyncio.to_thread(compile_it)

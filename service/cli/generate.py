@@ -14,6 +14,9 @@ one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` and
 optionally ``max_tokens``, ``temperature``, ``seed``; any other key is an
 error, not ignored. A messages file is one conversation, a JSON list
 of ``{"role", "content"}`` objects, rendered with the model's chat template.
+
+``--json-schema``, ``--json-object`` or ``--regex`` constrains every
+prompt's output (structured output, docs/api.md).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from slipstream.service.cli.serve import add_engine_args, engine_config
 if TYPE_CHECKING:
     from slipstream.clients import AsyncGeneration, StreamError
     from slipstream.clients.wire import Conversation
+    from slipstream.scheduler.request import OutputConstraint
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         help="each output token's log-probability and the N likeliest tokens at its "
         "position (0: none), in the --json output",
     )
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        type=json_schema_text,
+        metavar="FILE_OR_JSON",
+        help="each output is JSON this schema accepts: its JSON text (starting with '{') "
+        "or a file holding it",
+    )
+    constraint.add_argument(
+        "--json-object", action="store_true", help="each output is a JSON object"
+    )
+    constraint.add_argument(
+        "--regex", help="each output matches this regular expression (Rust regex syntax)"
+    )
     parser.add_argument(
         "--priority",
         type=non_negative_int32,
@@ -205,6 +223,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine = add_engine_args(parser)
     mode_flags = ModeFlags.of(parser, local=engine, server=connection)
     parser.set_defaults(func=functools.partial(run, mode_flags=mode_flags))
+
+
+def json_schema_text(value: str) -> str:
+    """``--json-schema``: JSON text where it starts with ``{``, else the
+    name of a file holding it; the schema's JSON text."""
+    text = value
+    if not value.lstrip().startswith("{"):
+        try:
+            text = Path(value).read_text()
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"{value}: cannot read it: {exc.strerror}") from None
+    try:
+        json.loads(text)
+    except ValueError as exc:  # json.JSONDecodeError
+        where = "" if text is value else f"{value}: "
+        raise argparse.ArgumentTypeError(f"{where}not JSON ({exc})") from None
+    return text
+
+
+def constraint_options(args: argparse.Namespace) -> dict[str, object]:
+    """The clients' keyword arguments for the constraint flags (none: {})."""
+    if args.json_schema is not None:
+        return {"json_schema": args.json_schema}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    return {}
+
+
+def _local_constraint(args: argparse.Namespace) -> OutputConstraint | None:
+    """The constraint flags as the engine's ``OutputConstraint``."""
+    from slipstream.scheduler.request import ConstraintKind, OutputConstraint
+
+    if args.json_schema is not None:
+        return OutputConstraint(ConstraintKind.JSON_SCHEMA, args.json_schema)
+    if args.json_object:
+        return OutputConstraint(ConstraintKind.JSON_OBJECT)
+    if args.regex is not None:
+        return OutputConstraint(ConstraintKind.REGEX, args.regex)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +493,7 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
         file=sys.stderr,
         flush=True,
     )
+    constraint = _local_constraint(args)
     engine = load_engine(config)
     engine.start()
     collectors = [
@@ -461,6 +521,7 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
                         if args.first_token_timeout is None
                         else now + args.first_token_timeout / 1000
                     ),
+                    constraint=constraint,  # compiled once, then from the engine's cache
                 )
                 engine.submit(request, collector.on_event)
             except Exception as exc:  # a bad prompt fails alone, as over the wire
@@ -591,6 +652,7 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
                 "expected_tokens": args.expected_tokens,
                 "logprobs": args.logprobs is not None,
                 "top_logprobs": args.logprobs or 0,
+                **constraint_options(args),
             }
             if stream is None:
                 generations.append(await client.generate_one(prompt, **options))  # type: ignore[arg-type]

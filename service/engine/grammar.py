@@ -15,8 +15,10 @@ where the output is a whole one::
 
 Compiling costs from a millisecond to a second (a large schema; and, once
 per model, the tokenizer's tables: 0.06 s for `tiny`'s 4,096 tokens, 1 s
-for SmolLM2's 49,152), so the front doors compile off their event loop;
-starting a request's matcher is a copy of a compiled one (~20 µs).
+for SmolLM2's 49,152), so the front doors compile off their event loop; the
+latest compiled grammars are kept (``GrammarCache``), and a constraint sent
+again is not compiled again. Starting a request's matcher is a copy of a
+compiled one (~20 µs).
 
 A step's mask is filled on the host (tens of µs a row) and applied by
 ``mask_logits`` with plain torch ops, on the CPU and on a GPU alike.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +48,29 @@ from slipstream.scheduler.request import ConstraintKind, OutputConstraint
 # What JSON object mode compiles to: a JSON object, any keys.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
+# Compiled grammars kept for constraints sent again (a service sends the same
+# schema with every request): a hit costs a dict lookup where compiling costs
+# 0.9 ms for a typical schema and 17 ms for a 19 KB one (SmolLM2's 49,152
+# tokens). A compiled schema holds some 40 to 50 times its text (19 KB: 0.75
+# to 0.9 MB), so the texts kept are bounded too: 512 KiB, ~25 MB compiled.
+MAX_CACHED_GRAMMARS = 64
+MAX_CACHED_TEXT_BYTES = 512 * 1024
+
+# The work a constrained row's mask may take a step. llguidance's defaults
+# (200,000 lexer fuel, ~14 ms at its ~14,000 a ms; 50,000 Earley items, ~2.5
+# ms at ~20,000 a ms) let one costly grammar hold up every request in its
+# batch for longer than SmolLM2's whole CPU step (16-20 ms). Schemas and
+# expressions met in practice (nested objects, a 19 KB schema, string
+# formats and patterns, a 500-value enum, anyOf of 20 objects, recursion)
+# needed under 5,000 and 2,000 over 150 steps of SmolLM2's vocabulary;
+# these leave them four times that. A mask past either fails (llguidance
+# allows EOS alone then) and ``Matcher.take`` raises ``ConstraintTooComplex``.
+# They bound the lexer's and the parser's blow-ups, not every mask: an anyOf
+# of ~200 arrays of arrays costs 15-20 ms a mask (SmolLM2) within both, until
+# the items limit or llguidance's 2,000-item row stops it a step or two on.
+STEP_LEXER_FUEL = 20_000  # ~1.4 ms
+STEP_MAX_ITEMS = 10_000  # ~0.5 ms
+
 
 class InvalidConstraint(ValueError):
     """A constraint that does not compile, with llguidance's message
@@ -54,6 +80,11 @@ class InvalidConstraint(ValueError):
 class ConstraintBroken(RuntimeError):
     """A sampled token the constraint does not allow (a masked row's sampler
     picked outside its mask): a server fault, not the caller's."""
+
+
+class ConstraintTooComplex(ConstraintBroken):
+    """A step's mask needed more work than ``STEP_LEXER_FUEL`` or
+    ``STEP_MAX_ITEMS`` allow: the grammar's fault, and its request's alone."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -89,31 +120,69 @@ class Matcher:
 
     def take(self, token_id: int) -> bool:
         """Advances by a sampled token; True once the output is complete
-        (nothing but EOS may follow). Raises ``ConstraintBroken`` for a token
-        the constraint does not allow."""
-        if not self._matcher.consume_token(token_id):  # its first line: the rest dumps state
-            raise ConstraintBroken(self._matcher.get_error().partition("\n")[0])
-        return bool(self._matcher.is_stopped())
+        (nothing but EOS may follow). Raises ``ConstraintTooComplex`` when
+        this step's mask went past the step limits (the mask then allowed
+        EOS alone, and the output is not a match: no EOS may end it as
+        one), ``ConstraintBroken`` for a token the constraint does not
+        allow."""
+        matcher = self._matcher
+        if matcher.is_error():  # set by this step's mask: only a limit fails one
+            raise ConstraintTooComplex(
+                f"the constraint needs more work a step than allowed: {_first_line(matcher)}"
+            )
+        if not matcher.consume_token(token_id):
+            raise ConstraintBroken(_first_line(matcher))
+        return bool(matcher.is_stopped())
 
 
 class GrammarCompiler:
-    """Compiles constraints for one model. Thread-safe: the tokenizer's
-    tables are built once, by the first compile, under a lock."""
+    """Compiles constraints for one model, and keeps the latest it compiled
+    (``cached``). Thread-safe: the tokenizer's tables are built once, by the
+    first compile, under a lock; a kept ``Grammar`` serves any number of
+    requests at once, its template only ever copied."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: Sequence[int],
+        *,
+        max_cached: int = MAX_CACHED_GRAMMARS,
+        max_cached_bytes: int = MAX_CACHED_TEXT_BYTES,
+        step_lexer_fuel: int = STEP_LEXER_FUEL,
+        step_max_items: int = STEP_MAX_ITEMS,
+    ) -> None:
         self._hf_tokenizer = tokenizer
         # Any of the model's EOS ids (end of turn included) may end a whole match.
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: Any = None  # llguidance.LLTokenizer, built on first use
         self._lock = threading.Lock()
+        self._cache = GrammarCache(max_cached, max_cached_bytes)
+        # verbose_errors off: an error is one line, not a dump of the parser's
+        # state and the caller's schema (logged, and sent back).
+        self.limits = llguidance.LLParserLimits(
+            step_lexer_fuel=step_lexer_fuel, step_max_items=step_max_items, verbose_errors=False
+        )
+
+    def cached(self, constraint: OutputConstraint) -> Grammar | None:
+        """The compiled grammar of an equal constraint, if one is kept: a
+        dict lookup, fit for an event loop."""
+        return self._cache.get(constraint)
 
     def compile(self, constraint: OutputConstraint) -> Grammar:
-        """``constraint`` compiled; raises ``InvalidConstraint``. Takes a
+        """``constraint`` compiled, or kept from an earlier compile of an
+        equal one; raises ``InvalidConstraint``. A compile takes a
         millisecond to a second: keep it off an event loop (llguidance
         gives up the GIL while it works)."""
+        grammar = self._cache.get(constraint)
+        if grammar is None:
+            grammar = self._compile(constraint)
+            self._cache.put(grammar)
+        return grammar
+
+    def _compile(self, constraint: OutputConstraint) -> Grammar:
         grammar = _grammar_text(constraint)
         tokenizer = self._llg_tokenizer()
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise InvalidConstraint(f"{constraint.kind.value}: {matcher.get_error().rstrip()}")
         words = (tokenizer.vocab_size + 31) // 32
@@ -127,6 +196,52 @@ class GrammarCompiler:
                     eos_token=self._eos_token_ids or None,
                 )
             return self._tokenizer
+
+
+class GrammarCache:
+    """Compiled grammars by their constraint's kind and text, the least
+    recently used dropped first once more than ``max_entries`` are kept or
+    their texts pass ``max_bytes`` (UTF-8). Thread-safe; failures are not
+    kept (a constraint that does not compile is refused again)."""
+
+    def __init__(self, max_entries: int, max_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[tuple[ConstraintKind, str], tuple[Grammar, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, constraint: OutputConstraint) -> Grammar | None:
+        key = (constraint.kind, constraint.text)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, grammar: Grammar) -> None:
+        size = len(grammar.text.encode())
+        if self.max_entries < 1 or size > self.max_bytes:
+            return
+        key = (grammar.kind, grammar.text)
+        with self._lock:
+            old = self._entries.pop(key, None)  # compiled twice at once: the later stays
+            if old is not None:
+                self.num_bytes -= old[1]
+            self._entries[key] = (grammar, size)
+            self.num_bytes += size
+            while len(self._entries) > self.max_entries or self.num_bytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.num_bytes -= dropped
+
+
+def _first_line(matcher: Any) -> str:
+    """A matcher's error, its first line (the rest, if any, dumps state)."""
+    return str(matcher.get_error()).partition("\n")[0]
 
 
 def _grammar_text(constraint: OutputConstraint) -> str:

@@ -4,6 +4,7 @@ results, whole-call errors, metadata and OpenTelemetry propagation."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 import threading
@@ -232,6 +233,75 @@ def test_keyword_arguments_reach_the_wire() -> None:
     bare = build_submit("b", [1, 2], GenerateOptions()).submit
     assert not bare.HasField("timeout") and not bare.HasField("expected_output_tokens")
     assert not bare.stopping.HasField("max_new_tokens")
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+@pytest.mark.parametrize(
+    ("options", "constraint"),
+    [
+        ({"json_schema": SCHEMA}, {"json_schema": SCHEMA}),
+        ({"json_schema": '{"enum": ["yes", "no"]}'}, {"json_schema": {"enum": ["yes", "no"]}}),
+        ({"json_schema": True}, {"json_schema": True}),
+        ({"json_object": True}, {"json_object": True}),
+        ({"regex": "[0-9]{3}"}, {"regex": "[0-9]{3}"}),
+        ({"json_object": False, "regex": None}, None),
+    ],
+    ids=["schema", "schema_text", "schema_true", "json_object", "regex", "none"],
+)
+def test_a_constraint_reaches_the_wire_from_every_call(
+    scripted: ScriptedServer, options: dict[str, object], constraint: dict[str, object] | None
+) -> None:
+    """``json_schema`` (a dict, a bool or its JSON text), ``json_object`` or
+    ``regex`` is the submit's ``constraint``, on a stream, a
+    ``generate_one`` call and the asyncio client alike."""
+    with Client(scripted.target) as client:
+        client.generate("a", max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        client.generate_one("b", max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        stream = client.stream()
+        stream.generate("c", max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        stream.close()
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            await (await client.generate("d", max_tokens=1, **options)).result()  # type: ignore[arg-type]
+            await (await client.generate_one("e", max_tokens=1, **options)).result()  # type: ignore[arg-type]
+
+    asyncio.run(scenario())
+    submits = scripted.servicer.recorded.submits
+    assert len(submits) == 5
+    for submit in submits:
+        if constraint is None:
+            assert not submit.HasField("constraint")
+            continue
+        ((kind, value),) = constraint.items()
+        assert submit.constraint.WhichOneof("kind") == kind
+        sent = getattr(submit.constraint, kind)
+        assert (json.loads(sent) if kind == "json_schema" else sent) == value
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"json_schema": SCHEMA, "regex": "x"}, ValueError, "not json_schema and regex"),
+        ({"json_object": True, "regex": "x"}, ValueError, "not json_object and regex"),
+        ({"json_schema": {"enum": {1, 2}}}, ValueError, "json_schema is not JSON-serialisable"),
+        ({"json_schema": {"maximum": math.nan}}, ValueError, "json_schema is not JSON-serialis"),
+        ({"json_schema": '{"type": "object"'}, ValueError, "json_schema is not valid JSON"),
+        ({"json_schema": ["object"]}, TypeError, "json_schema must be a dict"),
+        ({"regex": ""}, ValueError, "regex is empty"),
+        ({"regex": b"[0-9]"}, TypeError, "regex must be a str"),
+        ({"json_object": "yes"}, TypeError, "json_object must be a bool"),
+    ],
+)
+def test_a_constraint_that_cannot_be_right_is_refused_before_sending(
+    options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        build_submit("a", "hi", GenerateOptions(**options))  # type: ignore[arg-type]
+    with Client("127.0.0.1:1") as client, pytest.raises(error, match=message):
+        client.generate_one("hi", **options)  # type: ignore[arg-type]
 
 
 def test_a_stop_string_is_one_stop_sequence() -> None:

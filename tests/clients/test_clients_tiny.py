@@ -1,9 +1,12 @@
 """The Python clients against a real server on ``tiny``: what a caller's
-chunk loop sees matches the request's result."""
+chunk loop sees matches the request's result; a constraint shapes the
+output, and one the server cannot compile is refused."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -58,3 +61,35 @@ def test_a_chunk_loop_sees_the_text_held_back_for_stop_sequences(server: ServerT
             _assert_chunks_spell_the_result(texts, await generation.result())
 
     asyncio.run(scenario())
+
+
+def test_a_constrained_request_answers_in_its_shape_from_either_client(
+    server: ServerThread,
+) -> None:
+    """``tiny``'s random weights never write digits or a yes/no JSON string
+    unasked: each output below is the constraint's doing."""
+    with Client(server.target) as client:
+        digits = client.generate("Hello", max_tokens=8, regex="[0-9]{3}").result(timeout=30)
+        answer = client.generate_one(
+            "Hi", max_tokens=8, json_schema={"enum": ["yes", "no"]}
+        ).result(timeout=30)
+    assert re.fullmatch("[0-9]{3}", digits.text), digits
+    assert digits.finish_reason == "stop_sequence"  # complete: it ends there
+    assert json.loads(answer.text) in ("yes", "no"), answer
+
+    async def scenario() -> Result:
+        async with AsyncClient(server.target) as client:
+            generation = await client.generate("Hello", max_tokens=8, regex="(yes|no)")
+            return await generation.result()
+
+    result = asyncio.run(scenario())
+    assert result.text in ("yes", "no"), result
+
+
+def test_a_schema_the_server_cannot_compile_is_refused_with_its_reason(
+    server: ServerThread,
+) -> None:
+    with Client(server.target) as client:
+        result = client.generate("Hello", json_schema={"type": "no such type"}).result(timeout=30)
+    assert (result.finish_reason, result.status_code) == ("rejected", "INVALID_ARGUMENT")
+    assert "json_schema" in result.message, result

@@ -6,6 +6,7 @@ that made one step more."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -110,6 +111,63 @@ def test_a_token_from_the_environment_is_not_a_flag_given(
     monkeypatch.setattr(generate, "run_local", run_local)
     assert main(["generate", "--local", "--prompt", "hi", "--model", "tiny"]) == 0
     assert len(ran) == 1 and capsys.readouterr().out == "[0] (max_tokens) x\n"
+
+
+SCHEMA = '{"type": "object", "properties": {"n": {"type": "integer"}}}'
+
+
+@pytest.mark.parametrize(
+    ("flags", "kind", "value"),
+    [
+        (["--json-schema", SCHEMA], "json_schema", SCHEMA),
+        (["--json-schema", "FILE"], "json_schema", SCHEMA),
+        (["--json-object"], "json_object", True),
+        (["--regex", "[0-9]+"], "regex", "[0-9]+"),
+    ],
+    ids=["schema", "schema_file", "json_object", "regex"],
+)
+@pytest.mark.parametrize("mode", [[], ["--per-request"]], ids=["stream", "per_request"])
+def test_a_constraint_flag_reaches_the_submit(
+    scripted: ScriptedServer,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    flags: list[str],
+    kind: str,
+    value: object,
+    mode: list[str],
+) -> None:
+    (tmp_path / "schema.json").write_text(SCHEMA)
+    flags = [str(tmp_path / "schema.json") if f == "FILE" else f for f in flags]
+    _generate(scripted, capsys, *mode, "--max-tokens", "2", *flags)
+    [submit] = scripted.servicer.recorded.submits
+    assert submit.constraint.WhichOneof("kind") == kind
+    assert getattr(submit.constraint, kind) == value
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        (["--json-schema", '{"type":'], "argument --json-schema: not JSON"),
+        (["--json-schema", "/no/such/schema.json"], "/no/such/schema.json: cannot read it"),
+        (["--regex", "x", "--json-object"], "not allowed with argument"),
+    ],
+)
+def test_a_constraint_flag_that_cannot_be_right_is_refused(
+    capsys: pytest.CaptureFixture[str], flags: list[str], complaint: str
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *flags])
+    assert complaint in capsys.readouterr().err
+
+
+def test_the_local_engine_follows_a_constraint_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """tiny's random weights never write three digits unasked."""
+    argv = ["generate", "--local", "--prompt", "hi", "--prompt", "Once", "--json"]
+    argv += ["--max-tokens", "8", "--regex", "[0-9]{3}"]
+    assert main([*argv, "--dtype", "float32", "--no-calibrate", "--kv-memory", "lazy"]) == 0
+    outputs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [o["finish_reason"] for o in outputs] == ["stop_sequence"] * 2
+    assert all(re.fullmatch("[0-9]{3}", o["text"]) for o in outputs), outputs
 
 
 def test_local_says_which_model_it_runs_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:

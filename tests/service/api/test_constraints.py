@@ -124,20 +124,46 @@ def test_malformed_constraints_are_invalid_argument(stub, constraint, words):
     assert words in info.value.details()
 
 
-def test_constraints_compile_off_the_event_loop(stub, server, front, engine, monkeypatch):
-    threads = []
+def _spy_on_compile(engine, monkeypatch) -> list[tuple[str, threading.Thread]]:
+    """(the constraint's text, the thread) of every compile from now on."""
+    compiled = []
     compile_it = engine.grammars.compile
 
     def spy(constraint):
-        threads.append(threading.current_thread())
+        compiled.append((constraint.text, threading.current_thread()))
         return compile_it(constraint)
 
     monkeypatch.setattr(engine.grammars, "compile", spy)
-    list(stub.GenerateOne(_submit("off", pb.OutputConstraint(regex="[0-9]{2}")), timeout=30))
-    status, _ = _complete(front, response_format={"type": "json_object"}, max_tokens=2)
+    return compiled
+
+
+def test_constraints_compile_off_the_event_loop(stub, server, front, engine, monkeypatch):
+    compiled = _spy_on_compile(engine, monkeypatch)
+    # Constraints of this test alone: none is kept from another's compile.
+    regex = pb.OutputConstraint(regex="[0-9]{2}(off the loop)?")
+    list(stub.GenerateOne(_submit("off", regex), timeout=30))
+    schema = _json_schema({"enum": ["off", "the", "loop"]})
+    status, _ = _complete(front, response_format=schema, max_tokens=2)
     assert status == 200
-    assert len(threads) == 2
+    assert len(compiled) == 2
+    threads = [thread for _, thread in compiled]
     assert server.thread not in threads and front.thread not in threads
+
+
+def test_a_constraint_sent_again_is_not_compiled_again(stub, front, engine, monkeypatch):
+    """Services send the same schema with every request: the compiled one is
+    kept, and taken on the event loop, no worker needed."""
+    compiled = _spy_on_compile(engine, monkeypatch)
+    regex = pb.OutputConstraint(regex="[0-9]{2}(again)?")
+    for i in range(3):
+        list(stub.GenerateOne(_submit(f"again{i}", regex), timeout=30))
+    schema = _json_schema({"enum": ["again", "and"]})
+    for _ in range(3):
+        status, body = _complete(front, response_format=schema, max_tokens=4, n=2)
+        assert status == 200, body
+        assert all(json.loads(c["text"]) in ("again", "and") for c in body["choices"])
+    texts = [text for text, _ in compiled]
+    assert len(texts) == 2 and texts[0] == "[0-9]{2}(again)?", texts
 
 
 # ---------------------------------------------------------------- HTTP

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import pytest
 import torch
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.service.engine import grammar as grammar_module
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
 from slipstream.service.engine.engine import Engine, _Collector
@@ -27,7 +29,16 @@ from slipstream.service.engine.events import (
     SamplingParams,
     TokenEvent,
 )
-from slipstream.service.engine.grammar import InvalidConstraint, mask_logits
+from slipstream.service.engine.grammar import (
+    STEP_LEXER_FUEL,
+    STEP_MAX_ITEMS,
+    ConstraintTooComplex,
+    Grammar,
+    GrammarCache,
+    GrammarCompiler,
+    InvalidConstraint,
+    mask_logits,
+)
 from slipstream.service.engine.loader import load_engine, load_parts
 from slipstream.service.models.llama import LlamaModel
 
@@ -196,6 +207,135 @@ def test_the_mask_touches_only_constrained_rows_and_blocks_padding():
         [v if t in allowed else float("-inf") for t, v in enumerate(before[1].tolist())]
     )
     assert torch.equal(logits, expected)
+
+
+# ---------------------------------------------------------------- compiled grammars kept
+
+
+def _compiler(engine: Engine, **options) -> GrammarCompiler:
+    return GrammarCompiler(engine.tokenizer, engine.info.eos_token_ids, **options)
+
+
+def test_an_equal_constraint_is_compiled_once(engine):
+    compiler = _compiler(engine)
+    text = '{"type": "object", "properties": {"n": {"type": "integer"}}}'
+    first = OutputConstraint(ConstraintKind.JSON_SCHEMA, text)
+    assert compiler.cached(first) is None
+    grammar = compiler.compile(first)
+    again = OutputConstraint(ConstraintKind.JSON_SCHEMA, text)  # equal, another object
+    assert compiler.cached(again) is grammar
+    assert compiler.compile(again) is grammar
+    assert compiler.compile(OutputConstraint(ConstraintKind.REGEX, "[0-9]+")) is not grammar
+
+
+def test_a_constraint_that_does_not_compile_is_not_kept(engine):
+    compiler = _compiler(engine)
+    bad = OutputConstraint(ConstraintKind.REGEX, "[0-9")
+    for _ in range(2):
+        with pytest.raises(InvalidConstraint, match="unclosed character class"):
+            compiler.compile(bad)
+    assert compiler.cached(bad) is None
+
+
+def test_kept_grammars_are_bounded_by_count_and_bytes():
+    def grammar(text: str, kind: ConstraintKind = ConstraintKind.REGEX) -> Grammar:
+        return Grammar(kind, text, template=None, mask_words=1)
+
+    def kept(text: str, kind: ConstraintKind = ConstraintKind.REGEX) -> Grammar | None:
+        return cache.get(OutputConstraint(kind, text))
+
+    cache = GrammarCache(max_entries=2, max_bytes=10)
+    a, b, c = grammar("aaa"), grammar("bbb"), grammar("ccc")
+    cache.put(a)
+    cache.put(b)
+    assert kept("aaa") is a  # the most recently used now
+    cache.put(c)  # a third: b, the least recently used, goes
+    assert (kept("bbb"), kept("aaa"), kept("ccc")) == (None, a, c)
+    assert kept("ccc", ConstraintKind.JSON_SCHEMA) is None  # the kind is part of the key
+    d = grammar("dddddd")  # 3 + 3 + 6 bytes: over 10, a goes
+    cache.put(d)
+    assert (kept("aaa"), kept("ccc"), kept("dddddd")) == (None, c, d)
+    assert (len(cache), cache.num_bytes) == (2, 9)
+    cache.put(grammar("é" * 6))  # 12 bytes of UTF-8: never kept, nothing dropped
+    assert kept("é" * 6) is None and (len(cache), cache.num_bytes) == (2, 9)
+
+
+def test_one_kept_grammar_serves_requests_on_many_threads(engine):
+    """A kept grammar's template is copied by every front-door thread at
+    once, and its matchers run beside each other."""
+    grammar = engine.grammars.compile(DIGITS)
+    digit = engine.tokenizer.convert_tokens_to_ids("7")
+    errors: list[BaseException] = []
+
+    def requests() -> None:
+        try:
+            bitmask = torch.empty((1, grammar.mask_words), dtype=torch.int32)
+            for _ in range(200):
+                matcher = grammar.start()
+                for _ in range(3):
+                    matcher.fill(bitmask, 0)
+                    complete = matcher.take(digit)
+                assert complete
+        except BaseException as exc:  # reported below, from the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=requests) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+
+
+# ---------------------------------------------------------------- a step's limits
+
+# An expression whose lexer builds states as the text goes: ~4,900 fuel at
+# its costliest step on tiny's vocabulary.
+COSTLY = OutputConstraint(ConstraintKind.REGEX, "(.*a.{20})")
+COSTLY_TEXT = "banana and a bag of apples as a snack " * 3
+
+
+def test_matchers_are_built_with_the_step_limits(engine, monkeypatch):
+    real = grammar_module.llguidance.LLMatcher
+    limits = []
+
+    class Spy:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+        grammar_from_regex = staticmethod(real.grammar_from_regex)
+
+        def __new__(cls, *args, **kwargs):
+            limits.append(kwargs.get("limits"))
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", Spy)
+    _compiler(engine).compile(DIGITS)
+    (used,) = limits
+    assert (used.step_lexer_fuel, used.step_max_items) == (STEP_LEXER_FUEL, STEP_MAX_ITEMS)
+    assert (STEP_LEXER_FUEL, STEP_MAX_ITEMS) == (20_000, 10_000)  # llguidance's: 200k, 50k
+    assert not used.verbose_errors
+
+
+def test_a_mask_past_the_step_limits_fails_its_request_alone(engine):
+    seven = engine.tokenizer.convert_tokens_to_ids("7")
+    for fuel, fails in ((STEP_LEXER_FUEL, False), (2_000, True)):
+        costly = _compiler(engine, step_lexer_fuel=fuel).compile(COSTLY).start()
+        digits = engine.grammars.compile(LONG_DIGITS).start()
+        failed = None
+        for token in engine.tokenizer.encode(COSTLY_TEXT, add_special_tokens=False):
+            logits = torch.zeros(2, engine.info.vocab_size)
+            mask_logits(logits, ["costly", "digits"], {"costly": costly, "digits": digits})
+            assert logits[1, seven] == 0 and logits[1].isinf().sum() > 0  # its own mask
+            digits.take(seven)
+            try:
+                costly.take(token)
+            except ConstraintTooComplex as exc:
+                eos = engine.info.eos_token_ids[0]
+                assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [eos]
+                failed = exc
+                break
+        assert (failed is not None) == fails, failed
+    assert "the constraint needs more work a step than allowed" in str(failed)
+    assert "too many expressions" in str(failed) and "\n" not in str(failed)
 
 
 # ---------------------------------------------------------------- preemption
