@@ -63,7 +63,13 @@ from slipstream.service.engine.events import (
     TokenEvent,
     TokenLogprobs,
 )
-from slipstream.service.engine.grammar import ConstraintBroken, Grammar, GrammarCompiler, Matcher
+from slipstream.service.engine.grammar import (
+    ConstraintBroken,
+    ConstraintTooComplex,
+    Grammar,
+    GrammarCompiler,
+    Matcher,
+)
 from slipstream.service.engine.observer import EngineObserver
 
 if TYPE_CHECKING:
@@ -108,6 +114,9 @@ class _Live:
     detokenizer: IncrementalDetokenizer
     pending_text: list[str] = field(default_factory=list)  # decoded, not yet published
     matcher: Matcher | None = None  # where it has a constraint: its place in it
+    # Why its constraint can no longer be followed: it ends ERROR, even where
+    # the token that showed it (an EOS, its last allowed) ended it first.
+    broken: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,21 +512,28 @@ class Engine:
         if live is None:
             return False
         live.pending_text.append(live.detokenizer.add(token_id))
-        if live.matcher is not None and self._advance(live.matcher, req_id, token_id):
+        if live.matcher is not None and self._advance(live, token_id):
             return True  # its output is complete: it stops as at a stop sequence
         return live.detokenizer.stopped
 
-    def _advance(self, matcher: Matcher, req_id: str, token_id: int) -> bool:
+    def _advance(self, live: _Live, token_id: int) -> bool:
         """Advances a constrained request's matcher by its sampled token;
-        True once its output is complete. A token outside the constraint
-        (a fault: its mask forbade it) ends the request ERROR before the
-        next step."""
+        True once its output is complete. A constraint that cannot be
+        followed (a mask past the step limits: the grammar's fault; a token
+        outside it: a fault here) ends the request ERROR before the next
+        step, that request alone."""
+        assert live.matcher is not None
+        req_id = live.request.req_id
         try:
-            return matcher.take(token_id)
+            return live.matcher.take(token_id)
+        except ConstraintTooComplex as exc:
+            log.warning("constraint_too_complex", req_id=req_id, detail=str(exc))
+            live.broken = str(exc)
         except ConstraintBroken as exc:
             log.error("constraint_broken", req_id=req_id, token_id=token_id, detail=str(exc))
-            self.abort(req_id, FinishReason.ERROR, f"a token outside the constraint: {exc}")
-            return False
+            live.broken = f"a token outside the constraint: {exc}"
+        self.abort(req_id, FinishReason.ERROR, live.broken)
+        return False
 
     def _observe(self, plan: StepPlan, outputs: list[RequestOutput], started: float) -> None:
         # Before _publish, so an observer sees a request's last tokens before its finish.
@@ -592,6 +608,8 @@ class Engine:
         live = self._live.get(req_id)
         if live is None:
             return
+        if live.broken is not None and reason in _OUTPUT_ENDS:
+            reason, message = FinishReason.ERROR, live.broken
         state = live.state
         now = time.monotonic()
         event = FinishEvent(
@@ -623,6 +641,10 @@ class Engine:
         if self.observer is not None:
             self.observer.on_finish(event)
         live.on_event(event)
+
+
+# Ends that would pass a broken constraint's output off as whole.
+_OUTPUT_ENDS = frozenset({FinishReason.EOS, FinishReason.STOP_SEQUENCE, FinishReason.MAX_TOKENS})
 
 
 class _HostClock:

@@ -338,6 +338,25 @@ def test_a_mask_past_the_step_limits_fails_its_request_alone(engine):
     assert "too many expressions" in str(failed) and "\n" not in str(failed)
 
 
+def test_a_request_whose_mask_fails_ends_error_and_alone(engine):
+    """Its mask past the limits allowed EOS alone: the EOS must not end it
+    as a whole match (it did, finishing EOS with an opening brace)."""
+    schema = '{"type": "object", "properties": {"a": {"type": "string"}}}'
+    starved = _compiler(engine, step_lexer_fuel=10)  # fails at its second step
+    costly = starved.compile(OutputConstraint(ConstraintKind.JSON_SCHEMA, schema))
+    requests = [
+        _spec(engine, "costly", PROMPTS[0], costly),
+        _spec(engine, "digits", PROMPTS[1], DIGITS),
+        _spec(engine, "plain", PROMPTS[2], max_new_tokens=6),
+    ]
+    results = engine.generate(requests)
+    assert results[0].finish.reason is FinishReason.ERROR, results[0]
+    assert "needs more work a step than allowed" in results[0].finish.message
+    assert _matches(DIGITS, results[1].text)
+    assert results[1].finish.reason is FinishReason.STOP_SEQUENCE
+    assert results[2].finish.reason is FinishReason.MAX_TOKENS
+
+
 # ---------------------------------------------------------------- preemption
 
 LONG_DIGITS = OutputConstraint(ConstraintKind.REGEX, "[0-9]{120}")  # ~60 tokens
