@@ -9,6 +9,7 @@ the scheduler exactly as it was.
 from __future__ import annotations
 
 import heapq
+import math
 
 from .config import SchedulerConfig
 from .errors import (
@@ -21,27 +22,83 @@ from .errors import (
 )
 from .plan import FinishedRequest
 from .prefix_sharing import PrefixSharing
-from .request import FinishReason, RejectCause, Request, RequestStatus
+from .request import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+    FinishReason,
+    RejectCause,
+    Request,
+    RequestStatus,
+    SamplingParams,
+)
 
 
 def check_request_shape(req: Request) -> None:
     """InvalidRequest (a ValueError) for a malformed request (caller bug,
-    not a capacity issue)."""
+    not a capacity issue). Every entry point meets these, an in-process
+    caller's ``RequestSpec`` too; the fronts check the same bounds first
+    to name their own parameters."""
     if not req.req_id:
         raise ValueError("req_id must be a non-empty string")
     sampling = req.sampling
+    num_top = sampling.logprobs
     bad = (
         (not req.prompt_token_ids, "the prompt is empty"),
         (req.max_new_tokens < 1, "max_new_tokens must be >= 1"),
+        # NaN or inf would reach the sampler's softmax (a NaN compares as not < 0)
+        (not math.isfinite(sampling.temperature), "temperature must be finite"),
         (sampling.temperature < 0, "temperature must be >= 0"),
         (not 0.0 < sampling.top_p <= 1.0, "top_p must be in (0, 1]"),
         (sampling.top_k < 0, "top_k must be >= 0"),
+        # a negative count fails the step's top-k, every request in it
+        (
+            num_top is not None and not 0 <= num_top <= MAX_TOP_LOGPROBS,
+            f"logprobs must be None or in [0, {MAX_TOP_LOGPROBS}], got {num_top}",
+        ),
         (req.priority < 0, "priority must be >= 0"),
         (req.has_scheduling_state, "it was already scheduled once; submit a fresh one"),
     )
     for failed, detail in bad:
         if failed:
             raise InvalidRequest(req.req_id, detail)
+    problem = adjustment_problem(sampling)
+    if problem is not None:
+        field, detail = problem
+        raise InvalidRequest(req.req_id, detail, field)
+
+
+def adjustment_problem(sampling: SamplingParams) -> tuple[str, str] | None:
+    """The first of ``sampling``'s logit adjustments out of its bounds, as
+    (its field, what is wrong, in the wire's words), or None. Out of bounds,
+    a penalty or bias still samples, but not as OpenAI's ranges promise, and
+    a NaN or infinite one makes a row's logits NaN."""
+    if not sampling.has_logit_adjustments:
+        return None  # all off: the common case, one test
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN included
+            return name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value:g}"
+    repetition = sampling.repetition_penalty
+    if not 0 < repetition < math.inf:  # NaN included
+        return "repetition_penalty", (
+            f"repetition_penalty must be above 0 (1 is off), got {repetition:g}"
+        )
+    bias = sampling.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        return "logit_bias", (
+            f"logit_bias has {len(bias)} tokens, more than the {MAX_LOGIT_BIAS_TOKENS} allowed"
+        )
+    for token, value in bias:
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN included
+            return "logit_bias", (
+                f"logit_bias: the bias of token {token} must be in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value:g}"
+            )
+    if len({token for token, _ in bias}) < len(bias):  # the sampler adds a repeat's twice
+        return "logit_bias", "logit_bias: each token id may appear once"
+    return None
 
 
 def check_request_fits(req: Request, config: SchedulerConfig) -> None:

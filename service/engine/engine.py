@@ -277,6 +277,7 @@ class Engine:
                 prefix_cache=PrefixCacheStats(
                     queried_tokens=s.num_prefix_queried_tokens,
                     hit_tokens=s.num_prefix_hit_tokens,
+                    waits=s.num_prefix_waits,
                     cached_blocks=s.num_cached_device_blocks,
                 ),
                 overload_refused=s.num_overload_refused,

@@ -149,10 +149,14 @@ class HostTimes:
 class PrefixCacheStats:
     """Totals since start: tokens looked up in the prefix cache at
     admissions and, of those, found cached (so hit rate = hit / queried);
-    device blocks the cache holds now (in use or evictable)."""
+    steps waiting requests sat out while another request's chunk computed
+    their next prefix blocks (``Scheduler.num_prefix_waits``: what a wait
+    saved shows in the hits); device blocks the cache holds now (in use or
+    evictable)."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
+    waits: int = 0
     cached_blocks: int = 0
 
     @property

@@ -28,6 +28,8 @@ choosing priorities freely cannot add series without bound)::
     slipstream_prefix_cache_queried_tokens_total            counter (looked up at admission)
     slipstream_prefix_cache_hit_tokens_total                counter (of those, found cached)
     slipstream_prefix_cache_hit_rate                        gauge (hit / queried since start)
+    slipstream_prefix_cache_waits_total                     counter (steps a waiting request sat
+                                                            out for a prefix being computed)
     slipstream_prefix_cache_blocks                          gauge (device blocks cached)
     slipstream_rejections_total{reason}                     counter (every refusal, at the door
                                                             or after queueing, by cause; and
@@ -314,6 +316,12 @@ def _prefix_cache_metrics(stats: PrefixCacheStats) -> Iterator[Metric]:
         "slipstream_prefix_cache_hit_tokens",
         "Looked-up tokens found in the prefix cache (not prefilled)",
         value=stats.hit_tokens,
+    )
+    yield CounterMetricFamily(
+        "slipstream_prefix_cache_waits",
+        "Steps a waiting request sat out because another request's chunk that step computed"
+        " its next prefix blocks (it starts on the next with them cached)",
+        value=stats.waits,
     )
     yield GaugeMetricFamily(
         "slipstream_prefix_cache_hit_rate",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from sched_fakes import (
@@ -466,9 +467,13 @@ def test_a_request_object_cannot_be_submitted_twice() -> None:
     ("change", "message"),
     [
         ({"sampling": SamplingParams(temperature=-0.5)}, "temperature"),
+        ({"sampling": SamplingParams(temperature=math.nan)}, "temperature"),
+        ({"sampling": SamplingParams(temperature=math.inf)}, "temperature"),
         ({"sampling": SamplingParams(top_p=0.0)}, "top_p"),
         ({"sampling": SamplingParams(top_p=1.5)}, "top_p"),
         ({"sampling": SamplingParams(top_k=-1)}, "top_k"),
+        ({"sampling": SamplingParams(logprobs=-1)}, "logprobs"),
+        ({"sampling": SamplingParams(logprobs=21)}, "logprobs"),
         ({"priority": -1}, "priority"),
         ({"prompt_token_ids": []}, "prompt is empty"),
         ({"max_new_tokens": 0}, "max_new_tokens"),
@@ -486,6 +491,51 @@ def test_admission_refuses_parameters_no_policy_could_serve(
         not sched.has_unfinished()
         and sched.num_free_device_blocks == sched.config.num_device_blocks
     )
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field", "detail"),
+    [
+        (SamplingParams(presence_penalty=2.5), "presence_penalty", "must be in [-2, 2], got 2.5"),
+        (SamplingParams(frequency_penalty=-3.0), "frequency_penalty", "in [-2, 2], got -3"),
+        (SamplingParams(frequency_penalty=math.nan), "frequency_penalty", "in [-2, 2], got nan"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty", "above 0 (1 is off)"),
+        (SamplingParams(repetition_penalty=-1.0), "repetition_penalty", "above 0"),
+        (SamplingParams(repetition_penalty=math.inf), "repetition_penalty", "got inf"),
+        (SamplingParams(repetition_penalty=math.nan), "repetition_penalty", "got nan"),
+        (SamplingParams(logit_bias=((5, 100.5),)), "logit_bias", "token 5 must be in [-100, 100]"),
+        (SamplingParams(logit_bias=((5, -math.inf),)), "logit_bias", "got -inf"),
+        (SamplingParams(logit_bias=((5, math.nan),)), "logit_bias", "got nan"),
+        (
+            SamplingParams(logit_bias=tuple((t, 1.0) for t in range(1025))),
+            "logit_bias",
+            "logit_bias has 1025 tokens, more than the 1024 allowed",
+        ),
+        (SamplingParams(logit_bias=((5, 60.0), (5, 60.0))), "logit_bias", "may appear once"),
+    ],
+)
+def test_admission_holds_every_caller_to_the_adjustments_bounds(
+    sampling: SamplingParams, field: str, detail: str
+) -> None:
+    """The fronts refuse these first; an in-process caller's request meets
+    the same bounds here, named by its field as the fronts name theirs."""
+    sched = make_scheduler()
+    req = dataclasses.replace(make_request("bad", 3, 2), sampling=sampling)
+    with pytest.raises(InvalidRequest) as refused:
+        sched.add_request(req)
+    assert refused.value.field == field and detail in refused.value.detail, refused.value
+    assert not sched.has_unfinished()
+
+
+def test_admission_takes_adjustments_at_their_bounds() -> None:
+    sched = make_scheduler()
+    bounds = [
+        SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3),
+        SamplingParams(logit_bias=tuple((t, -100.0 if t % 2 else 100.0) for t in range(1024))),
+    ]
+    for i, sampling in enumerate(bounds):
+        sched.add_request(dataclasses.replace(make_request(f"ok{i}", 3, 2), sampling=sampling))
+    assert sched.num_waiting == 2
 
 
 def test_priority_policy_admits_the_most_urgent_class_first() -> None:

@@ -132,6 +132,25 @@ def test_an_in_process_caller_cannot_bias_a_token_outside_the_vocabulary(engine)
     assert refused.value.field == "logit_bias"
 
 
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(logit_bias=((5, 1e9),)), "logit_bias"),
+        (SamplingParams(logprobs=-1), None),  # its top-k would fail the whole step
+    ],
+)
+def test_an_in_process_caller_is_held_to_the_fronts_bounds(engine, sampling, field) -> None:
+    """Engine.submit refuses what the wire would have: the bounds are the
+    scheduler's admission's, which every entry point passes."""
+    request = RequestSpec(f"out-of-bounds-{field}", [5, 6], 2, sampling=sampling)
+    with pytest.raises(InvalidRequest) as refused:
+        engine.submit(request, lambda event: None)
+    assert refused.value.field == field
+    assert engine.stats().waiting == 0
+
+
 # ---------------------------------------------------------------- HTTP
 
 

@@ -129,3 +129,28 @@ def test_prefix_cache_on_matches_off_bit_for_bit(
         else:
             assert scheduler.num_recompute_preemptions > 0
         assert sum(cached) >= (PREFIX_LEN // BLOCK) * BLOCK * (NUM_REQUESTS // 2), cached
+
+
+def test_requests_queued_with_one_prompt_wait_for_it_and_the_stats_count_the_waits(
+    tiny_model_dir: object,
+) -> None:
+    """Three requests with one prompt, queued before the engine's first step:
+    the first computes the prefix, the others sit that step out and start
+    from it cached. ``EngineStats.prefix_cache`` reports the waits beside
+    the hits they bought."""
+    config = EngineConfig(
+        model=str(tiny_model_dir), dtype="float32", block_size=BLOCK, num_device_blocks=64
+    )
+    parts = load_parts(config)
+    engine = Engine(parts.scheduler(), parts.runner, parts.tokenizer, parts.info)
+    prompt = list(range(10, 11 + 3 * BLOCK))  # three full blocks and a token
+    try:
+        for i in range(3):  # the engine thread is not running: one step sees them all
+            engine.submit(RequestSpec(f"w{i}", prompt, 2, ignore_eos=True), lambda event: None)
+        engine.start()
+        assert engine.wait_idle(timeout=60)
+        stats = engine.stats().prefix_cache
+    finally:
+        engine.shutdown()
+    assert stats.waits == 2
+    assert stats.hit_tokens == 2 * 3 * BLOCK

@@ -262,6 +262,20 @@ def test_prefix_cache_hits_reach_the_caller_and_the_hit_rate(
     assert value(after, "slipstream_prefix_cache_blocks") >= 2
 
 
+def test_prefix_waits_are_a_counter_beside_the_hits() -> None:
+    """The scheduler's prefix waits (requests sitting a step out while
+    another computes their prefix) come from the engine's stats at scrape."""
+    from slipstream.service.engine.events import EngineStats, PoolStats, PrefixCacheStats
+
+    cache = PrefixCacheStats(queried_tokens=147, hit_tokens=96, waits=2, cached_blocks=3)
+    stats = EngineStats(0, 0, 0, PoolStats(3, 13), PoolStats(0, 8), {}, 5, False, cache)
+    metrics = ServerMetrics()
+    metrics._engine_collector.engine = type("Engine", (), {"stats": lambda self: stats})()  # type: ignore[assignment]
+    sample = metrics.registry.get_sample_value
+    assert sample("slipstream_prefix_cache_waits_total") == 2
+    assert sample("slipstream_prefix_cache_hit_tokens_total") == 96
+
+
 def test_sheds_are_counted_by_class() -> None:
     from slipstream.scheduler.request import FinishReason, RejectCause
     from slipstream.service.engine.events import FinishEvent, RequestSpec
