@@ -8,6 +8,7 @@ the engine raises the rest (domain errors) when it is submitted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -16,11 +17,14 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from slipstream.scheduler.errors import AtCapacity, DeadlineInfeasible, PromptTooLong
+from slipstream.scheduler.admission import adjustment_problem
+from slipstream.scheduler.errors import (
+    AtCapacity,
+    DeadlineInfeasible,
+    InvalidRequest,
+    PromptTooLong,
+)
 from slipstream.scheduler.request import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_TOKENS,
-    MAX_PENALTY,
     MAX_TOP_LOGPROBS,
     ConstraintKind,
     ExpiredLimit,
@@ -214,21 +218,15 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
     raise ValueError("submit has no prompt (set text, token_ids or messages)")
 
 
-def _sampling(submit: pb.Submit, vocab_size: int) -> SamplingParams:
+def _sampling(submit: pb.Submit, req_id: str, vocab_size: int) -> SamplingParams:
+    """The sampling a submit asks for. Its penalties and bias are checked
+    here, before any work, by the scheduler's own bounds (its admission checks
+    them again for in-process callers): an ``InvalidRequest`` naming the field."""
     params = submit.sampling
     top_p = params.top_p if params.HasField("top_p") else 1.0
     if not (math.isfinite(params.temperature) and math.isfinite(top_p)):
         raise ValueError("temperature and top_p must be finite")
-    repetition = params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(params, name)
-        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN included
-            raise ValueError(
-                f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value:g}"
-            )
-    if not (math.isfinite(repetition) and repetition > 0):
-        raise ValueError(f"repetition_penalty must be above 0 (1 is off), got {repetition:g}")
-    return SamplingParams(
+    sampling = SamplingParams(
         temperature=params.temperature,
         top_k=params.top_k,
         top_p=top_p,
@@ -236,29 +234,22 @@ def _sampling(submit: pb.Submit, vocab_size: int) -> SamplingParams:
         logprobs=_logprobs(submit),
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
-        repetition_penalty=repetition,
-        logit_bias=_logit_bias(params, vocab_size),
+        repetition_penalty=(
+            params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
+        ),
+        logit_bias=tuple(params.logit_bias.items()),
     )
-
-
-def _logit_bias(params: pb.SamplingParams, vocab_size: int) -> tuple[tuple[int, float], ...]:
-    """The (token id, bias) pairs in token order, each checked."""
-    bias = params.logit_bias
-    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
-        raise ValueError(
-            f"logit_bias has {len(bias)} tokens, more than the {MAX_LOGIT_BIAS_TOKENS} allowed"
-        )
-    for token, value in bias.items():
+    problem = adjustment_problem(sampling)  # the bias's count first, before any sort
+    if problem is not None:
+        field, detail = problem
+        raise InvalidRequest(req_id, detail, field)
+    if not sampling.logit_bias:
+        return sampling
+    for token, _ in sampling.logit_bias:
         if token >= vocab_size:
-            raise ValueError(
-                f"logit_bias: token id {token} is not in the vocabulary [0, {vocab_size})"
-            )
-        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN included
-            raise ValueError(
-                f"logit_bias: the bias of token {token} must be in "
-                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value:g}"
-            )
-    return tuple(sorted(bias.items()))
+            detail = f"logit_bias: token id {token} is not in the vocabulary [0, {vocab_size})"
+            raise InvalidRequest(req_id, detail, "logit_bias")
+    return dataclasses.replace(sampling, logit_bias=tuple(sorted(sampling.logit_bias)))
 
 
 def _logprobs(submit: pb.Submit) -> int | None:
@@ -347,7 +338,7 @@ def to_generation_request(
         req_id=req_id,
         prompt_token_ids=_prompt_ids(submit, tokenizer, info),
         max_new_tokens=_max_new_tokens(submit.stopping, info),
-        sampling=_sampling(submit, info.vocab_size),
+        sampling=_sampling(submit, req_id, info.vocab_size),
         stop_sequences=tuple(submit.stopping.stop_sequences),
         ignore_eos=submit.stopping.ignore_eos,
         priority=priority_of(submit, default_priority),

@@ -408,9 +408,7 @@ class Generations:
                 for earlier, _ in admitted[:i]:
                     engine.abort(earlier.req_id, message="another choice of the request failed")
                 relay.give_up()
-                field = exc.field if isinstance(exc, InvalidRequest) else None  # ids not in vocab
-                param = _prompt_param(exc, parsed) if field is None else _param(field, parsed)
-                raise _domain(exc, param) from None
+                raise _domain(exc, _prompt_param(exc, parsed)) from None
 
     async def _whole(
         self, parsed: OpenAIRequest, envelope: Envelope, choices: Choices
@@ -580,9 +578,23 @@ def _param(field: str, parsed: OpenAIRequest) -> str:
     return "messages" if parsed.is_chat else "prompt"
 
 
+# Fields the OpenAI body, the wire and SamplingParams all name alike.
+_SAMPLING_PARAMS = frozenset(
+    ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+)
+
+
 def _prompt_param(exc: Exception, parsed: OpenAIRequest) -> str | None:
-    """``messages`` or ``prompt`` for a prompt over the context, as OpenAI names it."""
-    return _param("prompt", parsed) if isinstance(exc, PromptTooLong) else None
+    """The parameter a refused conversion or submit names: ``messages`` or
+    ``prompt`` for a prompt over the context, as OpenAI names it; the field
+    of an ``InvalidRequest`` that has one (``logit_bias`` for a biased token
+    outside the vocabulary, ``prompt`` for a prompt's)."""
+    if isinstance(exc, PromptTooLong):
+        return _param("prompt", parsed)
+    field = exc.field if isinstance(exc, InvalidRequest) else None
+    if field is None or field in _SAMPLING_PARAMS:
+        return field
+    return _param(field, parsed)
 
 
 def _domain(exc: Exception, param: str | None = None) -> ApiError:

@@ -215,6 +215,7 @@ def test_http_refuses_a_biased_token_outside_the_vocabulary(front) -> None:
     status, reply = complete(front, 2, logit_bias={"4096": -100})
     assert status == 400, reply
     assert "token id 4096 is not in the vocabulary [0, 4096)" in reply["error"]["message"]
+    assert reply["error"]["param"] == "logit_bias"
 
 
 @pytest.mark.parametrize("is_chat", [False, True], ids=["completions", "chat"])
