@@ -8,7 +8,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import TypedDict, TypeGuard
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
@@ -24,6 +24,14 @@ Metadata = Sequence[tuple[str, str]] | Mapping[str, str] | None
 # A JSON Schema: its JSON text, or the schema itself (a mapping; true or
 # false, the schemas that allow anything or nothing).
 JsonSchema = str | Mapping[str, object] | bool
+
+# The server's bounds on sampling's logit adjustments (inference.proto's
+# SamplingParams), mirrored: they live in slipstream.scheduler.request, which
+# the client does not import (it needs only the stubs and grpcio). A test
+# holds the two equal.
+MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias
 
 
 def trace_context() -> dict[str, str]:
@@ -108,6 +116,11 @@ class GenerateOptions:
     first_token_timeout_s: float | None = None
     logprobs: bool = False  # each token's log-probability (Chunk.logprobs, Result.logprobs)
     top_logprobs: int = 0  # with logprobs: this many likeliest tokens at each position (<= 20)
+    # Logit adjustments, made before temperature, top-k and top-p (greedy too).
+    presence_penalty: float = 0.0  # in [-2, 2], 0 off: once per token generated so far
+    frequency_penalty: float = 0.0  # in [-2, 2], 0 off: per time a token was generated
+    repetition_penalty: float | None = None  # above 0; unset: the server's 1 (off)
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
     # Structured output, at most one: what the whole output must match.
     json_schema: JsonSchema | None = None  # a JSON Schema: a dict, or its JSON text
     json_object: bool = False  # any JSON object
@@ -132,6 +145,10 @@ class Options(TypedDict, total=False):
     first_token_timeout_s: float | None
     logprobs: bool
     top_logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float | None
+    logit_bias: Mapping[int, float] | None
     json_schema: JsonSchema | None
     json_object: bool
     regex: str | None
@@ -216,6 +233,73 @@ def _stop_sequences(stop: object) -> list[str]:
     return list(stops)
 
 
+def _sampling(options: GenerateOptions) -> pb.SamplingParams:
+    """The submit's ``sampling``, its logit adjustments checked first."""
+    check_penalty("presence_penalty", options.presence_penalty)
+    check_penalty("frequency_penalty", options.frequency_penalty)
+    if options.repetition_penalty is not None:
+        check_repetition_penalty(options.repetition_penalty)
+    return pb.SamplingParams(
+        temperature=options.temperature,
+        top_k=options.top_k,
+        top_p=options.top_p,  # None leaves it unset
+        seed=options.seed,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        repetition_penalty=options.repetition_penalty,  # None leaves it unset
+        logit_bias=check_logit_bias(options.logit_bias),
+    )
+
+
+def _is_number(value: object) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_penalty(name: str, value: object) -> None:
+    """A presence or frequency penalty (``name``) that is not a number in
+    [-2, 2] raises naming it (NaN is not in it)."""
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+
+
+def check_repetition_penalty(value: object) -> None:
+    """A repetition penalty that is not a finite number above 0 raises."""
+    if not _is_number(value):
+        raise TypeError(f"repetition_penalty must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"repetition_penalty must be finite and above 0 (1 is off), got {value}")
+
+
+def check_logit_bias(bias: object) -> dict[int, float]:
+    """``logit_bias`` as the wire's map (None: empty): a mapping of token
+    ids (ints) to numbers, else ``TypeError``; more than 1024 tokens, an id
+    the wire cannot carry or a bias outside [-100, 100] raise ``ValueError``
+    naming the token. The server checks the ids against its vocabulary."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, Mapping):
+        raise TypeError(f"logit_bias must be a dict of token ids to biases, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(
+            f"logit_bias has {len(bias)} tokens, more than the {MAX_LOGIT_BIAS_TOKENS} allowed"
+        )
+    for token_id, value in bias.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            raise TypeError(f"logit_bias keys must be token ids (ints), got {token_id!r}")
+        if not is_token_id(token_id):
+            raise ValueError(f"logit_bias: {token_id} is not a token id in [0, 2**32)")
+        if not _is_number(value):
+            raise TypeError(f"logit_bias[{token_id}] must be a number, got {value!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise ValueError(
+                f"logit_bias[{token_id}] must be in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value}"
+            )
+    return dict(bias)
+
+
 def _constraint(options: GenerateOptions) -> pb.OutputConstraint | None:
     """The submit's ``constraint``, or None for none. Two kinds at once, or
     a schema that is not JSON, raise ``ValueError`` naming the argument; the
@@ -271,12 +355,7 @@ def build_submit(
     submit = pb.Submit(
         request_id=request_id,
         priority=options.priority,  # None leaves it unset
-        sampling=pb.SamplingParams(
-            temperature=options.temperature,
-            top_k=options.top_k,
-            top_p=options.top_p,
-            seed=options.seed,
-        ),
+        sampling=_sampling(options),
         stopping=pb.StoppingCriteria(
             max_new_tokens=options.max_tokens,
             stop_sequences=_stop_sequences(options.stop),

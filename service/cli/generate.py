@@ -16,7 +16,9 @@ error, not ignored. A messages file is one conversation, a JSON list
 of ``{"role", "content"}`` objects, rendered with the model's chat template.
 
 ``--json-schema``, ``--json-object`` or ``--regex`` constrains every
-prompt's output (structured output, docs/api.md).
+prompt's output (structured output, docs/api.md); ``--presence-penalty``,
+``--frequency-penalty``, ``--repetition-penalty`` and ``--logit-bias
+ID=BIAS`` (repeatable) adjust every prompt's logits before it samples.
 """
 
 from __future__ import annotations
@@ -34,12 +36,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slipstream.clients.wire import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    is_token_id,
+)
 from slipstream.service.cli.arg_types import (
     duration_ms,
+    float_where,
     int_at_least,
     non_negative_finite_float,
     non_negative_int32,
     non_negative_uint64,
+    positive_finite_float,
     positive_int,
     positive_uint32,
 )
@@ -181,6 +191,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "--regex", help="each output matches this regular expression (Rust regex syntax)"
     )
     parser.add_argument(
+        "--presence-penalty",
+        type=penalty,
+        default=0.0,
+        metavar="X",
+        help="subtracted once from the logit of each token generated so far, in [-2, 2] "
+        "(default: %(default)s, off)",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=penalty,
+        default=0.0,
+        metavar="X",
+        help="subtracted from a token's logit for each time it was generated so far, "
+        "in [-2, 2] (default: %(default)s, off)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=positive_finite_float,
+        default=None,
+        metavar="X",
+        help="divides the positive logits of the prompt's and the output's tokens (multiplies "
+        "the others); above 1 discourages repeats (default: 1, off)",
+    )
+    parser.add_argument(
+        "--logit-bias",
+        type=token_bias,
+        action=LogitBias,
+        default=None,
+        metavar="ID=BIAS",
+        help="add BIAS, in [-100, 100], to token ID's logit (-100 in effect bans it, "
+        "100 makes it the only choice); repeatable",
+    )
+    parser.add_argument(
         "--priority",
         type=non_negative_int32,
         default=None,
@@ -240,6 +283,63 @@ def json_schema_text(value: str) -> str:
         where = "" if text is value else f"{value}: "
         raise argparse.ArgumentTypeError(f"{where}not JSON ({exc})") from None
     return text
+
+
+# The server's ranges, as the clients check them (clients/wire.py).
+penalty = float_where(
+    lambda v: -MAX_PENALTY <= v <= MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+)
+_bias = float_where(
+    lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+    f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+)
+
+
+def token_bias(value: str) -> tuple[int, float]:
+    """``--logit-bias``: ``ID=BIAS``, a token id and its bias in [-100, 100]."""
+    token, is_pair, number = value.partition("=")
+    if not is_pair:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {value!r}")
+    try:
+        token_id = int(token)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token id before '=', got {token!r}") from None
+    if not is_token_id(token_id):
+        raise argparse.ArgumentTypeError(f"{token_id} is not a token id in [0, 2**32)")
+    return token_id, _bias(number)
+
+
+class LogitBias(argparse.Action):
+    """Collects the ``--logit-bias`` pairs into one dict: a token biased
+    twice (the sampler would add both) or more than 1024 tokens is a usage
+    error."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        assert isinstance(values, tuple)  # token_bias's (token id, bias)
+        token_id, bias = values
+        biases = dict(getattr(namespace, self.dest) or {})
+        if token_id in biases:
+            raise argparse.ArgumentError(self, f"token {token_id} is biased twice")
+        biases[token_id] = bias
+        if len(biases) > MAX_LOGIT_BIAS_TOKENS:
+            raise argparse.ArgumentError(self, f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
+        setattr(namespace, self.dest, biases)
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, object]:
+    """The clients' keyword arguments for the logit adjustment flags."""
+    return {
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "repetition_penalty": args.repetition_penalty,
+        "logit_bias": args.logit_bias,
+    }
 
 
 def constraint_options(args: argparse.Namespace) -> dict[str, object]:
@@ -352,8 +452,6 @@ def _check_item(item: dict, where: str) -> None:
     naming the line and the key. (A line with both ``prompt`` and
     ``prompt_token_ids`` would send the ids with --server, the text with
     --local.)"""
-
-    from slipstream.clients.wire import is_token_id
 
     def integer(value: object, low: int) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= low
@@ -509,7 +607,13 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
                     prompt_token_ids=_local_prompt_ids(spec, engine.tokenizer),
                     max_new_tokens=spec.max_tokens,
                     sampling=SamplingParams(
-                        temperature=spec.temperature, seed=spec.seed, logprobs=args.logprobs
+                        temperature=spec.temperature,
+                        seed=spec.seed,
+                        logprobs=args.logprobs,
+                        presence_penalty=args.presence_penalty,
+                        frequency_penalty=args.frequency_penalty,
+                        repetition_penalty=args.repetition_penalty or 1.0,  # None: off
+                        logit_bias=tuple(sorted((args.logit_bias or {}).items())),
                     ),
                     ignore_eos=args.ignore_eos,
                     priority=args.priority or 0,
@@ -652,6 +756,7 @@ async def run_remote(specs: list[PromptSpec], args: argparse.Namespace) -> list[
                 "expected_tokens": args.expected_tokens,
                 "logprobs": args.logprobs is not None,
                 "top_logprobs": args.logprobs or 0,
+                **sampling_options(args),
                 **constraint_options(args),
             }
             if stream is None:

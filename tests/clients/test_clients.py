@@ -304,6 +304,112 @@ def test_a_constraint_that_cannot_be_right_is_refused_before_sending(
         client.generate_one("hi", **options)  # type: ignore[arg-type]
 
 
+ADJUSTMENTS = {
+    "presence_penalty": 1.5,
+    "frequency_penalty": -0.5,
+    "repetition_penalty": 1.25,
+    "logit_bias": {7: -100, 11: 2.5},
+}
+
+
+@pytest.mark.parametrize(
+    "options", [ADJUSTMENTS, {"repetition_penalty": None, "logit_bias": None}], ids=["set", "unset"]
+)
+def test_sampling_adjustments_reach_the_wire_from_every_call(
+    scripted: ScriptedServer, options: dict[str, object]
+) -> None:
+    """The penalties and the bias are the submit's ``sampling`` fields on
+    every call that takes the options, sync and asyncio; unset, the
+    repetition penalty is left for the server's 1 and no token is biased."""
+    messages = [("user", "hi")]
+    with Client(scripted.target) as client:
+        client.generate("a", max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        client.generate_one("b", max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        client.chat(messages, max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        stream = client.stream()
+        stream.generate("c", max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        stream.chat(messages, max_tokens=1, **options).result(5)  # type: ignore[arg-type]
+        stream.close()
+
+    async def scenario() -> None:
+        async with AsyncClient(scripted.target) as client:
+            await (await client.generate("d", max_tokens=1, **options)).result()  # type: ignore[arg-type]
+            await (await client.generate_one("e", max_tokens=1, **options)).result()  # type: ignore[arg-type]
+            await (await client.chat(messages, max_tokens=1, **options)).result()  # type: ignore[arg-type]
+            stream = client.stream()
+            await (await stream.generate("f", max_tokens=1, **options)).result()  # type: ignore[arg-type]
+            await stream.close()
+
+    asyncio.run(scenario())
+    submits = scripted.servicer.recorded.submits
+    assert len(submits) == 9
+    for submit in submits:
+        sampling = submit.sampling
+        if options is ADJUSTMENTS:
+            assert (sampling.presence_penalty, sampling.frequency_penalty) == (1.5, -0.5)
+            assert sampling.repetition_penalty == 1.25
+            assert dict(sampling.logit_bias) == {7: -100.0, 11: 2.5}
+        else:
+            assert (sampling.presence_penalty, sampling.frequency_penalty) == (0, 0)
+            assert not sampling.HasField("repetition_penalty") and not sampling.logit_bias
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"presence_penalty": 2.5}, ValueError, r"^presence_penalty must be in \[-2, 2\], got 2.5"),
+        ({"frequency_penalty": -3}, ValueError, r"^frequency_penalty must be in \[-2, 2\], got -3"),
+        ({"frequency_penalty": math.nan}, ValueError, "frequency_penalty must be in"),
+        ({"presence_penalty": "1"}, TypeError, "presence_penalty must be a number, got '1'"),
+        ({"presence_penalty": None}, TypeError, "presence_penalty must be a number, got None"),
+        ({"frequency_penalty": True}, TypeError, "frequency_penalty must be a number"),
+        ({"repetition_penalty": 0}, ValueError, "repetition_penalty must be finite and above 0"),
+        ({"repetition_penalty": -1.2}, ValueError, "repetition_penalty must be finite and above"),
+        ({"repetition_penalty": math.inf}, ValueError, "repetition_penalty must be finite"),
+        ({"repetition_penalty": "1.2"}, TypeError, "repetition_penalty must be a number"),
+        ({"logit_bias": [(5, 1.0)]}, TypeError, "logit_bias must be a dict of token ids"),
+        ({"logit_bias": {"5": 1.0}}, TypeError, r"logit_bias keys must be token ids \(ints\)"),
+        ({"logit_bias": {True: 1.0}}, TypeError, "logit_bias keys must be token ids"),
+        ({"logit_bias": {-1: 1.0}}, ValueError, r"logit_bias: -1 is not a token id in \[0, 2"),
+        ({"logit_bias": {2**32: 1.0}}, ValueError, "logit_bias: 4294967296 is not a token id"),
+        ({"logit_bias": {5: "-100"}}, TypeError, r"logit_bias\[5\] must be a number"),
+        ({"logit_bias": {5: 100.5}}, ValueError, r"logit_bias\[5\] must be in \[-100, 100\]"),
+        ({"logit_bias": {5: -math.inf}}, ValueError, r"logit_bias\[5\] must be in"),
+        ({"logit_bias": {5: math.nan}}, ValueError, r"logit_bias\[5\] must be in"),
+        ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, ValueError, "more than the 1024"),
+    ],
+)
+def test_a_sampling_adjustment_that_cannot_be_right_is_refused_before_sending(
+    scripted: ScriptedServer, options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        build_submit("a", "hi", GenerateOptions(**options))  # type: ignore[arg-type]
+    with Client(scripted.target) as client:
+        with pytest.raises(error, match=message):
+            client.generate_one("hi", **options)  # type: ignore[arg-type]
+        with pytest.raises(error, match=message):
+            client.generate("hi", **options)  # type: ignore[arg-type]
+        client.generate("sent", max_tokens=1).result(5)  # the stream is open: it went nowhere
+    assert [s.text for s in scripted.servicer.recorded.submits] == ["sent"]
+
+
+def test_the_clients_adjustment_bounds_are_the_servers() -> None:
+    """The client mirrors them (it does not import the scheduler)."""
+    from slipstream.clients import wire
+    from slipstream.scheduler import request
+
+    for name in ("MAX_PENALTY", "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS"):
+        assert getattr(wire, name) == getattr(request, name), name
+
+
+def test_a_bias_at_the_servers_bounds_is_sent() -> None:
+    bias = {i: (-100.0 if i % 2 else 100) for i in range(1024)}
+    options = GenerateOptions(presence_penalty=-2, frequency_penalty=2.0, logit_bias=bias)
+    sampling = build_submit("a", "hi", options).submit.sampling
+    assert dict(sampling.logit_bias) == bias
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-2, 2)
+
+
 def test_a_stop_string_is_one_stop_sequence() -> None:
     """A str is a Sequence[str]: taken as such, stop="END" stopped at an E."""
     submit = build_submit("a", "hi", GenerateOptions(stop="END")).submit

@@ -1,6 +1,7 @@
 """The Python clients against a real server on ``tiny``: what a caller's
 chunk loop sees matches the request's result; a constraint shapes the
-output, and one the server cannot compile is refused."""
+output, and one the server cannot compile is refused; a logit bias and a
+penalty change what greedy decoding picks."""
 
 from __future__ import annotations
 
@@ -93,3 +94,40 @@ def test_a_schema_the_server_cannot_compile_is_refused_with_its_reason(
         result = client.generate("Hello", json_schema={"type": "no such type"}).result(timeout=30)
     assert (result.finish_reason, result.status_code) == ("rejected", "INVALID_ARGUMENT")
     assert "json_schema" in result.message, result
+
+
+def test_a_bias_changes_the_greedy_first_token_from_either_client(server: ServerThread) -> None:
+    """-100 in effect bans the greedy token; 100 makes another the only choice."""
+    with Client(server.target) as client:
+        [first] = client.generate("Hello", max_tokens=1, ignore_eos=True).result(30).token_ids
+        other = 7 if first != 7 else 8
+        banned = client.generate("Hello", max_tokens=1, ignore_eos=True, logit_bias={first: -100})
+        chosen = client.generate_one(
+            "Hello", max_tokens=1, ignore_eos=True, logit_bias={other: 100.0}
+        )
+        [second], [forced] = banned.result(30).token_ids, chosen.result(30).token_ids
+    assert second != first
+    assert forced == other
+
+    async def scenario() -> list[int]:
+        async with AsyncClient(server.target) as client:
+            generation = await client.generate_one(
+                "Hello", max_tokens=1, ignore_eos=True, logit_bias={first: -100}
+            )
+            return (await generation.result()).token_ids
+
+    assert asyncio.run(scenario()) == [second]
+
+
+def test_a_frequency_penalty_stops_the_greedy_answer_repeating_a_token(
+    server: ServerThread,
+) -> None:
+    """tiny's greedy answer to "Hello there" repeats a token within 24
+    (tests/service/api/test_sampling_adjustments.py); penalised, it does not."""
+    with Client(server.target) as client:
+        plain = client.generate("Hello there", max_tokens=24, ignore_eos=True).result(30)
+        penalised = client.generate_one(
+            "Hello there", max_tokens=24, ignore_eos=True, frequency_penalty=2.0
+        ).result(30)
+    assert len(set(plain.token_ids)) < len(plain.token_ids)
+    assert len(set(penalised.token_ids)) == len(penalised.token_ids) == 24

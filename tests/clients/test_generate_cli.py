@@ -19,10 +19,10 @@ import grpc
 import pytest
 from conftest import BURST_PROMPT, ScriptedServer, ScriptedServicer
 
-from slipstream.scheduler.request import FinishReason
+from slipstream.scheduler.request import FinishReason, SamplingParams
 from slipstream.service.cli import main
 from slipstream.service.cli.generate import Output, _LocalCollector
-from slipstream.service.engine.events import FinishEvent, TokenEvent
+from slipstream.service.engine.events import FinishEvent, RequestSpec, TokenEvent
 from slipstream.v1 import inference_pb2 as pb
 
 
@@ -168,6 +168,98 @@ def test_the_local_engine_follows_a_constraint_flag(capsys: pytest.CaptureFixtur
     outputs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [o["finish_reason"] for o in outputs] == ["stop_sequence"] * 2
     assert all(re.fullmatch("[0-9]{3}", o["text"]) for o in outputs), outputs
+
+
+SAMPLING_FLAGS = ["--presence-penalty", "1.5", "--frequency-penalty", "-0.5"]
+SAMPLING_FLAGS += ["--repetition-penalty", "1.25"]
+SAMPLING_FLAGS += ["--logit-bias", "7=-100", "--logit-bias", "11=2.5"]
+
+
+@pytest.mark.parametrize("mode", [[], ["--per-request"]], ids=["stream", "per_request"])
+def test_the_sampling_flags_reach_the_submit(
+    scripted: ScriptedServer, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    _generate(scripted, capsys, *mode, "--max-tokens", "2", *SAMPLING_FLAGS)
+    _generate(scripted, capsys, *mode, "--max-tokens", "2")
+    adjusted, bare = (s.sampling for s in scripted.servicer.recorded.submits)
+    assert (adjusted.presence_penalty, adjusted.frequency_penalty) == (1.5, -0.5)
+    assert adjusted.repetition_penalty == 1.25
+    assert dict(adjusted.logit_bias) == {7: -100.0, 11: 2.5}
+    assert (bare.presence_penalty, bare.frequency_penalty) == (0, 0)
+    assert not bare.HasField("repetition_penalty") and not bare.logit_bias
+
+
+def test_the_local_engine_is_given_the_sampling_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import slipstream.service.engine.loader as loader
+
+    submitted: list[RequestSpec] = []
+
+    class Engine:
+        tokenizer = None
+
+        def start(self) -> None: ...
+        def shutdown(self) -> None: ...
+
+        def submit(self, request: RequestSpec, on_event: Callable[[object], None]) -> None:
+            submitted.append(request)
+            on_event(FinishEvent(request.req_id, FinishReason.MAX_TOKENS))
+
+    monkeypatch.setattr(loader, "load_engine", lambda config: Engine())
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
+    argv = ["generate", "--local", "--prompts-file", str(tmp_path / "prompts.jsonl")]
+    assert main([*argv, *SAMPLING_FLAGS]) == 0
+    assert main(argv) == 0
+    adjusted, bare = (r.sampling for r in submitted)
+    assert adjusted == SamplingParams(
+        presence_penalty=1.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.25,
+        logit_bias=((7, -100.0), (11, 2.5)),
+    )
+    assert bare == SamplingParams() and not bare.has_logit_adjustments
+
+
+def test_the_local_engine_follows_a_logit_bias_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """A bias of 100 makes token 7 the only choice, at every step."""
+    argv = ["generate", "--local", "--prompt", "hi", "--json", "--max-tokens", "3"]
+    argv += ["--ignore-eos", "--logit-bias", "7=100"]
+    assert main([*argv, "--dtype", "float32", "--no-calibrate", "--kv-memory", "lazy"]) == 0
+    [output] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert output["token_ids"] == [7, 7, 7], output
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        (["--presence-penalty", "2.5"], "argument --presence-penalty: must be in [-2, 2], got 2.5"),
+        (["--frequency-penalty", "nan"], "argument --frequency-penalty: must be in [-2, 2]"),
+        (["--repetition-penalty", "0"], "argument --repetition-penalty: must be > 0 and finite"),
+        (["--logit-bias", "7"], "argument --logit-bias: expected ID=BIAS, got '7'"),
+        (["--logit-bias", "x=1"], "argument --logit-bias: expected a token id before '='"),
+        (["--logit-bias", "7=-101"], "argument --logit-bias: must be in [-100, 100], got -101"),
+        (["--logit-bias", "7=big"], "argument --logit-bias: expected a number, got 'big'"),
+        (["--logit-bias", f"{2**32}=1"], "argument --logit-bias: 4294967296 is not a token id"),
+        (["--logit-bias", "7=1", "--logit-bias", "7=-1"], "token 7 is biased twice"),
+    ],
+)
+def test_a_sampling_flag_that_cannot_be_right_is_refused(
+    capsys: pytest.CaptureFixture[str], flags: list[str], complaint: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *flags])
+    assert exited.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_more_biased_tokens_than_the_server_takes_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = [f for i in range(1025) for f in ("--logit-bias", f"{i}=1")]
+    with pytest.raises(SystemExit):
+        main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *flags])
+    assert "argument --logit-bias: at most 1024 tokens" in capsys.readouterr().err
 
 
 def test_local_says_which_model_it_runs_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:

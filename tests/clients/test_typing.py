@@ -24,6 +24,8 @@ def main(client: Client) -> None:
     client.generate("Hello", max_tokens=8, deadline_s=2.0, stop="END", priority=1)
     client.generate("Hello", max_token=8)
     client.generate_one("Hello", max_tokens="8")
+    client.generate("Hello", presence_penalty=0.5, repetition_penalty=1.2, logit_bias={7: -100})
+    client.generate("Hello", logit_bias={"7": -100})
 
 
 async def amain(client: AsyncClient) -> None:
@@ -87,7 +89,7 @@ def test_mypy_catches_a_misspelled_or_mistyped_option(tmp_path: Path) -> None:
     out = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path).stdout
     # Only the user's lines: the generated stubs have findings of their own.
     lines = [line.split(":") for line in out.splitlines() if line.startswith("user.py:")]
-    assert [int(line[1]) for line in lines if line[2] == " error"] == [7, 8, 12], out
+    assert [int(line[1]) for line in lines if line[2] == " error"] == [7, 8, 10, 14], out
 
 
 def test_the_typed_options_are_generate_options_fields() -> None:
