@@ -357,12 +357,13 @@ def _penalties(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
         value = _number(body, name)
         if value is not None:
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise invalid(f"{name} must be in [-2, 2], got {value:g}", name)
+                message = f"{name} must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}"
+                raise invalid(message, name)
             setattr(sampling, name, value)
     repetition = _number(body, "repetition_penalty")
     if repetition is not None:
         if repetition <= 0:
-            message = f"repetition_penalty must be above 0 (1 is off), got {repetition:g}"
+            message = f"repetition_penalty must be above 0 (1 is off), got {repetition!r}"
             raise invalid(message, "repetition_penalty")
         sampling.repetition_penalty = repetition
     bias = body.get("logit_bias")
@@ -372,7 +373,8 @@ def _penalties(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
 
 def _logit_bias(bias: object) -> dict[int, float]:
     """OpenAI's ``logit_bias``: an object of token ids (strings of digits,
-    as JSON's keys are) to biases in [-100, 100]."""
+    as JSON's keys are) to biases in [-100, 100]. Two keys naming one token
+    ("5" and "05") are refused: one of them would be dropped unseen."""
     if not isinstance(bias, dict):
         raise invalid("logit_bias must be an object of token ids to biases", "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS_TOKENS:
@@ -390,10 +392,14 @@ def _logit_bias(bias: object) -> dict[int, float]:
             raise invalid(message, "logit_bias")
         is_number = isinstance(value, int | float) and not isinstance(value, bool)
         if not (is_number and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):  # NaN fails too
-            shown = f"{value:g}" if is_number else type(value).__name__
-            message = f"logit_bias[{key!r}] must be a number in [-100, 100], got {shown}"
+            shown = repr(value) if is_number else type(value).__name__
+            bounds = f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            message = f"logit_bias[{key!r}] must be a number in {bounds}, got {shown}"
             raise invalid(message, "logit_bias")
-        out[int(key)] = float(value)
+        token = int(key)
+        if token in out:
+            raise invalid(f"logit_bias names token {token} twice (as {key!r})", "logit_bias")
+        out[token] = float(value)
     return out
 
 

@@ -199,6 +199,8 @@ def test_http_takes_vllms_repetition_penalty_and_openais_presence_penalty(front,
         ({"logit_bias": {"9" * 5000: 1}}, "logit_bias", "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias['5'] must be a number in"),
         ({"logit_bias": {"5": True}}, "logit_bias", "[-100, 100], got bool"),
+        ({"logit_bias": {"5": -100.0001}}, "logit_bias", "[-100, 100], got -100.0001"),
+        ({"logit_bias": {"05": 5, "5": -5}}, "logit_bias", "names token 5 twice (as '5')"),
         ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "1024 allowed"),
     ],
 )
