@@ -72,14 +72,37 @@ STEP_LEXER_FUEL = 20_000  # ~1.4 ms
 STEP_MAX_ITEMS = 10_000  # ~0.5 ms
 
 
+# How much of a compiler's or a matcher's message is kept: llguidance's
+# repeat the constraint (160 KB for a regex of 20,000 nested groups), and the
+# message goes into a log line, a gRPC trailer (8 KB of metadata at most)
+# and a 400's body.
+MAX_MESSAGE_CHARS = 500
+
+
+def short_message(text: str) -> str:
+    """``text`` on one line (whitespace runs collapsed), cut to
+    ``MAX_MESSAGE_CHARS``."""
+    line = " ".join(text.split())
+    if len(line) <= MAX_MESSAGE_CHARS:
+        return line
+    return line[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
 class InvalidConstraint(ValueError):
     """A constraint that does not compile, with llguidance's message
-    (INVALID_ARGUMENT, a 400)."""
+    (INVALID_ARGUMENT, a 400), cut short (``short_message``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(short_message(message))
 
 
 class ConstraintBroken(RuntimeError):
     """A sampled token the constraint does not allow (a masked row's sampler
-    picked outside its mask): a server fault, not the caller's."""
+    picked outside its mask): a server fault, not the caller's. Its message
+    is cut short (``short_message``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(short_message(message))
 
 
 class ConstraintTooComplex(ConstraintBroken):
@@ -175,7 +198,15 @@ class GrammarCompiler:
         gives up the GIL while it works)."""
         grammar = self._cache.get(constraint)
         if grammar is None:
-            grammar = self._compile(constraint)
+            try:
+                grammar = self._compile(constraint)
+            except InvalidConstraint:
+                raise
+            except Exception as exc:  # RecursionError (a schema nested thousands deep), ...
+                # The caller's constraint, whatever fails on it: its request
+                # alone is refused, never the stream or the server it came by.
+                message = f"{constraint.kind.value} does not compile: {type(exc).__name__}: {exc}"
+                raise InvalidConstraint(message) from None
             self._cache.put(grammar)
         return grammar
 
@@ -256,6 +287,8 @@ def _grammar_text(constraint: OutputConstraint) -> str:
         return str(llguidance.LLMatcher.grammar_from_regex(text))
     try:  # the JSON's own error, rather than the grammar's it would become
         json.loads(text)
+    except RecursionError:  # nested deeper than Python's stack: no schema needs that
+        raise InvalidConstraint("json_schema is nested too deeply") from None
     except ValueError as exc:
         raise InvalidConstraint(f"json_schema is not valid JSON: {exc}") from None
     try:

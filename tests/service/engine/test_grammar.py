@@ -167,6 +167,35 @@ def test_bad_constraints_are_refused_with_the_compilers_message(engine):
     assert (stats.waiting, stats.running) == (0, 0)
 
 
+# Nested deeper than Python's stack: json.loads raised RecursionError.
+DEEP_SCHEMA = OutputConstraint(ConstraintKind.JSON_SCHEMA, '{"not":' * 6000 + "{}" + "}" * 6000)
+# llguidance's message repeats the expression: 160 KB of it.
+NESTED_GROUPS = OutputConstraint(ConstraintKind.REGEX, "(" * 20_000 + "a" + ")" * 20_000)
+
+
+def test_whatever_fails_in_a_compile_is_the_constraints_refusal(engine, monkeypatch):
+    with pytest.raises(InvalidConstraint, match="json_schema is nested too deeply"):
+        _compiler(engine).compile(DEEP_SCHEMA)
+
+    def fails(text):
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(grammar_module.llguidance.LLMatcher, "grammar_from_regex", fails)
+    with pytest.raises(InvalidConstraint, match="regex does not compile: RuntimeError: some"):
+        engine.submit(_spec(engine, "odd", "x", DIGITS_TWICE), lambda event: None)
+
+
+DIGITS_TWICE = OutputConstraint(ConstraintKind.REGEX, "[0-9]{2}")  # not compiled before
+
+
+def test_a_compilers_message_is_one_short_line(engine):
+    with pytest.raises(InvalidConstraint) as info:
+        _compiler(engine).compile(NESTED_GROUPS)
+    message = str(info.value)
+    assert message.startswith("regex: ") and "invalid regex" in message
+    assert len(message) <= grammar_module.MAX_MESSAGE_CHARS and "\n" not in message
+
+
 def test_the_mask_allows_eos_only_where_the_output_is_complete(engine):
     grammar = engine.grammars.compile(OutputConstraint(ConstraintKind.REGEX, "[0-9]{1,2}"))
     matcher = grammar.start()
