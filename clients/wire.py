@@ -334,6 +334,8 @@ def _schema_text(schema: object) -> str:
     if isinstance(schema, str):
         try:
             json.loads(schema)
+        except RecursionError:  # nested deeper than Python's stack
+            raise ValueError("json_schema is nested too deeply") from None
         except ValueError as exc:
             raise ValueError(f"json_schema is not valid JSON: {exc}") from None
         return schema
@@ -341,6 +343,8 @@ def _schema_text(schema: object) -> str:
         raise TypeError(f"json_schema must be a dict, a bool or JSON text, got {schema!r}")
     try:
         return json.dumps(schema, allow_nan=False)
+    except RecursionError:
+        raise ValueError("json_schema is nested too deeply") from None
     except (TypeError, ValueError) as exc:  # a set, bytes, a cycle, NaN...
         raise ValueError(f"json_schema is not JSON-serialisable: {exc}") from None
 

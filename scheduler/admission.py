@@ -26,6 +26,7 @@ from .request import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
     FinishReason,
     RejectCause,
@@ -81,9 +82,10 @@ def adjustment_problem(sampling: SamplingParams) -> tuple[str, str] | None:
         if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN included
             return name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value:g}"
     repetition = sampling.repetition_penalty
-    if not 0 < repetition < math.inf:  # NaN included
+    if not 1 / MAX_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:  # NaN included
         return "repetition_penalty", (
-            f"repetition_penalty must be above 0 (1 is off), got {repetition:g}"
+            f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+            f"{MAX_REPETITION_PENALTY:g}] (1 is off), got {repetition:g}"
         )
     bias = sampling.logit_bias
     if len(bias) > MAX_LOGIT_BIAS_TOKENS:

@@ -68,6 +68,12 @@ class RejectCause(enum.IntEnum):
 
 MAX_TOP_LOGPROBS = 20  # alternatives a token's log-probability may carry (OpenAI's bound)
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's range)
+# repetition_penalty is in [1/100, 100]: vLLM and Hugging Face ask only that
+# it be above 0, but one of 1e38 divides or multiplies every repeated token's
+# logit past float32's range (-inf for every token a constraint allows, and
+# the sampler then picks outside it), and 1e-38 makes them +inf (NaN
+# probabilities). Practice stays within [1, 2] (1.1-1.3 the usual).
+MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias: the host rebuilds them each step
 

@@ -554,7 +554,9 @@ class Engine:
             if live is None:
                 continue
             text, live.pending_text = "".join(live.pending_text), []
-            if out.new_token_ids:
+            # A token its constraint refused (or took past its limits) ends
+            # the request ERROR: neither it nor its text is sent as output.
+            if out.new_token_ids and live.broken is None:
                 live.on_event(
                     TokenEvent(  # by position, in declaration order: per request per step
                         out.req_id,  # req_id
@@ -629,7 +631,7 @@ class Engine:
             preempted_s=state.preempted_time(now),
             priority=state.priority,
             num_held_back=state.num_held_back,
-            text=live.detokenizer.flush(),
+            text="" if live.broken is not None else live.detokenizer.flush(),
             expired_limit=None if detail is None else detail.expired_limit,
             reject_cause=None if detail is None else detail.reject_cause,
             retry_after_s=None if detail is None else detail.retry_after_s,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,20 +72,87 @@ MAX_CACHED_TEXT_BYTES = 512 * 1024
 STEP_LEXER_FUEL = 20_000  # ~1.4 ms
 STEP_MAX_ITEMS = 10_000  # ~0.5 ms
 
+# The regular expressions' size, as llguidance's lexer builds them (lazily,
+# as the output goes). Its default, 1,000,000, let a tiny expression with a
+# large counted repeat cost 45-300 ms a mask (``(ab){100000}``, ``a{300000}``)
+# within both step limits; at 50,000 these fail at their first token after a
+# 6-12 ms mask ("too many expressions constructed"), and every schema and
+# expression above (a{5000} included) ran 15 requests of 200 steps without
+# failing. Repeats of some 10,000 and more are refused.
+INITIAL_LEXER_FUEL = 50_000
+
+# What a request's masks may cost the engine thread (CPU time, the matcher's
+# own: a thread descheduled on a loaded host is not charged). Measured on
+# SmolLM2's 49,152 tokens: schemas and expressions met in practice take
+# under 0.5 ms a mask on average (a 150-field schema 0.06, a{5000} 0.85),
+# and at most 1.3-7.5 ms at their costliest step (a first mask, a long
+# repeat); an anyOf of ~200 arrays of arrays takes 15-20 ms every step. One
+# mask over ``MAX_MASK_S``, or from its ``MASKS_BEFORE_MEAN``-th mask on an
+# average over ``MAX_MEAN_MASK_S``, ends the request ERROR ("constraint too
+# complex") before its next step: a costly grammar slows its batch for a
+# step or a few, not for its whole output.
+MAX_MASK_S = 0.05
+MAX_MEAN_MASK_S = 0.005
+MASKS_BEFORE_MEAN = 4
+
+# A compile's probe (on the worker, off the engine thread): the first mask,
+# and the second after the first token it allows, on a copy of the matcher.
+# A grammar that fails there, allows nothing, or takes over this CPU time is
+# refused at once (INVALID_ARGUMENT) rather than on the engine thread.
+MAX_PROBE_S = 0.05
+
+
+# How much of a compiler's or a matcher's message is kept: llguidance's
+# repeat the constraint (160 KB for a regex of 20,000 nested groups), and the
+# message goes into a log line, a gRPC trailer (8 KB of metadata at most)
+# and a 400's body.
+MAX_MESSAGE_CHARS = 500
+
+
+def short_message(text: str) -> str:
+    """``text`` on one line (whitespace runs collapsed), cut to
+    ``MAX_MESSAGE_CHARS``."""
+    line = " ".join(text.split())
+    if len(line) <= MAX_MESSAGE_CHARS:
+        return line
+    return line[: MAX_MESSAGE_CHARS - 3] + "..."
+
 
 class InvalidConstraint(ValueError):
     """A constraint that does not compile, with llguidance's message
-    (INVALID_ARGUMENT, a 400)."""
+    (INVALID_ARGUMENT, a 400), cut short (``short_message``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(short_message(message))
 
 
 class ConstraintBroken(RuntimeError):
     """A sampled token the constraint does not allow (a masked row's sampler
-    picked outside its mask): a server fault, not the caller's."""
+    picked outside its mask): a server fault, not the caller's. Its message
+    is cut short (``short_message``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(short_message(message))
 
 
 class ConstraintTooComplex(ConstraintBroken):
-    """A step's mask needed more work than ``STEP_LEXER_FUEL`` or
-    ``STEP_MAX_ITEMS`` allow: the grammar's fault, and its request's alone."""
+    """A grammar past the limits on its work (a step's mask over
+    ``STEP_LEXER_FUEL`` or ``STEP_MAX_ITEMS``, its lexer's expressions over
+    ``INITIAL_LEXER_FUEL``, its masks' time over ``MAX_MASK_S`` or
+    ``MAX_MEAN_MASK_S``): the caller's grammar's fault, and its request's
+    alone. Its message starts "constraint too complex"."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"constraint too complex: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class MaskBudget:
+    """The CPU time a request's masks may take (``MAX_MASK_S``, ...)."""
+
+    max_mask_s: float = MAX_MASK_S
+    max_mean_mask_s: float = MAX_MEAN_MASK_S
+    masks_before_mean: int = MASKS_BEFORE_MEAN
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -96,43 +164,84 @@ class Grammar(OutputConstraint):
 
     template: Any = field(kw_only=True, repr=False)  # llguidance.LLMatcher
     mask_words: int = field(kw_only=True)  # of a bitmask row: the tokenizer's vocabulary / 32
+    budget: MaskBudget = field(kw_only=True, default=MaskBudget(), repr=False)
 
     def start(self) -> Matcher:
         """A request's matcher, at the start of its output."""
-        return Matcher(self.template.deep_copy(), self.mask_words)
+        return Matcher(self.template.deep_copy(), self.mask_words, self.budget)
 
 
 class Matcher:
     """One request's place in its grammar, advanced by each sampled token
-    (the engine thread's alone)."""
+    (the engine thread's alone), and what its masks cost."""
 
-    __slots__ = ("_matcher", "mask_words")
+    __slots__ = ("_budget", "_mask", "_mask_ns", "_masks", "_matcher", "_total_ns", "mask_words")
 
-    def __init__(self, matcher: Any, mask_words: int) -> None:
+    def __init__(self, matcher: Any, mask_words: int, budget: MaskBudget = MaskBudget()) -> None:
         self._matcher = matcher
         self.mask_words = mask_words
+        self._budget = budget
+        self._mask: np.ndarray | None = None  # the latest mask's words, until the next fill
+        self._mask_ns = 0  # the latest mask's CPU time
+        self._total_ns = 0
+        self._masks = 0
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into ``bitmask[row]`` (int32 words
-        on the host, bit ``t % 32`` of word ``t // 32`` for token ``t``)."""
+        on the host, bit ``t % 32`` of word ``t // 32`` for token ``t``),
+        timing it (the calling thread's CPU time: llguidance computes it
+        there)."""
         words = bitmask[row]
+        start = time.thread_time_ns()
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        self._mask_ns = time.thread_time_ns() - start
+        self._total_ns += self._mask_ns
+        self._masks += 1
+        self._mask = words.numpy()
 
     def take(self, token_id: int) -> bool:
         """Advances by a sampled token; True once the output is complete
         (nothing but EOS may follow). Raises ``ConstraintTooComplex`` when
         this step's mask went past the step limits (the mask then allowed
         EOS alone, and the output is not a match: no EOS may end it as
-        one), ``ConstraintBroken`` for a token the constraint does not
-        allow."""
+        one), when the masks cost more than their budget, or when the lexer
+        fails on a token its mask allowed (too many expressions);
+        ``ConstraintBroken`` for a token the constraint does not allow."""
         matcher = self._matcher
         if matcher.is_error():  # set by this step's mask: only a limit fails one
             raise ConstraintTooComplex(
-                f"the constraint needs more work a step than allowed: {_first_line(matcher)}"
+                f"it needs more work a step than allowed: {_first_line(matcher)}"
             )
+        self._check_cost()
         if not matcher.consume_token(token_id):
+            if self._allowed(token_id):  # the mask allowed it: the lexer gave up
+                raise ConstraintTooComplex(_first_line(matcher))
             raise ConstraintBroken(_first_line(matcher))
         return bool(matcher.is_stopped())
+
+    def _check_cost(self) -> None:
+        budget = self._budget
+        if self._mask_ns > budget.max_mask_s * 1e9:
+            raise ConstraintTooComplex(
+                f"a mask took {self._mask_ns / 1e6:.1f} ms of the engine's time "
+                f"(at most {budget.max_mask_s * 1e3:g} ms)"
+            )
+        masks = self._masks
+        if (
+            masks >= budget.masks_before_mean
+            and self._total_ns > budget.max_mean_mask_s * 1e9 * masks
+        ):
+            raise ConstraintTooComplex(
+                f"its masks took {self._total_ns / masks / 1e6:.1f} ms of the engine's time "
+                f"on average over {masks} steps (at most {budget.max_mean_mask_s * 1e3:g} ms)"
+            )
+
+    def _allowed(self, token_id: int) -> bool:
+        """Whether the latest mask allowed ``token_id`` (False with none)."""
+        mask = self._mask
+        if mask is None or token_id // 32 >= len(mask):
+            return False
+        return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
 
 
 class GrammarCompiler:
@@ -150,6 +259,9 @@ class GrammarCompiler:
         max_cached_bytes: int = MAX_CACHED_TEXT_BYTES,
         step_lexer_fuel: int = STEP_LEXER_FUEL,
         step_max_items: int = STEP_MAX_ITEMS,
+        initial_lexer_fuel: int = INITIAL_LEXER_FUEL,
+        budget: MaskBudget = MaskBudget(),
+        max_probe_s: float = MAX_PROBE_S,
     ) -> None:
         self._hf_tokenizer = tokenizer
         # Any of the model's EOS ids (end of turn included) may end a whole match.
@@ -160,8 +272,13 @@ class GrammarCompiler:
         # verbose_errors off: an error is one line, not a dump of the parser's
         # state and the caller's schema (logged, and sent back).
         self.limits = llguidance.LLParserLimits(
-            step_lexer_fuel=step_lexer_fuel, step_max_items=step_max_items, verbose_errors=False
+            step_lexer_fuel=step_lexer_fuel,
+            step_max_items=step_max_items,
+            initial_lexer_fuel=initial_lexer_fuel,
+            verbose_errors=False,
         )
+        self.budget = budget
+        self.max_probe_s = max_probe_s
 
     def cached(self, constraint: OutputConstraint) -> Grammar | None:
         """The compiled grammar of an equal constraint, if one is kept: a
@@ -175,7 +292,15 @@ class GrammarCompiler:
         gives up the GIL while it works)."""
         grammar = self._cache.get(constraint)
         if grammar is None:
-            grammar = self._compile(constraint)
+            try:
+                grammar = self._compile(constraint)
+            except InvalidConstraint:
+                raise
+            except Exception as exc:  # RecursionError (a schema nested thousands deep), ...
+                # The caller's constraint, whatever fails on it: its request
+                # alone is refused, never the stream or the server it came by.
+                message = f"{constraint.kind.value} does not compile: {type(exc).__name__}: {exc}"
+                raise InvalidConstraint(message) from None
             self._cache.put(grammar)
         return grammar
 
@@ -186,7 +311,48 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidConstraint(f"{constraint.kind.value}: {matcher.get_error().rstrip()}")
         words = (tokenizer.vocab_size + 31) // 32
-        return Grammar(constraint.kind, constraint.text, template=matcher, mask_words=words)
+        grammar = Grammar(
+            constraint.kind, constraint.text, template=matcher, mask_words=words, budget=self.budget
+        )
+        self._probe(grammar)
+        return grammar
+
+    def _probe(self, grammar: Grammar) -> None:
+        """Refuses (``InvalidConstraint``) a grammar whose first steps fail,
+        allow no token, or cost more than ``max_probe_s``: its first mask,
+        then its second after the first token the first allows (EOS aside),
+        on a copy. A grammar that matches nothing fails its first mask; a
+        huge counted repeat, its first token; both cost a step's time or
+        more each that would otherwise be taken on the engine thread."""
+        kind = grammar.kind.value
+        matcher = grammar.start()
+        copy = matcher._matcher
+        bitmask = torch.zeros((1, grammar.mask_words), dtype=torch.int32)
+        eos = set(self._eos_token_ids)
+        start = time.thread_time_ns()
+        for _ in range(2):
+            matcher.fill(bitmask, 0)
+            if copy.is_error():
+                error = _first_line(copy)
+                if error == "NoExtensionBias":  # no byte can follow: it matches nothing
+                    raise InvalidConstraint(f"{kind} matches no output")
+                raise InvalidConstraint(f"{kind} is too complex: {error}")
+            allowed = np.flatnonzero(
+                np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+            )
+            if not len(allowed):
+                raise InvalidConstraint(f"{kind} allows no output")
+            tokens = [int(t) for t in allowed[:64] if int(t) not in eos]
+            if not tokens or copy.is_stopped():
+                break  # EOS alone: the empty output is the one match
+            if not copy.consume_token(tokens[0]):
+                raise InvalidConstraint(f"{kind} is too complex: {_first_line(copy)}")
+        spent_s = (time.thread_time_ns() - start) / 1e9
+        if spent_s > self.max_probe_s:
+            raise InvalidConstraint(
+                f"{kind} is too complex: its first masks took {spent_s * 1e3:.0f} ms "
+                f"(at most {self.max_probe_s * 1e3:g} ms)"
+            )
 
     def _llg_tokenizer(self) -> Any:
         with self._lock:
@@ -256,6 +422,8 @@ def _grammar_text(constraint: OutputConstraint) -> str:
         return str(llguidance.LLMatcher.grammar_from_regex(text))
     try:  # the JSON's own error, rather than the grammar's it would become
         json.loads(text)
+    except RecursionError:  # nested deeper than Python's stack: no schema needs that
+        raise InvalidConstraint("json_schema is nested too deeply") from None
     except ValueError as exc:
         raise InvalidConstraint(f"json_schema is not valid JSON: {exc}") from None
     try:

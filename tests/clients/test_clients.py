@@ -281,6 +281,16 @@ def test_a_constraint_reaches_the_wire_from_every_call(
         assert (json.loads(sent) if kind == "json_schema" else sent) == value
 
 
+# Nested deeper than Python's stack: json.loads raised RecursionError.
+DEEP_SCHEMA = '{"not":' * 6000 + "{}" + "}" * 6000
+
+
+def _nested(schema: dict[str, object], depth: int) -> dict[str, object]:
+    for _ in range(depth):
+        schema = {"not": schema}
+    return schema
+
+
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
@@ -289,6 +299,8 @@ def test_a_constraint_reaches_the_wire_from_every_call(
         ({"json_schema": {"enum": {1, 2}}}, ValueError, "json_schema is not JSON-serialisable"),
         ({"json_schema": {"maximum": math.nan}}, ValueError, "json_schema is not JSON-serialis"),
         ({"json_schema": '{"type": "object"'}, ValueError, "json_schema is not valid JSON"),
+        ({"json_schema": DEEP_SCHEMA}, ValueError, "json_schema is nested too deeply"),
+        ({"json_schema": _nested({}, 6000)}, ValueError, "json_schema is nested too deeply"),
         ({"json_schema": ["object"]}, TypeError, "json_schema must be a dict"),
         ({"regex": ""}, ValueError, "regex is empty"),
         ({"regex": b"[0-9]"}, TypeError, "regex must be a str"),

@@ -499,8 +499,10 @@ def test_admission_refuses_parameters_no_policy_could_serve(
         (SamplingParams(presence_penalty=2.5), "presence_penalty", "must be in [-2, 2], got 2.5"),
         (SamplingParams(frequency_penalty=-3.0), "frequency_penalty", "in [-2, 2], got -3"),
         (SamplingParams(frequency_penalty=math.nan), "frequency_penalty", "in [-2, 2], got nan"),
-        (SamplingParams(repetition_penalty=0.0), "repetition_penalty", "above 0 (1 is off)"),
-        (SamplingParams(repetition_penalty=-1.0), "repetition_penalty", "above 0"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty", "[0.01, 100] (1 is off)"),
+        (SamplingParams(repetition_penalty=-1.0), "repetition_penalty", "in [0.01, 100]"),
+        (SamplingParams(repetition_penalty=1e38), "repetition_penalty", "got 1e+38"),
+        (SamplingParams(repetition_penalty=1e-38), "repetition_penalty", "got 1e-38"),
         (SamplingParams(repetition_penalty=math.inf), "repetition_penalty", "got inf"),
         (SamplingParams(repetition_penalty=math.nan), "repetition_penalty", "got nan"),
         (SamplingParams(logit_bias=((5, 100.5),)), "logit_bias", "token 5 must be in [-100, 100]"),
@@ -530,12 +532,13 @@ def test_admission_holds_every_caller_to_the_adjustments_bounds(
 def test_admission_takes_adjustments_at_their_bounds() -> None:
     sched = make_scheduler()
     bounds = [
-        SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3),
+        SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.01),
+        SamplingParams(repetition_penalty=100.0),
         SamplingParams(logit_bias=tuple((t, -100.0 if t % 2 else 100.0) for t in range(1024))),
     ]
     for i, sampling in enumerate(bounds):
         sched.add_request(dataclasses.replace(make_request(f"ok{i}", 3, 2), sampling=sampling))
-    assert sched.num_waiting == 2
+    assert sched.num_waiting == 3
 
 
 def test_priority_policy_admits_the_most_urgent_class_first() -> None:

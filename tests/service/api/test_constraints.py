@@ -97,6 +97,31 @@ def test_a_streams_bad_constraint_fails_alone_beside_constrained_ones(stub):
     assert results["plain"][1].status_code == "OK"
 
 
+def test_a_schema_that_breaks_the_compiler_fails_alone_on_its_stream(stub):
+    """A schema nested deeper than Python's stack raised RecursionError on
+    the worker: the stream ended UNKNOWN, every request on it with it."""
+    deep = '{"not":' * 6000 + "{}" + "}" * 6000
+    results = _stream(
+        stub, [_submit("deep", pb.OutputConstraint(json_schema=deep)), _submit("plain", None)]
+    )
+    finished = results["deep"][1]
+    assert finished.reason == pb.FINISH_REASON_REJECTED
+    assert finished.status_code == "INVALID_ARGUMENT"
+    assert "json_schema is nested too deeply" in finished.message
+    assert results["plain"][1].status_code == "OK"
+
+
+def test_a_compilers_long_message_is_cut_short(stub):
+    """llguidance's message repeats the regex (160 KB here): as a trailer it
+    went past gRPC's metadata limit, and the caller saw RESOURCE_EXHAUSTED."""
+    nested = "(" * 20_000 + "a" + ")" * 20_000
+    call = stub.GenerateOne(_submit("one", pb.OutputConstraint(regex=nested)), timeout=30)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "invalid regex" in info.value.details() and len(info.value.details()) <= 500
+
+
 def test_generate_one_refuses_a_schema_that_does_not_compile(stub):
     call = stub.GenerateOne(
         _submit("one", pb.OutputConstraint(json_schema='{"type": "nope"}')), timeout=30

@@ -37,6 +37,7 @@ from slipstream.service.engine.grammar import (
     GrammarCache,
     GrammarCompiler,
     InvalidConstraint,
+    MaskBudget,
     mask_logits,
 )
 from slipstream.service.engine.loader import load_engine, load_parts
@@ -165,6 +166,35 @@ def test_bad_constraints_are_refused_with_the_compilers_message(engine):
             engine.submit(_spec(engine, "bad", "x", constraint), lambda event: None)
     stats = engine.stats()
     assert (stats.waiting, stats.running) == (0, 0)
+
+
+# Nested deeper than Python's stack: json.loads raised RecursionError.
+DEEP_SCHEMA = OutputConstraint(ConstraintKind.JSON_SCHEMA, '{"not":' * 6000 + "{}" + "}" * 6000)
+# llguidance's message repeats the expression: 160 KB of it.
+NESTED_GROUPS = OutputConstraint(ConstraintKind.REGEX, "(" * 20_000 + "a" + ")" * 20_000)
+
+
+def test_whatever_fails_in_a_compile_is_the_constraints_refusal(engine, monkeypatch):
+    with pytest.raises(InvalidConstraint, match="json_schema is nested too deeply"):
+        _compiler(engine).compile(DEEP_SCHEMA)
+
+    def fails(text):
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(grammar_module.llguidance.LLMatcher, "grammar_from_regex", fails)
+    with pytest.raises(InvalidConstraint, match="regex does not compile: RuntimeError: some"):
+        engine.submit(_spec(engine, "odd", "x", DIGITS_TWICE), lambda event: None)
+
+
+DIGITS_TWICE = OutputConstraint(ConstraintKind.REGEX, "[0-9]{2}")  # not compiled before
+
+
+def test_a_compilers_message_is_one_short_line(engine):
+    with pytest.raises(InvalidConstraint) as info:
+        _compiler(engine).compile(NESTED_GROUPS)
+    message = str(info.value)
+    assert message.startswith("regex: ") and "invalid regex" in message
+    assert len(message) <= grammar_module.MAX_MESSAGE_CHARS and "\n" not in message
 
 
 def test_the_mask_allows_eos_only_where_the_output_is_complete(engine):
@@ -315,6 +345,14 @@ def test_matchers_are_built_with_the_step_limits(engine, monkeypatch):
     assert not used.verbose_errors
 
 
+def _unprobed(engine: Engine, **options) -> GrammarCompiler:
+    """A compiler that leaves out its probe: what it would refuse reaches the
+    engine thread, as a grammar costly only further on would."""
+    compiler = _compiler(engine, **options)
+    compiler._probe = lambda grammar: None  # type: ignore[method-assign]
+    return compiler
+
+
 def test_a_mask_past_the_step_limits_fails_its_request_alone(engine):
     seven = engine.tokenizer.convert_tokens_to_ids("7")
     for fuel, fails in ((STEP_LEXER_FUEL, False), (2_000, True)):
@@ -334,7 +372,7 @@ def test_a_mask_past_the_step_limits_fails_its_request_alone(engine):
                 failed = exc
                 break
         assert (failed is not None) == fails, failed
-    assert "the constraint needs more work a step than allowed" in str(failed)
+    assert "constraint too complex: it needs more work a step than allowed" in str(failed)
     assert "too many expressions" in str(failed) and "\n" not in str(failed)
 
 
@@ -342,7 +380,7 @@ def test_a_request_whose_mask_fails_ends_error_and_alone(engine):
     """Its mask past the limits allowed EOS alone: the EOS must not end it
     as a whole match (it did, finishing EOS with an opening brace)."""
     schema = '{"type": "object", "properties": {"a": {"type": "string"}}}'
-    starved = _compiler(engine, step_lexer_fuel=10)  # fails at its second step
+    starved = _unprobed(engine, step_lexer_fuel=10)  # fails at its second step
     costly = starved.compile(OutputConstraint(ConstraintKind.JSON_SCHEMA, schema))
     requests = [
         _spec(engine, "costly", PROMPTS[0], costly),
@@ -351,7 +389,7 @@ def test_a_request_whose_mask_fails_ends_error_and_alone(engine):
     ]
     results = engine.generate(requests)
     assert results[0].finish.reason is FinishReason.ERROR, results[0]
-    assert "needs more work a step than allowed" in results[0].finish.message
+    assert "constraint too complex: it needs more work" in results[0].finish.message
     assert _matches(DIGITS, results[1].text)
     assert results[1].finish.reason is FinishReason.STOP_SEQUENCE
     assert results[2].finish.reason is FinishReason.MAX_TOKENS
@@ -442,3 +480,66 @@ def test_the_device_runner_masks_as_the_cpu_runner_does(tiny_model_dir, engine):
     finally:
         device_engine.shutdown()
     assert got == expected
+
+
+# ---------------------------------------------------------------- costly grammars
+
+# Tiny expressions of huge counted repeats: 45-300 ms a mask (SmolLM2) within
+# the step limits, on the engine thread, every step of a request's output.
+HUGE_REPEATS = {
+    "ab_100000": OutputConstraint(ConstraintKind.REGEX, "(ab){100000}"),
+    "a_300000": OutputConstraint(ConstraintKind.REGEX, "a{300000}"),
+    "a_1000000": OutputConstraint(ConstraintKind.REGEX, "a{1000000}"),
+    "schema_pattern": OutputConstraint(
+        ConstraintKind.JSON_SCHEMA, json.dumps({"type": "string", "pattern": "^(ab){100000}$"})
+    ),
+}
+
+
+@pytest.mark.parametrize("name", HUGE_REPEATS)
+def test_huge_counted_repeats_are_refused_when_compiled(engine, name):
+    constraint = HUGE_REPEATS[name]
+    with pytest.raises(InvalidConstraint, match=f"{constraint.kind.value} is too complex"):
+        _compiler(engine).compile(constraint)
+
+
+def test_an_expression_that_matches_nothing_is_refused_when_compiled(engine):
+    """It compiled, then ended ERROR at its first step ("needs more work a
+    step than allowed: NoExtensionBias"), a server fault for the caller's."""
+    with pytest.raises(InvalidConstraint, match="regex matches no output"):
+        _compiler(engine).compile(OutputConstraint(ConstraintKind.REGEX, r"[^\s\S]"))
+
+
+def test_a_grammar_whose_first_masks_take_too_long_is_refused(engine):
+    with pytest.raises(InvalidConstraint, match="regex is too complex: its first masks took"):
+        _compiler(engine, max_probe_s=0).compile(DIGITS)
+
+
+def test_costly_masks_end_their_request_alone_as_too_complex(engine):
+    one_mask = _compiler(engine, budget=MaskBudget(max_mask_s=0)).compile(LONG_DIGITS)
+    on_average = _compiler(engine, budget=MaskBudget(max_mean_mask_s=0, masks_before_mean=3))
+    requests = [
+        _spec(engine, "one_mask", PROMPTS[0], one_mask),
+        _spec(engine, "on_average", PROMPTS[1], on_average.compile(LONG_DIGITS)),
+        _spec(engine, "digits", PROMPTS[2], DIGITS),
+        _spec(engine, "plain", PROMPTS[0], max_new_tokens=6),
+    ]
+    results = engine.generate(requests)
+    assert results[0].finish.reason is FinishReason.ERROR, results[0]
+    assert results[0].finish.message.startswith("constraint too complex: a mask took")
+    assert results[1].finish.reason is FinishReason.ERROR, results[1]
+    assert "on average over 3 steps" in results[1].finish.message
+    assert len(results[1].token_ids) == 2  # the third, taken after the third mask, is not sent
+    assert _matches(DIGITS, results[2].text)
+    assert results[3].finish.reason is FinishReason.MAX_TOKENS
+
+
+def test_a_token_the_lexer_gives_up_on_is_too_complex_not_a_broken_constraint(engine):
+    """Its mask allowed the token: not a sampler's fault (it was logged as
+    one, ``constraint_broken`` at error level)."""
+    huge = _unprobed(engine).compile(HUGE_REPEATS["a_1000000"])
+    results = engine.generate([_spec(engine, "huge", PROMPTS[0], huge)])
+    assert results[0].finish.reason is FinishReason.ERROR
+    assert results[0].finish.message.startswith(
+        "constraint too complex: lexer error: too many expressions"
+    ), results[0].finish.message
