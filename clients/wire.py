@@ -32,6 +32,7 @@ JsonSchema = str | Mapping[str, object] | bool
 MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias
+MAX_REPETITION_PENALTY = 100.0  # a repetition penalty is in [1 / 100, 100]
 
 
 def trace_context() -> dict[str, str]:
@@ -119,7 +120,7 @@ class GenerateOptions:
     # Logit adjustments, made before temperature, top-k and top-p (greedy too).
     presence_penalty: float = 0.0  # in [-2, 2], 0 off: once per token generated so far
     frequency_penalty: float = 0.0  # in [-2, 2], 0 off: per time a token was generated
-    repetition_penalty: float | None = None  # above 0; unset: the server's 1 (off)
+    repetition_penalty: float | None = None  # in [0.01, 100]; unset: the server's 1 (off)
     logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
     # Structured output, at most one: what the whole output must match.
     json_schema: JsonSchema | None = None  # a JSON Schema: a dict, or its JSON text
@@ -265,11 +266,14 @@ def check_penalty(name: str, value: object) -> None:
 
 
 def check_repetition_penalty(value: object) -> None:
-    """A repetition penalty that is not a finite number above 0 raises."""
+    """A repetition penalty outside [1 / 100, 100] raises (the server's
+    bounds: past them a logit may become infinite)."""
     if not _is_number(value):
         raise TypeError(f"repetition_penalty must be a number, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"repetition_penalty must be finite and above 0 (1 is off), got {value}")
+    low, high = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+    if not low <= value <= high:  # NaN included
+        bounds = f"[{low:g}, {high:g}]"
+        raise ValueError(f"repetition_penalty must be in {bounds} (1 is off), got {value}")
 
 
 def check_logit_bias(bias: object) -> dict[int, float]:

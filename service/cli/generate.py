@@ -40,6 +40,7 @@ from slipstream.clients.wire import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     is_token_id,
 )
 from slipstream.service.cli.arg_types import (
@@ -49,7 +50,6 @@ from slipstream.service.cli.arg_types import (
     non_negative_finite_float,
     non_negative_int32,
     non_negative_uint64,
-    positive_finite_float,
     positive_int,
     positive_uint32,
 )
@@ -208,11 +208,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     parser.add_argument(
         "--repetition-penalty",
-        type=positive_finite_float,
+        type=repetition_penalty,
         default=None,
         metavar="X",
         help="divides the positive logits of the prompt's and the output's tokens (multiplies "
-        "the others); above 1 discourages repeats (default: 1, off)",
+        "the others), in [0.01, 100]; above 1 discourages repeats (default: 1, off)",
     )
     parser.add_argument(
         "--logit-bias",
@@ -288,6 +288,10 @@ def json_schema_text(value: str) -> str:
 # The server's ranges, as the clients check them (clients/wire.py).
 penalty = float_where(
     lambda v: -MAX_PENALTY <= v <= MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+)
+repetition_penalty = float_where(
+    lambda v: 1 / MAX_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
+    f"in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
 )
 _bias = float_where(
     lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,

@@ -375,9 +375,10 @@ def test_sampling_adjustments_reach_the_wire_from_every_call(
         ({"presence_penalty": "1"}, TypeError, "presence_penalty must be a number, got '1'"),
         ({"presence_penalty": None}, TypeError, "presence_penalty must be a number, got None"),
         ({"frequency_penalty": True}, TypeError, "frequency_penalty must be a number"),
-        ({"repetition_penalty": 0}, ValueError, "repetition_penalty must be finite and above 0"),
-        ({"repetition_penalty": -1.2}, ValueError, "repetition_penalty must be finite and above"),
-        ({"repetition_penalty": math.inf}, ValueError, "repetition_penalty must be finite"),
+        ({"repetition_penalty": 0}, ValueError, "repetition_penalty must be in"),
+        ({"repetition_penalty": 1e38}, ValueError, "repetition_penalty must be in"),
+        ({"repetition_penalty": -1.2}, ValueError, "repetition_penalty must be in"),
+        ({"repetition_penalty": math.inf}, ValueError, "repetition_penalty must be in"),
         ({"repetition_penalty": "1.2"}, TypeError, "repetition_penalty must be a number"),
         ({"logit_bias": [(5, 1.0)]}, TypeError, "logit_bias must be a dict of token ids"),
         ({"logit_bias": {"5": 1.0}}, TypeError, r"logit_bias keys must be token ids \(ints\)"),
@@ -410,7 +411,8 @@ def test_the_clients_adjustment_bounds_are_the_servers() -> None:
     from slipstream.clients import wire
     from slipstream.scheduler import request
 
-    for name in ("MAX_PENALTY", "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS"):
+    bounds = ("MAX_PENALTY", "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_REPETITION_PENALTY")
+    for name in bounds:
         assert getattr(wire, name) == getattr(request, name), name
 
 

@@ -235,7 +235,7 @@ def test_the_local_engine_follows_a_logit_bias_flag(capsys: pytest.CaptureFixtur
     [
         (["--presence-penalty", "2.5"], "argument --presence-penalty: must be in [-2, 2], got 2.5"),
         (["--frequency-penalty", "nan"], "argument --frequency-penalty: must be in [-2, 2]"),
-        (["--repetition-penalty", "0"], "argument --repetition-penalty: must be > 0 and finite"),
+        (["--repetition-penalty", "0"], "argument --repetition-penalty: must be in [0.01, 100]"),
         (["--logit-bias", "7"], "argument --logit-bias: expected ID=BIAS, got '7'"),
         (["--logit-bias", "x=1"], "argument --logit-bias: expected a token id before '='"),
         (["--logit-bias", "7=-101"], "argument --logit-bias: must be in [-100, 100], got -101"),

@@ -10,7 +10,7 @@ times ``n`` at most ``Limits.max_choices``), ``user``, ``logprobs``
 (completions: 0 to 20 alternatives; chat: a boolean, with ``top_logprobs``
 0 to 20), ``presence_penalty`` and ``frequency_penalty`` (-2 to 2),
 ``logit_bias`` (token ids, as strings, to -100 to 100); vLLM's
-``repetition_penalty`` (above 0); ``response_format`` (response_format.py);
+``repetition_penalty`` (1/100 to 100); ``response_format`` (response_format.py);
 the Slipstream extensions ``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
 Anything else that would change the answer (``echo``, ``suffix``,
@@ -35,6 +35,7 @@ from slipstream.scheduler.request import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_TOP_LOGPROBS,
 )
 from slipstream.service.api.http.errors import ApiError, from_domain, invalid
@@ -362,8 +363,10 @@ def _penalties(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
             setattr(sampling, name, value)
     repetition = _number(body, "repetition_penalty")
     if repetition is not None:
-        if repetition <= 0:
-            message = f"repetition_penalty must be above 0 (1 is off), got {repetition!r}"
+        low, high = 1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY
+        if not low <= repetition <= high:
+            bounds = f"[{low:g}, {high:g}]"
+            message = f"repetition_penalty must be in {bounds} (1 is off), got {repetition!r}"
             raise invalid(message, "repetition_penalty")
         sampling.repetition_penalty = repetition
     bias = body.get("logit_bias")
