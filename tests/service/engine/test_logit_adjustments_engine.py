@@ -36,7 +36,7 @@ ADJUSTED = [
     SamplingParams(temperature=1.2, top_p=0.9, seed=5, repetition_penalty=0.7),
     # Its first token is the biased one; from the second on that token is
     # generated, the latest input alone at first (pending, planning ahead).
-    SamplingParams(logit_bias=((FAVOURED_TOKEN, 100.0),), repetition_penalty=1000.0),
+    SamplingParams(logit_bias=((FAVOURED_TOKEN, 100.0),), repetition_penalty=100.0),
     SamplingParams(),  # asks for nothing, beside those that do
 ]
 
