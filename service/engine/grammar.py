@@ -18,7 +18,7 @@ per model, the tokenizer's tables: 0.06 s for `tiny`'s 4,096 tokens, 1 s
 for SmolLM2's 49,152), so the front doors compile off their event loop; the
 latest compiled grammars are kept (``GrammarCache``), and a constraint sent
 again is not compiled again. Starting a request's matcher is a copy of a
-compiled one (~20 µs).
+compiled one (no compiling: about a microsecond).
 
 A step's mask is filled on the host (tens of µs a row) and applied by
 ``mask_logits`` with plain torch ops, on the CPU and on a GPU alike.
