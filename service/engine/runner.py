@@ -15,6 +15,7 @@ frees device blocks for more urgent work.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -45,6 +46,29 @@ log = structlog.get_logger(__name__)
 # Voluntary context switches a parallel region above which the engine's OpenMP
 # workers sleep between regions (0 where they spin; 0.6-2.0 where they sleep).
 SLEEPING_WORKERS = 0.3
+
+
+def _why_asleep() -> dict[str, object]:
+    """The likely cause of sleeping workers, for the log: a host whose other
+    processes already keep its CPUs busy (its 1-minute load at least its
+    CPUs: the workers lose their CPUs between regions, and no change to this
+    process wakes them), else a second OpenMP team in this process."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if cpus and load >= cpus:
+        return {
+            "load_1m": round(load, 2),
+            "cpus": cpus,
+            "detail": "the host is busy: other processes take the CPUs the engine's "
+            "workers need, so they sleep and wake between a step's parallel regions "
+            "(slower steps); give the server CPUs of its own, or fewer --threads",
+        }
+    return {
+        "detail": "another thread of this process keeps an OpenMP team, so each "
+        "parallel region of a step puts the engine's workers to sleep and wakes "
+        "them (slower steps): run CPU torch work before serving on a thread "
+        "that ends (kernels/compute_thread.py)",
+    }
 
 
 def allocate_pool(
@@ -127,14 +151,7 @@ class ModelRunner:
         every step's regions then sleep and wake."""
         sleeps = sleeps_per_region()
         if sleeps is not None and sleeps > SLEEPING_WORKERS:
-            log.warning(
-                "openmp_workers_sleep",
-                sleeps_per_region=round(sleeps, 2),
-                detail="another thread of this process keeps an OpenMP team, so each "
-                "parallel region of a step puts the engine's workers to sleep and wakes "
-                "them (slower steps): run CPU torch work before serving on a thread "
-                "that ends (kernels/compute_thread.py)",
-            )
+            log.warning("openmp_workers_sleep", sleeps_per_region=round(sleeps, 2), **_why_asleep())
 
     def launch(self, plan: StepPlan, matchers: dict[str, Matcher] | None = None) -> DoneStep:
         """Runs ``plan`` now (the CPU has nothing to overlap with), taking its

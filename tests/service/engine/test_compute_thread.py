@@ -108,3 +108,22 @@ def test_on_own_thread_called_on_such_a_thread_runs_right_there() -> None:
 
     on_own_thread(outer, "outer")
     assert threads[0] is threads[1]  # a calibration inside a load: no second team
+
+
+@pytest.mark.parametrize(("load", "busy"), [(7.5, True), (0.4, False)])
+def test_sleeping_workers_on_a_busy_host_are_blamed_on_the_host(monkeypatch, load, busy) -> None:
+    """At a 1-minute load of 7 on 2 CPUs the workers sleep whatever this
+    process does: the warning said another OpenMP team of it was the cause."""
+    from structlog.testing import capture_logs
+
+    from slipstream.service.engine import runner
+
+    monkeypatch.setattr(runner, "sleeps_per_region", lambda: 1.2)
+    monkeypatch.setattr(runner.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(runner.os, "sched_getaffinity", lambda pid: {0, 1})
+    with capture_logs() as logs:
+        runner.ModelRunner.on_engine_thread(object())  # type: ignore[arg-type]
+    [warning] = [line for line in logs if line["event"] == "openmp_workers_sleep"]
+    assert ("the host is busy" in warning["detail"]) is busy, warning
+    assert ("another thread of this process" in warning["detail"]) is not busy, warning
+    assert warning.get("load_1m") == (load if busy else None)
