@@ -11,11 +11,13 @@ runs many more.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
+import polling
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -145,13 +147,8 @@ def neighbour(request_id: str = "neighbour") -> pb.GenerateRequest:
 # ---------------------------------------------------------------- checks
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+# The shared poll, with this file's own patience.
+wait_until = functools.partial(polling.wait_until, timeout_s=30.0)
 
 
 def check_server(channel: grpc.Channel) -> None:

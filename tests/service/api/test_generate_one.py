@@ -7,12 +7,14 @@ maximum connection age with the shared stream moving to a new connection."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
+import polling
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -101,13 +103,8 @@ def stub(server: ServerThread) -> Iterator[pb_grpc.InferenceStub]:
         yield pb_grpc.InferenceStub(channel)
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+# The shared poll, with this file's own patience.
+wait_until = functools.partial(polling.wait_until, timeout_s=5.0)
 
 
 def engine_idle(engine: object) -> bool:
@@ -230,14 +227,14 @@ def test_cancelling_the_call_frees_the_kv_at_once(client: Client, engine: object
         generation.cancel()
         result = generation.result(timeout=10)
         assert (result.finish_reason, result.status_code) == ("cancelled", "CANCELLED")
-        assert wait_until(lambda: any(e["event"] == "request_finished" for e in logs), 5.0)
+        assert wait_until(lambda: any(e["event"] == "request_finished" for e in logs))
     # No Finished came: the client counts the prompt as the server's Accepted did.
     assert result.prompt_tokens == len(client.tokenize("cancel me")) > 0
     # The server's line says the call ended, not "the stream ended" (GenerateOne has none).
     [line] = [e for e in logs if e["event"] == "request_finished"]
     assert line["message"] == CALL_ENDED
     assert 1 <= len(result.token_ids) < LONG
-    assert wait_until(lambda: engine_idle(engine), 2.0)
+    assert wait_until(lambda: engine_idle(engine), timeout_s=2.0)
     assert time.monotonic() - started < 2.0
 
 
@@ -253,7 +250,7 @@ def test_the_call_deadline_is_the_requests_deadline(
     assert result.finish_reason == "deadline_exceeded", result
     assert result.status_code == "DEADLINE_EXCEEDED"
     assert result.prompt_tokens == len(client.tokenize("too slow")) > 0
-    assert wait_until(lambda: engine_idle(engine), 2.0)
+    assert wait_until(lambda: engine_idle(engine), timeout_s=2.0)
 
 
 def test_the_submits_own_timeout_when_tighter_than_the_call(
@@ -263,7 +260,7 @@ def test_the_submits_own_timeout_when_tighter_than_the_call(
     message.timeout.FromMilliseconds(300)
     responses = list(stub.GenerateOne(message, timeout=30))
     assert responses[-1].finished.reason == pb.FINISH_REASON_DEADLINE_EXCEEDED
-    assert wait_until(lambda: engine_idle(engine), 2.0)
+    assert wait_until(lambda: engine_idle(engine), timeout_s=2.0)
 
 
 # ---------------------------------------------------------------- tracing

@@ -5,6 +5,7 @@ stubs."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -12,11 +13,11 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import polling
 import pytest
 from google.protobuf import descriptor_pb2
 from google.protobuf.duration_pb2 import Duration
@@ -67,13 +68,8 @@ def stub(server: ServerThread) -> Iterator[pb_grpc.InferenceStub]:
         yield pb_grpc.InferenceStub(channel)
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+# The shared poll, with this file's own patience.
+wait_until = functools.partial(polling.wait_until, timeout_s=5.0)
 
 
 def engine_idle(client: Client) -> bool:

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import re
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import openai
+import polling
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -144,13 +145,8 @@ def grpc_client(servers: Servers) -> Iterator[Client]:
         yield client
 
 
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+# The shared poll, with this file's own patience.
+wait_until = functools.partial(polling.wait_until, timeout_s=5.0)
 
 
 def engine_idle(client: Client) -> bool:
@@ -1066,7 +1062,7 @@ def test_queue_full_is_429_and_draining_is_503() -> None:
             assert draining.value.status_code == 503
             running.close()
             queued.join()
-            assert wait_until(lambda: engine_idle(grpc_client), 10)
+            assert wait_until(lambda: engine_idle(grpc_client), timeout_s=10)
     finally:
         srv.stop()
         eng.shutdown()
