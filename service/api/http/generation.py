@@ -57,10 +57,20 @@ from slipstream.service.api.http.responses import (
     ChunkEncoder,
     Envelope,
     error_line,
+    finish_reason,
 )
+from slipstream.service.api.http.tool_output import Piece, ToolCallDelta, ToolReply, readers_for
+from slipstream.service.api.http.tools import CHOICE_PARAM as TOOL_CHOICE
+from slipstream.service.api.http.tools import PARAM as TOOLS
+from slipstream.service.api.http.tools import ToolChoice, Tools, check_tools
 from slipstream.service.api.lifecycle import Lifecycle, NotServing
 from slipstream.service.api.limits import Limits, OverLimit
-from slipstream.service.engine.chat import has_chat_template, render_chat
+from slipstream.service.engine.chat import (
+    ChatMessage,
+    has_chat_template,
+    render_chat,
+    renders_tools,
+)
 from slipstream.service.engine.events import Event, FinishEvent, RequestSpec, TokenEvent
 from slipstream.service.telemetry.request_trace import Refusal
 from slipstream.v1 import inference_pb2 as pb
@@ -80,6 +90,12 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "Connection": "keep-alive",
 }
+# "auto" reads calls out of the text a model writes where its template
+# shows it the tools; without, it would never write one.
+NO_TOOLS_IN_TEMPLATE = (
+    "tool_choice auto needs a model whose chat template renders tools, and this "
+    "model's renders none; tool_choice required or a named function work with any model"
+)
 # How requests that ended without a complete answer are reported.
 _FAILED: dict[FinishReason, tuple[int, str, str]] = {
     FinishReason.DEADLINE_EXCEEDED: (504, "deadline_exceeded", "deadline_exceeded"),
@@ -95,39 +111,49 @@ _FAILED: dict[FinishReason, tuple[int, str, str]] = {
 Authenticator = Callable[[str | None], object]
 
 
-def _encode(tokenizer: object, prompt: Prompt) -> list[int]:
+def _encode(tokenizer: object, prompt: Prompt, tools: Tools | None) -> list[int]:
     if isinstance(prompt, str):
         return wire.encode_prompt(tokenizer, prompt)
-    return render_chat(tokenizer, prompt)
+    assert isinstance(prompt[0], ChatMessage)
+    definitions = None if tools is None else tools.definitions
+    return render_chat(tokenizer, prompt, definitions)  # type: ignore[arg-type]
 
 
 async def prompt_token_ids(
-    engine: Engine, prompt: Prompt, workers: WorkerPool | None = None
+    engine: Engine, prompt: Prompt, workers: WorkerPool | None = None, tools: Tools | None = None
 ) -> list[int]:
     """The one place a prompt becomes token ids, off the event loop so a
     large input never stalls it: on the server's bounded tokenizer pool (the
     one gRPC uses; full → ``WorkersBusy``) or, without one, a plain thread.
-    Size is checked first."""
+    Size is checked first (the functions offered count: they are rendered)."""
     if isinstance(prompt, list) and isinstance(prompt[0], int):
-        return prompt
-    texts = [prompt] if isinstance(prompt, str) else [content for _, content in prompt]
+        return prompt  # type: ignore[return-value]
     max_chars = engine.info.max_model_len * MAX_CHARS_PER_TOKEN
-    num_chars = sum(len(t) for t in texts)
+    num_chars = prompt_bytes(prompt, tools, measure=len)
     if num_chars > max_chars:
         param = "prompt" if isinstance(prompt, str) else "messages"
         raise too_large(f"the prompt is over {max_chars} characters, more than fits", param)
     if workers is None:
-        return await asyncio.to_thread(_encode, engine.tokenizer, prompt)
-    return await workers.run(lambda: _encode(engine.tokenizer, prompt), num_chars)
+        return await asyncio.to_thread(_encode, engine.tokenizer, prompt, tools)
+    return await workers.run(lambda: _encode(engine.tokenizer, prompt, tools), num_chars)
 
 
-def prompt_bytes(prompt: Prompt) -> int:
+def prompt_bytes(
+    prompt: Prompt, tools: Tools | None = None, measure: Callable[[str], int] = wire.utf8_len
+) -> int:
     """The UTF-8 bytes ``wire.prompt_bytes`` counts for the same prompt over
-    gRPC: the text, or every role and content; 0 for token ids."""
+    gRPC: the text, or every role and content (and what tool calling adds:
+    earlier calls, result ids, the functions offered); 0 for token ids.
+    ``measure``: ``len`` counts characters instead."""
     if isinstance(prompt, str):
-        return wire.utf8_len(prompt)
-    pairs = (p for p in prompt if isinstance(p, tuple))
-    return sum(wire.utf8_len(role) + wire.utf8_len(content) for role, content in pairs)
+        return measure(prompt)
+    messages = [m for m in prompt if isinstance(m, ChatMessage)]
+    num_bytes = sum(measure(m.role) + measure(m.content) for m in messages)
+    for message in messages:
+        num_bytes += measure(message.tool_call_id or "")
+        for call in message.tool_calls:
+            num_bytes += measure(call.id) + measure(call.name) + measure(call.arguments)
+    return num_bytes + (0 if tools is None else tools.num_bytes(measure))
 
 
 def engine_id(envelope: Envelope) -> str:
@@ -240,7 +266,7 @@ class Generations:
             if admitted[0][0].sampling.logprobs is not None:
                 texts = self._texts(engine)
                 logprobs = [LogprobsBuilder(texts, is_chat) for _ in req_ids]
-            choices = Choices(engine, relay, req_ids, logprobs)
+            choices = Choices(engine, relay, req_ids, logprobs, parsed.tools)
             if parsed.is_stream:
                 return await self._stream(request, parsed, envelope, choices)
             return await self._whole(parsed, envelope, choices)
@@ -290,13 +316,18 @@ class Generations:
         checked before any work, each distinct prompt tokenized once."""
         for prompt in parsed.prompts:
             try:
-                wire.check_sizes(parsed.submit, prompt_bytes(prompt), self._limits)
+                num_bytes = prompt_bytes(prompt, parsed.tools)
+                wire.check_sizes(parsed.submit, num_bytes, self._limits)
             except OverLimit as exc:
                 raise _domain(exc, _param(exc.field, parsed)) from None
         if parsed.is_chat and not has_chat_template(engine.tokenizer):
             # render_chat's own message names the gRPC fields (text, token_ids).
             message = "this model has no chat template; use /v1/completions with prompt"
             raise invalid(message, "messages", "invalid_messages")
+        if parsed.tools is not None:
+            check_tools(parsed.tools, self._limits.max_constraint_bytes)
+            if parsed.tools.choice is ToolChoice.AUTO and not renders_tools(engine.tokenizer):
+                raise invalid(NO_TOOLS_IN_TEMPLATE, TOOL_CHOICE)
         prompts = parsed.prompts
         prompt_specs: list[RequestSpec] = []  # one per prompt
         for i, prompt in enumerate(prompts):
@@ -314,7 +345,7 @@ class Generations:
             )
         constraint = prompt_specs[0].constraint
         if constraint is not None:  # compiled once; each choice's matcher starts from it
-            grammar = await self._compile(engine, constraint)
+            grammar = await self._compile(engine, constraint, _param("constraint", parsed))
             prompt_specs = [replace(spec, constraint=grammar) for spec in prompt_specs]
         num_choices = parsed.num_choices
         return [
@@ -335,7 +366,7 @@ class Generations:
     ) -> RequestSpec:
         """``prompt``'s engine request, its token ids put into ``submit``."""
         try:
-            ids = await prompt_token_ids(engine, prompt, self._workers)
+            ids = await prompt_token_ids(engine, prompt, self._workers, parsed.tools)
         except (ValueError, QueueFull) as exc:  # ChatError: bad roles, no template; pool full
             raise _domain(exc, "messages" if parsed.is_chat else "prompt") from None
         submit.token_ids.ids.extend(ids)
@@ -349,13 +380,16 @@ class Generations:
         except (ValueError, SchedulerError) as exc:  # PromptTooLong: over the context
             raise _domain(exc, _prompt_param(exc, parsed)) from None
 
-    async def _compile(self, engine: Engine, constraint: OutputConstraint) -> OutputConstraint:
-        """``response_format`` compiled off the event loop; a 400 naming it
-        where it does not compile (429 with the pool full)."""
+    async def _compile(
+        self, engine: Engine, constraint: OutputConstraint, param: str
+    ) -> OutputConstraint:
+        """``response_format`` (or the tools' schema) compiled off the event
+        loop; a 400 naming ``param`` where it does not compile (429 with the
+        pool full)."""
         try:
             return await compile_constraint(engine, constraint, self._workers)
         except (ValueError, QueueFull) as exc:  # InvalidConstraint; WorkersBusy
-            raise _domain(exc, RESPONSE_FORMAT) from None
+            raise _domain(exc, param) from None
 
     def _admit(
         self, gate: TenantGate | None, specs: list[RequestSpec]
@@ -427,7 +461,17 @@ class Generations:
                     raise choices.fail(event)
         wholes = choices.whole_logprobs()
         answers = ["".join(pieces) for pieces in texts]
-        body = envelope.completion(answers, choices.finished(), wholes, parsed.n)
+        messages = None
+        if choices.readers is not None:  # the same pieces a stream would have had
+            messages = []
+            tools = parsed.tools
+            assert tools is not None
+            for reader, answer in zip(choices.readers, answers, strict=True):
+                reply = ToolReply(tools.is_constrained)
+                reply.add(reader.feed(answer))
+                reply.add(reader.finish())
+                messages.append(reply.message())
+        body = envelope.completion(answers, choices.finished(), wholes, parsed.n, messages)
         return web.Response(text=json.dumps(body), content_type="application/json")
 
     async def _stream(
@@ -447,17 +491,29 @@ class Generations:
                         raise choices.fail(first)
                     response = web.StreamResponse(headers=SSE_HEADERS)
                     await response.prepare(request)
-                    out.extend(encoder.first(index) for index in range(choices.num_choices))
+                    tools = parsed.tools
+                    content = None if tools is not None and tools.is_constrained else ""
+                    out.extend(encoder.first(i, content) for i in range(choices.num_choices))
                 failure = None
                 for event in batch:
                     index = choices.index(event)
                     if isinstance(event, TokenEvent):
                         logprobs = choices.logprobs
                         chunk = None if logprobs is None else logprobs[index].chunk(event)
-                        out.append(encoder.token(event.text, chunk, index))
+                        if choices.readers is None:
+                            out.append(encoder.token(event.text, chunk, index))
+                        else:
+                            pieces = choices.read(index, event.text)
+                            out.append(encoder.pieces(pieces, chunk, index))
                     elif event.reason in OPENAI_FINISH:
                         choices.finishes[index] = event
-                        out.append(encoder.finish(event.text, event, index))
+                        if choices.readers is None:
+                            out.append(encoder.finish(event.text, event, index))
+                        else:
+                            pieces = choices.read(index, event.text, is_last=True)
+                            out.append(encoder.pieces(pieces, None, index))
+                            reason = finish_reason(event, choices.has_tool_calls[index])
+                            out.append(encoder.finish("", event, index, reason))
                     else:
                         failure = choices.fail(event)
                         out.append(error_line(failure.body()))
@@ -477,7 +533,8 @@ class Generations:
 
 class Choices:
     """One request's choices in flight: which engine request is which
-    choice, each one's log-probabilities (where asked) and finish."""
+    choice, each one's log-probabilities (where asked), tool-call reader
+    (where tools are called) and finish."""
 
     def __init__(
         self,
@@ -485,16 +542,31 @@ class Choices:
         relay: EventRelay,
         req_ids: list[str],
         logprobs: list[LogprobsBuilder] | None,
+        tools: Tools | None = None,
     ) -> None:
         self.relay = relay
         self.logprobs = logprobs
         self.num_choices = len(req_ids)
         self.finishes: list[FinishEvent | None] = [None] * len(req_ids)
+        self.readers = readers_for(tools, len(req_ids))
+        self.has_tool_calls = [False] * len(req_ids)
         self._engine = engine
         self._indexes = {req_id: index for index, req_id in enumerate(req_ids)}
 
     def index(self, event: Event) -> int:
         return self._indexes[event.req_id]
+
+    def read(self, index: int, text: str, is_last: bool = False) -> list[Piece]:
+        """Choice ``index``'s next pieces (its reader's) from ``text``;
+        ``is_last``: the finish event's, after which the reader is done."""
+        assert self.readers is not None
+        reader = self.readers[index]
+        pieces = reader.feed(text)
+        if is_last:
+            pieces += reader.finish()
+        if any(isinstance(piece, ToolCallDelta) for piece in pieces):
+            self.has_tool_calls[index] = True
+        return pieces
 
     def fail(self, event: FinishEvent) -> ApiError:
         """The answer to a choice that ended without one; the others are
@@ -570,8 +642,9 @@ def _param(field: str, parsed: OpenAIRequest) -> str:
     ``constraint``)."""
     if field == "stop_sequences":
         return "stop"
-    if field == "constraint":
-        return RESPONSE_FORMAT
+    if field == "constraint":  # the tools' call, or response_format
+        tools = parsed.tools
+        return TOOLS if tools is not None and tools.is_constrained else RESPONSE_FORMAT
     if field == "trace_context":  # the larger of the two headers
         trace = parsed.submit.trace_context
         return max(trace, key=lambda name: len(trace[name]))

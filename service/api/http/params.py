@@ -11,10 +11,11 @@ times ``n`` at most ``Limits.max_choices``), ``user``, ``logprobs``
 0 to 20), ``presence_penalty`` and ``frequency_penalty`` (-2 to 2),
 ``logit_bias`` (token ids, as strings, to -100 to 100); vLLM's
 ``repetition_penalty`` (1/100 to 100); ``response_format`` (response_format.py);
-the Slipstream extensions ``priority``,
+chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (tools.py), and
+messages' ``tool_calls`` and ``tool_call_id``; the Slipstream extensions ``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
 Anything else that would change the answer (``echo``, ``suffix``,
-``best_of`` > 1, ``tools``,
+``best_of`` > 1,
 ...; in chat, any ``echo``, ``suffix`` or ``best_of``,
 which are completions' alone) is refused with a 400 naming the field: this
 engine does not implement it, and ignoring it would silently change the
@@ -40,6 +41,14 @@ from slipstream.scheduler.request import (
 )
 from slipstream.service.api.http.errors import ApiError, from_domain, invalid
 from slipstream.service.api.http.response_format import set_response_format
+from slipstream.service.api.http.tools import FIELDS as TOOL_FIELDS
+from slipstream.service.api.http.tools import (
+    Tools,
+    message_tool_calls,
+    parse_tools,
+    set_tool_constraint,
+)
+from slipstream.service.engine.chat import ChatMessage, ToolCall
 from slipstream.v1 import inference_pb2 as pb
 
 # OpenAI's documented defaults where they differ from the gRPC API's.
@@ -70,17 +79,18 @@ _COMPLETION_OFF_VALUES: dict[str, tuple[object, ...]] = {
     "best_of": (1,),
 }
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | TOOL_FIELDS
 
-Prompt = str | list[int] | list[tuple[str, str]]
+Prompt = str | list[int] | list[ChatMessage]
 _T = TypeVar("_T", int, float)
 
 
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
     """One parsed request. ``prompts`` are text or token ids (completions,
-    one or more) or (role, content) pairs (chat, one); ``submit`` has every
-    field but the prompt. It asks for ``n`` choices of each prompt."""
+    one or more) or messages (chat, one); ``submit`` has every field but
+    the prompt. It asks for ``n`` choices of each prompt; ``tools``: the
+    functions a chat request offers, and what it asks of them."""
 
     is_chat: bool
     model: str
@@ -89,6 +99,7 @@ class OpenAIRequest:
     is_stream: bool
     include_usage: bool
     n: int = 1
+    tools: Tools | None = None
 
     @property
     def num_choices(self) -> int:
@@ -124,9 +135,11 @@ def parse(
     submit = pb.Submit()
     # Before the prompt: a token-id prompt's refusal names its max_tokens.
     _stopping(body, submit.stopping, is_chat, max_model_len)
+    tools = None
     if is_chat:
         _check_choices(1, n, max_choices)
         prompts: list[Prompt] = [_messages(body)]
+        tools = parse_tools(body)
     else:
         prompts = _prompts(body, n, max_choices, max_model_len, submit.stopping.max_new_tokens)
     priority = _controls_int(body, headers, "priority", HEADER_PRIORITY, MAX_INT32)
@@ -135,6 +148,7 @@ def parse(
     _sampling(body, submit.sampling)
     _logprobs(body, submit, is_chat)
     set_response_format(body, submit)
+    set_tool_constraint(tools, body, submit)
     deadline_ms = _deadline_ms(body, headers)
     if deadline_ms is not None:
         submit.timeout.FromNanoseconds(round(deadline_ms * 1e6))
@@ -146,7 +160,7 @@ def parse(
     for name, value in caller_trace_context(headers).items():
         # Bytes that are not UTF-8 arrive as lone surrogates.
         submit.trace_context[name] = _text(value, name, name)
-    return OpenAIRequest(is_chat, model, prompts, submit, is_stream, include_usage, n)
+    return OpenAIRequest(is_chat, model, prompts, submit, is_stream, include_usage, n, tools)
 
 
 def caller_trace_context(headers: Mapping[str, str]) -> dict[str, str]:
@@ -286,21 +300,21 @@ def _check_choices(num_prompts: int, n: int, max_choices: int) -> None:
         raise invalid(message, "n" if n > 1 else "prompt")
 
 
-def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
+def _messages(body: Mapping[str, object]) -> list[ChatMessage]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
-    pairs = []
+    out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise invalid(f"{where} must be an object", "messages")
-        # A ``name`` (or tool call) would be dropped by the (role, content)
-        # renderer. What the SDK's own message holds when unused is absent.
+        # A ``name`` would be dropped by the renderer. What the SDK's own
+        # message holds when unused is absent.
         extra = {
             key
             for key, value in message.items()
-            if key not in ("role", "content") and value is not None and value != []
+            if key not in _MESSAGE_KEYS and value is not None and value != []
         }
         if extra:
             raise invalid(f"{where}.{sorted(extra)[0]} is not supported", "messages")
@@ -308,8 +322,35 @@ def _messages(body: Mapping[str, object]) -> list[tuple[str, str]]:
         if not isinstance(role, str):
             raise invalid(f"{where}.role must be a string", "messages")
         _text(role, f"{where}.role", "messages")
-        pairs.append((role, _content(message.get("content"), where)))
-    return pairs
+        out.append(_message(message, role, where))
+    return out
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
+
+
+def _message(message: Mapping[str, object], role: str, where: str) -> ChatMessage:
+    """An assistant's may hold ``tool_calls`` (its content then may be
+    null), a tool result's its ``tool_call_id``."""
+    calls: tuple[ToolCall, ...] = ()
+    if message.get("tool_calls"):
+        if role != "assistant":
+            refusal = f"{where}.tool_calls is only allowed in an assistant message"
+            raise invalid(refusal, "messages")
+        calls = message_tool_calls(message["tool_calls"], where)
+        for j, call in enumerate(calls):
+            for text in (call.id, call.name, call.arguments):
+                _text(text, f"{where}.tool_calls[{j}]", "messages")
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        if role != "tool":
+            raise invalid(f"{where}.tool_call_id is only allowed in a tool message", "messages")
+        if not isinstance(call_id, str):
+            raise invalid(f"{where}.tool_call_id must be a string", "messages")
+        _text(call_id, f"{where}.tool_call_id", "messages")
+    content = message.get("content")
+    text = "" if content is None and calls else _content(content, where)
+    return ChatMessage(role, text, calls, call_id)
 
 
 def _content(content: object, where: str) -> str:

@@ -16,8 +16,10 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.service.api.http.tool_output import Piece
 from slipstream.service.engine.events import FinishEvent
 
 DONE = b"data: [DONE]\n\n"
@@ -27,6 +29,13 @@ OPENAI_FINISH = {
     FinishReason.STOP_SEQUENCE: "stop",
     FinishReason.MAX_TOKENS: "length",
 }
+
+
+def finish_reason(event: FinishEvent, has_tool_calls: bool = False) -> str:
+    """OpenAI's name for a complete answer's finish: ``"tool_calls"`` where
+    the answer called a function and was not cut off."""
+    reason = OPENAI_FINISH[event.reason]
+    return "tool_calls" if has_tool_calls and reason == "stop" else reason
 
 
 def _dumps(value: object) -> str:
@@ -71,18 +80,24 @@ class Envelope:
         finishes: Sequence[FinishEvent],
         logprobs: Sequence[object],
         n: int = 1,
+        messages: Sequence[dict[str, object]] | None = None,
     ) -> dict[str, object]:
         """The whole answer (no streaming), a choice per text in index order;
-        ``logprobs`` as ``LogprobsBuilder.whole`` (or None), one per choice."""
+        ``logprobs`` as ``LogprobsBuilder.whole`` (or None), one per choice;
+        chat's ``messages`` where tool calling made them (``ToolReply``)."""
         choices = []
         for index, (text, event, chosen) in enumerate(zip(texts, finishes, logprobs, strict=True)):
             choice: dict[str, object] = {"index": index}
-            if self.is_chat:
+            has_calls = False
+            if messages is not None:
+                choice["message"] = messages[index]
+                has_calls = "tool_calls" in messages[index]
+            elif self.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
             choice["logprobs"] = chosen
-            choice["finish_reason"] = OPENAI_FINISH[event.reason]
+            choice["finish_reason"] = finish_reason(event, has_calls)
             choices.append(choice)
         return {**self.head(False), "choices": choices, "usage": usage(finishes, n)}
 
@@ -107,11 +122,12 @@ class ChunkEncoder:
         self._logprobs_infix = f'{tail},"logprobs":'.encode()
         self._logprobs_end = end
 
-    def first(self, index: int = 0) -> bytes:
-        """Chat's opening chunk of a choice carries the role; completions have none."""
+    def first(self, index: int = 0, content: str | None = "") -> bytes:
+        """Chat's opening chunk of a choice carries the role (and ``content``:
+        null where the answer is a call alone); completions have none."""
         if not self._envelope.is_chat:
             return b""
-        delta = {"role": "assistant", "content": ""}
+        delta = {"role": "assistant", "content": content}
         return self._line(
             [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
         )
@@ -124,14 +140,45 @@ class ChunkEncoder:
         head = self._prefixes[index] + _dumps(text).encode() + self._logprobs_infix
         return head + _dumps(logprobs).encode() + self._logprobs_end
 
-    def finish(self, text: str, event: FinishEvent, index: int = 0) -> bytes:
-        """A choice's last chunk: held-back text and its finish reason."""
+    def pieces(self, pieces: Sequence[Piece], logprobs: object = None, index: int = 0) -> bytes:
+        """Chat chunks of a tool-calling choice's pieces (``tool_output``), a
+        chunk for each run of content or of calls; ``logprobs`` on the first,
+        on a chunk of its own where the reader held the text back."""
+        deltas: list[dict[str, object]] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                if deltas and "content" in deltas[-1]:
+                    deltas[-1]["content"] += piece  # type: ignore[operator]
+                else:
+                    deltas.append({"content": piece})
+            elif deltas and "tool_calls" in deltas[-1]:
+                calls: list[dict[str, Any]] = deltas[-1]["tool_calls"]  # type: ignore[assignment]
+                if piece.id is None and calls[-1]["index"] == piece.index:  # one call's, merged
+                    calls[-1]["function"]["arguments"] += piece.arguments
+                else:
+                    calls.append(piece.wire())
+            else:
+                deltas.append({"tool_calls": [piece.wire()]})
+        if not deltas and logprobs is not None:
+            deltas.append({})
+        lines = []
+        for delta in deltas:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            lines.append(self._line([choice]))
+            logprobs = None
+        return b"".join(lines)
+
+    def finish(
+        self, text: str, event: FinishEvent, index: int = 0, reason: str | None = None
+    ) -> bytes:
+        """A choice's last chunk: held-back text and its finish reason
+        (``reason`` where tool calling chose it)."""
         key = "delta" if self._envelope.is_chat else "text"
         delta: object = {"content": text} if self._envelope.is_chat else text
         if self._envelope.is_chat and not text:
             delta = {}
         choice = {"index": index, key: delta, "logprobs": None}
-        choice["finish_reason"] = OPENAI_FINISH[event.reason]
+        choice["finish_reason"] = reason or OPENAI_FINISH[event.reason]
         return self._line([choice])
 
     def end(self, finishes: Sequence[FinishEvent], n: int = 1) -> bytes:

@@ -339,12 +339,11 @@ def test_null_fields_are_absent_as_on_openai(
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, **NULLS}
     status, _, reply = raw(servers, "/v1/completions", json.dumps(body).encode())
     assert status == 200, reply
-    # Not null: still refused, naming the field.
-    tool_call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    messages[1]["tool_calls"] = [tool_call]
+    # Not null: a field this server does not take is still refused, naming it.
+    messages[1]["name"] = "ann"
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model="tiny", messages=messages, max_tokens=3)  # type: ignore[arg-type]
-    assert error_of(caught.value)["message"] == "messages[1].tool_calls is not supported"
+    assert error_of(caught.value)["message"] == "messages[1].name is not supported"
 
 
 def test_chat_developer_role_is_system(oai: openai.OpenAI, with_template: object) -> None:

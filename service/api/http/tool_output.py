@@ -1,0 +1,288 @@
+"""OpenAI's tool calls read from a choice's output as it comes, the reply's
+side of tool calling (the request's is tools.py). One reader per choice,
+fed each event's text; what it gives back is content text or a piece of a
+tool call, streamed as it is (``delta.tool_calls``) or gathered into one
+message (``ToolReply``), so both answers hold the same::
+
+    reader.feed(text)  -> [piece, ...]    each token event's text
+    reader.finish()    -> [piece, ...]    after the finish event's own text
+
+    NamedReader      the output is the named function's arguments
+    RequiredReader   the output is [{"name": ..., "parameters": {...}}, ...]
+    HermesReader     "auto": <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+                     blocks in the text (Qwen2.5's, Hermes'), text outside them content
+
+The first piece of a call carries its id and name; its arguments follow
+as they come (named, required) or whole once its block closes (auto).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from slipstream.service.api.http.tools import ToolChoice, Tools
+
+OPEN = "<tool_call>"
+CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of the ``index``-th tool call: ``id`` and ``name`` on its
+    first, then more of its ``arguments`` (JSON text)."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def wire(self) -> dict[str, object]:
+        """As OpenAI streams it in ``delta.tool_calls``."""
+        function: dict[str, object] = {"arguments": self.arguments}
+        out: dict[str, object] = {"index": self.index}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+            function = {"name": self.name, **function}
+        out["function"] = function
+        return out
+
+
+Piece = str | ToolCallDelta
+
+
+class Reader(Protocol):
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def readers_for(tools: Tools | None, num_choices: int) -> list[Reader] | None:
+    """A reader for each choice; None where the output is plain text."""
+    if tools is None or tools.choice is ToolChoice.NONE:
+        return None
+    return [_reader(tools) for _ in range(num_choices)]
+
+
+def _reader(tools: Tools) -> Reader:
+    if tools.choice is ToolChoice.NAMED:
+        assert tools.named is not None
+        return NamedReader(tools.named)
+    if tools.choice is ToolChoice.REQUIRED:
+        return RequiredReader()
+    return HermesReader(tools.names)
+
+
+class NamedReader:
+    """The whole output is one call's arguments (constrained to them)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._is_open = False
+
+    def feed(self, text: str) -> list[Piece]:
+        if not self._is_open:
+            self._is_open = True
+            return [ToolCallDelta(0, text, new_call_id(), self._name)]
+        return [ToolCallDelta(0, text)] if text else []
+
+    def finish(self) -> list[Piece]:
+        return [] if self._is_open else self.feed("")
+
+
+# An item's head in "required"'s array, up to its parameters' value.
+_ITEM_HEAD = re.compile(
+    r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*'
+)
+_ITEM_END = re.compile(r"\s*\}")
+_DECODER = json.JSONDecoder()
+
+
+class RequiredReader:
+    """The output is a JSON array of ``{"name": ..., "parameters": ...}``
+    (constrained to it, the name first): each item's head opens a call, the
+    text of its parameters is that call's arguments, streamed as it comes."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._head_at = 0  # where the next item's head starts
+        self._value_at: int | None = None  # where the open call's parameters start
+        self._sent = 0  # the text sent as arguments so far ends here
+        self._index = -1
+
+    def feed(self, text: str) -> list[Piece]:
+        self._text += text
+        out: list[Piece] = []
+        while True:
+            if self._value_at is None:
+                head = _ITEM_HEAD.match(self._text, self._head_at)
+                if head is None:
+                    return out
+                self._index += 1
+                name = json.loads(f'"{head.group(1)}"')
+                out.append(ToolCallDelta(self._index, "", new_call_id(), name))
+                self._value_at = self._sent = head.end()
+                continue
+            if self._sent == self._value_at:  # not begun: whitespace before it is no part
+                while self._value_at < len(self._text) and self._text[self._value_at].isspace():
+                    self._value_at += 1
+                self._sent = self._value_at
+            end = _value_end(self._text, self._value_at)
+            stop = len(self._text) if end is None else end
+            if stop > self._sent:
+                out.append(ToolCallDelta(self._index, self._text[self._sent : stop]))
+                self._sent = stop
+            if end is None:
+                return out
+            close = _ITEM_END.match(self._text, end)
+            self._head_at = end if close is None else close.end()
+            self._value_at = None
+
+    def finish(self) -> list[Piece]:
+        return []  # a cut-off call keeps the arguments it has
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON value at ``start`` ends, once something follows it
+    (a number may go on until then); None before."""
+    try:
+        _, end = _DECODER.raw_decode(text, start)
+    except (ValueError, RecursionError):  # not whole yet
+        return None
+    return end if end < len(text) else None
+
+
+class HermesReader:
+    """``<tool_call>`` blocks parsed out of free text. A block whose JSON is
+    not ``{"name": one of the tools, "arguments": {...}}`` stays in the
+    content as written; one left open at the end counts if its JSON is
+    whole. Whitespace between blocks (and around them) is dropped; text
+    that could still become an opening tag, or whitespace before one, is
+    held back until the next text shows which."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._names = frozenset(names)
+        self._text = ""  # not handed out yet
+        self._is_inside = False
+        self._gap = ""  # the whitespace before the open block, if it turns out text
+        self._after_call = False  # whitespace after a call is dropped
+        self._index = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        self._text += text
+        return self._drain(is_final=False)
+
+    def finish(self) -> list[Piece]:
+        return self._drain(is_final=True)
+
+    def _drain(self, is_final: bool) -> list[Piece]:
+        out: list[Piece] = []
+        while True:
+            if self._is_inside:
+                end = self._text.find(CLOSE)
+                if end < 0 and not is_final:
+                    return out
+                closed = end >= 0
+                body = self._text[:end] if closed else self._text
+                self._text = self._text[end + len(CLOSE) :] if closed else ""
+                self._is_inside = False
+                call = self._call(body)
+                if call is None:
+                    self._content(out, self._gap + OPEN + body + (CLOSE if closed else ""))
+                else:
+                    out.append(ToolCallDelta(self._index, call[1], new_call_id(), call[0]))
+                    self._index += 1
+                    self._after_call = True
+                continue
+            start = self._text.find(OPEN)
+            if start >= 0:
+                before = self._text[:start]
+                text = before.rstrip()
+                self._gap = before[len(text) :]
+                self._content(out, text)
+                self._text = self._text[start + len(OPEN) :]
+                self._is_inside = True
+                continue
+            keep = 0 if is_final else _held(self._text)
+            self._content(out, self._text[: len(self._text) - keep])
+            self._text = self._text[len(self._text) - keep :]
+            return out
+
+    def _content(self, out: list[Piece], text: str) -> None:
+        if self._after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self._after_call = False
+        if text:
+            out.append(text)
+
+    def _call(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments as JSON text) of a block, or None for one that
+        is not a call of a function offered."""
+        try:
+            value = json.loads(body)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(value, dict) or value.get("name") not in self._names:
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        if isinstance(arguments, str):  # some models write them as JSON text
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def _held(text: str) -> int:
+    """How much of ``text``'s end to hold back: a start of ``OPEN``, and
+    the whitespace before it (dropped if a block opens there)."""
+    keep = next(
+        (k for k in range(min(len(OPEN) - 1, len(text)), 0, -1) if text.endswith(OPEN[:k])), 0
+    )
+    start = len(text) - keep
+    while start > 0 and text[start - 1].isspace():
+        start -= 1
+    return len(text) - start
+
+
+@dataclass(slots=True)
+class ToolReply:
+    """A choice's pieces gathered into one message (no streaming);
+    ``is_call_only`` where the output is calls alone (named, required)."""
+
+    is_call_only: bool = False
+    content: list[str] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, pieces: Iterable[Piece]) -> None:
+        for piece in pieces:
+            if isinstance(piece, str):
+                self.content.append(piece)
+            elif piece.id is not None:
+                function = {"name": piece.name, "arguments": piece.arguments}
+                self.calls.append({"id": piece.id, "type": "function", "function": function})
+            else:
+                self.calls[piece.index]["function"]["arguments"] += piece.arguments
+
+    def message(self) -> dict[str, object]:
+        """OpenAI's assistant message: content null where calls alone came."""
+        text = "".join(self.content)
+        message: dict[str, object] = {"role": "assistant", "content": text}
+        if self.calls or self.is_call_only:
+            message["content"] = text or None
+        if self.calls:
+            message["tool_calls"] = self.calls
+        return message

@@ -1,0 +1,294 @@
+"""OpenAI's tool calling on the chat endpoint, the request's side: ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` checked, the earlier calls a
+conversation carries, and the JSON schema a constraining choice compiles
+to (the reply's side is tool_output.py)::
+
+    tool_choice               the prompt        the output
+    "none"                    tools rendered    as without tools
+    "auto" (the default)      tools rendered    <tool_call> blocks parsed (hermes)
+    "required"                tools rendered    constrained: [{"name", "parameters"}, ...]
+    {"type": "function",      tools rendered    constrained: that function's parameters
+     "function": {"name": N}}
+
+"required" and a named function are vLLM's: the output follows a JSON
+schema (llguidance, as ``response_format``), so they work with any model.
+Their grammars are compact (no free whitespace: a model cannot ramble in
+it) and objects allow only the keys their schema lets them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from slipstream.service.api.http.errors import invalid
+from slipstream.service.api.http.response_format import PARAM as RESPONSE_FORMAT
+from slipstream.service.engine.chat import ToolCall
+from slipstream.v1 import inference_pb2 as pb
+
+PARAM = "tools"
+CHOICE_PARAM = "tool_choice"
+PARALLEL_PARAM = "parallel_tool_calls"
+FIELDS = frozenset({PARAM, CHOICE_PARAM, PARALLEL_PARAM})
+MAX_TOOLS = 128  # OpenAI's
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+# llguidance's JSON options: one way to write each value, as json.dumps does.
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Where the i-th function's parameters sit in "required"'s schema.
+_CALLS, _PARAMETERS = "#/items/anyOf", "/properties/parameters"
+# A function without parameters takes none.
+_NO_PARAMETERS: dict[str, object] = {
+    "type": "object",
+    "properties": {},
+    "additionalProperties": False,
+}
+
+
+class ToolChoice(Enum):
+    NONE = "none"
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "function"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Tools:
+    """A request's functions (as sent, for the chat template) and what it
+    asks of the output. ``named``: the function a NAMED choice calls."""
+
+    definitions: tuple[dict[str, object], ...]
+    names: tuple[str, ...]
+    choice: ToolChoice
+    named: str | None = None
+    is_parallel: bool = True
+
+    @property
+    def is_constrained(self) -> bool:
+        return self.choice in (ToolChoice.REQUIRED, ToolChoice.NAMED)
+
+    def parameters(self, name: str) -> dict[str, object]:
+        function = self.definitions[self.names.index(name)]["function"]
+        assert isinstance(function, dict)
+        parameters = function.get("parameters")
+        return _NO_PARAMETERS if parameters is None else parameters  # type: ignore[return-value]
+
+    def schema(self) -> str | None:
+        """The JSON schema the output follows (None: not constrained). A
+        named function: its parameters. Required: an array of at least one
+        (one alone without parallel calls) ``{"name", "parameters"}``, vLLM's
+        shape, the name first. Raises ``ApiError`` (400) for parameters
+        nested too deeply to rewrite."""
+        try:
+            return self._schema()
+        except RecursionError:
+            raise invalid("tools: a function's parameters are nested too deeply", PARAM) from None
+
+    def _schema(self) -> str | None:
+        if self.choice is ToolChoice.NAMED:
+            assert self.named is not None
+            return json.dumps({**self.parameters(self.named), "x-guidance": _COMPACT})
+        if self.choice is not ToolChoice.REQUIRED:
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": name},
+                    "parameters": _rebased(self.parameters(name), f"{_CALLS}/{i}{_PARAMETERS}"),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for i, name in enumerate(self.names)
+        ]
+        schema: dict[str, object] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.is_parallel:
+            schema["maxItems"] = 1
+        # ASCII: a lone surrogate stays an escape, as in response_format's
+        return json.dumps({**schema, "x-guidance": _COMPACT})
+
+    def num_bytes(self, text_len: Callable[[str], int]) -> int:
+        """The functions' size as the template is given them, each as JSON
+        text measured by ``text_len`` (UTF-8 bytes, characters)."""
+        return sum(text_len(_dumps(tool)) for tool in self.definitions)
+
+
+def parse_tools(body: Mapping[str, object]) -> Tools | None:
+    """The request's tools, or None without any; raises ``ApiError`` (400)
+    naming the field at fault."""
+    tools = body.get(PARAM)
+    if tools is None:
+        for name in (CHOICE_PARAM, PARALLEL_PARAM):
+            if body.get(name) is not None:
+                raise invalid(f"{name} is only allowed when tools are given", name)
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise invalid("tools must be a non-empty list of functions", PARAM)
+    if len(tools) > MAX_TOOLS:
+        raise invalid(f"tools has {len(tools)} functions, more than the {MAX_TOOLS} allowed", PARAM)
+    definitions = tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools))
+    names = tuple(tool["function"]["name"] for tool in definitions)  # type: ignore[index]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid(f"tools[{i}].function.name {name!r} is given twice", PARAM)
+    parallel = body.get(PARALLEL_PARAM)
+    if parallel is not None and not isinstance(parallel, bool):
+        raise invalid(f"{PARALLEL_PARAM} must be a boolean", PARALLEL_PARAM)
+    choice, named = _choice(body.get(CHOICE_PARAM), names)
+    return Tools(definitions, names, choice, named, parallel is not False)
+
+
+def check_tools(tools: Tools, max_schema_bytes: int) -> None:
+    """Each function's parameters within the server's limit on a
+    constraint's schema (``Limits.max_constraint_bytes``), as
+    ``response_format``'s; raises ``ApiError`` (400) naming the first over."""
+    for i, name in enumerate(tools.names):
+        num_bytes = len(json.dumps(tools.parameters(name)).encode())
+        if num_bytes > max_schema_bytes:
+            message = (
+                f"tools[{i}].function.parameters is {num_bytes} bytes, over this server's "
+                f"limit of {max_schema_bytes}"
+            )
+            raise invalid(message, PARAM)
+
+
+def set_tool_constraint(tools: Tools | None, body: Mapping[str, object], submit: pb.Submit) -> None:
+    """Sets ``submit.constraint`` where ``tools`` ask for a call; raises
+    ``ApiError`` (400) where ``response_format`` asks for another output."""
+    schema = None if tools is None else tools.schema()
+    if schema is None:
+        return
+    if submit.HasField("constraint"):
+        message = (
+            "response_format cannot be combined with tool_choice required or a named "
+            "function: the output is the call's JSON"
+        )
+        raise invalid(message, RESPONSE_FORMAT)
+    submit.constraint.json_schema = schema
+
+
+def _tool(tool: object, where: str) -> dict[str, object]:
+    """One function, as given (nulls dropped); checked."""
+    if not isinstance(tool, dict):
+        raise invalid(f"{where} must be an object", PARAM)
+    tool = {key: value for key, value in tool.items() if value is not None}
+    unknown = set(tool) - _TOOL_KEYS
+    if unknown:
+        raise invalid(f"{where}.{sorted(unknown)[0]} is not supported", PARAM)
+    if tool.get("type") != "function":
+        raise invalid(f"{where}.type must be 'function'", PARAM)
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise invalid(f"{where}.function must be an object", PARAM)
+    function = {key: value for key, value in function.items() if value is not None}
+    unknown = set(function) - _FUNCTION_KEYS
+    if unknown:
+        raise invalid(f"{where}.function.{sorted(unknown)[0]} is not supported", PARAM)
+    name = function.get("name")
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        message = (
+            f"{where}.function.name is required: at most 64 letters, digits, underscores or dashes"
+        )
+        raise invalid(message, PARAM)
+    if not isinstance(function.get("description", ""), str):
+        raise invalid(f"{where}.function.description must be a string", PARAM)
+    if not isinstance(function.get("strict", False), bool):
+        raise invalid(f"{where}.function.strict must be a boolean", PARAM)
+    if not isinstance(function.get("parameters", {}), dict):
+        raise invalid(f"{where}.function.parameters must be a JSON Schema object", PARAM)
+    try:  # the template renders it as text: no lone surrogate may reach the tokenizer
+        _dumps(function).encode()
+    except UnicodeEncodeError as exc:
+        message = f"{where}.function is not valid Unicode (a lone surrogate: {exc.reason})"
+        raise invalid(message, PARAM) from None
+    return {"type": "function", "function": function}
+
+
+def _choice(choice: object, names: tuple[str, ...]) -> tuple[ToolChoice, str | None]:
+    if choice is None:  # OpenAI's default where tools are given
+        return ToolChoice.AUTO, None
+    if isinstance(choice, str):
+        if choice in ("none", "auto", "required"):
+            return ToolChoice(choice), None
+        message = (
+            f"tool_choice must be none, auto, required or "
+            f'{{"type": "function", "function": {{"name": ...}}}}, not {choice[:32]!r}'
+        )
+        raise invalid(message, CHOICE_PARAM)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if not (
+        isinstance(choice, dict)
+        and set(choice) <= {"type", "function"}
+        and choice.get("type") == "function"
+        and isinstance(function, dict)
+        and set(function) == {"name"}
+        and isinstance(function["name"], str)
+    ):
+        message = 'a named tool_choice is {"type": "function", "function": {"name": ...}}'
+        raise invalid(message, CHOICE_PARAM)
+    name = function["name"]
+    if name not in names:
+        raise invalid(
+            f"tool_choice names function {name[:64]!r}, which is not in tools", CHOICE_PARAM
+        )
+    return ToolChoice.NAMED, name
+
+
+def message_tool_calls(value: object, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls``, as OpenAI's replies hold them."""
+    if not isinstance(value, list):
+        raise invalid(f"{where}.tool_calls must be a list", "messages")
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(call, dict) and isinstance(function, dict)):
+            raise invalid(f"{at} must be an object with a function", "messages")
+        if call.get("type", "function") != "function":
+            raise invalid(f"{at}.type must be 'function'", "messages")
+        call_id, name = call.get("id"), function.get("name")
+        arguments = function.get("arguments", "{}")
+        for key, value_ in (
+            ("id", call_id),
+            ("function.name", name),
+            ("function.arguments", arguments),
+        ):
+            if not isinstance(value_, str):
+                raise invalid(f"{at}.{key} must be a string", "messages")
+        calls.append(ToolCall(call_id, name, arguments))  # type: ignore[arg-type]
+    return tuple(calls)
+
+
+def _rebased(schema: dict[str, object], base: str) -> dict[str, object]:
+    """``schema`` with its local references (``#/$defs/...``, ``#``) made
+    to point where it now sits in a larger schema, at ``base``."""
+    if not _has_local_ref(schema):
+        return schema
+    return _rebase(schema, base)  # type: ignore[return-value]
+
+
+def _has_local_ref(value: object) -> bool:
+    return '"$ref": "#' in _dumps(value)
+
+
+def _rebase(value: object, base: str) -> object:
+    if isinstance(value, dict):
+        out: dict[str, object] = {}
+        for key, item in value.items():
+            if key == "$ref" and isinstance(item, str) and item.startswith("#"):
+                out[key] = base + item[1:]
+            else:
+                out[key] = _rebase(item, base)
+        return out
+    if isinstance(value, list):
+        return [_rebase(item, base) for item in value]
+    return value
+
+
+def _dumps(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
