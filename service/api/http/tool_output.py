@@ -99,12 +99,11 @@ class NamedReader:
         return [] if self._is_open else self.feed("")
 
 
-# An item's head in "required"'s array, up to its parameters' value.
+# An item's head in "required"'s array (after the one before's closing
+# brace, if it has come), up to its parameters' value.
 _ITEM_HEAD = re.compile(
-    r'\s*[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*'
+    r'\s*(?:\}\s*)?[\[,]\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*'
 )
-_ITEM_END = re.compile(r"\s*\}")
-_DECODER = json.JSONDecoder()
 
 
 class RequiredReader:
@@ -115,7 +114,7 @@ class RequiredReader:
     def __init__(self) -> None:
         self._text = ""
         self._head_at = 0  # where the next item's head starts
-        self._value_at: int | None = None  # where the open call's parameters start
+        self._value: ValueEnd | None = None  # the open call's parameters
         self._sent = 0  # the text sent as arguments so far ends here
         self._index = -1
 
@@ -123,42 +122,89 @@ class RequiredReader:
         self._text += text
         out: list[Piece] = []
         while True:
-            if self._value_at is None:
+            if self._value is None:
                 head = _ITEM_HEAD.match(self._text, self._head_at)
                 if head is None:
                     return out
                 self._index += 1
                 name = json.loads(f'"{head.group(1)}"')
                 out.append(ToolCallDelta(self._index, "", new_call_id(), name))
-                self._value_at = self._sent = head.end()
+                self._value = ValueEnd(head.end())
+                self._sent = head.end()
                 continue
-            if self._sent == self._value_at:  # not begun: whitespace before it is no part
-                while self._value_at < len(self._text) and self._text[self._value_at].isspace():
-                    self._value_at += 1
-                self._sent = self._value_at
-            end = _value_end(self._text, self._value_at)
+            end = self._value.scan(self._text)
+            self._sent = max(self._sent, self._value.start)
             stop = len(self._text) if end is None else end
             if stop > self._sent:
                 out.append(ToolCallDelta(self._index, self._text[self._sent : stop]))
                 self._sent = stop
             if end is None:
                 return out
-            close = _ITEM_END.match(self._text, end)
-            self._head_at = end if close is None else close.end()
-            self._value_at = None
+            self._head_at = end
+            self._value = None
 
     def finish(self) -> list[Piece]:
         return []  # a cut-off call keeps the arguments it has
 
 
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON value at ``start`` ends, once something follows it
-    (a number may go on until then); None before."""
-    try:
-        _, end = _DECODER.raw_decode(text, start)
-    except (ValueError, RecursionError):  # not whole yet
+_IN_STRING = re.compile(r'["\\]')
+_OUTSIDE_STRING = re.compile(r'["{}\[\],\s]')
+
+
+class ValueEnd:
+    """Where a JSON value that starts at ``start`` of a growing text ends,
+    each character looked at once (the text is valid JSON so far: the
+    grammar saw to it). Whitespace before the value is no part of it."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self._at = start  # scanned up to here
+        self._depth = 0
+        self._is_in_string = False
+        self._has_begun = False
+
+    def scan(self, text: str) -> int | None:
+        """The value's end in ``text`` (its whole so far), or None before."""
+        while self._at < len(text):
+            if self._is_in_string:
+                found = _IN_STRING.search(text, self._at)
+                if found is None:
+                    self._at = len(text)
+                    return None
+                if found.group() == "\\":
+                    self._at = found.end() + 1  # past the escaped character, come or to come
+                    continue
+                self._is_in_string = False
+                self._at = found.end()
+                if self._depth == 0:
+                    return self._at
+                continue
+            found = _OUTSIDE_STRING.search(text, self._at)
+            if found is None or found.start() > self._at:  # a number, true, false or null
+                self._has_begun = True
+            if found is None:
+                self._at = len(text)
+                return None
+            char = found.group()
+            if char.isspace() or char == ",":
+                if self._depth == 0 and self._has_begun:
+                    return found.start()
+                if not self._has_begun:  # whitespace before the value
+                    self.start = found.end()
+            elif char == '"':
+                self._is_in_string = self._has_begun = True
+            elif char in "{[":
+                self._depth += 1
+                self._has_begun = True
+            elif self._depth == 0:  # the brace after a number, true, false or null
+                return found.start()
+            else:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._at = found.end()
+                    return self._at
+            self._at = found.end()
         return None
-    return end if end < len(text) else None
 
 
 class HermesReader:
@@ -173,6 +219,7 @@ class HermesReader:
         self._names = frozenset(names)
         self._text = ""  # not handed out yet
         self._is_inside = False
+        self._scanned = 0  # an open block's text holds no closing tag before this
         self._gap = ""  # the whitespace before the open block, if it turns out text
         self._after_call = False  # whitespace after a call is dropped
         self._index = 0
@@ -188,9 +235,11 @@ class HermesReader:
         out: list[Piece] = []
         while True:
             if self._is_inside:
-                end = self._text.find(CLOSE)
+                end = self._text.find(CLOSE, self._scanned)
                 if end < 0 and not is_final:
+                    self._scanned = max(0, len(self._text) - len(CLOSE) + 1)
                     return out
+                self._scanned = 0
                 closed = end >= 0
                 body = self._text[:end] if closed else self._text
                 self._text = self._text[end + len(CLOSE) :] if closed else ""

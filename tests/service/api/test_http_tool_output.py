@@ -123,7 +123,8 @@ def test_hermes_streams_content_at_once_and_a_call_when_it_closes() -> None:
 
 REQUIRED = (
     '[{"name": "weather", "parameters": {"city": "Pa\\"ris}", "list": [1, {"a": 2}]}}, '
-    '{"name": "time", "parameters": {}}, {"name": "weather", "parameters": 12}]'
+    '{"name": "time", "parameters": {}}, {"name": "weather", "parameters": 12}, '
+    '{"name": "time", "parameters": "a\\\\"}, {"name": "time", "parameters": true}]'
 )
 
 
@@ -132,6 +133,8 @@ def test_required_calls_however_the_text_is_split() -> None:
         ("weather", '{"city": "Pa\\"ris}", "list": [1, {"a": 2}]}'),
         ("time", "{}"),
         ("weather", "12"),
+        ("time", '"a\\\\"'),  # a backslash, escaped: the string ends after it
+        ("time", "true"),
     ]
     for parts in splits(REQUIRED):
         assert read(RequiredReader(), parts) == (None, calls), parts
