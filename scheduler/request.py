@@ -122,6 +122,8 @@ class SamplingParams:
     # Set once here: the runners ask of every sampled row every step, and a
     # property's four tests cost ~35 us a step at 256 rows.
     has_logit_adjustments: bool = field(init=False, repr=False, compare=False)
+    # min_tokens or stop ids: the scheduler's per-token stop decision asks.
+    has_token_stops: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         adjusts = bool(
@@ -132,6 +134,7 @@ class SamplingParams:
             or self.min_tokens
         )
         object.__setattr__(self, "has_logit_adjustments", adjusts)
+        object.__setattr__(self, "has_token_stops", bool(self.min_tokens or self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:

@@ -249,12 +249,14 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         if req.first_token_time is None:
             req.first_token_time = now
         sampling = req.sampling
-        # Before min_tokens outputs the sampler masks EOS and the stop ids;
-        # one that gets past it anyway ends nothing.
-        may_stop = seq.output_index >= sampling.min_tokens
-        # A stop token id that ends the request is not decoded: its text is
-        # left out of the output, as an EOS token's (special, skipped) is.
-        is_stop_id = may_stop and token_id in sampling.stop_token_ids
+        may_stop, is_stop_id = True, False
+        if sampling.has_token_stops:  # set once; most requests have none
+            # Before min_tokens outputs the sampler masks EOS and the stop
+            # ids; one that gets past it anyway ends nothing.
+            may_stop = seq.output_index >= sampling.min_tokens
+            # A stop token id that ends the request is not decoded: its text
+            # is left out of the output, as an EOS token's (special, skipped) is.
+            is_stop_id = may_stop and token_id in sampling.stop_token_ids
         hit_stop = is_stop_id or (is_stopped is not None and is_stopped(req.req_id, token_id))
         # A stop sequence completed by the last allowed token is still the
         # stop: the output was cut at it, as the caller asked.

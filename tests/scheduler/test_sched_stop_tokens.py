@@ -129,3 +129,7 @@ def test_only_min_tokens_counts_as_a_logit_adjustment() -> None:
     mask nothing without min_tokens."""
     assert SamplingParams(min_tokens=1).has_logit_adjustments
     assert not SamplingParams(min_p=0.5, stop_token_ids=(3,)).has_logit_adjustments
+    # And the per-token stop decision reads one flag for the requests with neither.
+    assert SamplingParams(min_tokens=1).has_token_stops
+    assert SamplingParams(stop_token_ids=(3,)).has_token_stops
+    assert not SamplingParams(min_p=0.5, logit_bias=((3, 1.0),)).has_token_stops
