@@ -23,7 +23,8 @@ device never waits for the host and the host never reads the device:
   On the CPU, where the host may read the device, a batch with top-k
   takes its weights from the rows' top-k candidates
   (``top_k_weights``: the same weights, 3-5x faster), and one with top-p
-  alone takes the exp over the unfiltered rows (``top_p_weights``).
+  (or min-p) alone takes the exp over the unfiltered rows
+  (``top_p_weights``, ``min_p_weights``).
 
 ``sampling.sample`` (the CPU runner's sampler, lists in, tokens out) plans a
 batch and runs ``sample_tensors`` over it, so the CPU and the GPU step pick
@@ -55,6 +56,7 @@ from slipstream.kernels.sampling_filters import (
     filter_min_p_,
     filter_top_k_,
     filter_top_p_,
+    min_p_weights,
     top_k_weights,
     top_p_weights,
 )
@@ -220,18 +222,26 @@ def sample_tensors(
     if scratch is not None:
         out = scratch[: len(plan.rows) * logits.shape[1]].view(len(plan.rows), logits.shape[1])
     scaled = divide_rows(rows, batch.temperatures, out)  # float32: the temperatures are
-    if plan.any_min_p:
-        if batch.min_ps is None:
-            raise ValueError("the plan has min-p rows but the batch carries no min_ps")
-        filter_min_p_(scaled, batch.min_ps)
+    on_cpu = scaled.device.type == "cpu"  # the host reads a few flags
+    min_ps = batch.min_ps
+    if plan.any_min_p and min_ps is None:
+        raise ValueError("the plan has min-p rows but the batch carries no min_ps")
+    # Min-p alone on the CPU takes min_p_weights; any other filter runs after it.
+    if min_ps is not None and not (on_cpu and not plan.max_top_k and not plan.any_top_p):
+        filter_min_p_(scaled, min_ps)
+        min_ps = None
     weights = None
-    if scaled.device.type == "cpu":  # the host reads a few flags
+    if on_cpu:
         if plan.max_top_k:
             top_ps = batch.top_ps if plan.any_top_p else None
             weights = top_k_weights(scaled, batch.top_ks, plan.max_top_k, top_ps)
         elif plan.any_top_p:
             weights = top_p_weights(scaled, batch.top_ps)
+        elif min_ps is not None:
+            weights = min_p_weights(scaled, min_ps)
     if weights is None:
+        if min_ps is not None:
+            filter_min_p_(scaled, min_ps)
         if plan.max_top_k:
             filter_top_k_(scaled, batch.top_ks, plan.max_top_k)
         if plan.any_top_p:

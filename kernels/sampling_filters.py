@@ -50,6 +50,20 @@ def filter_min_p_(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return scaled.masked_fill_(scaled < floor, float("-inf"))
 
 
+def min_p_weights(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor | None:
+    """CPU: ``exp_weights_`` of ``scaled`` after ``filter_min_p_``, bit for
+    bit, written over ``scaled`` (returned): the exp is taken over the finite
+    row and the weights below the floor set to 0 after it, as
+    ``top_p_weights`` does (the filtered row's ``-inf``s take torch's slow
+    exp: 14.8 against 3.7 ms for 64 rows of 49,152 on one core). None, and
+    ``scaled`` as it was, where a row's maximum is not finite."""
+    top = scaled.amax(dim=-1, keepdim=True)
+    if not bool(top.isfinite().all()):
+        return None
+    outside = scaled < top + min_ps.to(scaled.dtype).log().unsqueeze(1)
+    return scaled.sub_(top).exp_().masked_fill_(outside, 0.0)
+
+
 def filter_top_k_(scaled: torch.Tensor, top_ks: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """Sets each row's logits below its ``top_ks`` largest to -inf (ties with
     the k-th kept); rows with k == 0 keep all. ``max_top_k`` is ``top_ks``'

@@ -19,7 +19,8 @@ from slipstream.kernels.logit_adjustments import (
     plan_adjustments,
 )
 from slipstream.kernels.sampling import sample
-from slipstream.kernels.sampling_filters import filter_min_p_
+from slipstream.kernels.sampling_filters import filter_min_p_, min_p_weights
+from slipstream.kernels.sampling_primitives import exp_weights_
 
 # Probabilities 0.5, 0.3, 0.15, 0.05 at temperature 1.
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -41,6 +42,28 @@ def test_the_filter_keeps_what_vllms_probability_test_keeps(min_p: float) -> Non
     kept = filter_min_p_(logits.clone(), torch.full((6,), min_p)).isfinite()
     for row in range(6):
         assert kept[row].tolist() == reference_kept(logits[row].tolist(), min_p), row
+
+
+def test_the_cpus_min_p_weights_are_the_filtered_rows_bit_for_bit() -> None:
+    """Min-p alone on the CPU skips the -inf fill (torch's exp leaves its
+    fast path for -inf): the weights must still be exactly the filter's."""
+    logits = torch.randn(16, 4096, generator=torch.Generator().manual_seed(4)) * 4
+    min_ps = torch.tensor([(0.0, 0.01, 0.1, 0.5)[i % 4] for i in range(16)])
+    want = exp_weights_(filter_min_p_(logits.clone(), min_ps))
+    got = min_p_weights(logits.clone(), min_ps)
+    assert got is not None and torch.equal(got, want)
+    logits[3, 5] = math.inf
+    assert min_p_weights(logits.clone(), min_ps) is None  # the filter's path takes it
+
+
+def test_a_seeded_min_p_row_draws_the_same_beside_a_top_p_row() -> None:
+    """Alone it takes min_p_weights, beside a top-p row the filters: the same token."""
+    logits = torch.randn(2, 4096, generator=torch.Generator().manual_seed(6)) * 2
+    for index in range(40):
+        alone = sample(logits[:1].clone(), [1.0], [0], [1.0], [9], [index], min_ps=[0.02])
+        beside = sample(logits.clone(), [1.0, 1.0], [0, 0], [1.0, 0.8], [9, None], [index, 0],
+                        torch.Generator().manual_seed(0), min_ps=[0.02, 0.0])  # fmt: skip
+        assert alone[0] == beside[0], index
 
 
 def draws(
