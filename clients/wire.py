@@ -33,6 +33,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's r
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias
 MAX_REPETITION_PENALTY = 100.0  # a repetition penalty is in [1 / 100, 100]
+MAX_STOP_TOKEN_IDS = 64  # stop token ids one request may name
 
 
 def trace_context() -> dict[str, str]:
@@ -122,6 +123,13 @@ class GenerateOptions:
     frequency_penalty: float = 0.0  # in [-2, 2], 0 off: per time a token was generated
     repetition_penalty: float | None = None  # in [0.01, 100]; unset: the server's 1 (off)
     logit_bias: Mapping[int, float] | None = None  # token id -> bias in [-100, 100]
+    # vLLM's: min_p in [0, 1] (0 off) keeps the tokens at least that likely
+    # relative to the likeliest, after temperature, before top-k and top-p;
+    # the first min_tokens (<= max_tokens) outputs can be neither EOS nor a
+    # stop token id; sampling one of stop_token_ids ends the request ("stop").
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = ()
     # Structured output, at most one: what the whole output must match.
     json_schema: JsonSchema | None = None  # a JSON Schema: a dict, or its JSON text
     json_object: bool = False  # any JSON object
@@ -150,6 +158,9 @@ class Options(TypedDict, total=False):
     frequency_penalty: float
     repetition_penalty: float | None
     logit_bias: Mapping[int, float] | None
+    min_p: float
+    min_tokens: int
+    stop_token_ids: Sequence[int]
     json_schema: JsonSchema | None
     json_object: bool
     regex: str | None
@@ -158,6 +169,7 @@ class Options(TypedDict, total=False):
 # Integer keyword arguments: (name, smallest, largest value of their wire field).
 _INTEGERS = (
     ("max_tokens", 0, 2**32 - 1),
+    ("min_tokens", 0, 2**32 - 1),
     ("expected_tokens", 0, 2**32 - 1),
     ("top_k", 0, 2**32 - 1),
     ("seed", 0, 2**64 - 1),
@@ -235,11 +247,12 @@ def _stop_sequences(stop: object) -> list[str]:
 
 
 def _sampling(options: GenerateOptions) -> pb.SamplingParams:
-    """The submit's ``sampling``, its logit adjustments checked first."""
+    """The submit's ``sampling``, its logit adjustments and min-p checked first."""
     check_penalty("presence_penalty", options.presence_penalty)
     check_penalty("frequency_penalty", options.frequency_penalty)
     if options.repetition_penalty is not None:
         check_repetition_penalty(options.repetition_penalty)
+    check_min_p(options.min_p)
     return pb.SamplingParams(
         temperature=options.temperature,
         top_k=options.top_k,
@@ -249,7 +262,40 @@ def _sampling(options: GenerateOptions) -> pb.SamplingParams:
         frequency_penalty=options.frequency_penalty,
         repetition_penalty=options.repetition_penalty,  # None leaves it unset
         logit_bias=check_logit_bias(options.logit_bias),
+        min_p=options.min_p or None,  # 0 leaves it unset
     )
+
+
+def check_min_p(value: object) -> None:
+    """A min-p that is not a number in [0, 1] raises (the server's bound)."""
+    if not _is_number(value):
+        raise TypeError(f"min_p must be a number, got {value!r}")
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ValueError(f"min_p must be in [0, 1] (0 is off), got {value}")
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
+    """``min_tokens`` above ``max_tokens`` raises (unset: the server's
+    default, which it checks)."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
+
+
+def check_stop_token_ids(ids: object) -> list[int]:
+    """``stop_token_ids`` as a list: at most ``MAX_STOP_TOKEN_IDS`` token ids
+    (the vocabulary is the server's to check)."""
+    if not isinstance(ids, Sequence) or isinstance(ids, str | bytes | bytearray):
+        raise TypeError(f"stop_token_ids must be a sequence of token ids, got {ids!r}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(
+            f"stop_token_ids has {len(ids)} ids, more than the {MAX_STOP_TOKEN_IDS} allowed"
+        )
+    for i, token_id in enumerate(ids):
+        if not is_token_id(token_id):
+            raise ValueError(
+                f"stop_token_ids[{i}] must be a token id in [0, 2**32), got {token_id}"
+            )
+    return list(ids)
 
 
 def _is_number(value: object) -> TypeGuard[float]:
@@ -357,6 +403,7 @@ def build_submit(
     request_id: str, prompt: Prompt | Conversation, options: GenerateOptions
 ) -> pb.GenerateRequest:
     _check_integers(options)
+    check_min_tokens(options.min_tokens, options.max_tokens)
     for name in _DURATIONS:
         if getattr(options, name) is not None:
             check_seconds(name, getattr(options, name), MAX_DURATION_S)
@@ -368,6 +415,8 @@ def build_submit(
             max_new_tokens=options.max_tokens,
             stop_sequences=_stop_sequences(options.stop),
             ignore_eos=options.ignore_eos,
+            min_tokens=options.min_tokens,
+            stop_token_ids=check_stop_token_ids(options.stop_token_ids),
         ),
         expected_output_tokens=options.expected_tokens,
         trace_context=trace_context(),

@@ -6,13 +6,15 @@ first token whose cumulative probability passes it), split in two so the
 device never waits for the host and the host never reads the device:
 
 - ``plan_sampling`` (host, plain lists): which rows sample rather than take
-  the argmax, their temperatures / top-k / top-p, which carry a seed,
-  and the few facts that fix tensor shapes (``max_top_k``, ``any_top_p``);
+  the argmax, their temperatures / min-p / top-k / top-p, which carry a
+  seed, and the few facts that fix tensor shapes and the filters run
+  (``max_top_k``, ``any_top_p``, ``any_min_p``);
 - ``sample_tensors`` (any device): the math over tensors, with shapes known
   from the plan, so nothing in it synchronises (no ``.item()``, no
   ``.tolist()``): the greedy argmax (``row_argmax``), the temperature
   division (``divide_rows``; over the logits themselves when every row
-  samples, over the sampling rows' gather otherwise), top-k and top-p
+  samples, over the sampling rows' gather otherwise), min-p (a batch
+  without it runs none), top-k and top-p, in vLLM's order
   (``sampling_filters``), the unnormalised softmax (``exp_weights_``) and
   the pick (``pick_by_cdf``). When every row samples no argmax is taken.
   Before all of it, the rows whose requests ask for penalties or a logit
@@ -21,7 +23,8 @@ device never waits for the host and the host never reads the device:
   On the CPU, where the host may read the device, a batch with top-k
   takes its weights from the rows' top-k candidates
   (``top_k_weights``: the same weights, 3-5x faster), and one with top-p
-  alone takes the exp over the unfiltered rows (``top_p_weights``).
+  (or min-p) alone takes the exp over the unfiltered rows
+  (``top_p_weights``, ``min_p_weights``).
 
 ``sampling.sample`` (the CPU runner's sampler, lists in, tokens out) plans a
 batch and runs ``sample_tensors`` over it, so the CPU and the GPU step pick
@@ -43,14 +46,17 @@ by the same code, row by row:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from slipstream.kernels.logit_adjustments import LogitAdjustments, adjust_logits_
 from slipstream.kernels.sampling_filters import (
+    filter_min_p_,
     filter_top_k_,
     filter_top_p_,
+    min_p_weights,
     top_k_weights,
     top_p_weights,
 )
@@ -83,10 +89,16 @@ class SamplingPlan:
     output_indices: list[int]  # aligned with ``seeded``
     max_top_k: int
     any_top_p: bool
+    # Aligned with ``rows`` where a sampling row asks for min-p, else empty.
+    min_ps: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
         return not self.rows
+
+    @property
+    def any_min_p(self) -> bool:
+        return bool(self.min_ps)
 
 
 def plan_sampling(
@@ -96,14 +108,19 @@ def plan_sampling(
     seeds: list[int | None],
     output_indices: list[int],
     vocab_size: int,
+    min_ps: list[float] | None = None,
 ) -> SamplingPlan:
-    """The plan ``sample_tensors`` runs; the arguments are ``sampling.sample``'s."""
+    """The plan ``sample_tensors`` runs; the arguments are ``sampling.sample``'s
+    (``min_ps`` None: min-p off on every row)."""
     n = len(temperatures)
-    if not all(len(x) == n for x in (top_ks, top_ps, seeds, output_indices)):
+    every = (top_ks, top_ps, seeds, output_indices) + (() if min_ps is None else (min_ps,))
+    if not all(len(x) == n for x in every):
         raise ValueError(f"every per-row list must have {n} entries")
     rows = [i for i in range(n) if not (temperatures[i] <= 0.0 or top_ks[i] == 1)]
     ks = [top_ks[i] if 0 < top_ks[i] < vocab_size else 0 for i in rows]
     seeded = [j for j, i in enumerate(rows) if seeds[i] is not None]
+    asked = min_ps is not None and any(min_ps)  # the common batch: one pass, no list
+    row_min_ps = [min_ps[i] for i in rows] if asked else []  # type: ignore[index]
     return SamplingPlan(
         num_rows=n,
         rows=rows,
@@ -116,6 +133,7 @@ def plan_sampling(
         output_indices=[output_indices[rows[j]] for j in seeded],
         max_top_k=max(ks, default=0),
         any_top_p=any(top_ps[i] < 1.0 for i in rows),
+        min_ps=row_min_ps if any(row_min_ps) else [],
     )
 
 
@@ -133,6 +151,7 @@ class SamplingBatch:
     unseeded: torch.Tensor  # int64 [U]
     seeded: torch.Tensor  # int64 [S]
     seeded_uniforms: torch.Tensor | None
+    min_ps: torch.Tensor | None = None  # float32 [R]; None where the plan has no min-p
 
 
 def sampling_batch(plan: SamplingPlan, device: torch.device) -> SamplingBatch:
@@ -157,6 +176,7 @@ def sampling_batch(plan: SamplingPlan, device: torch.device) -> SamplingBatch:
         unseeded=ints(plan.unseeded),
         seeded=ints(plan.seeded),
         seeded_uniforms=uniforms,
+        min_ps=floats(plan.min_ps) if plan.any_min_p else None,
     )
 
 
@@ -202,14 +222,26 @@ def sample_tensors(
     if scratch is not None:
         out = scratch[: len(plan.rows) * logits.shape[1]].view(len(plan.rows), logits.shape[1])
     scaled = divide_rows(rows, batch.temperatures, out)  # float32: the temperatures are
+    on_cpu = scaled.device.type == "cpu"  # the host reads a few flags
+    min_ps = batch.min_ps
+    if plan.any_min_p and min_ps is None:
+        raise ValueError("the plan has min-p rows but the batch carries no min_ps")
+    # Min-p alone on the CPU takes min_p_weights; any other filter runs after it.
+    if min_ps is not None and not (on_cpu and not plan.max_top_k and not plan.any_top_p):
+        filter_min_p_(scaled, min_ps)
+        min_ps = None
     weights = None
-    if scaled.device.type == "cpu":  # the host reads a few flags
+    if on_cpu:
         if plan.max_top_k:
             top_ps = batch.top_ps if plan.any_top_p else None
             weights = top_k_weights(scaled, batch.top_ks, plan.max_top_k, top_ps)
         elif plan.any_top_p:
             weights = top_p_weights(scaled, batch.top_ps)
+        elif min_ps is not None:
+            weights = min_p_weights(scaled, min_ps)
     if weights is None:
+        if min_ps is not None:
+            filter_min_p_(scaled, min_ps)
         if plan.max_top_k:
             filter_top_k_(scaled, batch.top_ks, plan.max_top_k)
         if plan.any_top_p:

@@ -1,14 +1,20 @@
 """The logit adjustments a request may ask for, made on the rows that ask
 before the sampler (``device_sampling.sample_tensors``) reads them, so a
 greedy row's argmax sees them too: OpenAI's ``logit_bias``,
-``presence_penalty`` and ``frequency_penalty``, and vLLM's (the CTRL
-paper's) ``repetition_penalty``. In vLLM's order, on each adjusted row ``x``::
+``presence_penalty`` and ``frequency_penalty``, vLLM's (the CTRL
+paper's) ``repetition_penalty``, and vLLM's ``min_tokens`` mask. In vLLM's
+order, on each adjusted row ``x``::
 
     x[t] += bias[t]                                    each biased token t
     x[t] = x[t] / r  if x[t] > 0  else  x[t] * r       t in the prompt or generated
     x[t] -= frequency * count[t] + presence * (count[t] > 0)
+    x[t] = -inf                                        each banned token t
 
-where ``count[t]`` is how often the request has generated t so far.
+where ``count[t]`` is how often the request has generated t so far, and
+the banned tokens are a request's EOS and stop token ids while fewer than
+its ``min_tokens`` outputs are out (ids past the vocabulary skipped: no
+row can sample them). The ban is made before the penalties, which keep
+-inf as it is (their factors are positive and finite).
 
 Split as the sampler is, so the device never waits for the host:
 
@@ -61,6 +67,7 @@ class AdjustedRow(NamedTuple):
     prompt_ids: Sequence[int]  # read where repetition != 1
     output_ids: Sequence[int]  # generated before the row's last input token
     last_is_output: bool  # its last input token was generated (output index > 0)
+    banned: Sequence[int] = ()  # masked to -inf (min_tokens' EOS and stop ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,7 @@ class AdjustmentPlan:
     last_slots: list[int]  # the slots whose last input token was generated
     bias_at: np.ndarray  # int64 places, one a biased token
     bias: np.ndarray  # float32, aligned with ``bias_at``
+    ban_at: np.ndarray  # int64 places, one a banned token (repeats harmless)
 
     @property
     def has_penalties(self) -> bool:
@@ -105,6 +113,7 @@ def plan_adjustments(
     prompt_slots: list[np.ndarray] = []
     bias_at: list[np.ndarray] = []
     bias: list[np.ndarray] = []
+    ban_at: list[np.ndarray] = []
     last_slots = []
     for j, row in enumerate(adjusted):
         if row.presence or row.frequency or row.repetition != 1.0:
@@ -121,6 +130,9 @@ def plan_adjustments(
                 raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
             bias_at.append(ids + row.row * vocab_size)
             bias.append(np.fromiter((b for _, b in row.logit_bias), np.float32, len(ids)))
+        if row.banned:
+            ids = np.asarray(row.banned, dtype=np.int64)
+            ban_at.append(ids[(ids >= 0) & (ids < vocab_size)] + row.row * vocab_size)
     tokens = _joined(generated + prompts, np.int64)
     slots = _joined(generated_slots + prompt_slots, np.int64)
     if len(tokens) and not 0 <= tokens.min() <= tokens.max() < vocab_size:
@@ -141,6 +153,7 @@ def plan_adjustments(
         last_slots=last_slots,
         bias_at=_joined(bias_at, np.int64),
         bias=_joined(bias, np.float32),
+        ban_at=_joined(ban_at, np.int64),
     )
 
 
@@ -166,6 +179,7 @@ class LogitAdjustments:
     bias_at: torch.Tensor  # int64 places
     bias: torch.Tensor  # float32
     last_tokens: torch.Tensor
+    ban_at: torch.Tensor  # int64 places
 
 
 def adjustment_tensors(plan: AdjustmentPlan, last_tokens: torch.Tensor) -> LogitAdjustments:
@@ -181,6 +195,7 @@ def adjustment_tensors(plan: AdjustmentPlan, last_tokens: torch.Tensor) -> Logit
         np.asarray(last_rows, dtype=np.int64),
         np.asarray(plan.last_slots, dtype=np.int64),
         plan.bias_at,
+        plan.ban_at,
     ]
     float_parts = [
         np.asarray(plan.presence, dtype=np.float32),
@@ -190,11 +205,11 @@ def adjustment_tensors(plan: AdjustmentPlan, last_tokens: torch.Tensor) -> Logit
     ]
     ints = _upload(np.concatenate(int_parts), device).split([len(p) for p in int_parts])
     floats = _upload(np.concatenate(float_parts), device).split([len(p) for p in float_parts])
-    seen, seen_slots, seen_counts_at, last_rows_t, last_slots, bias_at = ints
+    seen, seen_slots, seen_counts_at, last_rows_t, last_slots, bias_at, ban_at = ints
     presence, frequency, repetition, bias = floats
     return LogitAdjustments(
         plan, presence, frequency, repetition, seen, seen_slots, seen_counts_at, last_rows_t,
-        last_slots, bias_at, bias, last_tokens,
+        last_slots, bias_at, bias, last_tokens, ban_at,
     )  # fmt: skip
 
 
@@ -221,6 +236,8 @@ def adjust_logits_(
     flat = logits.view(-1)
     if len(plan.bias):  # one place a biased token: no repeats
         flat.index_add_(0, a.bias_at, a.bias.to(flat.dtype))
+    if len(plan.ban_at):  # before the penalties, which keep -inf
+        flat.index_fill_(0, a.ban_at, float("-inf"))
     if not plan.has_penalties:
         return logits
     last_tokens = a.last_tokens.index_select(0, a.last_rows)

@@ -1,5 +1,5 @@
-"""Next-token sampling over a batch on the CPU: greedy, temperature, top-k,
-top-p, with the per-row parameters as lists and the tokens as a list.
+"""Next-token sampling over a batch on the CPU: greedy, temperature, min-p,
+top-k, top-p, with the per-row parameters as lists and the tokens as a list.
 
 ``sample`` is the CPU runner's entry to the one sampler body,
 ``device_sampling.sample_tensors``: it plans the batch
@@ -45,6 +45,7 @@ def sample(
     generator: torch.Generator | None = None,
     scratch: torch.Tensor | None = None,
     adjustments: LogitAdjustments | None = None,
+    min_ps: list[float] | None = None,
 ) -> list[int]:
     """One token per row of ``logits [N, vocab]`` (float32, or a low-precision
     model's: see ``sample_tensors``).
@@ -56,13 +57,16 @@ def sample(
     default: its global RNG) in one batched call. ``scratch``: see ``sample_tensors``.
     ``adjustments``: penalties and logit biases, made in place on their rows
     first (``logit_adjustments``), before greedy rows take their argmax too.
+    ``min_ps`` (None: off on every row): a sampling row keeps the tokens
+    whose probability is at least its min-p times the likeliest's, after
+    its temperature and before top-k and top-p (``sampling_filters``).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, vocab], got {tuple(logits.shape)}")
     n, vocab = logits.shape
     if len(temperatures) != n:
         raise ValueError(f"every per-row list must have {n} entries")
-    plan = plan_sampling(temperatures, top_ks, top_ps, seeds, output_indices, vocab)
+    plan = plan_sampling(temperatures, top_ks, top_ps, seeds, output_indices, vocab, min_ps)
     if plan.all_greedy and adjustments is None:
         return row_argmax(logits).tolist()
     batch = sampling_batch(plan, logits.device)

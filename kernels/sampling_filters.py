@@ -1,6 +1,12 @@
-"""Top-k and top-p over a batch of scaled logits, in place: the filters the
-sampler (``device_sampling.sample_tensors``, on any device; on the CPU
-through ``sampling.sample``) applies before it picks.
+"""Min-p, top-k and top-p over a batch of scaled logits, in place: the
+filters the sampler (``device_sampling.sample_tensors``, on any device; on
+the CPU through ``sampling.sample``) applies before it picks, in that order
+(vLLM's): min-p first, so top-p's nucleus is taken over what min-p kept.
+
+Min-p (vLLM's) keeps the logits whose probability is at least ``min_p``
+times the row's likeliest: ``exp(x - max) >= min_p``, that is ``x >= max +
+log(min_p)``, compared in logit space (no softmax; 0 keeps all, as log 0 is
+-inf).
 
 Top-k keeps every logit at or above its row's k-th largest. Top-p keeps
 every logit at or above the smallest of the nucleus: the shortest run of
@@ -35,6 +41,27 @@ from slipstream.kernels.sampling_primitives import exp_weights_, fused_op
 
 # Candidates a row's nucleus is looked for among, tier by tier.
 NUCLEUS_CANDIDATES = (1024, 8192)
+
+
+def filter_min_p_(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Sets each row's logits whose probability is below ``min_ps`` times its
+    likeliest token's to -inf (the module docstring); rows with 0 keep all."""
+    floor = scaled.amax(dim=-1, keepdim=True).add_(min_ps.to(scaled.dtype).log().unsqueeze(1))
+    return scaled.masked_fill_(scaled < floor, float("-inf"))
+
+
+def min_p_weights(scaled: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor | None:
+    """CPU: ``exp_weights_`` of ``scaled`` after ``filter_min_p_``, bit for
+    bit, written over ``scaled`` (returned): the exp is taken over the finite
+    row and the weights below the floor set to 0 after it, as
+    ``top_p_weights`` does (the filtered row's ``-inf``s take torch's slow
+    exp: 14.8 against 3.7 ms for 64 rows of 49,152 on one core). None, and
+    ``scaled`` as it was, where a row's maximum is not finite."""
+    top = scaled.amax(dim=-1, keepdim=True)
+    if not bool(top.isfinite().all()):
+        return None
+    outside = scaled < top + min_ps.to(scaled.dtype).log().unsqueeze(1)
+    return scaled.sub_(top).exp_().masked_fill_(outside, 0.0)
 
 
 def filter_top_k_(scaled: torch.Tensor, top_ks: torch.Tensor, max_top_k: int) -> torch.Tensor:

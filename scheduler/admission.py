@@ -27,6 +27,7 @@ from .request import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
     FinishReason,
     RejectCause,
@@ -68,15 +69,38 @@ def check_request_shape(req: Request) -> None:
     if problem is not None:
         field, detail = problem
         raise InvalidRequest(req.req_id, detail, field)
+    if sampling.min_tokens > req.max_new_tokens:  # after its own bounds: a negative one first
+        raise InvalidRequest(
+            req.req_id,
+            f"min_tokens ({sampling.min_tokens}) must be at most max_new_tokens "
+            f"({req.max_new_tokens})",
+            "min_tokens",
+        )
 
 
 def adjustment_problem(sampling: SamplingParams) -> tuple[str, str] | None:
-    """The first of ``sampling``'s logit adjustments out of its bounds, as
-    (its field, what is wrong, in the wire's words), or None. Out of bounds,
-    a penalty or bias still samples, but not as OpenAI's ranges promise, and
-    a NaN or infinite one makes a row's logits NaN."""
+    """The first of ``sampling``'s logit adjustments, ``min_p`` and
+    ``stop_token_ids`` out of its bounds, as (its field, what is wrong, in
+    the wire's words), or None. Out of bounds, a penalty or bias still
+    samples, but not as OpenAI's ranges promise, and a NaN or infinite one
+    makes a row's logits NaN. ``min_tokens``' bound is the request's
+    ``max_new_tokens`` (``check_request_shape``); the ids' is the
+    vocabulary (the wire's, and the sampler skips one past it)."""
+    if sampling.min_p and not 0.0 <= sampling.min_p <= 1.0:  # NaN included
+        return "min_p", f"min_p must be in [0, 1] (0 is off), got {sampling.min_p:g}"
+    stop_ids = sampling.stop_token_ids
+    if stop_ids:
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            return "stop_token_ids", (
+                f"stop_token_ids has {len(stop_ids)} ids, more than the "
+                f"{MAX_STOP_TOKEN_IDS} allowed"
+            )
+        if min(stop_ids) < 0:
+            return "stop_token_ids", f"stop_token_ids must be token ids, got {min(stop_ids)}"
     if not sampling.has_logit_adjustments:
         return None  # all off: the common case, one test
+    if sampling.min_tokens < 0:
+        return "min_tokens", f"min_tokens must be >= 0, got {sampling.min_tokens}"
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(sampling, name)
         if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN included

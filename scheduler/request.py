@@ -76,6 +76,7 @@ MAX_PENALTY = 2.0  # presence and frequency penalties are in [-2, 2] (OpenAI's r
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGIT_BIAS = 100.0  # a logit bias is in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias: the host rebuilds them each step
+MAX_STOP_TOKEN_IDS = 64  # stop token ids one request may name: looked through per token
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +94,17 @@ class SamplingParams:
     prompt or generated so far has its logit divided by
     ``repetition_penalty`` where positive and multiplied where not (1: off);
     each generated token's logit loses ``frequency_penalty`` times its count
-    so far and ``presence_penalty`` once (0: off)."""
+    so far and ``presence_penalty`` once (0: off). While fewer than
+    ``min_tokens`` outputs are out, the request's EOS ids and
+    ``stop_token_ids`` are masked out of its logits (vLLM's; a greedy row's
+    too).
+
+    ``min_p`` (vLLM's; 0: off) keeps, on a sampling row, the tokens whose
+    probability after temperature is at least ``min_p`` times the
+    likeliest's, before top-k and top-p (vLLM's order). Sampling one of
+    ``stop_token_ids`` ends the request (``FinishReason.STOP_SEQUENCE``)
+    once ``min_tokens`` outputs came before it; the scheduler decides it
+    with EOS."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -104,10 +115,15 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # A penalty or a bias changes this request's logits before it samples.
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    # A penalty, a bias or min_tokens changes this request's logits before it samples.
     # Set once here: the runners ask of every sampled row every step, and a
     # property's four tests cost ~35 us a step at 256 rows.
     has_logit_adjustments: bool = field(init=False, repr=False, compare=False)
+    # min_tokens or stop ids: the scheduler's per-token stop decision asks.
+    has_token_stops: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         adjusts = bool(
@@ -115,8 +131,10 @@ class SamplingParams:
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.min_tokens
         )
         object.__setattr__(self, "has_logit_adjustments", adjusts)
+        object.__setattr__(self, "has_token_stops", bool(self.min_tokens or self.stop_token_ids))
 
     @property
     def is_greedy(self) -> bool:

@@ -157,7 +157,8 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
 
         ``step_s``: the step's measured seconds; the cost model refits from it.
         ``is_stopped(req_id, token_id)`` is asked once per token appended, in
-        order (the engine's text-level stop sequences): True ends the request
+        order (the engine's text-level stop sequences), but of a stop token id
+        that ends its request (its text is not output): True ends the request
         with STOP_SEQUENCE unless EOS or a limit ended it first."""
         ahead = self._ahead
         if ahead is not None and plan.step == ahead[0].step:
@@ -247,10 +248,19 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         req.output_token_ids[seq.output_index] = token_id
         if req.first_token_time is None:
             req.first_token_time = now
-        hit_stop = is_stopped is not None and is_stopped(req.req_id, token_id)
+        sampling = req.sampling
+        may_stop, is_stop_id = True, False
+        if sampling.has_token_stops:  # set once; most requests have none
+            # Before min_tokens outputs the sampler masks EOS and the stop
+            # ids; one that gets past it anyway ends nothing.
+            may_stop = seq.output_index >= sampling.min_tokens
+            # A stop token id that ends the request is not decoded: its text
+            # is left out of the output, as an EOS token's (special, skipped) is.
+            is_stop_id = may_stop and token_id in sampling.stop_token_ids
+        hit_stop = is_stop_id or (is_stopped is not None and is_stopped(req.req_id, token_id))
         # A stop sequence completed by the last allowed token is still the
         # stop: the output was cut at it, as the caller asked.
-        if not req.ignore_eos and token_id in req.eos_token_ids:
+        if may_stop and not req.ignore_eos and token_id in req.eos_token_ids:
             reason: FinishReason | None = FinishReason.EOS
         elif hit_stop:
             reason = FinishReason.STOP_SEQUENCE

@@ -218,11 +218,16 @@ def _prompt_ids(submit: pb.Submit, tokenizer: object, info: ModelInfo) -> list[i
     raise ValueError("submit has no prompt (set text, token_ids or messages)")
 
 
-def _sampling(submit: pb.Submit, req_id: str, vocab_size: int) -> SamplingParams:
-    """The sampling a submit asks for. Its penalties and bias are checked
-    here, before any work, by the scheduler's own bounds (its admission checks
-    them again for in-process callers): an ``InvalidRequest`` naming the field."""
+def _sampling(
+    submit: pb.Submit, req_id: str, vocab_size: int, max_new_tokens: int
+) -> SamplingParams:
+    """The sampling a submit asks for (``min_tokens`` and ``stop_token_ids``
+    from its stopping criteria: the sampler masks them). Its penalties,
+    bias, min-p and stop ids are checked here, before any work, by the
+    scheduler's own bounds (its admission checks them again for in-process
+    callers): an ``InvalidRequest`` naming the field."""
     params = submit.sampling
+    stopping = submit.stopping
     top_p = params.top_p if params.HasField("top_p") else 1.0
     if not (math.isfinite(params.temperature) and math.isfinite(top_p)):
         raise ValueError("temperature and top_p must be finite")
@@ -238,11 +243,23 @@ def _sampling(submit: pb.Submit, req_id: str, vocab_size: int) -> SamplingParams
             params.repetition_penalty if params.HasField("repetition_penalty") else 1.0
         ),
         logit_bias=tuple(params.logit_bias.items()),
+        min_p=params.min_p,
+        min_tokens=stopping.min_tokens,
+        stop_token_ids=tuple(stopping.stop_token_ids),
     )
     problem = adjustment_problem(sampling)  # the bias's count first, before any sort
     if problem is not None:
         field, detail = problem
         raise InvalidRequest(req_id, detail, field)
+    if sampling.min_tokens > max_new_tokens:
+        detail = (
+            f"min_tokens ({sampling.min_tokens}) must be at most max_new_tokens ({max_new_tokens})"
+        )
+        raise InvalidRequest(req_id, detail, "min_tokens")
+    for token in sampling.stop_token_ids:
+        if token >= vocab_size:
+            detail = f"stop_token_ids: token id {token} is not in the vocabulary [0, {vocab_size})"
+            raise InvalidRequest(req_id, detail, "stop_token_ids")
     if not sampling.logit_bias:
         return sampling
     for token, _ in sampling.logit_bias:
@@ -334,11 +351,13 @@ def to_generation_request(
     A submit without a priority takes ``default_priority`` (a tenant's most
     urgent permitted class, ``TenantGate.default_priority``)."""
     _reject_unknown_fields(submit, "submit")
+    prompt_token_ids = _prompt_ids(submit, tokenizer, info)
+    max_new_tokens = _max_new_tokens(submit.stopping, info)
     return RequestSpec(
         req_id=req_id,
-        prompt_token_ids=_prompt_ids(submit, tokenizer, info),
-        max_new_tokens=_max_new_tokens(submit.stopping, info),
-        sampling=_sampling(submit, req_id, info.vocab_size),
+        prompt_token_ids=prompt_token_ids,
+        max_new_tokens=max_new_tokens,
+        sampling=_sampling(submit, req_id, info.vocab_size, max_new_tokens),
         stop_sequences=tuple(submit.stopping.stop_sequences),
         ignore_eos=submit.stopping.ignore_eos,
         priority=priority_of(submit, default_priority),

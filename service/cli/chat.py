@@ -18,16 +18,18 @@ from typing import TextIO
 import grpc
 
 from slipstream.clients import Client, Result, StreamError
-from slipstream.service.cli.arg_types import (
-    non_negative_finite_float,
-    non_negative_uint64,
-    positive_uint32,
-)
+from slipstream.service.cli.arg_types import positive_uint32
 from slipstream.service.cli.connect import (
     add_connection_args,
     call_failed,
     client_tls,
     unreadable_file,
+)
+from slipstream.service.cli.sampling_flags import (
+    add_sampling_args,
+    check_min_tokens,
+    constraint_options,
+    sampling_options,
 )
 
 PROMPT = "you> "
@@ -56,18 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default=512,
         help="most tokens per answer (default: %(default)s)",
     )
-    parser.add_argument(
-        "--temperature",
-        type=non_negative_finite_float,
-        default=0.0,
-        help="sampling temperature; 0 is greedy (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=non_negative_uint64,
-        default=None,
-        help="sampling seed, for repeatable answers",
-    )
+    add_sampling_args(parser, "each answer")  # generate's, defined once
     add_connection_args(parser)
     parser.set_defaults(func=run)
 
@@ -156,9 +147,14 @@ def _status_line(result: Result) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    options: dict[str, object] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    if args.seed is not None:
-        options["seed"] = args.seed
+    check_min_tokens(args)
+    options: dict[str, object] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "seed": args.seed,
+        **sampling_options(args),
+        **constraint_options(args),
+    }
     try:
         client = Client(args.server, tls=client_tls(args), token=args.token)
     except OSError as exc:  # a --tls-* file

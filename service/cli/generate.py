@@ -15,10 +15,12 @@ optionally ``max_tokens``, ``temperature``, ``seed``; any other key is an
 error, not ignored. A messages file is one conversation, a JSON list
 of ``{"role", "content"}`` objects, rendered with the model's chat template.
 
-``--json-schema``, ``--json-object`` or ``--regex`` constrains every
-prompt's output (structured output, docs/api.md); ``--presence-penalty``,
-``--frequency-penalty``, ``--repetition-penalty`` and ``--logit-bias
-ID=BIAS`` (repeatable) adjust every prompt's logits before it samples.
+The sampling flags, ``slipstream chat``'s too, are ``sampling_flags``':
+``--top-p``, ``--top-k``, ``--min-p``, the penalties and ``--logit-bias
+ID=BIAS`` (repeatable), ``--min-tokens``, ``--stop-token-id ID``
+(repeatable), and ``--json-schema``, ``--json-object`` or ``--regex``, which
+constrains every prompt's output (structured output, docs/api.md); each
+applies to every prompt.
 """
 
 from __future__ import annotations
@@ -36,20 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slipstream.clients.wire import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_TOKENS,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
-    is_token_id,
-)
+from slipstream.clients.wire import is_token_id
 from slipstream.service.cli.arg_types import (
     duration_ms,
-    float_where,
     int_at_least,
-    non_negative_finite_float,
     non_negative_int32,
-    non_negative_uint64,
     positive_int,
     positive_uint32,
 )
@@ -60,6 +53,12 @@ from slipstream.service.cli.connect import (
     unreadable_file,
 )
 from slipstream.service.cli.extras import require_server_extra
+from slipstream.service.cli.sampling_flags import (
+    add_sampling_args,
+    check_min_tokens,
+    constraint_options,
+    sampling_options,
+)
 from slipstream.service.cli.serve import add_engine_args, engine_config
 
 if TYPE_CHECKING:
@@ -154,15 +153,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         default=64,
         help="most tokens to generate per prompt (default: %(default)s)",
     )
-    parser.add_argument(
-        "--temperature",
-        type=non_negative_finite_float,
-        default=0.0,
-        help="sampling temperature; 0 is greedy (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed", type=non_negative_uint64, default=None, help="sampling seed, for repeatable runs"
-    )
+    add_sampling_args(parser, "each output")
     parser.add_argument(
         "--ignore-eos",
         action="store_true",
@@ -175,53 +166,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         metavar="N",
         help="each output token's log-probability and the N likeliest tokens at its "
         "position (0: none), in the --json output",
-    )
-    constraint = parser.add_mutually_exclusive_group()
-    constraint.add_argument(
-        "--json-schema",
-        type=json_schema_text,
-        metavar="FILE_OR_JSON",
-        help="each output is JSON this schema accepts: its JSON text (starting with '{') "
-        "or a file holding it",
-    )
-    constraint.add_argument(
-        "--json-object", action="store_true", help="each output is a JSON object"
-    )
-    constraint.add_argument(
-        "--regex", help="each output matches this regular expression (Rust regex syntax)"
-    )
-    parser.add_argument(
-        "--presence-penalty",
-        type=penalty,
-        default=0.0,
-        metavar="X",
-        help="subtracted once from the logit of each token generated so far, in [-2, 2] "
-        "(default: %(default)s, off)",
-    )
-    parser.add_argument(
-        "--frequency-penalty",
-        type=penalty,
-        default=0.0,
-        metavar="X",
-        help="subtracted from a token's logit for each time it was generated so far, "
-        "in [-2, 2] (default: %(default)s, off)",
-    )
-    parser.add_argument(
-        "--repetition-penalty",
-        type=repetition_penalty,
-        default=None,
-        metavar="X",
-        help="divides the positive logits of the prompt's and the output's tokens (multiplies "
-        "the others), in [0.01, 100]; above 1 discourages repeats (default: 1, off)",
-    )
-    parser.add_argument(
-        "--logit-bias",
-        type=token_bias,
-        action=LogitBias,
-        default=None,
-        metavar="ID=BIAS",
-        help="add BIAS, in [-100, 100], to token ID's logit (-100 in effect bans it, "
-        "100 makes it the only choice); repeatable",
     )
     parser.add_argument(
         "--priority",
@@ -266,95 +210,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     engine = add_engine_args(parser)
     mode_flags = ModeFlags.of(parser, local=engine, server=connection)
     parser.set_defaults(func=functools.partial(run, mode_flags=mode_flags))
-
-
-def json_schema_text(value: str) -> str:
-    """``--json-schema``: JSON text where it starts with ``{``, else the
-    name of a file holding it; the schema's JSON text."""
-    text = value
-    if not value.lstrip().startswith("{"):
-        try:
-            text = Path(value).read_text()
-        except OSError as exc:
-            raise argparse.ArgumentTypeError(f"{value}: cannot read it: {exc.strerror}") from None
-    try:
-        json.loads(text)
-    except ValueError as exc:  # json.JSONDecodeError
-        where = "" if text is value else f"{value}: "
-        raise argparse.ArgumentTypeError(f"{where}not JSON ({exc})") from None
-    return text
-
-
-# The server's ranges, as the clients check them (clients/wire.py).
-penalty = float_where(
-    lambda v: -MAX_PENALTY <= v <= MAX_PENALTY, f"in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
-)
-repetition_penalty = float_where(
-    lambda v: 1 / MAX_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY,
-    f"in [{1 / MAX_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]",
-)
-_bias = float_where(
-    lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
-    f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-)
-
-
-def token_bias(value: str) -> tuple[int, float]:
-    """``--logit-bias``: ``ID=BIAS``, a token id and its bias in [-100, 100]."""
-    token, is_pair, number = value.partition("=")
-    if not is_pair:
-        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {value!r}")
-    try:
-        token_id = int(token)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token id before '=', got {token!r}") from None
-    if not is_token_id(token_id):
-        raise argparse.ArgumentTypeError(f"{token_id} is not a token id in [0, 2**32)")
-    return token_id, _bias(number)
-
-
-class LogitBias(argparse.Action):
-    """Collects the ``--logit-bias`` pairs into one dict: a token biased
-    twice (the sampler would add both) or more than 1024 tokens is a usage
-    error."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: object,
-        option_string: str | None = None,
-    ) -> None:
-        assert isinstance(values, tuple)  # token_bias's (token id, bias)
-        token_id, bias = values
-        biases = dict(getattr(namespace, self.dest) or {})
-        if token_id in biases:
-            raise argparse.ArgumentError(self, f"token {token_id} is biased twice")
-        biases[token_id] = bias
-        if len(biases) > MAX_LOGIT_BIAS_TOKENS:
-            raise argparse.ArgumentError(self, f"at most {MAX_LOGIT_BIAS_TOKENS} tokens")
-        setattr(namespace, self.dest, biases)
-
-
-def sampling_options(args: argparse.Namespace) -> dict[str, object]:
-    """The clients' keyword arguments for the logit adjustment flags."""
-    return {
-        "presence_penalty": args.presence_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "repetition_penalty": args.repetition_penalty,
-        "logit_bias": args.logit_bias,
-    }
-
-
-def constraint_options(args: argparse.Namespace) -> dict[str, object]:
-    """The clients' keyword arguments for the constraint flags (none: {})."""
-    if args.json_schema is not None:
-        return {"json_schema": args.json_schema}
-    if args.json_object:
-        return {"json_object": True}
-    if args.regex is not None:
-        return {"regex": args.regex}
-    return {}
 
 
 def _local_constraint(args: argparse.Namespace) -> OutputConstraint | None:
@@ -618,6 +473,11 @@ def run_local(specs: list[PromptSpec], args: argparse.Namespace) -> list[Output]
                         frequency_penalty=args.frequency_penalty,
                         repetition_penalty=args.repetition_penalty or 1.0,  # None: off
                         logit_bias=tuple(sorted((args.logit_bias or {}).items())),
+                        top_p=args.top_p or 1.0,  # None: off
+                        top_k=args.top_k,
+                        min_p=args.min_p,
+                        min_tokens=args.min_tokens,
+                        stop_token_ids=args.stop_token_ids,
                     ),
                     ignore_eos=args.ignore_eos,
                     priority=args.priority or 0,
@@ -823,6 +683,7 @@ def run(args: argparse.Namespace, mode_flags: ModeFlags | None = None) -> int:
         mode_flags.check(args)
     if args.logprobs is not None and not args.json:
         raise ValueError("--logprobs shows in the JSON lines only: add --json")
+    check_min_tokens(args)
     if args.local:
         require_server_extra("generate --local")
         from slipstream.service.telemetry.logs import configure_logging

@@ -396,6 +396,7 @@ class DeviceRunner:
             unseeded=views["unseeded"][:unseeded],
             seeded=views["seeded"][:seeded],
             seeded_uniforms=views["seeded_uniforms"][:seeded] if seeded else None,
+            min_ps=views["min_ps"][:rows] if plan.min_ps else None,
         )
 
     def _adjustments(

@@ -7,6 +7,10 @@ strings need a second hold-back: the longest tail of the text that could still
 grow into a stop string is not released until it cannot, so a caller never
 sees text that a later token turns into (part of) a stop string, and text that
 begins no stop string goes out at once.
+
+A request's first ``min_tokens`` tokens cannot end it (vLLM's): a stop
+string counts only where it ends in the text of a later token, as vLLM
+checks only the text new since its ``min_tokens``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ class IncrementalDetokenizer:
     """Turns one request's output tokens into text deltas; detects stop strings."""
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop_sequences: tuple[str, ...]
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop_sequences: tuple[str, ...],
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         context_ids = prompt_token_ids[-_CONTEXT_TOKENS:]
@@ -51,6 +59,10 @@ class IncrementalDetokenizer:
         # Where the text's longest tail that begins some stop string starts:
         # the text before it is released, the tail waits for what follows.
         self._stop_prefix_start = 0
+        # A stop string must end past this much text: the first min_tokens tokens'.
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
+        self._stop_floor = 0
         self.stopped = False
 
     @property
@@ -64,6 +76,7 @@ class IncrementalDetokenizer:
         right before it."""
         if self.stopped:
             return ""
+        self._num_tokens += 1
         if self._stream is not None:
             piece = self._stream.step(self._tokenizer, token_id)
         else:
@@ -75,10 +88,12 @@ class IncrementalDetokenizer:
             else:
                 search_from = max(0, len(self._text) - self._max_stop_len + 1)
                 self._text += piece
-                if self._match_stop(search_from):
+                if self._num_tokens > self._min_tokens and self._match_stop(search_from):
                     self.stopped = True
                     return self.flush()
                 self._stop_prefix_start = self._find_stop_prefix()
+        if self._num_tokens <= self._min_tokens:
+            self._stop_floor = len(self._text)
         releasable = self._stop_prefix_start
         if releasable <= self._num_released:
             return ""
@@ -123,10 +138,9 @@ class IncrementalDetokenizer:
         return len(text)
 
     def _match_stop(self, search_from: int) -> bool:
-        cut = min(
-            (i for i in (self._text.find(s, search_from) for s in self._stops) if i >= 0),
-            default=-1,
-        )
+        floor = self._stop_floor
+        found = (self._text.find(s, max(search_from, floor - len(s) + 1)) for s in self._stops)
+        cut = min((i for i in found if i >= 0), default=-1)
         if cut < 0:
             return False
         self._text = self._text[:cut]

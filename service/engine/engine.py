@@ -222,7 +222,10 @@ class Engine:
         eos = () if request.ignore_eos else tuple(self.info.eos_token_ids)
         sched_request = Request.from_spec(request, eos, arrival)
         detokenizer = IncrementalDetokenizer(
-            self._fast_tokenizer, request.prompt_token_ids, request.stop_sequences
+            self._fast_tokenizer,
+            request.prompt_token_ids,
+            request.stop_sequences,
+            request.sampling.min_tokens,
         )
         matcher = None
         constraint = request.constraint

@@ -27,7 +27,7 @@ import numpy as np
 
 from slipstream.kernels.logit_adjustments import AdjustedRow, AdjustmentPlan, plan_adjustments
 from slipstream.scheduler.plan import ScheduledSeq
-from slipstream.scheduler.request import Request
+from slipstream.scheduler.request import Request, SamplingParams
 
 # req_id -> the scheduler's record of a live request, None once it has
 # ended; called on the engine's thread, the one that updates the records.
@@ -54,9 +54,10 @@ class RequestTokens:
 
     def plan(self, sampled: Sequence[ScheduledSeq], vocab_size: int) -> AdjustmentPlan | None:
         """The adjustments of a step's sampled rows (``sampled``, in row
-        order), None when no request asks for a penalty or a bias. A request
+        order), None when no request asks for a penalty or a bias, or is
+        short of its ``min_tokens`` (its EOS and stop ids banned). A request
         no longer live (its token is dropped), or a view without records,
-        counts the row's last input token alone."""
+        counts the row's last input token alone (and bans its stop ids alone)."""
         adjusted = []
         kept = {}
         for row, seq in enumerate(sampled):
@@ -64,15 +65,22 @@ class RequestTokens:
             if not params.has_logit_adjustments:
                 continue
             k = seq.output_index
+            banning = k < params.min_tokens
+            if params.min_tokens and not banning and not _penalises_or_biases(params):
+                continue  # its min_tokens are out: nothing left to adjust
             prompt, settled = (), ()
             state = None if self._requests is None else self._requests(seq.req_id)
             if state is not None:
                 kept[seq.req_id] = self._read(seq.req_id, state, params.repetition_penalty, k)
                 prompt, settled = kept[seq.req_id].prompt, kept[seq.req_id].settled
+            banned: tuple[int, ...] = ()
+            if banning:
+                eos = () if state is None else state.eos_token_ids  # () with ignore_eos
+                banned = eos + params.stop_token_ids
             penalties = (params.presence_penalty, params.frequency_penalty)
             adjusted.append(
                 AdjustedRow(row, *penalties, params.repetition_penalty, params.logit_bias,
-                            prompt, settled, k > 0)
+                            prompt, settled, k > 0, banned)
             )  # fmt: skip
         self._kept = kept
         return plan_adjustments(adjusted, len(sampled), vocab_size)
@@ -90,3 +98,12 @@ class RequestTokens:
             more = np.asarray(state.output_token_ids[have:num_settled], dtype=np.int64)
             return kept._replace(settled=np.concatenate([kept.settled, more]))
         return kept if have == num_settled else kept._replace(settled=kept.settled[:num_settled])
+
+
+def _penalises_or_biases(params: SamplingParams) -> bool:
+    return bool(
+        params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or params.logit_bias
+    )

@@ -245,6 +245,7 @@ class ModelRunner:
                 [s.output_index for s in sampled_seqs],
                 scratch=self._scratch(len(sampled_seqs) * logits.shape[-1]),
                 adjustments=_adjustments(adjusting, token_ids, sample_rows),
+                min_ps=[s.sampling.min_p for s in sampled_seqs],
             )
         )
         sampled = {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}

@@ -45,6 +45,7 @@ _PER_SEQ: tuple[tuple[str, torch.dtype], ...] = (
     ("temperatures", torch.float32),
     ("top_ks", torch.int64),
     ("top_ps", torch.float32),
+    ("min_ps", torch.float32),
     ("unseeded", torch.int64),
     ("seeded", torch.int64),
     ("seeded_uniforms", torch.float64),
@@ -363,11 +364,14 @@ def stage_step(
         [s.sampling.seed for s in sampled],
         [s.output_index for s in sampled],
         vocab_size,
+        [s.sampling.min_p for s in sampled],
     )
     _put(arrays, "sample_rows", sampling.rows)
     _put(arrays, "temperatures", sampling.temperatures)
     _put(arrays, "top_ks", sampling.top_ks)
     _put(arrays, "top_ps", sampling.top_ps)
+    if sampling.min_ps:
+        _put(arrays, "min_ps", sampling.min_ps)
     _put(arrays, "unseeded", sampling.unseeded)
     _put(arrays, "seeded", sampling.seeded)
     if sampling.seeded:

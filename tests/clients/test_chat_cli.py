@@ -169,3 +169,63 @@ def test_a_server_that_cannot_be_reached_is_one_line_with_its_reason(
     assert main(["chat", "--server", "127.0.0.1:1"]) == 1
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("slipstream: error: 127.0.0.1:1: UNAVAILABLE: ") and len(line) > 45
+
+
+CHAT_SAMPLING_FLAGS = ["--temperature", "0.7", "--top-p", "0.9", "--top-k", "40"]
+CHAT_SAMPLING_FLAGS += ["--min-p", "0.05", "--seed", "11", "--presence-penalty", "0.5"]
+CHAT_SAMPLING_FLAGS += ["--frequency-penalty", "-0.5", "--repetition-penalty", "1.1"]
+CHAT_SAMPLING_FLAGS += ["--logit-bias", "7=-100", "--min-tokens", "2"]
+CHAT_SAMPLING_FLAGS += ["--stop-token-id", "5", "--stop-token-id", "9", "--regex", "[a-z ]+"]
+
+
+def test_the_sampling_flags_reach_every_answers_submit(
+    scripted: ScriptedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    argv = ["chat", "--server", scripted.target, "--max-tokens", "3", *CHAT_SAMPLING_FLAGS]
+    assert main(argv) == 0
+    submits = scripted.servicer.recorded.submits
+    assert len(submits) == 2
+    for submit in submits:
+        sampling, stopping = submit.sampling, submit.stopping
+        assert (sampling.temperature, sampling.top_p) == pytest.approx((0.7, 0.9))
+        assert (sampling.top_k, sampling.seed) == (40, 11)
+        assert sampling.min_p == pytest.approx(0.05)
+        assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.5)
+        assert sampling.repetition_penalty == pytest.approx(1.1)
+        assert dict(sampling.logit_bias) == {7: -100.0}
+        assert stopping.min_tokens == 2 and list(stopping.stop_token_ids) == [5, 9]
+        assert submit.constraint.regex == "[a-z ]+"
+
+
+def test_chat_and_generate_share_their_sampling_flags() -> None:
+    """One definition (sampling_flags.py): the same flags, types and defaults."""
+    from slipstream.service.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+
+    def sampling_flags(command: str) -> dict[str, tuple[object, object]]:
+        actions = commands[command]._actions
+        return {
+            a.option_strings[0]: (a.type, a.default)
+            for a in actions
+            if a.option_strings and a.dest in SAMPLING_DESTS
+        }
+
+    chat, generate = sampling_flags("chat"), sampling_flags("generate")
+    assert chat == generate and len(chat) == len(SAMPLING_DESTS)
+
+
+SAMPLING_DESTS = {
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "json_schema",
+    "json_object", "regex",
+}  # fmt: skip
+
+
+def test_min_tokens_over_max_tokens_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["chat", "--server", "127.0.0.1:1", "--max-tokens", "4", "--min-tokens", "5"])
+    assert exited.value.code == 2
+    assert "--min-tokens (5) must be at most --max-tokens (4)" in capsys.readouterr().err

@@ -412,6 +412,7 @@ def test_the_clients_adjustment_bounds_are_the_servers() -> None:
     from slipstream.scheduler import request
 
     bounds = ("MAX_PENALTY", "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_REPETITION_PENALTY")
+    bounds += ("MAX_STOP_TOKEN_IDS",)
     for name in bounds:
         assert getattr(wire, name) == getattr(request, name), name
 

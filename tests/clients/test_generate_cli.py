@@ -262,6 +262,77 @@ def test_more_biased_tokens_than_the_server_takes_are_refused(
     assert "argument --logit-bias: at most 1024 tokens" in capsys.readouterr().err
 
 
+NEW_FLAGS = ["--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--min-tokens", "1"]
+NEW_FLAGS += ["--stop-token-id", "3", "--stop-token-id", "8"]
+
+
+@pytest.mark.parametrize("mode", [[], ["--per-request"]], ids=["stream", "per_request"])
+def test_the_new_sampling_flags_reach_the_submit(
+    scripted: ScriptedServer, capsys: pytest.CaptureFixture[str], mode: list[str]
+) -> None:
+    _generate(scripted, capsys, *mode, "--max-tokens", "2", *NEW_FLAGS)
+    _generate(scripted, capsys, *mode, "--max-tokens", "2")
+    given, bare = scripted.servicer.recorded.submits
+    assert given.sampling.top_p == pytest.approx(0.9) and given.sampling.top_k == 5
+    assert given.sampling.min_p == pytest.approx(0.1)
+    assert given.stopping.min_tokens == 1 and list(given.stopping.stop_token_ids) == [3, 8]
+    assert not bare.sampling.HasField("top_p") and not bare.sampling.HasField("min_p")
+    assert bare.sampling.top_k == bare.stopping.min_tokens == 0
+    assert not bare.stopping.stop_token_ids
+
+
+def test_the_local_engine_is_given_the_new_sampling_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import slipstream.service.engine.loader as loader
+
+    submitted: list[RequestSpec] = []
+
+    class Engine:
+        tokenizer = None
+
+        def start(self) -> None: ...
+        def shutdown(self) -> None: ...
+
+        def submit(self, request: RequestSpec, on_event: Callable[[object], None]) -> None:
+            submitted.append(request)
+            on_event(FinishEvent(request.req_id, FinishReason.MAX_TOKENS))
+
+    monkeypatch.setattr(loader, "load_engine", lambda config: Engine())
+    argv = ["generate", "--local", "--prompt", "hi", "--max-tokens", "4"]
+    monkeypatch.setattr(
+        "slipstream.service.cli.generate._local_prompt_ids", lambda spec, tokenizer: [1, 2]
+    )
+    assert main([*argv, *NEW_FLAGS]) == 0
+    [request] = submitted
+    assert request.sampling == SamplingParams(
+        top_p=0.9, top_k=5, min_p=0.1, min_tokens=1, stop_token_ids=(3, 8)
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "complaint"),
+    [
+        (["--min-p", "1.5"], "argument --min-p: must be in [0, 1], got 1.5"),
+        (["--min-p", "nan"], "argument --min-p: must be in [0, 1], got nan"),
+        (["--top-p", "0"], "argument --top-p: must be in (0, 1], got 0"),
+        (["--top-k", "-1"], "argument --top-k: must be in [0, 4294967295], got -1"),
+        (["--min-tokens", "-1"], "argument --min-tokens: must be in [0, 4294967295], got -1"),
+        (["--stop-token-id", "x"], "argument --stop-token-id: expected a token id, got 'x'"),
+        (["--stop-token-id", "-1"], "argument --stop-token-id: -1 is not a token id"),
+        ([f for i in range(65) for f in ("--stop-token-id", str(i))], "at most 64 ids"),
+        (["--max-tokens", "3", "--min-tokens", "4"], "--min-tokens (4) must be at most"),
+    ],
+)
+def test_a_new_sampling_flag_that_cannot_be_right_is_refused(
+    capsys: pytest.CaptureFixture[str], flags: list[str], complaint: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--server", "127.0.0.1:1", "--prompt", "hi", *flags])
+    assert exited.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
 def test_local_says_which_model_it_runs_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     """tiny, the default, answers noise: a line says so, and stdout stays JSON."""
     argv = ["generate", "--local", "--prompt", "hi", "--max-tokens", "2", "--json"]

@@ -101,6 +101,7 @@ sampling = st.builds(
     frequency_penalty=floats,
     repetition_penalty=st.one_of(st.none(), floats),
     logit_bias=st.dictionaries(_extremes(0, UINT32_MAX), floats, max_size=4),
+    min_p=st.one_of(st.none(), floats),
 )
 stopping = st.builds(
     pb.StoppingCriteria,
@@ -108,6 +109,8 @@ stopping = st.builds(
     max_new_tokens=st.one_of(st.none(), st.integers(0, 6), st.sampled_from([10**6, UINT32_MAX])),
     stop_sequences=st.lists(st.text(max_size=300), max_size=20),
     ignore_eos=st.booleans(),
+    min_tokens=st.one_of(st.integers(0, 6), _extremes(0, UINT32_MAX)),
+    stop_token_ids=st.lists(_extremes(0, UINT32_MAX), max_size=70),
 )
 
 

@@ -39,6 +39,40 @@ ASKING = [
 PROMPT = [4, 17, 29, 5, 8]  # holds no token 3
 
 
+def test_min_tokens_ban_and_min_p_on_the_gpu_are_the_cpus():
+    """min_tokens' ban in the adjustments, min-p among the sampler's filters:
+    the CPU's -inf places, and a seeded draw the CPU's but where it falls
+    within rounding of a boundary (at most two rows of 256 apart)."""
+    from slipstream.kernels.device_sampling import plan_sampling, sample_tensors, sampling_batch
+    from slipstream.kernels.sampling import sample
+    from slipstream.kernels.sampling_filters import filter_min_p_
+
+    vocab, num_rows = 49_152, 256
+    logits = torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(5)) * 3
+    rows = [
+        AdjustedRow(row, 0.0, 0.0, 1.0, (), (), (), False, (2, 7, row, vocab + 1))
+        for row in range(0, num_rows, 3)
+    ]
+    plan = plan_adjustments(rows, num_rows, vocab)
+    assert plan is not None
+    last = torch.zeros(num_rows, dtype=torch.long)
+    want = adjust_logits_(logits.clone(), adjustment_tensors(plan, last))
+    got = adjust_logits_(logits.to(CUDA), adjustment_tensors(plan, last.to(CUDA)))
+    assert torch.equal(got.cpu().isinf(), want.isinf()) and int(want.isinf().sum()) > 0
+    min_ps = [(0.0, 0.05, 0.3, 1.0)[i % 4] for i in range(num_rows)]
+    kept = filter_min_p_(logits.clone(), torch.tensor(min_ps)).isfinite()
+    kept_gpu = filter_min_p_(logits.to(CUDA), torch.tensor(min_ps, device=CUDA)).isfinite()
+    assert int((kept_gpu.cpu() != kept).sum()) <= 2
+    temps = [0.5 + (i % 7) / 5 for i in range(num_rows)]
+    ks = [(0, 20)[i % 2] for i in range(num_rows)]
+    ps = [(1.0, 0.9, 0.5)[i % 3] for i in range(num_rows)]
+    seeds, indices = list(range(num_rows)), [i % 11 for i in range(num_rows)]
+    expected = sample(logits, temps, ks, ps, seeds, indices, min_ps=min_ps)
+    sampling = plan_sampling(temps, ks, ps, seeds, indices, vocab, min_ps)
+    picked = sample_tensors(logits.to(CUDA), sampling_batch(sampling, CUDA)).tolist()
+    assert sum(a != b for a, b in zip(picked, expected, strict=True)) <= 2
+
+
 def test_the_adjustment_on_the_gpu_is_the_cpus():
     vocab, num_rows = 49_152, 64
     gen = torch.Generator().manual_seed(0)

@@ -653,8 +653,11 @@ def _param(field: str, parsed: OpenAIRequest) -> str:
 
 # Fields the OpenAI body, the wire and SamplingParams all name alike.
 _SAMPLING_PARAMS = frozenset(
-    ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
-)
+    (
+        "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
+        "min_tokens", "stop_token_ids",
+    )
+)  # fmt: skip
 
 
 def _prompt_param(exc: Exception, parsed: OpenAIRequest) -> str | None:

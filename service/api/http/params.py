@@ -10,9 +10,11 @@ times ``n`` at most ``Limits.max_choices``), ``user``, ``logprobs``
 (completions: 0 to 20 alternatives; chat: a boolean, with ``top_logprobs``
 0 to 20), ``presence_penalty`` and ``frequency_penalty`` (-2 to 2),
 ``logit_bias`` (token ids, as strings, to -100 to 100); vLLM's
-``repetition_penalty`` (1/100 to 100); ``response_format`` (response_format.py);
-chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (tools.py), and
-messages' ``tool_calls`` and ``tool_call_id``; the Slipstream extensions ``priority``,
+``repetition_penalty`` (1/100 to 100), ``min_p`` (0 to 1), ``min_tokens``
+(at most the request's max tokens) and ``stop_token_ids`` (at most 64);
+``response_format`` (response_format.py); chat's ``tools``, ``tool_choice``
+and ``parallel_tool_calls`` (tools.py), and messages' ``tool_calls`` and
+``tool_call_id``; the Slipstream extensions ``priority``,
 ``deadline_ms``, ``expected_output_tokens``, ``top_k`` and ``ignore_eos``.
 Anything else that would change the answer (``echo``, ``suffix``,
 ``best_of`` > 1,
@@ -37,6 +39,7 @@ from slipstream.scheduler.request import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
 )
 from slipstream.service.api.http.errors import ApiError, from_domain, invalid
@@ -68,7 +71,7 @@ _COMMON = frozenset(
         "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed",
         "stop", "n", "user", "priority", "deadline_ms", "expected_output_tokens", "top_k",
         "ignore_eos", "logprobs", "response_format", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "logit_bias",
+        "repetition_penalty", "logit_bias", "min_p", "min_tokens", "stop_token_ids",
     }
 )  # fmt: skip
 # Accepted only at the value that means "off" (or null, as any field). Chat
@@ -388,6 +391,11 @@ def _sampling(body: Mapping[str, object], sampling: pb.SamplingParams) -> None:
     seed = _int(body, "seed", 0, MAX_UINT64)
     if seed is not None:
         sampling.seed = seed
+    min_p = _number(body, "min_p")
+    if min_p is not None:
+        if not 0.0 <= min_p <= 1.0:
+            raise invalid(f"min_p must be in [0, 1] (0 is off), got {min_p!r}", "min_p")
+        sampling.min_p = min_p
     _penalties(body, sampling)
 
 
@@ -488,6 +496,37 @@ def _stopping(
             _text(text, "stop" if isinstance(stop, str) else f"stop[{i}]", "stop")
         stopping.stop_sequences.extend(stops)
     stopping.ignore_eos = bool(_optional(body, "ignore_eos", bool))
+    # vLLM's; a chat without max_tokens has its bound checked once it is set.
+    min_tokens = _int(body, "min_tokens", 0, longest)
+    if min_tokens is not None:
+        if max_tokens is not None and min_tokens > max_tokens:
+            message = f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})"
+            raise invalid(message, "min_tokens")
+        stopping.min_tokens = min_tokens
+    stopping.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids")))
+
+
+def _stop_token_ids(ids: object) -> list[int]:
+    """vLLM's ``stop_token_ids``: a list of token ids (checked against the
+    vocabulary with the prompt's, ``wire``); null or absent is none."""
+    if ids is None:
+        return []
+    is_list = isinstance(ids, list)
+    if not is_list or len(ids) > MAX_STOP_TOKEN_IDS:
+        count = f"has {len(ids)}" if is_list else "is not a list"  # type: ignore[arg-type]
+        message = (
+            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids ({count})"
+        )
+        raise invalid(message, "stop_token_ids")
+    for i, value in enumerate(ids):  # type: ignore[arg-type]
+        if not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_UINT32
+        ):
+            message = (
+                f"stop_token_ids[{i}] must be a token id (an integer in [0, 2**32)), got {value!r}"
+            )
+            raise invalid(message, "stop_token_ids")
+    return ids  # type: ignore[return-value]
 
 
 def _deadline_ms(body: Mapping[str, object], headers: Mapping[str, str]) -> float | None:

@@ -107,3 +107,34 @@ def test_a_long_stop_string_that_never_begins_holds_nothing_back(tokenizer: Toke
     ids = tokenizer.encode(STOP_TEXT, add_special_tokens=False).ids
     deltas = _stream(tokenizer, [], ids, stops=("#" * 250, "¿" * 256))
     assert "".join(deltas[:-1]) == STOP_TEXT and deltas[-1] == ""
+
+
+@pytest.mark.parametrize(
+    ("min_tokens", "kept"),
+    [
+        (0, "ab"),  # the first "xy" stops it
+        (3, "ab"),  # so it does where it ends in the 4th token's text
+        (4, "abxyab"),  # ends within the first four tokens' text: the second stops it
+        (8, "abxyabxy."),  # never a stop: every "xy" ends within the first 8
+    ],
+)
+def test_a_stop_string_ending_within_min_tokens_does_not_stop(
+    tokenizer: Tokenizer, min_tokens: int, kept: str
+) -> None:
+    """vLLM's semantics: the first ``min_tokens`` tokens' text cannot end the
+    request; a stop string counts where it ends in a later token's text."""
+    ids = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in "abxyabxy."]
+    assert tokenizer.decode(ids) == "abxyabxy."  # one token a character
+    detokenizer = IncrementalDetokenizer(tokenizer, [ids[0]], ("xy",), min_tokens)
+    text = "".join(detokenizer.add(t) for t in ids) + detokenizer.flush()
+    assert text == kept
+    assert detokenizer.stopped is (min_tokens < 8)
+
+
+def test_a_stop_string_begun_within_min_tokens_and_ended_after_stops(
+    tokenizer: Tokenizer,
+) -> None:
+    ids = [tokenizer.encode(c, add_special_tokens=False).ids[0] for c in "abxyz"]
+    detokenizer = IncrementalDetokenizer(tokenizer, [ids[0]], ("xyz", "b"), 3)
+    text = "".join(detokenizer.add(t) for t in ids) + detokenizer.flush()
+    assert text == "ab" and detokenizer.stopped  # "b", the 2nd token, is no stop
