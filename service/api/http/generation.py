@@ -30,7 +30,7 @@ import structlog
 from aiohttp import web
 
 from slipstream.scheduler.errors import InvalidRequest, PromptTooLong, QueueFull, SchedulerError
-from slipstream.scheduler.request import FinishReason, OutputConstraint
+from slipstream.scheduler.request import FinishReason, OutputConstraint, RejectCause
 from slipstream.service.api import wire
 from slipstream.service.api.auth import Grant, TenantGate, Tenants, Unauthenticated
 from slipstream.service.api.constraints import compile_constraint
@@ -104,6 +104,12 @@ _FAILED: dict[FinishReason, tuple[int, str, str]] = {
     FinishReason.REJECTED: (503, "service_unavailable", "rejected"),
     FinishReason.ERROR: (500, "server_error", "internal_error"),
     FinishReason.OUT_OF_MEMORY: (503, "service_unavailable", "out_of_memory"),
+}
+# A queued request the scheduler rejected: the code is its reject reason, as
+# a refusal at the door names its own (``queue_full``, ``overloaded``).
+_REJECT_CODES = {
+    RejectCause.SHED: "shed",
+    RejectCause.DEADLINE_INFEASIBLE: "deadline_infeasible",
 }
 
 # 401/403 hook: called with the Authorization header before any work; it
@@ -186,6 +192,8 @@ def not_serving(exc: NotServing, request: web.Request, telemetry: Telemetry | No
 
 def finish_error(event: FinishEvent) -> ApiError:
     status, kind, code = _FAILED[event.reason]
+    if event.reject_cause is not None:
+        code = _REJECT_CODES[event.reject_cause]
     message = event.message or f"the request ended: {event.reason.name.lower()}"
     headers = {} if event.retry_after_s is None else retry_after(event.retry_after_s)  # shed
     return ApiError(status, message, kind, None, code, headers)

@@ -26,7 +26,7 @@ from structlog.testing import capture_logs
 
 from slipstream.clients import Client
 from slipstream.scheduler.errors import Overloaded, QueueFull
-from slipstream.scheduler.request import FinishReason, RejectCause
+from slipstream.scheduler.request import ExpiredLimit, FinishReason, RejectCause
 from slipstream.service.api import wire
 from slipstream.service.api.auth import QuotaExceeded
 from slipstream.service.api.http import generation
@@ -1003,7 +1003,23 @@ def test_a_shed_request_is_told_when_to_retry() -> None:
     )
     answer = generation.finish_error(shed)
     assert answer.status == 503 and answer.headers == {"Retry-After": "3"}
+    assert answer.code == "shed"
     assert generation.finish_error(FinishEvent("r", FinishReason.ERROR)).headers == {}
+
+
+def test_a_request_rejected_once_queued_names_why_in_its_code() -> None:
+    """Refused at the door, a request's code says why (``queue_full``,
+    ``deadline_infeasible``); rejected once queued, every cause said
+    ``rejected``, and a client could only read the message to tell."""
+    late = FinishEvent(
+        "r",
+        FinishReason.REJECTED,
+        reject_cause=RejectCause.DEADLINE_INFEASIBLE,
+        expired_limit=ExpiredLimit.DEADLINE,
+    )
+    answer = generation.finish_error(late)
+    assert (answer.status, answer.code) == (503, "deadline_infeasible")
+    assert answer.body()["error"]["code"] == "deadline_infeasible"
 
 
 def test_every_503_says_when_to_retry() -> None:
