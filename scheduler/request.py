@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .speculative import NgramIndex
+
 
 class RequestStatus(enum.IntEnum):
     """Where a request is. Ordered: a request only moves to a larger value,
@@ -224,6 +226,11 @@ class Request:
     # What the caller asked for, when the request came through the engine
     # (requests built directly, by the simulator or a test, have none).
     spec: RequestSpec | None = None
+    # Speculative decoding (speculative.py): False where each token depends
+    # on the one before in a way a draft cannot carry (a constraint's mask
+    # follows every token); its n-gram index, built at its first draft.
+    is_draftable: bool = True
+    ngram_index: NgramIndex | None = None
 
     @classmethod
     def from_spec(
@@ -234,7 +241,8 @@ class Request:
         shared = {name: getattr(spec, name) for name in _SHARED_FIELDS}
         shared["prompt_token_ids"] = list(spec.prompt_token_ids)
         shared["arrival_time"] = arrival_time
-        return cls(**shared, eos_token_ids=eos_token_ids, spec=spec)
+        draftable = spec.constraint is None
+        return cls(**shared, eos_token_ids=eos_token_ids, spec=spec, is_draftable=draftable)
 
     def mark_resumed(self, now: float) -> None:
         """Scheduled (admitted or swapped in) at ``now``: a preemption's wait ends."""
