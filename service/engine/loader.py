@@ -154,6 +154,11 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
     from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
     from slipstream.service.engine.layer_graphs import layer_graph_bytes
 
+    if config.speculative_tokens:
+        raise ValueError(
+            "--speculative-tokens runs on the CPU only (the CUDA runner samples one "
+            "token a sequence); on CUDA leave it at 0"
+        )
     if config.kv_cache_dtype != "auto":
         raise ValueError(
             f"--kv-cache-dtype {config.kv_cache_dtype} runs on the CPU only; "
