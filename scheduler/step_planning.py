@@ -220,14 +220,11 @@ class StepPlanning(RoomMaking):
 
 
 def _may_draft(req: Request) -> bool:
-    """Whether ``req``'s decodes may carry drafts: a greedy request whose
-    next token depends on nothing a draft would change. Log-probabilities
-    are reported one token a step; penalties count every token before the
-    next; a constraint's mask follows each token (``is_draftable``)."""
+    """Whether ``req``'s decodes may carry drafts: its next token depends on
+    nothing a draft would change. Log-probabilities are reported one token
+    a step; penalties count every token before the next; a constraint's
+    mask follows each token (``is_draftable``). Sampling rows draft too: a
+    row's draw accepts a draft as often as the model would pick it
+    (kernels/sampling_speculative.py)."""
     sampling = req.sampling
-    return (
-        req.is_draftable
-        and sampling.is_greedy
-        and sampling.logprobs is None
-        and not sampling.has_logit_adjustments
-    )
+    return req.is_draftable and sampling.logprobs is None and not sampling.has_logit_adjustments

@@ -251,10 +251,12 @@ def add_engine_args(
         type=non_negative_int,
         default=defaults.speculative_tokens,
         metavar="K",
-        help="speculative decoding by prompt lookup: a greedy decode carries up to K draft "
-        "tokens (what followed the latest earlier occurrence of its last 4, 3 or 2 tokens), "
-        "verified in the same step; repetitive output (repeating, editing) comes out faster "
-        "and the tokens are the same. CPU only; 0: off (default: %(default)s)",
+        help="speculative decoding by prompt lookup: a decode carries up to K draft tokens "
+        "(what followed the latest earlier occurrence of its last 4, 3 or 2 tokens), "
+        "verified in the same step; repetitive output (repeating, editing) comes out faster, "
+        "with the tokens it would have (greedy and seeded). Not for requests with "
+        "log-probabilities, penalties, a logit bias or a constraint. CPU only; 0: off "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--no-prefix-cache",

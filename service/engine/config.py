@@ -113,7 +113,7 @@ class EngineConfig:
     # only (on the CPU the host and the "device" are the same cores).
     plan_ahead: bool | None = None
     # Speculative decoding by prompt lookup (scheduler/speculative.py): up to
-    # this many draft tokens a greedy decode carries, verified in its step; 0: off.
+    # this many draft tokens a decode carries, verified in its step; 0: off.
     # The CPU runner only.
     speculative_tokens: int = 0
 

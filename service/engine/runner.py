@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -31,8 +32,8 @@ from slipstream.kernels.logit_adjustments import (
     LogitAdjustments,
     adjustment_tensors,
 )
-from slipstream.kernels.sampling import row_argmax, sample
-from slipstream.kernels.sampling_speculative import accept_greedy
+from slipstream.kernels.sampling import sample
+from slipstream.kernels.sampling_speculative import accept_greedy, verify_drafts
 from slipstream.scheduler.plan import ScheduledSeq, StepPlan, with_pending_tokens
 from slipstream.service.engine.events import TokenLogprobs
 from slipstream.service.engine.grammar import Matcher, mask_logits
@@ -245,7 +246,7 @@ class ModelRunner:
         )
         verified: dict[str, list[int]] = {}
         if drafting_seqs:
-            verified = _verify(logits[len(sample_rows) :], drafting_seqs, greedy)
+            verified = _verify(logits[len(sample_rows) :], drafting_seqs, greedy, self._scratch)
             logits = logits[: len(sample_rows)]
         if not sampled_seqs:
             return StepResult({k: v[0] for k, v in verified.items()}, len(token_ids), {}, verified)
@@ -276,14 +277,29 @@ class ModelRunner:
 
 
 def _verify(
-    rows: torch.Tensor, seqs: list[ScheduledSeq], is_greedy_ids: bool
+    rows: torch.Tensor,
+    seqs: list[ScheduledSeq],
+    is_greedy_ids: bool,
+    scratch: Callable[[int], torch.Tensor],
 ) -> dict[str, list[int]]:
     """The verified tokens of the drafting ``seqs`` from their rows (``num_drafts
-    + 1`` each, in order): logits, or the greedy ids where ``is_greedy_ids``.
-    Only greedy requests draft (scheduler/step_planning.py)."""
-    picks = rows.tolist() if is_greedy_ids else row_argmax(rows).tolist()
+    + 1`` each, in order): logits, or the greedy ids where ``is_greedy_ids``
+    (kernels/sampling_speculative.py). No drafting request asks for
+    log-probabilities, penalties, a bias or a constraint (scheduler/step_planning.py)."""
     drafts = [s.token_ids[len(s.token_ids) - s.num_drafts :] for s in seqs]
-    verified = accept_greedy(picks, drafts)
+    if is_greedy_ids:
+        verified = accept_greedy(rows.tolist(), drafts)
+    else:
+        verified = verify_drafts(
+            rows,
+            drafts,
+            [s.sampling.temperature for s in seqs],
+            [s.sampling.top_k for s in seqs],
+            [s.sampling.top_p for s in seqs],
+            [s.sampling.seed for s in seqs],
+            [s.output_index for s in seqs],
+            scratch=scratch(rows.numel()),
+        )
     return {s.req_id: tokens for s, tokens in zip(seqs, verified, strict=True)}
 
 

@@ -223,12 +223,11 @@ def test_cached_blocks_hold_accepted_tokens_only() -> None:
 @pytest.mark.parametrize(
     "sampling",
     [
-        SamplingParams(temperature=0.8),
         SamplingParams(logprobs=0),
         SamplingParams(repetition_penalty=1.2),
         SamplingParams(logit_bias=((5, 1.0),)),
     ],
-    ids=["sampling", "logprobs", "penalty", "logit-bias"],
+    ids=["logprobs", "penalty", "logit-bias"],
 )
 def test_requests_a_draft_would_break_decode_one_token_at_a_time(
     sampling: SamplingParams,
@@ -240,6 +239,16 @@ def test_requests_a_draft_would_break_decode_one_token_at_a_time(
     req.sampling = sampling
     decoding(sched, req, driver)
     assert sched.schedule(driver.now + 1).seqs[0].num_drafts == 0
+
+
+def test_sampling_requests_draft_too() -> None:
+    sched = make_scheduler()
+    driver = Driver(sched, model=echo_model)
+    req = make_request("r", prompt_len=0, max_new_tokens=30)
+    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
+    req.sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    decoding(sched, req, driver)
+    assert sched.schedule(driver.now + 1).seqs[0].num_drafts > 0
 
 
 def test_a_constrained_request_decodes_one_token_at_a_time() -> None:

@@ -4,6 +4,7 @@ stop sequences cutting inside an accepted run; drafts are counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -96,6 +97,37 @@ def test_greedy_float32_tokens_are_those_without_drafts(plain) -> None:
     assert stats.spec_accepted_tokens > 10, stats
     assert stats.spec_draft_tokens >= stats.spec_accepted_tokens
     assert stats.device_blocks.used == 0 and stats.running == 0
+
+
+def test_seeded_sampling_gives_the_tokens_it_gives_without_drafts() -> None:
+    """A sampled row accepts a draft where its seeded draw picks it, so a
+    seeded request is as reproducible as without drafts and, in float32,
+    has the same tokens; unseeded ones finish their tokens as asked."""
+    results = {}
+    for k in (0, 4, 4):
+        engine = _engine(k)
+        requests = [
+            dataclasses.replace(
+                r,
+                sampling=SamplingParams(
+                    temperature=0.01 if i % 3 else 0.7,  # mostly sharp: tiny's logits are flat
+                    top_p=0.9,
+                    top_k=40 * (i % 2),
+                    seed=None if i == 1 else i,
+                ),
+            )
+            for i, r in enumerate(_requests(engine.info.vocab_size, {}))
+        ]
+        got = _run(engine, requests)
+        if k:
+            assert engine.stats().spec_accepted_tokens >= 5
+        results.setdefault(k, []).append(got)
+    plain, [first, second] = results[0][0], results[4]
+    for want, a, b in zip(plain, first, second, strict=True):
+        assert a.finish.num_output_tokens == len(a.token_ids)
+        if a.req_id == "r1":
+            continue  # unseeded
+        assert a.token_ids == b.token_ids == want.token_ids, a.req_id
 
 
 def test_on_cuda_it_is_one_clear_error() -> None:
