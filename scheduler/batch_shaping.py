@@ -230,11 +230,12 @@ class BatchShaper:
 
     def fit_drafts(self, req: Request, num_drafts: int) -> int:
         """How many of ``num_drafts`` draft tokens the decode of ``req``,
-        just let in by ``fit``, may carry under the same ceilings. A draft
-        speeds its request only where it is accepted, so it is priced as
-        what it costs, a prefill token (``StepShape.of``), and never takes
-        time that more urgent work needs."""
-        limit = self._ceiling_above(req.priority)
+        just let in by ``fit``, may carry under the same ceilings and its
+        own. A draft speeds its request only where it is accepted, so it is
+        priced as what it costs, a prefill token (``StepShape.of``), and
+        takes no time that more urgent work, or ``req``'s own deadline on
+        its estimate of one token a step, needs."""
+        limit = min(self._ceiling_above(req.priority), self._ceiling_of(req, self._now))
         if req.priority > 0 and self._num_admitted:
             limit = min(limit, self._reserve_s)
         if self._prefill_step_s > 0 and not self._affords_prefill_step(req, False):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .speculative import NgramIndex
+from .speculative import Drafter
 
 
 class RequestStatus(enum.IntEnum):
@@ -228,9 +228,9 @@ class Request:
     spec: RequestSpec | None = None
     # Speculative decoding (speculative.py): False where each token depends
     # on the one before in a way a draft cannot carry (a constraint's mask
-    # follows every token); its n-gram index, built at its first draft.
+    # follows every token); its drafting state, made at its first decode.
     is_draftable: bool = True
-    ngram_index: NgramIndex | None = None
+    drafter: Drafter | None = None
 
     @classmethod
     def from_spec(

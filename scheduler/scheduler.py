@@ -285,6 +285,8 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         so the K/V of that draft's position are the request's own."""
         self._num_draft_tokens += seq.num_drafts
         self._num_accepted_tokens += len(token_ids) - 1
+        if req.drafter is not None:
+            req.drafter.observe(seq.num_drafts, len(token_ids) - 1)
         first = self._took_token(seq, req, token_ids[0], now, is_stopped)
         reason = first.finish_reason
         num_taken = 1

@@ -18,6 +18,7 @@ from .plan import PENDING_TOKEN, FinishedRequest, ScheduledSeq, StepPlan
 from .policy_base import PreemptionMode, SchedulingPolicy
 from .policy_registry import make_policy
 from .request import FinishReason, Request, RequestStatus
+from .speculative import DraftPrice
 
 
 @dataclass(slots=True)
@@ -50,6 +51,11 @@ class _StepState:
     # Holds back less urgent tokens when the step would be too slow for
     # urgent work (None: the policy does not shape batches).
     shaper: BatchShaper | None = None
+    # What drafting costs this step and what a token is worth (speculative.py;
+    # None: not priced, every draft is made); whether the step holds a
+    # prefill-priced token yet (a prefill chunk or drafts).
+    draft_price: DraftPrice | None = None
+    holds_prefill: bool = False
 
     def to_plan(self) -> StepPlan:
         return StepPlan(

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .block_manager import BlockHash
+from .cost_model import StepShape
 from .plan import PENDING_TOKEN, ScheduledSeq
 from .request import Request, RequestStatus
 from .room import RoomMaking
 from .scheduler_state import _StepState
-from .speculative import NgramIndex
+from .speculative import Drafter, DraftPrice
 
 _RUNNING = RequestStatus.RUNNING  # per running request a step: see deadline_estimates.py
 _NO_DRAFTS: tuple[int, ...] = ()
@@ -24,6 +25,8 @@ class StepPlanning(RoomMaking):
 
     def _schedule_running(self, state: _StepState, now: float) -> None:
         state.shaper = self.policy.batch_shaper(now)
+        if self._drafting:
+            state.draft_price = self._draft_price()
         reserved = sum(max(0, tokens) for _, tokens in state.reservations)
         for req in self.policy.order_running(self._running_list(), now):
             if state.token_budget == 0:
@@ -118,6 +121,24 @@ class StepPlanning(RoomMaking):
             if computing is not None:
                 self._note_computing(computing, req, target)
 
+    def _draft_price(self) -> DraftPrice | None:
+        """This step's ``DraftPrice`` (speculative.py): a draft token costs a
+        prefill token and a context token; a token is worth the time the
+        step takes per token it makes, priced for the running requests'
+        decodes alone (a step with a prefill chunk too is longer, so drafts
+        cost it less). None without a cost model: every draft is made."""
+        model = self._cost_model
+        if model is None or not self._running:
+            return None
+        c = model.coefficients
+        num_decodes = len(self._running)
+        context = sum(
+            len(r.prompt_token_ids) + len(r.output_token_ids) for r in self._running.values()
+        )
+        step_s = model.step_seconds(StepShape(0, num_decodes, context))
+        draft_s = c.per_prefill_token_s + c.per_context_token_s
+        return DraftPrice(step_s / num_decodes, draft_s, c.per_prefill_step_s)
+
     def _add_seq(
         self, state: _StepState, req: Request, num_new: int, drafts: Sequence[int] = _NO_DRAFTS
     ) -> None:
@@ -140,6 +161,8 @@ class StepPlanning(RoomMaking):
             )
         )
         state.token_budget -= num_new + len(drafts)
+        if num_new > 1 or drafts:
+            state.holds_prefill = True
         state.scheduled[req.req_id] = req
         if state.shaper is not None:
             state.shaper.commit(req, num_new, len(drafts))
@@ -167,14 +190,15 @@ class StepPlanning(RoomMaking):
             self.config.max_model_len - num_tokens - 1,
             (len(req.block_ids) + self.device_pool.num_free) * block_size - num_tokens,
         )
+        drafter = req.drafter
+        if drafter is None:
+            drafter = req.drafter = Drafter()
+        max_drafts = drafter.num_worth(max_drafts, state.draft_price, not state.holds_prefill)
         if max_drafts > 0 and state.shaper is not None:
             max_drafts = state.shaper.fit_drafts(req, max_drafts)
         if max_drafts <= 0:
             return _NO_DRAFTS
-        index = req.ngram_index
-        if index is None:
-            index = req.ngram_index = NgramIndex()
-        drafts = index.propose(req.token_slice(0, num_tokens), max_drafts)
+        drafts = drafter.index.propose(req.token_slice(0, num_tokens), max_drafts)
         if drafts:
             req.block_ids.extend(self.device_pool.append(req.block_ids, num_tokens + len(drafts)))
         return drafts

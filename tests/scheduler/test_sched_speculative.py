@@ -17,7 +17,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
 )
 from slipstream.scheduler.block_manager import hash_block
-from slipstream.scheduler.speculative import NgramIndex
+from slipstream.scheduler.speculative import Drafter, DraftPrice, NgramIndex
 
 PERIOD = 5
 
@@ -69,6 +69,86 @@ def test_ngram_index_prefers_the_longest_suffix_and_never_matches_itself() -> No
     assert NgramIndex().propose([5, 5, 5], 4) == [5]  # "5 5" ended at 2: one token follows
     assert NgramIndex().propose([1, 2], 4) == []
     assert NgramIndex().propose([1, 2, 1, 2], 0) == []
+
+
+def price(break_even: float, step_s: float = 0.0) -> DraftPrice:
+    """A step where a token is worth 10 ms and a draft costs ``break_even`` of that."""
+    return DraftPrice(0.010, 0.010 * break_even, step_s)
+
+
+def test_drafts_are_made_while_they_are_likely_enough_to_pay() -> None:
+    drafter = Drafter()
+    assert drafter.acceptance == 1.0  # no evidence: every draft is tried
+    assert drafter.num_worth(4, price(0.6), False) == 4
+    assert drafter.num_worth(4, None, False) == 4  # not priced: all
+    drafter.observe(4, 1)  # one accepted, the second rejected: 1 of 2 examined
+    assert drafter.acceptance == pytest.approx(2 / 3)
+    assert drafter.num_worth(4, price(0.02), False) == 4  # batch 1: a draft costs a few percent
+    assert drafter.num_worth(4, price(0.6), False) == 1  # (2/3)**1 above 0.6, (2/3)**2 below
+    assert drafter.num_worth(4, price(0.4), False) == 2
+    drafter.observe(4, 3)  # p = (1 * 0.9 + 3 + 1) / (2 * 0.9 + 4 + 1) = 0.72
+    assert drafter.acceptance == pytest.approx(4.9 / 6.8)
+    assert drafter.num_worth(4, price(0.5), False) == 2  # 0.72**2 = 0.52 > 0.5 > 0.72**3
+
+
+def test_the_first_drafts_of_a_step_pay_for_holding_any() -> None:
+    """p = 0.72, break-even 0.5: two drafts, 0.72 + 0.52 = 1.24 tokens of
+    10 ms expected for 10 ms of drafts: they cover a once-only cost of 2 ms
+    for the step, not one of 3 ms (unless the step already paid it)."""
+    drafter = Drafter()
+    drafter.observe(4, 1)
+    drafter.observe(4, 3)
+    assert drafter.num_worth(4, price(0.5, step_s=0.002), True) == 2
+    assert drafter.num_worth(4, price(0.5, step_s=0.003), True) == 0
+    assert drafter.num_worth(4, price(0.5, step_s=0.003), False) == 2
+
+
+def test_a_request_that_stopped_drafting_is_tried_again() -> None:
+    drafter = Drafter()
+    for _ in range(3):
+        drafter.observe(4, 0)
+    assert drafter.num_worth(4, price(0.5), False) == 0
+    skipped = 1
+    while drafter.num_worth(4, price(0.5), False) == 0:
+        skipped += 1
+        assert skipped < 20
+    assert drafter.acceptance > 0.5
+
+
+def test_the_step_break_even_follows_the_cost_model() -> None:
+    """Batch 8 on two cores: a draft token costs most of a decode's share of
+    the step, so only requests whose drafts keep being accepted draft."""
+    from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+
+    # A step of 8 decodes 8.8 ms, a draft token 0.67 ms (smollm2, bf16, Zen 5).
+    cost = CostModel(CostCoefficients(0.0056, 0.00067, 0.0004, 0.0, 0.0))
+    config = SchedulerConfig(
+        num_device_blocks=256, block_size=4, max_model_len=256, num_speculative_tokens=4
+    )
+    sched = Scheduler(config, cost_model=cost)
+    driver = Driver(sched, model=echo_model)
+    for i in range(8):
+        req = make_request(f"r{i}", prompt_len=0, max_new_tokens=60)
+        req.prompt_token_ids = [3 + i, 4, 5, 6, 7, 3 + i, 4, 5]
+        sched.add_request(req)
+    driver.step()
+    draft_price = sched._draft_price()
+    assert draft_price is not None
+    assert draft_price.break_even == pytest.approx(0.67 * 8 / 8.8, rel=0.01)
+    plan = sched.schedule(driver.now + 1)
+    # No evidence yet: every request with a match tries all four.
+    assert {seq.num_drafts for seq in plan.seqs} == {0, 4}
+    sched.update(plan, driver.runner.execute(plan), driver.now + 1, verified=driver.runner.verified)
+    # A request whose first draft was rejected (p = 1/2, below 0.61) stops.
+    doubtful = set()
+    for req_id in sched.live_req_ids():
+        req = sched.get_request(req_id)
+        assert req is not None
+        if req.drafter is not None and req.drafter.acceptance < 0.61:
+            doubtful.add(req_id)
+    assert doubtful
+    plan = sched.schedule(driver.now + 2)
+    assert all(seq.num_drafts == 0 for seq in plan.seqs if seq.req_id in doubtful)
 
 
 # -- drafts in the plan -----------------------------------------------------
@@ -332,7 +412,7 @@ def test_drafts_are_priced_as_prefill_tokens_and_fit_under_urgent_ceilings() -> 
     urgent.output_token_ids.append(1)
     urgent.num_computed_tokens = 1
     assert shaper.fit(urgent, 1) == 1
-    assert shaper.fit_drafts(urgent, 8) == 8  # nothing more urgent than itself yet
+    assert shaper.fit_drafts(urgent, 8) == 6  # its own ceiling: 6 ms left of 26
     shaper.commit(urgent, 1, 5)
     assert shaper.predicted_step_s == pytest.approx(0.025)
     background = make_request("bg", 1, 40, priority=2)
@@ -344,3 +424,6 @@ def test_drafts_are_priced_as_prefill_tokens_and_fit_under_urgent_ceilings() -> 
     shaper.commit(urgent, 1)
     assert shaper.fit(background, 1) == 1  # 30 ms with its decode: 3 ms left
     assert shaper.fit_drafts(background, 8) == 3
+    # Its own ceiling bounds them too: drafts all rejected must not make it late.
+    ceilings["bg"] = 0.0315
+    assert shaper.fit_drafts(background, 8) == 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from slipstream.scheduler.request import SamplingParams
+from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.config import EngineConfig
 from slipstream.service.engine.engine import Engine, FinishedResult
 from slipstream.service.engine.events import RequestSpec
@@ -29,7 +30,9 @@ def _engine(speculative_tokens: int) -> Engine:
             speculative_tokens=speculative_tokens,
         )
     )
-    return Engine(parts.scheduler(), parts.runner, parts.tokenizer, parts.info)
+    # No step-cost model: every draft found is made (none priced out), the
+    # most verifying these tests can get.
+    return Engine(Scheduler(parts.scheduler_config), parts.runner, parts.tokenizer, parts.info)
 
 
 def _requests(vocab_size: int, stops: dict[str, tuple[str, ...]]) -> list[RequestSpec]:
