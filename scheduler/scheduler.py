@@ -198,8 +198,21 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
             if seq.sample
         ]
         if step_s is not None and self._cost_model is not None:
+            if self._drafting:
+                self._observe_draft_overhead(plan, step_s)
             self._cost_model.observe_plan(plan, step_s)
         return outputs
+
+    def _observe_draft_overhead(self, plan: StepPlan, step_s: float) -> None:
+        """A measured decode-only step against the cost model's prediction,
+        for what holding drafts costs beyond their tokens (speculative.py)."""
+        assert self._cost_model is not None
+        if plan.swap_in or plan.swap_out or not plan.seqs:
+            return
+        if any(len(seq.token_ids) - seq.num_drafts > 1 for seq in plan.seqs):
+            return  # a prefill chunk pays the step's prefill cost itself
+        has_drafts = any(seq.num_drafts for seq in plan.seqs)
+        self._draft_overhead.observe(has_drafts, step_s - self._cost_model.plan_seconds(plan))
 
     def discard(self, plan: StepPlan | None) -> None:
         """Forgets ``plan``, whose step failed (None: every plan not yet

@@ -18,7 +18,7 @@ from .plan import PENDING_TOKEN, FinishedRequest, ScheduledSeq, StepPlan
 from .policy_base import PreemptionMode, SchedulingPolicy
 from .policy_registry import make_policy
 from .request import FinishReason, Request, RequestStatus
-from .speculative import DraftPrice
+from .speculative import DraftOverhead, DraftPrice
 
 
 @dataclass(slots=True)
@@ -110,6 +110,7 @@ class SchedulerState:
         self._drafting = config.num_speculative_tokens > 0
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
+        self._draft_overhead = DraftOverhead()
         self._num_preemptions = {mode: 0 for mode in PreemptionMode}
         self._num_expired = 0
         self._num_abandoned = 0

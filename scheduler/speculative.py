@@ -30,13 +30,19 @@ token a decode takes ``T / B`` per token (``B`` decodes), so the ``i``-th
 draft pays where ``p**i * T / B > c`` (``c``: a draft token's cost), i.e.
 ``p**i`` above the step's *break-even* ``c * B / T`` (``DraftPrice``, from
 the cost model). A step that holds no prefill-priced token yet also pays
-once for holding one (the cost model's ``per_prefill_step_s``): the first
-request to draft in it drafts only where its drafts' expected tokens cover
-that too. At batch 1 on a CPU a step costs about its weights' read, and the
+once for holding one, and the first request to draft in it drafts only
+where its drafts' expected tokens cover that too. On the CPU that cost is
+the drafts' own, not the prefill chunks' the model fits (~1.2 ms of an
+11.9 ms step of 8 smollm2 decodes, bf16, Zen 5; likely the attention
+kernel's path for a sequence of several query tokens), so it is measured:
+what decode steps holding drafts take beyond the model's price for their
+tokens (``DraftOverhead``).
+
+At batch 1 on a CPU a step costs about its weights' read and the
 break-even is a few percent: every plausible draft pays. At batch 8 on two
 cores the step is mostly arithmetic and a draft token costs about what a
-decode adds to it (measured ~0.4 ms against a 8.8 ms step: break-even ~0.4):
-only a request whose drafts keep being accepted drafts, one or two tokens.
+decode adds to it (~0.4 ms against an 8.8 ms step, break-even ~0.4): only a
+request whose drafts keep being accepted drafts, one or two tokens.
 
 ``p`` is estimated per request from its own drafts (accepted over examined:
 a run of ``a`` accepted drafts that ends in a rejection examined ``a + 1``),
@@ -107,6 +113,42 @@ class NgramIndex:
             for n in range(MIN_NGRAM, min(MAX_NGRAM, e) + 1):
                 ends[tuple(token_ids[e - n : e])] = e
         self._num_indexed = max(self._num_indexed, last_end)
+
+
+# Weight of the newest step in ``DraftOverhead``'s two averages.
+OVERHEAD_EWMA = 0.1
+
+
+class DraftOverhead:
+    """What a decode step holding drafts takes beyond the cost model's
+    price for its tokens: the moving average of measured minus predicted
+    seconds over such steps, less the same over decode steps without
+    drafts (the model's own error, which both share). 0 until both have
+    been seen, and never below 0."""
+
+    __slots__ = ("_with", "_without")
+
+    def __init__(self) -> None:
+        self._with: float | None = None
+        self._without: float | None = None
+
+    def observe(self, has_drafts: bool, residual_s: float) -> None:
+        """A decode-only step (no prefill chunk) that ran ``residual_s``
+        seconds longer than predicted (negative: shorter)."""
+        if has_drafts:
+            self._with = _blend(self._with, residual_s)
+        else:
+            self._without = _blend(self._without, residual_s)
+
+    @property
+    def seconds(self) -> float:
+        if self._with is None or self._without is None:
+            return 0.0
+        return max(0.0, self._with - self._without)
+
+
+def _blend(average: float | None, sample: float) -> float:
+    return sample if average is None else average + OVERHEAD_EWMA * (sample - average)
 
 
 class Drafter:

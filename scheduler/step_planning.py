@@ -126,7 +126,9 @@ class StepPlanning(RoomMaking):
         prefill token and a context token; a token is worth the time the
         step takes per token it makes, priced for the running requests'
         decodes alone (a step with a prefill chunk too is longer, so drafts
-        cost it less). None without a cost model: every draft is made."""
+        cost it less); holding drafts costs the step the larger of the
+        model's prefill-step cost and what drafting steps were measured to
+        take beyond it. None without a cost model: every draft is made."""
         model = self._cost_model
         if model is None or not self._running:
             return None
@@ -137,7 +139,8 @@ class StepPlanning(RoomMaking):
         )
         step_s = model.step_seconds(StepShape(0, num_decodes, context))
         draft_s = c.per_prefill_token_s + c.per_context_token_s
-        return DraftPrice(step_s / num_decodes, draft_s, c.per_prefill_step_s)
+        once_s = max(c.per_prefill_step_s, self._draft_overhead.seconds)
+        return DraftPrice(step_s / num_decodes, draft_s, once_s)
 
     def _add_seq(
         self, state: _StepState, req: Request, num_new: int, drafts: Sequence[int] = _NO_DRAFTS

@@ -17,7 +17,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
 )
 from slipstream.scheduler.block_manager import hash_block
-from slipstream.scheduler.speculative import Drafter, DraftPrice, NgramIndex
+from slipstream.scheduler.speculative import Drafter, DraftOverhead, DraftPrice, NgramIndex
 
 PERIOD = 5
 
@@ -427,3 +427,39 @@ def test_drafts_are_priced_as_prefill_tokens_and_fit_under_urgent_ceilings() -> 
     # Its own ceiling bounds them too: drafts all rejected must not make it late.
     ceilings["bg"] = 0.0315
     assert shaper.fit_drafts(background, 8) == 1
+
+
+def test_what_holding_drafts_costs_a_step_is_measured() -> None:
+    overhead = DraftOverhead()
+    overhead.observe(True, 0.004)
+    assert overhead.seconds == 0.0  # nothing to compare with yet
+    overhead.observe(False, 0.001)  # the model's own error, drafts or not
+    assert overhead.seconds == pytest.approx(0.003)
+    for _ in range(100):
+        overhead.observe(True, 0.0)
+    assert overhead.seconds == 0.0  # never below 0
+
+
+def test_the_scheduler_prices_the_measured_overhead_of_drafting_steps() -> None:
+    from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+
+    cost = CostModel(CostCoefficients(0.0056, 0.0004, 0.0004, 0.0, 0.0))
+    config = SchedulerConfig(
+        num_device_blocks=64, block_size=4, max_model_len=256, num_speculative_tokens=4
+    )
+    sched = Scheduler(config, cost_model=cost)
+    driver = Driver(sched, model=echo_model)
+    req = make_request("r", prompt_len=0, max_new_tokens=60)
+    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
+    decoding(sched, req, driver)
+    now = driver.now
+    for draftable, late_s in ((False, 0.0), (True, 0.003)):  # drafting steps 3 ms late
+        req.is_draftable = draftable
+        now += 1
+        plan = sched.schedule(now)
+        assert (plan.seqs[0].num_drafts > 0) is draftable
+        sampled = driver.runner.execute(plan)
+        step_s = cost.plan_seconds(plan) + late_s
+        sched.update(plan, sampled, now, step_s, verified=driver.runner.verified)
+    draft_price = sched._draft_price()
+    assert draft_price is not None and draft_price.step_s == pytest.approx(0.003)
