@@ -295,7 +295,7 @@ def plot_spec(report: dict[str, Any], path: str) -> None:
         axes[1].bar(xs, [by_case[c]["itl_mean_ms"] for c in cases], width, label=f"K={k}")
     labels = [f"{task}\nbatch {batch}" for task, batch in cases]
     for ax, ylabel in zip(
-        axes, ("output tokens/s (higher is better)", "mean ITL, ms"), strict=True
+        axes, ("output tokens/s (higher is better)", "mean ITL, ms (lower is better)"), strict=True
     ):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))], labels)
         ax.set_ylabel(ylabel)
