@@ -78,6 +78,13 @@ def load_engine(config: EngineConfig, cpu: CpuFeatures | None = None) -> Engine:
 
 
 def load_parts(config: EngineConfig, cpu: CpuFeatures | None = None) -> EngineParts:
+    if config.speculative_tokens and config.plan_ahead:
+        # A plan made ahead follows tokens still in flight: it has nothing to
+        # look drafts up from, and every later plan is made ahead too.
+        raise ValueError(
+            "--speculative-tokens drafts from each step's results; with --plan-ahead on "
+            "no step would draft (leave --plan-ahead at auto: off on the CPU)"
+        )
     device = resolve_device(config.device)
     log.info("device", line=device_log_line(describe_device(device)))
     budget = config.step_token_budget(on_gpu=device.type == "cuda")

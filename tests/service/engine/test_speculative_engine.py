@@ -102,6 +102,12 @@ def test_greedy_float32_tokens_are_those_without_drafts(plain) -> None:
     assert stats.device_blocks.used == 0 and stats.running == 0
 
 
+def test_planning_ahead_is_one_clear_error() -> None:
+    """A plan made ahead follows tokens still in flight: nothing to look up."""
+    with pytest.raises(ValueError, match="with --plan-ahead on"):
+        load_parts(EngineConfig(speculative_tokens=4, plan_ahead=True))
+
+
 def test_seeded_sampling_gives_the_tokens_it_gives_without_drafts() -> None:
     """A sampled row accepts a draft where its seeded draw picks it, so a
     seeded request is as reproducible as without drafts and, in float32,
