@@ -40,7 +40,9 @@ class StepPlanning(RoomMaking):
             available = self._available(state, req, now, uncomputed, reserved)
             num_new = self._shaped(state, req, min(uncomputed, available))
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
-                drafts = self._drafts(state, req, num_new, reserved) if self._drafting else []
+                drafts: Sequence[int] = _NO_DRAFTS
+                if self._drafting:
+                    drafts = self._drafts(state, req, num_new, reserved)
                 self._add_seq(state, req, num_new, drafts)
 
     def _schedule_swapped(self, state: _StepState, now: float) -> None:
