@@ -228,13 +228,38 @@ class BatchShaper:
                 return min(fits, num_new)
         return 0
 
-    def commit(self, req: Request, num_new: int) -> None:
-        """``req`` runs ``num_new`` tokens this step: its cost joins the step
-        and its ceiling (if it can still be met) joins the constraints."""
+    def fit_drafts(self, req: Request, num_drafts: int) -> int:
+        """How many of ``num_drafts`` draft tokens the decode of ``req``,
+        just let in by ``fit``, may carry under the same ceilings and its
+        own. A draft speeds its request only where it is accepted, so it is
+        priced as what it costs, a prefill token (``StepShape.of``), and
+        takes no time that more urgent work, or ``req``'s own deadline on
+        its estimate of one token a step, needs."""
+        limit = min(self._ceiling_above(req.priority), self._ceiling_of(req, self._now))
+        if req.priority > 0 and self._num_admitted:
+            limit = min(limit, self._reserve_s)
+        if self._prefill_step_s > 0 and not self._affords_prefill_step(req, False):
+            return 0
+        if limit == math.inf:
+            return num_drafts
+        last_req, _, cost, _ = self._last
+        spare = limit - self._step_s - (cost if last_req is req else 0.0)
+        per_token = self._prefill_s + self._context_s
+        if per_token <= 0:
+            return num_drafts if spare >= 0 else 0
+        return max(0, min(num_drafts, int(spare / per_token)))
+
+    def commit(self, req: Request, num_new: int, num_drafts: int = 0) -> None:
+        """``req`` runs ``num_new`` tokens (and ``num_drafts`` draft tokens)
+        this step: its cost joins the step and its ceiling (if it can still
+        be met) joins the constraints."""
         last_req, last_num, cost, is_decode = self._last
         if last_req is not req or last_num != num_new:
             is_decode = _is_decode(req, num_new)
             cost = self._cost(req, num_new, is_decode)
+        if num_drafts:
+            cost += (self._prefill_s + self._context_s) * num_drafts
+            is_decode = False  # the step holds prefill-priced tokens now
         self._step_s += cost
         self._num_admitted += 1
         ceiling = self._ceiling_of(req, self._now)

@@ -28,6 +28,10 @@ class SchedulerConfig:
     serves, arrivals of classes above 0, the least urgent class and the
     heaviest first (Overloaded; ``overload.py``).
 
+    ``num_speculative_tokens``: up to that many draft tokens a decode may
+    carry, proposed by prompt lookup (``speculative.py``) and verified in
+    the same step; 0 turns speculative decoding off.
+
     ``enable_prefix_cache``: full KV blocks are kept and shared by hash of
     their prefix (``block_manager.py``); an admitted request skips the
     prefill of every leading block already cached. Off by default here
@@ -49,6 +53,7 @@ class SchedulerConfig:
     min_residency_s: float = 0.05
     enable_prefix_cache: bool = False
     shed_under_overload: bool = True
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         positive = {
@@ -64,5 +69,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not (self.aging_s >= 0 and self.min_residency_s >= 0):  # NaN included
             raise ValueError("aging_s and min_residency_s must be >= 0")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}"
+            )
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {self.num_host_blocks}")

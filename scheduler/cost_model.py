@@ -81,7 +81,8 @@ RELAX_HALF_LIFE_S = 60.0
 @dataclass(frozen=True, slots=True)
 class StepShape:
     """What a step's time depends on. A sequence that samples after one new
-    token is a decode; every other scheduled token is prefill."""
+    token is a decode; every other scheduled token is prefill, a decode's
+    draft tokens included (each costs about a prefill token: ``StepPlan``)."""
 
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
@@ -93,8 +94,10 @@ class StepShape:
         prefill = decodes = context = 0
         for seq in plan.seqs:
             n = len(seq.token_ids)
-            if n == 1 and seq.sample and seq.output_index > 0:
+            drafts = seq.num_drafts
+            if n - drafts == 1 and seq.sample and seq.output_index > 0:
                 decodes += 1
+                prefill += drafts
             else:
                 prefill += n
             context += seq.start_pos + n

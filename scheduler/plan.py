@@ -7,7 +7,8 @@ Zen 3), which at 256 sequences is a tenth of planning a step.
 
 One step's batch is ragged: every scheduled sequence contributes
 ``len(token_ids)`` query tokens at positions ``start_pos ...``; a decode
-contributes one, a prefill chunk many. All are packed into one flat tensor.
+contributes one (and its drafts, when it has some), a prefill chunk many.
+All are packed into one flat tensor.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class ScheduledSeq(NamedTuple):
     true the logits of the last position are sampled into output token number
     ``output_index`` (0-based); a prefill chunk that does not reach the end of
     the known tokens has ``sample == False``.
+
+    A decode with drafts (speculative.py) ends in ``num_drafts`` draft tokens
+    after its one known token: ``token_ids == [last, d1 .. dk]``. It samples
+    at every position, outputs ``output_index ...``: the drafts the model
+    agrees with, in order, and then one token of its own (1 to k + 1).
     """
 
     req_id: str
@@ -43,6 +49,7 @@ class ScheduledSeq(NamedTuple):
     sample: bool
     output_index: int
     sampling: SamplingParams
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +92,8 @@ class StepPlan:
 
 
 class RequestOutput(NamedTuple):
-    """What one step produced for one request: new tokens (usually one) and,
-    when it ended, why."""
+    """What one step produced for one request: new tokens (one, or more for
+    a decode whose drafts were accepted) and, when it ended, why."""
 
     req_id: str
     new_token_ids: list[int]

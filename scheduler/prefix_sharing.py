@@ -76,7 +76,7 @@ class PrefixSharing(SchedulerState):
         computing: set[BlockHash] = set()
         scheduled = state.scheduled
         for seq in state.seqs:
-            num_new = len(seq.token_ids)
+            num_new = len(seq.token_ids) - seq.num_drafts  # a draft completes no block
             if num_new > 1:
                 self._note_computing(computing, scheduled[seq.req_id], seq.start_pos + num_new)
         return computing

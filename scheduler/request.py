@@ -21,6 +21,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .speculative import Drafter
+
 
 class RequestStatus(enum.IntEnum):
     """Where a request is. Ordered: a request only moves to a larger value,
@@ -242,6 +244,11 @@ class Request:
     # What the caller asked for, when the request came through the engine
     # (requests built directly, by the simulator or a test, have none).
     spec: RequestSpec | None = None
+    # Speculative decoding (speculative.py): False where each token depends
+    # on the one before in a way a draft cannot carry (a constraint's mask
+    # follows every token); its drafting state, made at its first decode.
+    is_draftable: bool = True
+    drafter: Drafter | None = None
 
     @classmethod
     def from_spec(
@@ -252,7 +259,8 @@ class Request:
         shared = {name: getattr(spec, name) for name in _SHARED_FIELDS}
         shared["prompt_token_ids"] = list(spec.prompt_token_ids)
         shared["arrival_time"] = arrival_time
-        return cls(**shared, eos_token_ids=eos_token_ids, spec=spec)
+        draftable = spec.constraint is None
+        return cls(**shared, eos_token_ids=eos_token_ids, spec=spec, is_draftable=draftable)
 
     def mark_resumed(self, now: float) -> None:
         """Scheduled (admitted or swapped in) at ``now``: a preemption's wait ends."""

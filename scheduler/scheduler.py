@@ -13,8 +13,18 @@ planning — its computed tokens advanced, each token it samples held as
 ``PENDING_TOKEN`` — so the new plan follows it; its ``update`` later puts the
 real tokens in and applies EOS and stop sequences, one step late. A request
 that ends there may already be in the next plan: that plan's token for it is
-dropped. A request at its token limit is not planned past it. At most one
-plan is ahead of its results.
+dropped. A request at its token limit is not planned past it, nor one whose
+drafts the plan verifies. At most one plan is ahead of its results.
+
+Speculative decoding (``config.num_speculative_tokens``, speculative.py): a
+decode may carry draft tokens, ``token_ids == [last, d1 .. dk]``, counted in
+the token budget and the block table like any token. ``update`` takes the
+runner's verified tokens for it (``verified``: the drafts the model agreed
+with, then its own next token) one by one through the path a single sampled
+token takes, so EOS, a stop sequence or a token limit in the middle ends the
+request there and drops the rest. ``num_computed_tokens`` ends at the
+accepted tokens: the K/V written for rejected drafts is overwritten later,
+and only blocks full of accepted tokens are ever hashed and cached.
 
 Every request's ``num_computed_tokens`` catches up with its ``num_tokens``
 under the per-step token budget: a decode is one token behind, a prefill many
@@ -55,7 +65,7 @@ Invariants kept by every public method:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from .admission import Admission
 from .block_manager import commit_computed_blocks
@@ -147,6 +157,7 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         now: float,
         step_s: float | None = None,
         is_stopped: StopCheck | None = None,
+        verified: Mapping[str, Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Applies the runner's results for ``plan`` (the latest plan): advances
         computed tokens, appends sampled tokens, finishes on EOS, max tokens or
@@ -159,30 +170,50 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         ``is_stopped(req_id, token_id)`` is asked once per token appended, in
         order (the engine's text-level stop sequences), but of a stop token id
         that ends its request (its text is not output): True ends the request
-        with STOP_SEQUENCE unless EOS or a limit ended it first."""
+        with STOP_SEQUENCE unless EOS or a limit ended it first.
+
+        ``verified``: for each sequence with drafts, the tokens its step
+        yields in order (1 to ``num_drafts + 1``: the accepted drafts, then
+        the model's own token); its ``sampled`` token is their first."""
         ahead = self._ahead
         if ahead is not None and plan.step == ahead[0].step:
             # Taken as done when the next plan was made: what is still live.
             current = [(seq, req) for seq, req in ahead[1] if self._requests.get(req.req_id) is req]
-            _check_sampled(current, sampled)
+            _check_sampled(current, sampled, verified)
             self._ahead = None
-            self._at_limit.clear()
+            self._held_for_results.clear()
         elif ahead is not None:
             raise ValueError(f"plan {ahead[0].step} awaits its update before plan {plan.step}")
         elif plan.step != self._in_flight_step:
             raise ValueError(f"plan {plan.step} is not the plan in flight")
         else:
             current = self._current_in_flight(plan)
-            _check_sampled(current, sampled)
+            _check_sampled(current, sampled, verified)
             self._take_as_done(current)
+        drafted = verified if verified is not None else {}
         outputs = [
             self._took_token(seq, req, sampled[seq.req_id], now, is_stopped)
+            if not seq.num_drafts
+            else self._took_tokens(seq, req, drafted[seq.req_id], now, is_stopped)
             for seq, req in current
             if seq.sample
         ]
         if step_s is not None and self._cost_model is not None:
+            if self._drafting:
+                self._observe_draft_overhead(plan, step_s)
             self._cost_model.observe_plan(plan, step_s)
         return outputs
+
+    def _observe_draft_overhead(self, plan: StepPlan, step_s: float) -> None:
+        """A measured decode-only step against the cost model's prediction,
+        for what holding drafts costs beyond their tokens (speculative.py)."""
+        assert self._cost_model is not None
+        if plan.swap_in or plan.swap_out or not plan.seqs:
+            return
+        if any(len(seq.token_ids) - seq.num_drafts > 1 for seq in plan.seqs):
+            return  # a prefill chunk pays the step's prefill cost itself
+        has_drafts = any(seq.num_drafts for seq in plan.seqs)
+        self._draft_overhead.observe(has_drafts, step_s - self._cost_model.plan_seconds(plan))
 
     def discard(self, plan: StepPlan | None) -> None:
         """Forgets ``plan``, whose step failed (None: every plan not yet
@@ -190,7 +221,7 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         caller (``abort_request``)."""
         if self._ahead is not None and (plan is None or self._ahead[0].step == plan.step):
             self._ahead = None
-            self._at_limit.clear()
+            self._held_for_results.clear()
         if plan is None or plan.step == self._in_flight_step:
             self._in_flight_step = None
             self._in_flight = {}
@@ -207,8 +238,9 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         current = self._current_in_flight(plan)
         self._take_as_done(current)
         for seq, req in current:
-            if seq.sample and self._limit_reason(req) is not None:
-                self._at_limit.add(req.req_id)  # update() ends it: plan nothing past it
+            if seq.sample and (seq.num_drafts or self._limit_reason(req) is not None):
+                # update() ends it, or says how many tokens it got: plan nothing past it
+                self._held_for_results.add(req.req_id)
         self._ahead = (plan, current)
 
     # == one step's results ===============================================
@@ -225,11 +257,13 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
 
     def _take_as_done(self, current: list[tuple[ScheduledSeq, Request]]) -> None:
         """Computed tokens advanced (full blocks committed), a ``PENDING_TOKEN``
-        held per sampled token until ``_took_token`` puts the real one in."""
+        held per sampled token until ``_took_token`` puts the real one in.
+        Drafts are not taken as computed: ``_took_tokens`` advances past
+        those the model accepts."""
         self._in_flight_step = None
         self._in_flight = {}
         for seq, req in current:
-            req.num_computed_tokens += len(seq.token_ids)
+            req.num_computed_tokens += len(seq.token_ids) - seq.num_drafts
             if self._prefix_cache:
                 commit_computed_blocks(self.device_pool, req)
             if seq.sample:
@@ -248,12 +282,55 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         req.output_token_ids[seq.output_index] = token_id
         if req.first_token_time is None:
             req.first_token_time = now
+        reason = self._end_reason(req, token_id, seq.output_index, now, is_stopped)
+        return RequestOutput(req.req_id, [token_id], reason)
+
+    def _took_tokens(
+        self,
+        seq: ScheduledSeq,
+        req: Request,
+        token_ids: Sequence[int],
+        now: float,
+        is_stopped: StopCheck | None,
+    ) -> RequestOutput:
+        """``seq``'s verified tokens (it carried drafts): each in turn as
+        ``_took_token`` takes one, up to the first that ends ``req``. Each
+        token after the first stands where an accepted draft was computed,
+        so the K/V of that draft's position are the request's own."""
+        self._num_draft_tokens += seq.num_drafts
+        self._num_accepted_tokens += len(token_ids) - 1
+        if req.drafter is not None:
+            req.drafter.observe(seq.num_drafts, len(token_ids) - 1)
+        first = self._took_token(seq, req, token_ids[0], now, is_stopped)
+        reason = first.finish_reason
+        num_taken = 1
+        outputs = req.output_token_ids
+        while reason is None and num_taken < len(token_ids):
+            token_id = token_ids[num_taken]
+            req.num_computed_tokens += 1
+            outputs.append(token_id)
+            num_taken += 1
+            reason = self._end_reason(req, token_id, len(outputs) - 1, now, is_stopped)
+        if reason is None and self._prefix_cache:
+            commit_computed_blocks(self.device_pool, req)
+        return RequestOutput(req.req_id, list(token_ids[:num_taken]), reason)
+
+    def _end_reason(
+        self,
+        req: Request,
+        token_id: int,
+        output_index: int,
+        now: float,
+        is_stopped: StopCheck | None,
+    ) -> FinishReason | None:
+        """Finishes ``req`` if its newest output, ``token_id`` (output number
+        ``output_index``), ends it; why."""
         sampling = req.sampling
         may_stop, is_stop_id = True, False
         if sampling.has_token_stops:  # set once; most requests have none
             # Before min_tokens outputs the sampler masks EOS and the stop
             # ids; one that gets past it anyway ends nothing.
-            may_stop = seq.output_index >= sampling.min_tokens
+            may_stop = output_index >= sampling.min_tokens
             # A stop token id that ends the request is not decoded: its text
             # is left out of the output, as an EOS token's (special, skipped) is.
             is_stop_id = may_stop and token_id in sampling.stop_token_ids
@@ -269,7 +346,7 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         if reason is not None:
             self._finish(req, reason, "")
             self._note_finish(now)
-        return RequestOutput(req.req_id, [token_id], reason)
+        return reason
 
     def _limit_reason(self, req: Request) -> FinishReason | None:
         num_outputs = len(req.output_token_ids)  # per sampled token: no properties
@@ -280,10 +357,32 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         return None
 
 
-def _check_sampled(current: list[tuple[ScheduledSeq, Request]], sampled: Mapping[str, int]) -> None:
+def _check_sampled(
+    current: list[tuple[ScheduledSeq, Request]],
+    sampled: Mapping[str, int],
+    verified: Mapping[str, Sequence[int]] | None,
+) -> None:
     missing = [seq.req_id for seq, _ in current if seq.sample and seq.req_id not in sampled]
     if missing:
         raise ValueError(f"no sampled token for {missing}")
+    for seq, _ in current:
+        if seq.num_drafts and seq.sample:
+            _check_verified(seq, sampled[seq.req_id], verified)
+
+
+def _check_verified(
+    seq: ScheduledSeq, first: int, verified: Mapping[str, Sequence[int]] | None
+) -> None:
+    """A drafting sequence's verified tokens: 1 to ``num_drafts + 1``, the
+    first its sampled token, each but the last the draft at its place."""
+    tokens = None if verified is None else verified.get(seq.req_id)
+    if tokens is None:
+        raise ValueError(f"no verified tokens for {seq.req_id!r}, which has drafts")
+    drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts :]
+    num = len(tokens)
+    agrees = list(tokens[: num - 1]) == drafts[: num - 1]
+    if not (1 <= num <= seq.num_drafts + 1 and tokens[0] == first and agrees):
+        raise ValueError(f"verified tokens {list(tokens)} do not follow the drafts {drafts}")
 
 
 def _is_current(seq: ScheduledSeq, req: Request) -> bool:

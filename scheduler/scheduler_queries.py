@@ -54,6 +54,16 @@ class SchedulerQueries(SchedulerState):
         return self._num_preemptions[PreemptionMode.SWAP]
 
     @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens in the plans updated so far (speculative decoding)."""
+        return self._num_draft_tokens
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        """Of ``num_draft_tokens``, those the model agreed with."""
+        return self._num_accepted_tokens
+
+    @property
     def num_expired(self) -> int:
         """Requests finished DEADLINE_EXCEEDED by ``schedule()``."""
         return self._num_expired

@@ -18,6 +18,7 @@ from .plan import PENDING_TOKEN, FinishedRequest, ScheduledSeq, StepPlan
 from .policy_base import PreemptionMode, SchedulingPolicy
 from .policy_registry import make_policy
 from .request import FinishReason, Request, RequestStatus
+from .speculative import DraftOverhead, DraftPrice
 
 
 @dataclass(slots=True)
@@ -50,6 +51,11 @@ class _StepState:
     # Holds back less urgent tokens when the step would be too slow for
     # urgent work (None: the policy does not shape batches).
     shaper: BatchShaper | None = None
+    # What drafting costs this step and what a token is worth (speculative.py;
+    # None: not priced, every draft is made); whether the step holds a
+    # prefill-priced token yet (a prefill chunk or drafts).
+    draft_price: DraftPrice | None = None
+    holds_prefill: bool = False
 
     def to_plan(self) -> StepPlan:
         return StepPlan(
@@ -94,9 +100,17 @@ class SchedulerState:
         self._in_flight_plan: StepPlan | None = None
         # Planning ahead (Scheduler.schedule): the plan taken as done before
         # its results came, with its sequences then current; and the requests
-        # it brought to a token limit (planned no further, ended by update).
+        # planned no further until they come: those it brought to a token
+        # limit (ended by update), and those whose drafts it verifies (how
+        # many tokens they get is known only then).
         self._ahead: tuple[StepPlan, list[tuple[ScheduledSeq, Request]]] | None = None
-        self._at_limit: set[str] = set()
+        self._held_for_results: set[str] = set()
+        # Speculative decoding (speculative.py): on, and draft tokens
+        # proposed in plans that were updated, and of those, accepted.
+        self._drafting = config.num_speculative_tokens > 0
+        self._num_draft_tokens = 0
+        self._num_accepted_tokens = 0
+        self._draft_overhead = DraftOverhead()
         self._num_preemptions = {mode: 0 for mode in PreemptionMode}
         self._num_expired = 0
         self._num_abandoned = 0

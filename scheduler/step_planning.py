@@ -6,13 +6,18 @@ the budget held back for more urgent waiting work.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .block_manager import BlockHash
-from .plan import ScheduledSeq
+from .cost_model import StepShape
+from .plan import PENDING_TOKEN, ScheduledSeq
 from .request import Request, RequestStatus
 from .room import RoomMaking
 from .scheduler_state import _StepState
+from .speculative import Drafter, DraftPrice
 
 _RUNNING = RequestStatus.RUNNING  # per running request a step: see deadline_estimates.py
+_NO_DRAFTS: tuple[int, ...] = ()
 
 
 class StepPlanning(RoomMaking):
@@ -20,20 +25,25 @@ class StepPlanning(RoomMaking):
 
     def _schedule_running(self, state: _StepState, now: float) -> None:
         state.shaper = self.policy.batch_shaper(now)
+        if self._drafting:
+            state.draft_price = self._draft_price()
         reserved = sum(max(0, tokens) for _, tokens in state.reservations)
         for req in self.policy.order_running(self._running_list(), now):
             if state.token_budget == 0:
                 return
             if req.status is not _RUNNING or req.req_id in self._paused:
                 continue  # preempted as a victim earlier in this loop, or paused
-            if req.req_id in self._at_limit:
-                continue  # its pending token is its last: see Scheduler.schedule
+            if req.req_id in self._held_for_results:
+                continue  # its step in flight decides what follows: see Scheduler.schedule
             uncomputed = len(req.prompt_token_ids) + len(req.output_token_ids)
             uncomputed -= req.num_computed_tokens
             available = self._available(state, req, now, uncomputed, reserved)
             num_new = self._shaped(state, req, min(uncomputed, available))
             if num_new > 0 and self._grow_or_preempt(state, req, num_new, now):
-                self._add_seq(state, req, num_new)
+                drafts: Sequence[int] = _NO_DRAFTS
+                if self._drafting:
+                    drafts = self._drafts(state, req, num_new, reserved)
+                self._add_seq(state, req, num_new, drafts)
 
     def _schedule_swapped(self, state: _StepState, now: float) -> None:
         if state.preempted_ids:
@@ -113,25 +123,90 @@ class StepPlanning(RoomMaking):
             if computing is not None:
                 self._note_computing(computing, req, target)
 
-    def _add_seq(self, state: _StepState, req: Request, num_new: int) -> None:
+    def _draft_price(self) -> DraftPrice | None:
+        """This step's ``DraftPrice`` (speculative.py): a draft token costs a
+        prefill token and a context token; a token is worth the time the
+        step takes per token it makes, priced for the running requests'
+        decodes alone (a step with a prefill chunk too is longer, so drafts
+        cost it less); holding drafts costs the step the larger of the
+        model's prefill-step cost and what drafting steps were measured to
+        take beyond it. None without a cost model: every draft is made."""
+        model = self._cost_model
+        if model is None or not self._running:
+            return None
+        c = model.coefficients
+        num_decodes = len(self._running)
+        context = sum(
+            len(r.prompt_token_ids) + len(r.output_token_ids) for r in self._running.values()
+        )
+        step_s = model.step_seconds(StepShape(0, num_decodes, context))
+        draft_s = c.per_prefill_token_s + c.per_context_token_s
+        once_s = max(c.per_prefill_step_s, self._draft_overhead.seconds)
+        return DraftPrice(step_s / num_decodes, draft_s, once_s)
+
+    def _add_seq(
+        self, state: _StepState, req: Request, num_new: int, drafts: Sequence[int] = _NO_DRAFTS
+    ) -> None:
         start = req.num_computed_tokens
         num_outputs = len(req.output_token_ids)
+        token_ids = req.token_slice(start, start + num_new)
+        if drafts:
+            token_ids.extend(drafts)
         # Fields by position, in declaration order: this runs per sequence per step.
         state.seqs.append(
             ScheduledSeq(
                 req.req_id,  # req_id
-                req.token_slice(start, start + num_new),  # token_ids
+                token_ids,  # token_ids
                 start,  # start_pos
                 list(req.block_ids),  # block_ids
                 start + num_new == len(req.prompt_token_ids) + num_outputs,  # sample
                 num_outputs,  # output_index
                 req.sampling,  # sampling
+                len(drafts),  # num_drafts
             )
         )
-        state.token_budget -= num_new
+        state.token_budget -= num_new + len(drafts)
+        if num_new > 1 or drafts:
+            state.holds_prefill = True
         state.scheduled[req.req_id] = req
         if state.shaper is not None:
-            state.shaper.commit(req, num_new)
+            state.shaper.commit(req, num_new, len(drafts))
+
+    def _drafts(
+        self, state: _StepState, req: Request, num_new: int, reserved: int
+    ) -> Sequence[int]:
+        """Draft tokens for running ``req``'s step (speculative.py): none
+        unless it is a decode of a request that may draft, and at most what
+        the budget left (less all that is held back for waiting work), the
+        batch shaper, its token limits and the free blocks allow. A draft
+        never preempts anyone; the blocks it takes (at most one a step) are
+        the ones its request grows into next."""
+        outputs = req.output_token_ids
+        if num_new != 1 or not outputs or outputs[-1] == PENDING_TOKEN:
+            return _NO_DRAFTS  # a prefill, or a decode whose last token is still in flight
+        if not _may_draft(req):
+            return _NO_DRAFTS
+        num_tokens = len(req.prompt_token_ids) + len(outputs)
+        block_size = self.config.block_size
+        max_drafts = min(
+            self.config.num_speculative_tokens,
+            state.token_budget - num_new - reserved,
+            req.max_new_tokens - len(outputs) - 1,  # the step yields up to one more
+            self.config.max_model_len - num_tokens - 1,
+            (len(req.block_ids) + self.device_pool.num_free) * block_size - num_tokens,
+        )
+        drafter = req.drafter
+        if drafter is None:
+            drafter = req.drafter = Drafter()
+        max_drafts = drafter.num_worth(max_drafts, state.draft_price, not state.holds_prefill)
+        if max_drafts > 0 and state.shaper is not None:
+            max_drafts = state.shaper.fit_drafts(req, max_drafts)
+        if max_drafts <= 0:
+            return _NO_DRAFTS
+        drafts = drafter.index.propose(req.token_slice(0, num_tokens), max_drafts)
+        if drafts:
+            req.block_ids.extend(self.device_pool.append(req.block_ids, num_tokens + len(drafts)))
+        return drafts
 
     def _shaped(self, state: _StepState, req: Request, num_new: int) -> int:
         """``num_new`` as far as the batch shaper lets ``req`` have it."""
@@ -171,3 +246,14 @@ class StepPlanning(RoomMaking):
         if not self.policy.is_urgency_driven or not self._waiting:
             return None
         return min(self.policy.urgency_key(r, now) for r in self._waiting)
+
+
+def _may_draft(req: Request) -> bool:
+    """Whether ``req``'s decodes may carry drafts: its next token depends on
+    nothing a draft would change. Log-probabilities are reported one token
+    a step; penalties count every token before the next; a constraint's
+    mask follows each token (``is_draftable``). Sampling rows draft too: a
+    row's draw accepts a draft as often as the model would pick it
+    (kernels/sampling_speculative.py)."""
+    sampling = req.sampling
+    return req.is_draftable and sampling.logprobs is None and not sampling.has_logit_adjustments

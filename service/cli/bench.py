@@ -16,6 +16,7 @@ BENCH_MODULES = (
     "slipstream.service.bench.serve",
     "slipstream.service.bench.slo",
     "slipstream.service.bench.soak",
+    "slipstream.service.bench.spec",
     "slipstream.service.bench.step",
     "slipstream.service.bench.swap",
 )

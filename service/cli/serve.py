@@ -247,6 +247,18 @@ def add_engine_args(
         "grow as blocks are first used (quicker start)",
     )
     group.add_argument(
+        "--speculative-tokens",
+        type=non_negative_int,
+        default=defaults.speculative_tokens,
+        metavar="K",
+        help="speculative decoding by prompt lookup: a decode carries up to K draft tokens "
+        "(what followed the latest earlier occurrence of its last 4, 3 or 2 tokens), "
+        "verified in the same step; repetitive output (repeating, editing) comes out faster, "
+        "with the tokens it would have (greedy and seeded). Not for requests with "
+        "log-probabilities, penalties, a logit bias or a constraint. CPU only; 0: off "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
         "--no-prefix-cache",
         dest="prefix_cache",
         action="store_false",
@@ -286,6 +298,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cuda_graphs=args.cuda_graphs,
         prefill_graph_tokens=args.prefill_graph_tokens,
         plan_ahead=switch(args.plan_ahead),
+        speculative_tokens=args.speculative_tokens,
     )
 
 

@@ -112,6 +112,10 @@ class EngineConfig:
     # Plan step N+1 while the device runs step N (engine.py); None: on a GPU
     # only (on the CPU the host and the "device" are the same cores).
     plan_ahead: bool | None = None
+    # Speculative decoding by prompt lookup (scheduler/speculative.py): up to
+    # this many draft tokens a decode carries, verified in its step; 0: off.
+    # The CPU runner only.
+    speculative_tokens: int = 0
 
     def step_token_budget(self, *, on_gpu: bool) -> int:
         """``max_num_batched_tokens``, or the device's default where unset."""
@@ -139,4 +143,5 @@ class EngineConfig:
             aging_s=self.aging_s,
             min_residency_s=self.min_residency_s,
             enable_prefix_cache=self.prefix_cache,
+            num_speculative_tokens=self.speculative_tokens,
         )

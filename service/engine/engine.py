@@ -30,6 +30,13 @@ constrained row's mask needs its previous token, so nothing is planned
 ahead of a step that sampled a constrained row: that step's results are
 taken first and the next step is planned after them (for that step, no
 overlap). A step with no constrained row runs as it would without any.
+
+Speculative decoding (``SchedulerConfig.num_speculative_tokens``): a
+decode may carry draft tokens, verified in its step; the step's results
+give each such request its accepted drafts plus one token, and ``update``
+takes them one by one as it takes single tokens (EOS, stop sequences and
+limits per token). Like a constrained step, a step with drafts lands
+before the next is planned.
 """
 
 from __future__ import annotations
@@ -82,7 +89,8 @@ class Runner(Protocol):
     """Executes one plan: swaps and copies, one forward, sampling (runner.py,
     cuda_runner.py). ``execute(plan)`` gives a ``StepResult``: ``sampled``
     maps req_id to its token, ``logprobs`` to its log-probabilities where the
-    request asked; ``launch(plan).result()`` is the same, split where the host may go on.
+    request asked, ``verified`` to the tokens of a sequence with drafts;
+    ``launch(plan).result()`` is the same, split where the host may go on.
     A step with constrained rows also passes their ``matchers`` (by req_id),
     whose masks the runner applies before sampling; a step without, nothing.
     A runner may also define ``on_engine_thread()``, called once on the
@@ -292,6 +300,8 @@ class Engine:
                 step_time_pace=s.step_time_pace,
                 device_memory=self._device_memory(),
                 host_times=self._host.snapshot(),
+                spec_draft_tokens=s.num_draft_tokens,
+                spec_accepted_tokens=s.num_accepted_tokens,
             )
 
     @property
@@ -420,9 +430,13 @@ class Engine:
         The refit sees a step's time from the later of its planning and the
         previous step's settling: the device's pace once the pipe is full.
         A step that sampled a constrained row lands before the next is
-        planned: that one's masks need its tokens."""
+        planned: that one's masks need its tokens. So does a step with
+        drafts: how many tokens its sequences get is known only then, and
+        the scheduler plans none of them ahead of it."""
         pending, host = self._pending, self._host
-        if pending is not None and self._samples_constrained(pending.plan):
+        if pending is not None and (
+            self._samples_constrained(pending.plan) or _has_drafts(pending.plan)
+        ):
             self._pending = None
             self._land(pending, time.monotonic())
             pending = None
@@ -481,7 +495,9 @@ class Engine:
         with self._lock:
             now = time.monotonic()
             step_s = now - started + self._last_publish_s
-            outputs = self._scheduler.update(plan, result.sampled, now, step_s, self._is_stopped)
+            outputs = self._scheduler.update(
+                plan, result.sampled, now, step_s, self._is_stopped, result.verified
+            )
         self._last_settled = now
         updated = time.monotonic()
         self._host.update += updated - now
@@ -647,6 +663,10 @@ class Engine:
         if self.observer is not None:
             self.observer.on_finish(event)
         live.on_event(event)
+
+
+def _has_drafts(plan: StepPlan) -> bool:
+    return any(seq.num_drafts for seq in plan.seqs)
 
 
 # Ends that would pass a broken constraint's output off as whole.

@@ -191,3 +191,7 @@ class EngineStats:
     # On a GPU: its memory in bytes (used, free); None on the CPU.
     device_memory: PoolStats | None = None
     host_times: HostTimes = field(default_factory=HostTimes)
+    # Speculative decoding since start: draft tokens verified, and of those
+    # accepted (each one a step's token more for its request).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

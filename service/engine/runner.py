@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -32,7 +33,8 @@ from slipstream.kernels.logit_adjustments import (
     adjustment_tensors,
 )
 from slipstream.kernels.sampling import sample
-from slipstream.scheduler.plan import StepPlan, with_pending_tokens
+from slipstream.kernels.sampling_speculative import accept_greedy, verify_drafts
+from slipstream.scheduler.plan import ScheduledSeq, StepPlan, with_pending_tokens
 from slipstream.service.engine.events import TokenLogprobs
 from slipstream.service.engine.grammar import Matcher, mask_logits
 from slipstream.service.engine.request_tokens import RequestLookup, RequestTokens
@@ -96,11 +98,15 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """Sampled token per request that sampled this step, and the
-    log-probabilities of those that asked for them."""
+    log-probabilities of those that asked for them. ``verified``: for each
+    sequence that carried drafts, every token its step yields (the accepted
+    drafts, then the model's own; ``Scheduler.update``), the first of them
+    its ``sampled`` token."""
 
     sampled: dict[str, int]
     num_tokens: int
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +164,8 @@ class ModelRunner:
         pending tokens from the step launched before it; see ``Engine``'s
         ``plan_ahead``."""
         result = self.execute(with_pending_tokens(plan, self._last_sampled), matchers)
+        # A request whose drafts a step verifies is planned again only after
+        # that step's update (Scheduler.schedule): never with a pending token.
         self._last_sampled = result.sampled
         return DoneStep(result)
 
@@ -188,13 +196,20 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampled_seqs = []
+        # Sequences with drafts sample at each of their positions; their rows
+        # come after every other sequence's one (see _verify).
+        draft_rows: list[int] = []
+        drafting_seqs = []
         for seq in plan.seqs:
             num_new = len(seq.token_ids)
             token_ids.extend(seq.token_ids)
             positions.extend(range(seq.start_pos, seq.start_pos + num_new))
             query_lens.append(num_new)
             seq_lens.append(seq.start_pos + num_new)
-            if seq.sample:
+            if seq.sample and seq.num_drafts:
+                draft_rows.extend(range(len(token_ids) - 1 - seq.num_drafts, len(token_ids)))
+                drafting_seqs.append(seq)
+            elif seq.sample:
                 sample_rows.append(len(token_ids) - 1)
                 sampled_seqs.append(seq)
         meta = build_attention_metadata(
@@ -219,17 +234,22 @@ class ModelRunner:
             and matchers is None
             and adjusting is None
             and all(s.sampling.is_greedy for s in sampled_seqs)
+            and all(s.sampling.is_greedy for s in drafting_seqs)
         )
         logits = self.model.forward(
             torch.tensor(token_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             self.device_pool,
             meta,
-            torch.tensor(sample_rows, dtype=torch.long),
+            torch.tensor(sample_rows + draft_rows, dtype=torch.long),
             greedy,
         )
+        verified: dict[str, list[int]] = {}
+        if drafting_seqs:
+            verified = _verify(logits[len(sample_rows) :], drafting_seqs, greedy, self._scratch)
+            logits = logits[: len(sample_rows)]
         if not sampled_seqs:
-            return StepResult({}, len(token_ids))
+            return StepResult({k: v[0] for k, v in verified.items()}, len(token_ids), {}, verified)
         taken = None if wanted is None else wanted.log_probs(logits)  # before sampling scales
         if matchers is not None:  # after the log-probabilities: the model's, unmasked
             mask_logits(logits, [s.req_id for s in sampled_seqs], matchers)
@@ -249,10 +269,40 @@ class ModelRunner:
             )
         )
         sampled = {s.req_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
+        for req_id, tokens_of in verified.items():
+            sampled[req_id] = tokens_of[0]
         if wanted is None or taken is None:
-            return StepResult(sampled, len(token_ids))
+            return StepResult(sampled, len(token_ids), {}, verified)
         picked = wanted.pick(taken, torch.tensor(tokens))
-        return StepResult(sampled, len(token_ids), picked.read())
+        return StepResult(sampled, len(token_ids), picked.read(), verified)
+
+
+def _verify(
+    rows: torch.Tensor,
+    seqs: list[ScheduledSeq],
+    is_greedy_ids: bool,
+    scratch: Callable[[int], torch.Tensor],
+) -> dict[str, list[int]]:
+    """The verified tokens of the drafting ``seqs`` from their rows (``num_drafts
+    + 1`` each, in order): logits, or the greedy ids where ``is_greedy_ids``
+    (kernels/sampling_speculative.py). No drafting request asks for
+    log-probabilities, penalties, a bias or a constraint (scheduler/step_planning.py)."""
+    drafts = [s.token_ids[len(s.token_ids) - s.num_drafts :] for s in seqs]
+    if is_greedy_ids:
+        verified = accept_greedy(rows.tolist(), drafts)
+    else:
+        verified = verify_drafts(
+            rows,
+            drafts,
+            [s.sampling.temperature for s in seqs],
+            [s.sampling.top_k for s in seqs],
+            [s.sampling.top_p for s in seqs],
+            [s.sampling.seed for s in seqs],
+            [s.output_index for s in seqs],
+            scratch=scratch(rows.numel()),
+            min_ps=[s.sampling.min_p for s in seqs],
+        )
+    return {s.req_id: tokens for s, tokens in zip(seqs, verified, strict=True)}
 
 
 def _adjustments(

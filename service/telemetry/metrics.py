@@ -31,6 +31,9 @@ choosing priorities freely cannot add series without bound)::
     slipstream_prefix_cache_waits_total                     counter (steps a waiting request sat
                                                             out for a prefix being computed)
     slipstream_prefix_cache_blocks                          gauge (device blocks cached)
+    slipstream_spec_draft_tokens_total                      counter (speculative decoding: draft
+                                                            tokens verified)
+    slipstream_spec_accepted_tokens_total                   counter (of those, accepted)
     slipstream_rejections_total{reason}                     counter (every refusal, at the door
                                                             or after queueing, by cause; and
                                                             calls refused whole: unauthenticated,
@@ -253,6 +256,7 @@ class _EngineCollector(Collector):
             memory.add_metric(["free"], stats.device_memory.free)
             yield memory
         yield from _prefix_cache_metrics(stats.prefix_cache)
+        yield from _speculative_metrics(stats)
 
 
 class _GcCollector(Collector):
@@ -334,6 +338,22 @@ def _prefix_cache_metrics(stats: PrefixCacheStats) -> Iterator[Metric]:
         "slipstream_prefix_cache_blocks",
         "Device KV blocks in the prefix cache (held or evictable)",
         value=stats.cached_blocks,
+    )
+
+
+def _speculative_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding's counters (``--speculative-tokens``; 0 while
+    off): ``rate(accepted) / rate(drafts)`` is the acceptance rate."""
+    yield CounterMetricFamily(
+        "slipstream_spec_draft_tokens",
+        "Draft tokens (prompt lookup) verified in decode steps",
+        value=stats.spec_draft_tokens,
+    )
+    yield CounterMetricFamily(
+        "slipstream_spec_accepted_tokens",
+        "Draft tokens the model agreed with: each a token its request got without a step "
+        "of its own",
+        value=stats.spec_accepted_tokens,
     )
 
 

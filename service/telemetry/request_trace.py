@@ -152,7 +152,9 @@ class _Timeline:
                 is_admitted = pause.kind == "recompute"
             self.queue_wait_s += start - self.waiting_since
             self.waiting_since = None
-        if is_admitted or len(seq.token_ids) > 1 or seq.start_pos < self.num_prompt_tokens:
+        # A decode with drafts is no prefill: its one known token and drafts.
+        num_known = len(seq.token_ids) - seq.num_drafts
+        if is_admitted or num_known > 1 or seq.start_pos < self.num_prompt_tokens:
             cached = seq.start_pos if is_admitted else 0
             self.prefills.append(
                 _Prefill(start, end, step, size, seq.start_pos, len(seq.token_ids), cached)

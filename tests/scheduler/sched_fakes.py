@@ -40,12 +40,14 @@ def next_token(context: Sequence[int]) -> int:
     return acc % VOCAB
 
 
-def reference_outputs(req: Request) -> list[int]:
+def reference_outputs(
+    req: Request, model: Callable[[Sequence[int]], int] = next_token
+) -> list[int]:
     """The tokens ``req`` produces when it runs alone, never preempted."""
     context = list(req.prompt_token_ids)
     outputs: list[int] = []
     while len(outputs) < req.max_new_tokens:
-        token = next_token(context)
+        token = model(context)
         outputs.append(token)
         context.append(token)
         if not req.ignore_eos and token in req.eos_token_ids:
@@ -54,10 +56,21 @@ def reference_outputs(req: Request) -> list[int]:
 
 
 class PagedFakeRunner:
-    """Executes a ``StepPlan`` against block-structured token storage."""
+    """Executes a ``StepPlan`` against block-structured token storage.
+    ``model`` is the "greedy model" (``next_token`` unless given); a
+    sequence with drafts samples at each position and is verified as the
+    real runner verifies greedy rows (the picks up to the first that is not
+    its draft), its tokens in ``verified``."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool | None = None,
+        model: Callable[[Sequence[int]], int] = next_token,
+    ) -> None:
         self.block_size = config.block_size
+        self.model = model
+        self.verified: dict[str, list[int]] = {}  # the latest execute's
         self.pool = pool  # the scheduler's device pool: written blocks must be unshared
         self.device: list[list[int | None]] = [
             [None] * config.block_size for _ in range(config.num_device_blocks)
@@ -78,11 +91,22 @@ class PagedFakeRunner:
             for offset, token in enumerate(seq.token_ids):
                 self._write(seq.block_ids, seq.start_pos + offset, token)
         sampled = {}
+        self.verified = {}
         for seq in plan.seqs:
             if seq.sample:
                 end = seq.start_pos + len(seq.token_ids)
                 context = [self._read(seq.block_ids, pos) for pos in range(end)]
-                sampled[seq.req_id] = next_token(context)
+                if not seq.num_drafts:
+                    sampled[seq.req_id] = self.model(context)
+                    continue
+                first = end - seq.num_drafts
+                tokens = []
+                for stop in range(first, end + 1):
+                    tokens.append(self.model(context[:stop]))
+                    if stop == end or tokens[-1] != context[stop]:
+                        break
+                sampled[seq.req_id] = tokens[0]
+                self.verified[seq.req_id] = tokens
         return sampled
 
     def _write(self, block_ids: list[int], pos: int, token: int) -> None:
@@ -194,15 +218,20 @@ class Driver:
     engine overlapping the host with the device does — schedule(N+1,
     ahead) -> run N+1 -> update(N)."""
 
-    def __init__(self, scheduler: Scheduler, ahead: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        ahead: bool = False,
+        model: Callable[[Sequence[int]], int] = next_token,
+    ) -> None:
         self.scheduler = scheduler
-        self.runner = PagedFakeRunner(scheduler.config, scheduler.device_pool)
+        self.runner = PagedFakeRunner(scheduler.config, scheduler.device_pool, model)
         self.ahead = ahead
         self.now = 0.0
         self.finishes: dict[str, list[FinishReason]] = {}
         self.outputs: dict[str, list[int]] = {}
         self.plans: list[StepPlan] = []
-        self._pending: tuple[StepPlan, dict[str, int]] | None = None
+        self._pending: tuple[StepPlan, dict[str, int], dict[str, list[int]]] | None = None
 
     def step(
         self, dt: float = 1.0, between: Callable[[StepPlan], None] | None = None
@@ -219,14 +248,15 @@ class Driver:
         for seq in plan.seqs:  # pending only as a decode's one token
             assert PENDING_TOKEN not in seq.token_ids or seq.token_ids == [PENDING_TOKEN], seq
         sampled = self.runner.execute(with_pending_tokens(plan, previous))
+        verified = self.runner.verified
         if between is not None:
             between(plan)
         if self.ahead:
-            pending, self._pending = self._pending, (plan, sampled)
+            pending, self._pending = self._pending, (plan, sampled, verified)
             if pending is None:
                 return []
-            plan, sampled = pending
-        outputs = self.scheduler.update(plan, sampled, self.now)
+            plan, sampled, verified = pending
+        outputs = self.scheduler.update(plan, sampled, self.now, verified=verified)
         self.record(outputs)
         return outputs
 
@@ -236,14 +266,14 @@ class Driver:
             req = self.scheduler.get_request(seq.req_id)
             assert req is not None
             assert seq.start_pos + len(seq.token_ids) < self.scheduler.config.max_model_len
-            assert not seq.sample or seq.output_index < req.max_new_tokens, seq
+            assert not seq.sample or seq.output_index + seq.num_drafts < req.max_new_tokens, seq
 
     def flush(self) -> None:
         """Updates the plan still awaiting its results (planning ahead)."""
         if self._pending is not None:
-            plan, sampled = self._pending
+            plan, sampled, verified = self._pending
             self._pending = None
-            self.record(self.scheduler.update(plan, sampled, self.now))
+            self.record(self.scheduler.update(plan, sampled, self.now, verified=verified))
 
     def record(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

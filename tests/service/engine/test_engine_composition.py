@@ -40,6 +40,7 @@ class _Tokenizer:
 class _Result:
     sampled: dict[str, int]
     logprobs: dict[str, object] = field(default_factory=dict)
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 class _ScriptedRunner:

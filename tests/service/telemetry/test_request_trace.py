@@ -82,6 +82,22 @@ def test_a_swap_preemption_adds_its_wait_to_later_tokens() -> None:
     assert [s.attributes["slipstream.prefill.num_tokens"] for s in prefills] == [4, 2]
 
 
+def test_a_decode_with_drafts_is_no_prefill_and_each_of_its_tokens_an_event() -> None:
+    tracer, exporter = traced()
+    submit(tracer)
+    tracer.on_step(StepPlan(1, [seq("a", 0, 6)]), [RequestOutput("a", [9])], 100.0, 100.1)
+    drafting = seq("a", 6, 3)._replace(output_index=1, num_drafts=2)  # [9, d1, d2]
+    tracer.on_step(StepPlan(2, [drafting]), [RequestOutput("a", [4, 5])], 100.1, 100.2)
+    tracer.on_finish(FinishEvent("a", FinishReason.MAX_TOKENS, num_output_tokens=3))
+    assert tracer.flush(timeout=10)
+
+    prefills = [s for s in exporter.get_finished_spans() if s.name == "slipstream.prefill"]
+    assert [s.attributes["slipstream.prefill.num_tokens"] for s in prefills] == [6]
+    [request] = [s for s in exporter.get_finished_spans() if s.name == "text_completion m"]
+    tokens = [e.attributes for e in request.events if e.name == "slipstream.token"]
+    assert [t["slipstream.step"] for t in tokens] == [1, 2, 2]
+
+
 def test_a_resume_carries_the_step_that_rescheduled_it() -> None:
     tracer, exporter = traced()
     state = submit(tracer)
