@@ -277,22 +277,37 @@ class HermesReader:
 
     def _call(self, body: str) -> tuple[str, str] | None:
         """(name, arguments as JSON text) of a block, or None for one that
-        is not a call of a function offered."""
-        try:
-            value = json.loads(body)
-        except (ValueError, RecursionError):
+        is not a call of a function offered: its JSON is not an object whose
+        name is a string naming one and whose arguments are an object of
+        JSON's own values (no NaN or Infinity, which Python's parser takes)."""
+        value = _strict_json(body)
+        if not isinstance(value, dict):
             return None
-        if not isinstance(value, dict) or value.get("name") not in self._names:
+        name = value.get("name")
+        if not (isinstance(name, str) and name in self._names):
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
         if isinstance(arguments, str):  # some models write them as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                return None
+            arguments = _strict_json(arguments)
         if not isinstance(arguments, dict):
             return None
-        return value["name"], json.dumps(arguments, ensure_ascii=False)
+        try:  # a number past float's range (1e999) is read as infinity
+            return name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return None
+
+
+def _strict_json(text: str) -> object:
+    """The JSON value ``text`` holds, or None where it holds none (or holds
+    NaN or Infinity)."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _held(text: str) -> int:
