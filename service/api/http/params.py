@@ -336,7 +336,7 @@ def _message(message: Mapping[str, object], role: str, where: str) -> ChatMessag
     """An assistant's may hold ``tool_calls`` (its content then may be
     null), a tool result's its ``tool_call_id``."""
     calls: tuple[ToolCall, ...] = ()
-    if message.get("tool_calls"):
+    if message.get("tool_calls") not in (None, []):  # {}, 0 or "" are no list: refused
         if role != "assistant":
             refusal = f"{where}.tool_calls is only allowed in an assistant message"
             raise invalid(refusal, "messages")

@@ -195,6 +195,14 @@ def _nested(depth: int) -> dict[str, object]:
             "messages",
             "messages[0].tool_calls[0] is not valid Unicode",
         ),
+        *(
+            (
+                {"messages": [{"role": "assistant", "content": "x", "tool_calls": calls}]},
+                "messages",
+                "messages[0].tool_calls must be a list",
+            )
+            for calls in ({}, 0, False, "", "abc", {"id": "c"})
+        ),
         (  # the template is handed them decoded, and copies them recursively
             {"messages": [MESSAGES[0], _assistant('{"a": ' + "[" * 128 + "]" * 128 + "}")]},
             "messages",
