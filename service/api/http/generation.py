@@ -474,12 +474,13 @@ class Generations:
             messages = []
             tools = parsed.tools
             assert tools is not None
-            for reader, answer in zip(choices.readers, answers, strict=True):
+            for index, answer in enumerate(answers):
                 reply = ToolReply(tools.is_constrained)
-                reply.add(reader.feed(answer))
-                reply.add(reader.finish())
+                reply.add(choices.read(index, answer, is_last=True))
                 messages.append(reply.message())
-        body = envelope.completion(answers, choices.finished(), wholes, parsed.n, messages)
+        body = envelope.completion(
+            answers, choices.finished(), wholes, parsed.n, messages, choices.has_tool_calls
+        )
         return web.Response(text=json.dumps(body), content_type="application/json")
 
     async def _stream(
@@ -557,6 +558,7 @@ class Choices:
         self.num_choices = len(req_ids)
         self.finishes: list[FinishEvent | None] = [None] * len(req_ids)
         self.readers = readers_for(tools, len(req_ids))
+        # Whole calls came (none of them cut off): a "tool_calls" finish.
         self.has_tool_calls = [False] * len(req_ids)
         self._engine = engine
         self._indexes = {req_id: index for index, req_id in enumerate(req_ids)}
@@ -574,6 +576,8 @@ class Choices:
             pieces += reader.finish()
         if any(isinstance(piece, ToolCallDelta) for piece in pieces):
             self.has_tool_calls[index] = True
+        if is_last and reader.is_cut():
+            self.has_tool_calls[index] = False
         return pieces
 
     def fail(self, event: FinishEvent) -> ApiError:

@@ -199,3 +199,36 @@ def test_hermes_reads_only_a_named_call_with_object_arguments(
     expected = (None, [("time", json.dumps(arguments))]) if is_call else (block, [])
     for parts in splits(block):
         assert read(HermesReader(NAMES), parts) == expected, parts
+
+
+READERS = {
+    "named": lambda: NamedReader("time"),
+    "required": RequiredReader,
+    "auto": lambda: HermesReader(NAMES),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "output", "is_cut"),
+    [
+        ("named", '{"zone": "utc"}', False),
+        ("named", '{"zone": "utc"', True),  # a stop string took the brace
+        ("named", "", True),
+        ("required", REQUIRED, False),
+        ("required", REQUIRED[:-1], True),  # every call whole, the array not
+        ("required", REQUIRED[: REQUIRED.index("Pa")], True),
+        ("required", '[{"name": "wea', False),  # no call begun: none to cut
+        ("auto", '<tool_call>{"name": "time", "arguments": {', False),  # content
+    ],
+)
+def test_a_constrained_output_is_cut_where_it_is_not_json(
+    kind: str, output: str, is_cut: bool
+) -> None:
+    """Whether the output ended before its grammar's end (a "tool_calls"
+    finish, or the request's own), however it was split."""
+    for parts in splits(output):
+        reader = READERS[kind]()
+        for part in parts:
+            reader.feed(part)
+        reader.finish()
+        assert reader.is_cut() is is_cut, parts

@@ -368,6 +368,34 @@ def test_a_call_cut_off_by_max_tokens_finishes_length(
     assert (choice.message.content, choice.message.tool_calls) == (None, None)
 
 
+def test_a_call_cut_off_by_a_stop_string_finishes_stop(
+    oai: openai.OpenAI, tools_template: object
+) -> None:
+    """A stop string (or stop token id) ends a constrained output before its
+    grammar's end: the call is shown as far as it came, and the finish is
+    the request's own ("stop"), not "tool_calls", whole and streamed. (The
+    engine reports a grammar's end as a stop too: the output tells them
+    apart.)"""
+    weather = {"type": "function", "function": {"name": "weather"}}
+    fields = {"tool_choice": weather, "temperature": 0, "stop": [","]}
+    whole = oai.chat.completions.create(**ARGS, **fields)  # type: ignore[arg-type]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather" and call.function.arguments.startswith('{"')
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    chunks, final = _streamed(oai, **fields)
+    assert chunks[-1].choices[0].finish_reason == "stop"  # type: ignore[attr-defined]
+    answer = final.choices[0]  # type: ignore[attr-defined]
+    assert answer.finish_reason == "stop"
+    assert answer.message.tool_calls[0].function.arguments == call.function.arguments
+    # Without the stop string the same call is whole: "tool_calls".
+    whole = oai.chat.completions.create(**ARGS, tool_choice=weather, temperature=0)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    _arguments(whole.choices[0].message.tool_calls[0])
+
+
 def test_none_renders_the_tools_and_answers_text(
     oai: openai.OpenAI, tools_template: object, engine: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
