@@ -380,7 +380,16 @@ class Generations:
         submit.token_ids.ids.extend(ids)
         if not submit.stopping.HasField("max_new_tokens"):
             # Chat's OpenAI default: as much as the context leaves.
-            submit.stopping.max_new_tokens = max(1, engine.info.max_model_len - len(ids))
+            room = engine.info.max_model_len - len(ids)
+            min_tokens = submit.stopping.min_tokens
+            if 0 < room < min_tokens:  # (no room at all: the prompt is over the context)
+                message = (
+                    f"min_tokens ({min_tokens}) must be at most the {room} tokens the "
+                    f"context ({engine.info.max_model_len}) leaves after the prompt's "
+                    f"{len(ids)}: no max_tokens was given"
+                )
+                raise invalid(message, "min_tokens")
+            submit.stopping.max_new_tokens = max(1, room)
         try:
             return wire.to_generation_request(
                 submit, req_id, engine.tokenizer, engine.info, now, None, default_priority
