@@ -85,11 +85,11 @@ class Tools:
 
     definitions: tuple[dict[str, object], ...]
     names: tuple[str, ...]
+    # Each function's parameters as JSON text (``_NO_PARAMETERS`` without).
+    parameters_texts: tuple[str, ...]
     choice: ToolChoice
     named: str | None = None
     is_parallel: bool = True
-    # Each function's parameters as JSON text (``_NO_PARAMETERS`` without).
-    parameters_texts: tuple[str, ...] = ()
 
     @property
     def is_constrained(self) -> bool:
@@ -170,7 +170,7 @@ def parse_tools(body: Mapping[str, object]) -> Tools | None:
     if parallel is not None and not isinstance(parallel, bool):
         raise invalid(f"{PARALLEL_PARAM} must be a boolean", PARALLEL_PARAM)
     choice, named = _choice(body.get(CHOICE_PARAM), names)
-    return Tools(definitions, names, choice, named, parallel is not False, texts)
+    return Tools(definitions, names, texts, choice, named, parallel is not False)
 
 
 def check_tools(tools: Tools, max_schema_bytes: int) -> None:
@@ -327,14 +327,14 @@ def _resource(i: int, text: str, parameters: dict[str, object]) -> str:
     """The i-th function's parameters (``text``) as a schema resource of
     its own: their ``$ref``s resolve against their own root. Parameters with
     an ``$id`` of their own are one already, kept whole inside ours."""
-    resource = {"$id": _RESOURCE.format(i)}
+    resource: dict[str, object] = {"$id": _RESOURCE.format(i)}
     if "$id" not in parameters:
         return _with_keys(text, parameters, resource)
     return _with_keys(text, {}, {**resource, "$ref": "#/$defs/parameters"}, inside="parameters")
 
 
 def _with_keys(
-    text: str, value: dict[str, object], keys: dict[str, object], inside: str | None = None
+    text: str, value: Mapping[str, object], keys: Mapping[str, object], inside: str | None = None
 ) -> str:
     """The JSON object ``text`` (of ``value``) with ``keys`` added, which
     take the place of its own; ``inside``: ``{**keys, "$defs": {inside: text}}``
