@@ -112,6 +112,9 @@ def render_chat(
         )
     except TemplateError as exc:  # a template may refuse a conversation ("roles must alternate")
         raise ChatError(f"the chat template refused these messages: {exc}") from None
+    except RecursionError:  # transformers copies the data recursively, a frame or two a level
+        message = "the messages or tools nest arrays or objects too deeply to render"
+        raise ChatError(message) from None
     # The template already holds any special tokens the model wants.
     return token_ids(tokenizer, text, add_special_tokens=False)
 

@@ -380,7 +380,16 @@ class Generations:
         submit.token_ids.ids.extend(ids)
         if not submit.stopping.HasField("max_new_tokens"):
             # Chat's OpenAI default: as much as the context leaves.
-            submit.stopping.max_new_tokens = max(1, engine.info.max_model_len - len(ids))
+            room = engine.info.max_model_len - len(ids)
+            min_tokens = submit.stopping.min_tokens
+            if 0 < room < min_tokens:  # (no room at all: the prompt is over the context)
+                message = (
+                    f"min_tokens ({min_tokens}) must be at most the {room} tokens the "
+                    f"context ({engine.info.max_model_len}) leaves after the prompt's "
+                    f"{len(ids)}: no max_tokens was given"
+                )
+                raise invalid(message, "min_tokens")
+            submit.stopping.max_new_tokens = max(1, room)
         try:
             return wire.to_generation_request(
                 submit, req_id, engine.tokenizer, engine.info, now, None, default_priority
@@ -474,12 +483,13 @@ class Generations:
             messages = []
             tools = parsed.tools
             assert tools is not None
-            for reader, answer in zip(choices.readers, answers, strict=True):
+            for index, answer in enumerate(answers):
                 reply = ToolReply(tools.is_constrained)
-                reply.add(reader.feed(answer))
-                reply.add(reader.finish())
+                reply.add(choices.read(index, answer, is_last=True))
                 messages.append(reply.message())
-        body = envelope.completion(answers, choices.finished(), wholes, parsed.n, messages)
+        body = envelope.completion(
+            answers, choices.finished(), wholes, parsed.n, messages, choices.has_tool_calls
+        )
         return web.Response(text=json.dumps(body), content_type="application/json")
 
     async def _stream(
@@ -557,6 +567,7 @@ class Choices:
         self.num_choices = len(req_ids)
         self.finishes: list[FinishEvent | None] = [None] * len(req_ids)
         self.readers = readers_for(tools, len(req_ids))
+        # Whole calls came (none of them cut off): a "tool_calls" finish.
         self.has_tool_calls = [False] * len(req_ids)
         self._engine = engine
         self._indexes = {req_id: index for index, req_id in enumerate(req_ids)}
@@ -574,6 +585,8 @@ class Choices:
             pieces += reader.finish()
         if any(isinstance(piece, ToolCallDelta) for piece in pieces):
             self.has_tool_calls[index] = True
+        if is_last and reader.is_cut():
+            self.has_tool_calls[index] = False
         return pieces
 
     def fail(self, event: FinishEvent) -> ApiError:

@@ -336,7 +336,7 @@ def _message(message: Mapping[str, object], role: str, where: str) -> ChatMessag
     """An assistant's may hold ``tool_calls`` (its content then may be
     null), a tool result's its ``tool_call_id``."""
     calls: tuple[ToolCall, ...] = ()
-    if message.get("tool_calls"):
+    if message.get("tool_calls") not in (None, []):  # {}, 0 or "" are no list: refused
         if role != "assistant":
             refusal = f"{where}.tool_calls is only allowed in an assistant message"
             raise invalid(refusal, "messages")
@@ -477,11 +477,13 @@ def _stopping(
     body: Mapping[str, object], stopping: pb.StoppingCriteria, is_chat: bool, longest: int
 ) -> None:
     max_tokens = _int(body, "max_tokens", 1, longest)
+    max_name = "max_tokens"  # the body's own name for it, for min_tokens' message
     if is_chat:
         newer = _int(body, "max_completion_tokens", 1, longest)
         if newer is not None and max_tokens is not None and newer != max_tokens:
             raise invalid("max_tokens and max_completion_tokens differ", "max_completion_tokens")
-        max_tokens = newer if newer is not None else max_tokens
+        if newer is not None:
+            max_tokens, max_name = newer, "max_completion_tokens"
     elif max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     # Chat without a limit: up to the context, set once the prompt's length is known.
@@ -500,7 +502,7 @@ def _stopping(
     min_tokens = _int(body, "min_tokens", 0, longest)
     if min_tokens is not None:
         if max_tokens is not None and min_tokens > max_tokens:
-            message = f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})"
+            message = f"min_tokens ({min_tokens}) must be at most {max_name} ({max_tokens})"
             raise invalid(message, "min_tokens")
         stopping.min_tokens = min_tokens
     stopping.stop_token_ids.extend(_stop_token_ids(body.get("stop_token_ids")))

@@ -33,7 +33,9 @@ OPENAI_FINISH = {
 
 def finish_reason(event: FinishEvent, has_tool_calls: bool = False) -> str:
     """OpenAI's name for a complete answer's finish: ``"tool_calls"`` where
-    the answer called a function and was not cut off."""
+    the answer called a function and was not cut off (``has_tool_calls``:
+    its calls are whole; a stop string, a stop token id or ``max_tokens``
+    that cut one short gives the request's own reason)."""
     reason = OPENAI_FINISH[event.reason]
     return "tool_calls" if has_tool_calls and reason == "stop" else reason
 
@@ -81,17 +83,19 @@ class Envelope:
         logprobs: Sequence[object],
         n: int = 1,
         messages: Sequence[dict[str, object]] | None = None,
+        has_tool_calls: Sequence[bool] | None = None,
     ) -> dict[str, object]:
         """The whole answer (no streaming), a choice per text in index order;
         ``logprobs`` as ``LogprobsBuilder.whole`` (or None), one per choice;
-        chat's ``messages`` where tool calling made them (``ToolReply``)."""
+        chat's ``messages`` where tool calling made them (``ToolReply``),
+        and which of them hold whole calls (``has_tool_calls``)."""
         choices = []
         for index, (text, event, chosen) in enumerate(zip(texts, finishes, logprobs, strict=True)):
             choice: dict[str, object] = {"index": index}
             has_calls = False
             if messages is not None:
                 choice["message"] = messages[index]
-                has_calls = "tool_calls" in messages[index]
+                has_calls = has_tool_calls is not None and has_tool_calls[index]
             elif self.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:

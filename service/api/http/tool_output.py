@@ -6,6 +6,7 @@ message (``ToolReply``), so both answers hold the same::
 
     reader.feed(text)  -> [piece, ...]    each token event's text
     reader.finish()    -> [piece, ...]    after the finish event's own text
+    reader.is_cut()    -> bool            after finish: the output ended inside a call
 
     NamedReader      the output is the named function's arguments
     RequiredReader   the output is [{"name": ..., "parameters": {...}}, ...]
@@ -14,6 +15,11 @@ message (``ToolReply``), so both answers hold the same::
 
 The first piece of a call carries its id and name; its arguments follow
 as they come (named, required) or whole once its block closes (auto).
+A constrained output (named, required) may end before its grammar's end
+(``max_tokens``, a stop string, a stop token id: the engine reports a
+complete one as stopped at a stop sequence too), its last call's arguments
+then cut short; an output is whole where it is JSON (a proper prefix of an
+object or array never is). "auto" hands out whole blocks alone.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ class Reader(Protocol):
 
     def finish(self) -> list[Piece]: ...
 
+    def is_cut(self) -> bool: ...
+
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -88,8 +96,10 @@ class NamedReader:
     def __init__(self, name: str) -> None:
         self._name = name
         self._is_open = False
+        self._parts: list[str] = []
 
     def feed(self, text: str) -> list[Piece]:
+        self._parts.append(text)
         if not self._is_open:
             self._is_open = True
             return [ToolCallDelta(0, text, new_call_id(), self._name)]
@@ -97,6 +107,9 @@ class NamedReader:
 
     def finish(self) -> list[Piece]:
         return [] if self._is_open else self.feed("")
+
+    def is_cut(self) -> bool:
+        return not _is_json("".join(self._parts))
 
 
 # An item's head in "required"'s array (after the one before's closing
@@ -145,6 +158,19 @@ class RequiredReader:
 
     def finish(self) -> list[Piece]:
         return []  # a cut-off call keeps the arguments it has
+
+    def is_cut(self) -> bool:
+        return self._index >= 0 and not _is_json(self._text)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    except RecursionError:  # nested past Python's stack: the grammar saw it through
+        return True
+    return True
 
 
 _IN_STRING = re.compile(r'["\\]')
@@ -231,6 +257,9 @@ class HermesReader:
     def finish(self) -> list[Piece]:
         return self._drain(is_final=True)
 
+    def is_cut(self) -> bool:
+        return False  # a block cut off stays content
+
     def _drain(self, is_final: bool) -> list[Piece]:
         out: list[Piece] = []
         while True:
@@ -277,22 +306,37 @@ class HermesReader:
 
     def _call(self, body: str) -> tuple[str, str] | None:
         """(name, arguments as JSON text) of a block, or None for one that
-        is not a call of a function offered."""
-        try:
-            value = json.loads(body)
-        except (ValueError, RecursionError):
+        is not a call of a function offered: its JSON is not an object whose
+        name is a string naming one and whose arguments are an object of
+        JSON's own values (no NaN or Infinity, which Python's parser takes)."""
+        value = _strict_json(body)
+        if not isinstance(value, dict):
             return None
-        if not isinstance(value, dict) or value.get("name") not in self._names:
+        name = value.get("name")
+        if not (isinstance(name, str) and name in self._names):
             return None
         arguments = value.get("arguments", value.get("parameters", {}))
         if isinstance(arguments, str):  # some models write them as JSON text
-            try:
-                arguments = json.loads(arguments)
-            except (ValueError, RecursionError):
-                return None
+            arguments = _strict_json(arguments)
         if not isinstance(arguments, dict):
             return None
-        return value["name"], json.dumps(arguments, ensure_ascii=False)
+        try:  # a number past float's range (1e999) is read as infinity
+            return name, json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return None
+
+
+def _strict_json(text: str) -> object:
+    """The JSON value ``text`` holds, or None where it holds none (or holds
+    NaN or Infinity)."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _held(text: str) -> int:

@@ -87,6 +87,20 @@ def test_hermes_calls_however_the_text_is_split(
         '<tool_call>{"name": "time", "arguments": [1]}</tool_call>',  # arguments not an object
         '<tool_call>{"name": "time", "arguments": "{nope"}</tool_call>',
         '<tool_call>{"name": "time", "arguments": {"a": ',  # cut off
+        # A name that is not a string, arguments that are not an object.
+        '<tool_call>{"name": ["time"], "arguments": {}}</tool_call>',
+        '<tool_call>{"name": {"time": 1}}</tool_call>',
+        '<tool_call>{"name": 7, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": null, "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "time", "arguments": null}</tool_call>',
+        '<tool_call>{"name": "time", "arguments": "[1]"}</tool_call>',
+        '<tool_call>{"name": "time", "parameters": 3}</tool_call>',
+        # Values JSON does not have, which Python's parser takes.
+        '<tool_call>{"name": "time", "arguments": {"a": NaN}}</tool_call>',
+        '<tool_call>{"name": "time", "arguments": {"a": [-Infinity]}}</tool_call>',
+        '<tool_call>{"name": "time", "arguments": "{\\"a\\": Infinity}"}</tool_call>',
+        '<tool_call>{"name": "time", "arguments": {"a": 1e999}}</tool_call>',
+        '<tool_call>{"name": NaN, "arguments": {}}</tool_call>',
     ],
 )
 def test_a_block_that_is_no_call_stays_content_as_written(block: str) -> None:
@@ -170,3 +184,51 @@ def test_named_reads_the_output_as_the_arguments() -> None:
     args = '{"zone": "utc"}'
     assert read(NamedReader("time"), list(args)) == (None, [("time", args)])
     assert json.loads(read(NamedReader("time"), [args])[1][0][1]) == {"zone": "utc"}
+
+
+@pytest.mark.parametrize("name", [["time"], {"time": 1}, 7, 1.5, True, None, "", "Time"])
+@pytest.mark.parametrize("arguments", [{}, {"a": 1}, [1], "x", 3, None, True])
+def test_hermes_reads_only_a_named_call_with_object_arguments(
+    name: object, arguments: object
+) -> None:
+    """Every pairing of a name and arguments of each JSON kind: a call only
+    where the name is a tool's and the arguments an object; content, as
+    written, otherwise. Never an error."""
+    block = "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+    is_call = name == "time" and isinstance(arguments, dict)
+    expected = (None, [("time", json.dumps(arguments))]) if is_call else (block, [])
+    for parts in splits(block):
+        assert read(HermesReader(NAMES), parts) == expected, parts
+
+
+READERS = {
+    "named": lambda: NamedReader("time"),
+    "required": RequiredReader,
+    "auto": lambda: HermesReader(NAMES),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "output", "is_cut"),
+    [
+        ("named", '{"zone": "utc"}', False),
+        ("named", '{"zone": "utc"', True),  # a stop string took the brace
+        ("named", "", True),
+        ("required", REQUIRED, False),
+        ("required", REQUIRED[:-1], True),  # every call whole, the array not
+        ("required", REQUIRED[: REQUIRED.index("Pa")], True),
+        ("required", '[{"name": "wea', False),  # no call begun: none to cut
+        ("auto", '<tool_call>{"name": "time", "arguments": {', False),  # content
+    ],
+)
+def test_a_constrained_output_is_cut_where_it_is_not_json(
+    kind: str, output: str, is_cut: bool
+) -> None:
+    """Whether the output ended before its grammar's end (a "tool_calls"
+    finish, or the request's own), however it was split."""
+    for parts in splits(output):
+        reader = READERS[kind]()
+        for part in parts:
+            reader.feed(part)
+        reader.finish()
+        assert reader.is_cut() is is_cut, parts

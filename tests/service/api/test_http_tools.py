@@ -17,6 +17,7 @@ import pytest
 from http_front_thread import FrontThread
 
 from slipstream.scheduler.request import FinishReason
+from slipstream.service.api.http.tools import nests_deeper
 from slipstream.service.api.limits import Limits
 from slipstream.service.engine.chat import ChatMessage, ToolCall, render_chat
 from slipstream.service.engine.config import EngineConfig
@@ -106,6 +107,20 @@ def _tool(name: str, parameters: object = None, **function: object) -> dict[str,
 NAMED = {"type": "function", "function": {"name": "time"}}
 
 
+def _assistant(arguments: str) -> dict[str, object]:
+    """An earlier assistant message calling ``f`` with ``arguments``."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+def _nested(depth: int) -> dict[str, object]:
+    """Parameters of ``depth`` objects, one within the other."""
+    parameters: dict[str, object] = {}
+    for _ in range(depth - 1):
+        parameters = {"a": parameters}
+    return parameters
+
+
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
@@ -179,6 +194,29 @@ NAMED = {"type": "function", "function": {"name": "time"}}
             },
             "messages",
             "messages[0].tool_calls[0] is not valid Unicode",
+        ),
+        *(
+            (
+                {"messages": [{"role": "assistant", "content": "x", "tool_calls": calls}]},
+                "messages",
+                "messages[0].tool_calls must be a list",
+            )
+            for calls in ({}, 0, False, "", "abc", {"id": "c"})
+        ),
+        (  # the template is handed them decoded, and copies them recursively
+            {"messages": [MESSAGES[0], _assistant('{"a": ' + "[" * 128 + "]" * 128 + "}")]},
+            "messages",
+            "messages[1].tool_calls[0].function.arguments nests arrays or objects more than 128",
+        ),
+        (
+            {"messages": [MESSAGES[0], _assistant("[" * 600 + "]" * 600)]},
+            "messages",
+            "messages[1].tool_calls[0].function.arguments nests arrays or objects more than 128",
+        ),
+        (  # shown to the template even where not called
+            {"tools": [_tool("f", _nested(200))], "tool_choice": "none"},
+            "tools",
+            "tools[0].function.parameters nests arrays or objects more than 128 deep",
         ),
         (
             {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]},
@@ -328,6 +366,34 @@ def test_a_call_cut_off_by_max_tokens_finishes_length(
     choice = reply.choices[0]
     assert choice.finish_reason == "length"
     assert (choice.message.content, choice.message.tool_calls) == (None, None)
+
+
+def test_a_call_cut_off_by_a_stop_string_finishes_stop(
+    oai: openai.OpenAI, tools_template: object
+) -> None:
+    """A stop string (or stop token id) ends a constrained output before its
+    grammar's end: the call is shown as far as it came, and the finish is
+    the request's own ("stop"), not "tool_calls", whole and streamed. (The
+    engine reports a grammar's end as a stop too: the output tells them
+    apart.)"""
+    weather = {"type": "function", "function": {"name": "weather"}}
+    fields = {"tool_choice": weather, "temperature": 0, "stop": [","]}
+    whole = oai.chat.completions.create(**ARGS, **fields)  # type: ignore[arg-type]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "weather" and call.function.arguments.startswith('{"')
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    chunks, final = _streamed(oai, **fields)
+    assert chunks[-1].choices[0].finish_reason == "stop"  # type: ignore[attr-defined]
+    answer = final.choices[0]  # type: ignore[attr-defined]
+    assert answer.finish_reason == "stop"
+    assert answer.message.tool_calls[0].function.arguments == call.function.arguments
+    # Without the stop string the same call is whole: "tool_calls".
+    whole = oai.chat.completions.create(**ARGS, tool_choice=weather, temperature=0)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    _arguments(whole.choices[0].message.tool_calls[0])
 
 
 def test_none_renders_the_tools_and_answers_text(
@@ -509,3 +575,64 @@ def test_required_follows_references_inside_parameters(
         )
         (call,) = reply.choices[0].message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), unit)
+
+
+def test_nesting_is_bounded_at_128(oai: openai.OpenAI, tools_template: object) -> None:
+    """128 levels are accepted (in a function's parameters, in an earlier
+    call's arguments): the bound is far below what the template survives."""
+    deep = "[" * 127 + "]" * 127  # within the arguments' object
+    messages = [
+        *MESSAGES,
+        _assistant(f'{{"a": {deep}}}'),
+        {"role": "tool", "tool_call_id": "c", "content": "ok"},
+    ]
+    tools = [_tool("f", _nested(128))]
+    reply = oai.chat.completions.create(
+        **{**ARGS, "messages": messages, "tools": tools, "max_tokens": 2}, tool_choice="none"
+    )
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_nests_deeper_counts_brackets_outside_strings() -> None:
+    assert not nests_deeper("{}", 1) and nests_deeper("[[]]", 1) and not nests_deeper("[[]]", 2)
+    assert not nests_deeper('{"a": "[[[[[[", "b": [{}, [], {"c": "]]]"}]}', 3)
+    assert nests_deeper('{"a": "[[[[[[", "b": [{}, [], {"c": [1]}]}', 3)
+    assert not nests_deeper('["\\"[[[", {}]', 2)  # an escaped quote: still inside the string
+    assert not nests_deeper("[" * 50 + "]" * 50 + "[]" * 1000, 50)
+    assert nests_deeper("[" * 51 + "]" * 51 + "[]" * 1000, 50)
+    assert nests_deeper("[[[ not json", 2) and not nests_deeper("]]]][[ not json", 2)
+
+
+def test_required_keeps_what_parameters_hold_as_written(
+    oai: openai.OpenAI, tools_template: object
+) -> None:
+    """Nothing in a function's parameters is rewritten for "required": a
+    value shaped as a reference stays one (a const here), an anchor
+    resolves, and parameters with an ``$id`` of their own keep it."""
+    const = {
+        "type": "object",
+        "properties": {"k": {"const": {"$ref": "#/x"}}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    anchor = {
+        "type": "object",
+        "$defs": {"n": {"$anchor": "node", "type": "integer", "minimum": 1, "maximum": 3}},
+        "properties": {"k": {"$ref": "#node"}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
+    own_id = {
+        **anchor,
+        "$id": "https://example.com/own.json",
+        "properties": {"k": {"$ref": "#/$defs/n"}},
+    }
+    for name, schema in {"const": const, "anchor": anchor, "own_id": own_id}.items():
+        reply = oai.chat.completions.create(
+            **{**ARGS, "tools": [_tool(name, schema)]},
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+        )
+        (call,) = reply.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schema)

@@ -8,6 +8,7 @@ ValueError before it sends."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import grpc
@@ -168,12 +169,30 @@ def test_http_refuses_a_bad_value_naming_it(front, extra, param, words) -> None:
     assert error["param"] == param and words in error["message"], error
 
 
-def test_a_chat_without_max_tokens_is_held_to_its_context_at_conversion(front) -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "min_tokens": 10**6}
+def test_a_chat_without_max_tokens_is_held_to_its_context_at_conversion(
+    front, engine, monkeypatch
+) -> None:
+    """Its bound is the room the prompt leaves, named in the HTTP's own
+    words (not the wire's max_new_tokens); a chat's max_completion_tokens
+    is named as the body named it."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    monkeypatch.setattr(engine.tokenizer, "chat_template", template)
+    longest = engine.info.max_model_len
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "messages": messages, "min_tokens": longest}
     status, reply = front.post_bytes("/v1/chat/completions", json.dumps(body).encode())
     assert status == 400, reply
     error = json.loads(reply)["error"]
     assert error["param"] == "min_tokens", error
+    words = rf"min_tokens \({longest}\) must be at most the (\d+) tokens the context \({longest}\)"
+    room = re.match(words, error["message"])
+    assert room is not None and "max_new_tokens" not in error["message"], error
+    assert 0 < int(room.group(1)) < longest and "no max_tokens was given" in error["message"]
+    body = {"model": "tiny", "messages": messages, "min_tokens": 6, "max_completion_tokens": 5}
+    status, reply = front.post_bytes("/v1/chat/completions", json.dumps(body).encode())
+    error = json.loads(reply)["error"]
+    assert status == 400 and error["param"] == "min_tokens", error
+    assert error["message"] == "min_tokens (6) must be at most max_completion_tokens (5)", error
 
 
 @pytest.mark.parametrize("is_chat", [False, True], ids=["completions", "chat"])

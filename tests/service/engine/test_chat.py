@@ -114,3 +114,21 @@ def test_renders_tools_reads_the_templates_source() -> None:
 def test_a_bad_message_is_refused() -> None:
     with pytest.raises(ChatError, match=r"messages\[0\].role 'robot'"):
         render_chat(Recording(), [ChatMessage("robot", "hi")])
+
+
+def test_data_nested_too_deeply_to_render_is_refused(tiny_model_dir: Path) -> None:
+    """transformers walks what the template is handed recursively: 600
+    levels of arguments (or of a function's parameters) are past Python's
+    stack, a refusal of this conversation, not an error of the server."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}"
+    deep = "[" * 600 + "]" * 600
+    call = ToolCall("call_1", "f", f'{{"a": {deep}}}')
+    with pytest.raises(ChatError, match="nest arrays or objects too deeply"):
+        render_chat(tokenizer, [ChatMessage("user", "hi"), ChatMessage("assistant", "", (call,))])
+    parameters: dict[str, object] = {}
+    for _ in range(600):
+        parameters = {"a": parameters}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    with pytest.raises(ChatError, match="nest arrays or objects too deeply"):
+        render_chat(tokenizer, [("user", "hi")], tools)
