@@ -126,16 +126,18 @@ class SamplingParams:
     has_logit_adjustments: bool = field(init=False, repr=False, compare=False)
     # min_tokens or stop ids: the scheduler's per-token stop decision asks.
     has_token_stops: bool = field(init=False, repr=False, compare=False)
+    # A penalty or a bias: they adjust every step's logits (not min_tokens).
+    has_penalties_or_bias: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        adjusts = bool(
+        penalised = bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
-            or self.min_tokens
         )
-        object.__setattr__(self, "has_logit_adjustments", adjusts)
+        object.__setattr__(self, "has_penalties_or_bias", penalised)
+        object.__setattr__(self, "has_logit_adjustments", penalised or bool(self.min_tokens))
         object.__setattr__(self, "has_token_stops", bool(self.min_tokens or self.stop_token_ids))
 
     @property

@@ -65,10 +65,12 @@ Invariants kept by every public method:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from .admission import Admission
 from .block_manager import commit_computed_blocks
+from .cost_model import StepShape
 from .expiry import Expiry
 from .plan import PENDING_TOKEN, RequestOutput, ScheduledSeq, StepPlan
 from .request import FinishReason, Request, RequestStatus
@@ -212,8 +214,16 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
             return
         if any(len(seq.token_ids) - seq.num_drafts > 1 for seq in plan.seqs):
             return  # a prefill chunk pays the step's prefill cost itself
-        has_drafts = any(seq.num_drafts for seq in plan.seqs)
-        self._draft_overhead.observe(has_drafts, step_s - self._cost_model.plan_seconds(plan))
+        # Priced as _draft_price prices it: the decodes, and each draft at a
+        # prefill and a context token; the rest is the once-only cost.
+        model = self._cost_model
+        shape = StepShape.of(plan)
+        num_drafts = shape.num_prefill_tokens
+        predicted_s = model.step_seconds(dataclasses.replace(shape, num_prefill_tokens=0))
+        if num_drafts:
+            c = model.coefficients
+            predicted_s += num_drafts * (c.per_prefill_token_s + c.per_context_token_s)
+        self._draft_overhead.observe(num_drafts > 0, step_s - predicted_s, predicted_s)
 
     def discard(self, plan: StepPlan | None) -> None:
         """Forgets ``plan``, whose step failed (None: every plan not yet

@@ -111,6 +111,7 @@ class SchedulerState:
         self._num_draft_tokens = 0
         self._num_accepted_tokens = 0
         self._draft_overhead = DraftOverhead()
+        self._steps_without_drafts = 0  # planned since the last step that held any
         self._num_preemptions = {mode: 0 for mode in PreemptionMode}
         self._num_expired = 0
         self._num_abandoned = 0

@@ -117,6 +117,9 @@ class NgramIndex:
 
 # Weight of the newest step in ``DraftOverhead``'s two averages.
 OVERHEAD_EWMA = 0.1
+# Steps planned without drafts, while drafting was priced out, after which
+# one step's once-only cost is waived: a probe that measures it again.
+DRAFT_PROBE_STEPS = 32
 
 
 class DraftOverhead:
@@ -132,9 +135,13 @@ class DraftOverhead:
         self._with: float | None = None
         self._without: float | None = None
 
-    def observe(self, has_drafts: bool, residual_s: float) -> None:
+    def observe(self, has_drafts: bool, residual_s: float, predicted_s: float) -> None:
         """A decode-only step (no prefill chunk) that ran ``residual_s``
-        seconds longer than predicted (negative: shorter)."""
+        seconds longer than the ``predicted_s`` its tokens cost (negative:
+        shorter). A sample counts at most ``predicted_s`` either way: one
+        step slowed by something else (a page fault, a busy host) moves
+        the average by a bounded amount."""
+        residual_s = max(-predicted_s, min(residual_s, predicted_s))
         if has_drafts:
             self._with = _blend(self._with, residual_s)
         else:

@@ -14,7 +14,7 @@ from .plan import PENDING_TOKEN, ScheduledSeq
 from .request import Request, RequestStatus
 from .room import RoomMaking
 from .scheduler_state import _StepState
-from .speculative import Drafter, DraftPrice
+from .speculative import DRAFT_PROBE_STEPS, Drafter, DraftPrice
 
 _RUNNING = RequestStatus.RUNNING  # per running request a step: see deadline_estimates.py
 _NO_DRAFTS: tuple[int, ...] = ()
@@ -130,7 +130,14 @@ class StepPlanning(RoomMaking):
         decodes alone (a step with a prefill chunk too is longer, so drafts
         cost it less); holding drafts costs the step the larger of the
         model's prefill-step cost and what drafting steps were measured to
-        take beyond it. None without a cost model: every draft is made."""
+        take beyond it. None without a cost model: every draft is made.
+
+        That once-only cost is measured, never the model's prefill-step
+        coefficient, which a noisy calibration can set at many times a
+        step and so rule drafting out for good; and every
+        ``DRAFT_PROBE_STEPS`` steps without drafts it is waived, so that a
+        step holding drafts is measured again and an estimate one bad step
+        set can come back down."""
         model = self._cost_model
         if model is None or not self._running:
             return None
@@ -141,7 +148,10 @@ class StepPlanning(RoomMaking):
         )
         step_s = model.step_seconds(StepShape(0, num_decodes, context))
         draft_s = c.per_prefill_token_s + c.per_context_token_s
-        once_s = max(c.per_prefill_step_s, self._draft_overhead.seconds)
+        once_s = self._draft_overhead.seconds
+        self._steps_without_drafts += 1
+        if self._steps_without_drafts > DRAFT_PROBE_STEPS:
+            once_s = 0.0
         return DraftPrice(step_s / num_decodes, draft_s, once_s)
 
     def _add_seq(
@@ -166,6 +176,8 @@ class StepPlanning(RoomMaking):
             )
         )
         state.token_budget -= num_new + len(drafts)
+        if drafts:
+            self._steps_without_drafts = 0
         if num_new > 1 or drafts:
             state.holds_prefill = True
         state.scheduled[req.req_id] = req
@@ -252,8 +264,15 @@ def _may_draft(req: Request) -> bool:
     """Whether ``req``'s decodes may carry drafts: its next token depends on
     nothing a draft would change. Log-probabilities are reported one token
     a step; penalties count every token before the next; a constraint's
-    mask follows each token (``is_draftable``). Sampling rows draft too: a
+    mask follows each token (``is_draftable``); ``min_tokens`` bans EOS
+    until that many outputs are out. Sampling rows draft too: a
     row's draw accepts a draft as often as the model would pick it
     (kernels/sampling_speculative.py)."""
     sampling = req.sampling
-    return req.is_draftable and sampling.logprobs is None and not sampling.has_logit_adjustments
+    if not req.is_draftable or sampling.logprobs is not None:
+        return False
+    if not sampling.has_logit_adjustments:
+        return True
+    # min_tokens alone adjusts a row's logits only until that many outputs
+    # are out (its ban on EOS and stop ids); penalties and a bias never stop.
+    return not sampling.has_penalties_or_bias and len(req.output_token_ids) >= sampling.min_tokens

@@ -431,13 +431,22 @@ def test_drafts_are_priced_as_prefill_tokens_and_fit_under_urgent_ceilings() -> 
 
 def test_what_holding_drafts_costs_a_step_is_measured() -> None:
     overhead = DraftOverhead()
-    overhead.observe(True, 0.004)
+    overhead.observe(True, 0.004, 0.010)
     assert overhead.seconds == 0.0  # nothing to compare with yet
-    overhead.observe(False, 0.001)  # the model's own error, drafts or not
+    overhead.observe(False, 0.001, 0.010)  # the model's own error, drafts or not
     assert overhead.seconds == pytest.approx(0.003)
     for _ in range(100):
-        overhead.observe(True, 0.0)
+        overhead.observe(True, 0.0, 0.010)
     assert overhead.seconds == 0.0  # never below 0
+
+
+def test_one_slow_step_moves_the_overhead_by_at_most_its_predicted_time() -> None:
+    """A drafting step a page fault or a busy host slowed by 100 ms took
+    the estimate to 100 ms at once, which priced every draft out."""
+    overhead = DraftOverhead()
+    overhead.observe(False, 0.0, 0.010)
+    overhead.observe(True, 0.100, 0.010)
+    assert overhead.seconds == pytest.approx(0.010)
 
 
 def test_the_scheduler_prices_the_measured_overhead_of_drafting_steps() -> None:
@@ -463,3 +472,70 @@ def test_the_scheduler_prices_the_measured_overhead_of_drafting_steps() -> None:
         sched.update(plan, sampled, now, step_s, verified=driver.runner.verified)
     draft_price = sched._draft_price()
     assert draft_price is not None and draft_price.step_s == pytest.approx(0.003)
+
+
+def drafts_in_steps(sched: Scheduler, driver: Driver, req: Request, steps: int) -> int:
+    """Draft tokens planned for ``req`` over ``steps`` steps (each updated
+    with its predicted time, so the cost model and the overhead stay put)."""
+    cost = sched._cost_model
+    num_drafts = 0
+    for _ in range(steps):
+        if req.status.name == "FINISHED":
+            break
+        driver.now += 1
+        plan = sched.schedule(driver.now)
+        num_drafts += sum(seq.num_drafts for seq in plan.seqs)
+        sampled = driver.runner.execute(plan)
+        step_s = None if cost is None else cost.plan_seconds(plan)
+        sched.update(plan, sampled, driver.now, step_s, verified=driver.runner.verified)
+    return num_drafts
+
+
+def draft_ready(cost: object, max_new_tokens: int = 120, **sampling: object) -> tuple:
+    from slipstream.scheduler.request import SamplingParams
+
+    config = SchedulerConfig(
+        num_device_blocks=128, block_size=4, max_model_len=512, num_speculative_tokens=4
+    )
+    sched = Scheduler(config, cost_model=cost)  # type: ignore[arg-type]
+    driver = Driver(sched, model=echo_model)
+    req = make_request("r", prompt_len=0, max_new_tokens=max_new_tokens)
+    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
+    if sampling:
+        req.sampling = SamplingParams(**sampling)  # type: ignore[arg-type]
+    return sched, driver, req
+
+
+def test_a_calibrations_prefill_step_cost_does_not_rule_drafting_out() -> None:
+    """The once-only cost of a drafting step was the larger of the measured
+    overhead and the cost model's prefill-step coefficient; a noisy
+    start-up fit put that at 0.36-0.82 s on a CPU, no draft was ever made,
+    and so nothing was measured that could correct it."""
+    from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+
+    cost = CostModel(CostCoefficients(0.0056, 0.0004, 0.0004, 0.0, per_prefill_step_s=0.8))
+    sched, driver, req = draft_ready(cost)
+    decoding(sched, req, driver)
+    assert drafts_in_steps(sched, driver, req, 8) > 0
+
+
+def test_drafting_priced_out_by_a_stale_overhead_is_probed_again() -> None:
+    from slipstream.scheduler.cost_model import CostCoefficients, CostModel
+    from slipstream.scheduler.speculative import DRAFT_PROBE_STEPS
+
+    cost = CostModel(CostCoefficients(0.0056, 0.0004, 0.0004, 0.0, 0.0))
+    sched, driver, req = draft_ready(cost, max_new_tokens=200)
+    decoding(sched, req, driver)
+    sched._draft_overhead.observe(False, 0.0, 1.0)
+    sched._draft_overhead.observe(True, 1.0, 1.0)  # a second a step: nothing pays that
+    assert drafts_in_steps(sched, driver, req, DRAFT_PROBE_STEPS) == 0
+    assert drafts_in_steps(sched, driver, req, 2) > 0  # a probe step holds drafts
+
+
+def test_a_request_drafts_once_its_min_tokens_are_out() -> None:
+    """min_tokens masks EOS and stop ids only until that many outputs are
+    out; it kept a request from drafting for its whole life."""
+    sched, driver, req = draft_ready(None, min_tokens=3)
+    decoding(sched, req, driver)
+    assert drafts_in_steps(sched, driver, req, 1) == 0  # 1 output: still inside min_tokens
+    assert drafts_in_steps(sched, driver, req, 12) > 0
