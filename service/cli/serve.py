@@ -688,6 +688,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     try:
+        config.check()
         options = [
             *connection_age_options(args.max_connection_age_s, args.max_connection_age_grace_s),
             *keepalive_options(args.keepalive_s, args.keepalive_timeout_s),

@@ -44,6 +44,12 @@ def switch(value: str) -> bool | None:
     return {"auto": None, "on": True, "off": False}[value]
 
 
+SPECULATIVE_ON_CUDA = (
+    "--speculative-tokens runs on the CPU only (the CUDA runner samples one "
+    "token a sequence); on CUDA leave it at 0"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How the engine loads its model and sizes its KV pools.
@@ -116,6 +122,20 @@ class EngineConfig:
     # this many draft tokens a decode carries, verified in its step; 0: off.
     # The CPU runner only.
     speculative_tokens: int = 0
+
+    def check(self) -> None:
+        """Raises ValueError for settings no engine runs together, before
+        anything is loaded or listening (the device ``auto`` resolves to is
+        checked where it is known)."""
+        if self.speculative_tokens and self.plan_ahead:
+            # A plan made ahead follows tokens still in flight: it has nothing
+            # to look drafts up from, and every later plan is made ahead too.
+            raise ValueError(
+                "--speculative-tokens drafts from each step's results; with --plan-ahead on "
+                "no step would draft (leave --plan-ahead at auto: off on the CPU)"
+            )
+        if self.speculative_tokens and self.device.startswith("cuda"):
+            raise ValueError(SPECULATIVE_ON_CUDA)
 
     def step_token_budget(self, *, on_gpu: bool) -> int:
         """``max_num_batched_tokens``, or the device's default where unset."""

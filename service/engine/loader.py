@@ -33,7 +33,7 @@ from slipstream.scheduler.policy_registry import DEFAULT_POLICY
 from slipstream.scheduler.scheduler import Scheduler
 from slipstream.service.engine.calibration import calibrate_cached
 from slipstream.service.engine.chat import has_chat_template
-from slipstream.service.engine.config import EngineConfig
+from slipstream.service.engine.config import SPECULATIVE_ON_CUDA, EngineConfig
 from slipstream.service.engine.device import (
     cuda_dtype_name,
     describe_device,
@@ -78,13 +78,7 @@ def load_engine(config: EngineConfig, cpu: CpuFeatures | None = None) -> Engine:
 
 
 def load_parts(config: EngineConfig, cpu: CpuFeatures | None = None) -> EngineParts:
-    if config.speculative_tokens and config.plan_ahead:
-        # A plan made ahead follows tokens still in flight: it has nothing to
-        # look drafts up from, and every later plan is made ahead too.
-        raise ValueError(
-            "--speculative-tokens drafts from each step's results; with --plan-ahead on "
-            "no step would draft (leave --plan-ahead at auto: off on the CPU)"
-        )
+    config.check()
     device = resolve_device(config.device)
     log.info("device", line=device_log_line(describe_device(device)))
     budget = config.step_token_budget(on_gpu=device.type == "cuda")
@@ -161,11 +155,8 @@ def _load_on_cuda(config: EngineConfig, device: torch.device) -> EngineParts:
     from slipstream.service.engine.cuda_runner import DeviceRunner, move_model_to
     from slipstream.service.engine.layer_graphs import layer_graph_bytes
 
-    if config.speculative_tokens:
-        raise ValueError(
-            "--speculative-tokens runs on the CPU only (the CUDA runner samples one "
-            "token a sequence); on CUDA leave it at 0"
-        )
+    if config.speculative_tokens:  # --device auto found a GPU
+        raise ValueError(SPECULATIVE_ON_CUDA)
     if config.kv_cache_dtype != "auto":
         raise ValueError(
             f"--kv-cache-dtype {config.kv_cache_dtype} runs on the CPU only; "

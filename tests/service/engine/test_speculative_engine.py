@@ -159,3 +159,18 @@ def test_serve_takes_the_flag_off_by_default() -> None:
     assert config.scheduler_config(64, 0, 1024).num_speculative_tokens == 4
     with pytest.raises(SystemExit):
         parse(["serve", "--speculative-tokens", "-1"])
+
+
+def test_serve_refuses_drafts_with_plan_ahead_before_it_listens(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The combination was refused when the engine loaded: after the HTTP
+    front had started and said where it listened."""
+    from slipstream.service.cli import main
+
+    serve = ["serve", "--model", "tiny", "--port", "0", "--http-port", "0", "--no-calibrate"]
+    for extra in (["--plan-ahead", "on"], ["--device", "cuda"]):
+        assert main([*serve, "--speculative-tokens", "4", *extra]) == 2
+        out = capsys.readouterr()
+        assert "--speculative-tokens" in out.err
+        assert "listening" not in out.out + out.err and "http://" not in out.out
