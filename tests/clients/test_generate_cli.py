@@ -189,9 +189,9 @@ def test_the_sampling_flags_reach_the_submit(
     assert not bare.HasField("repetition_penalty") and not bare.logit_bias
 
 
-def test_the_local_engine_is_given_the_sampling_flags(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+@pytest.fixture
+def submitted(monkeypatch: pytest.MonkeyPatch) -> list[RequestSpec]:
+    """What ``generate --local`` submits, to an engine that ends each request at once."""
     import slipstream.service.engine.loader as loader
 
     submitted: list[RequestSpec] = []
@@ -207,6 +207,12 @@ def test_the_local_engine_is_given_the_sampling_flags(
             on_event(FinishEvent(request.req_id, FinishReason.MAX_TOKENS))
 
     monkeypatch.setattr(loader, "load_engine", lambda config: Engine())
+    return submitted
+
+
+def test_the_local_engine_is_given_the_sampling_flags(
+    submitted: list[RequestSpec], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     (tmp_path / "prompts.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
     argv = ["generate", "--local", "--prompts-file", str(tmp_path / "prompts.jsonl")]
     assert main([*argv, *SAMPLING_FLAGS]) == 0
@@ -282,23 +288,8 @@ def test_the_new_sampling_flags_reach_the_submit(
 
 
 def test_the_local_engine_is_given_the_new_sampling_flags(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    submitted: list[RequestSpec], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import slipstream.service.engine.loader as loader
-
-    submitted: list[RequestSpec] = []
-
-    class Engine:
-        tokenizer = None
-
-        def start(self) -> None: ...
-        def shutdown(self) -> None: ...
-
-        def submit(self, request: RequestSpec, on_event: Callable[[object], None]) -> None:
-            submitted.append(request)
-            on_event(FinishEvent(request.req_id, FinishReason.MAX_TOKENS))
-
-    monkeypatch.setattr(loader, "load_engine", lambda config: Engine())
     argv = ["generate", "--local", "--prompt", "hi", "--max-tokens", "4"]
     monkeypatch.setattr(
         "slipstream.service.cli.generate._local_prompt_ids", lambda spec, tokenizer: [1, 2]
