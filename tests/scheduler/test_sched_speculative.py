@@ -43,6 +43,16 @@ def make_scheduler(num_device_blocks: int = 64, block_size: int = 4, **kwargs: o
     return Scheduler(config)
 
 
+def decoding_looped(sched: Scheduler, **request: object) -> tuple[Driver, Request]:
+    """A request ``r`` whose prompt repeats itself (drafts to find), decoding
+    on ``sched`` under a driver whose model echoes; ``request``: ``make_request``'s."""
+    driver = Driver(sched, model=echo_model)
+    req = make_request("r", prompt_len=0, **request)
+    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
+    decoding(sched, req, driver)
+    return driver, req
+
+
 def decoding(sched: Scheduler, req: Request, driver: Driver) -> None:
     """Adds ``req`` and steps until it has its first output (a decode next)."""
     sched.add_request(req)
@@ -209,10 +219,7 @@ def test_tokens_equal_one_decode_at_a_time(ahead: bool, num_device_blocks: int) 
 
 def test_nothing_is_planned_ahead_of_a_drafting_step_for_its_request() -> None:
     sched = make_scheduler()
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=30)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, _ = decoding_looped(sched, max_new_tokens=30)
     other = make_request("other", prompt_len=5, max_new_tokens=30)
     sched.add_request(other)
     drafting = sched.schedule(driver.now + 1)
@@ -229,10 +236,7 @@ def test_nothing_is_planned_ahead_of_a_drafting_step_for_its_request() -> None:
 
 def test_eos_among_accepted_tokens_ends_the_request_there() -> None:
     sched = make_scheduler()
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=30, ignore_eos=False)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, req = decoding_looped(sched, max_new_tokens=30, ignore_eos=False)
     plan = sched.schedule(driver.now + 1)
     [seq] = plan.seqs
     assert seq.num_drafts >= 3
@@ -246,10 +250,7 @@ def test_eos_among_accepted_tokens_ends_the_request_there() -> None:
 
 def test_a_stop_in_the_middle_drops_the_rest_and_each_token_is_asked() -> None:
     sched = make_scheduler()
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=30)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, req = decoding_looped(sched, max_new_tokens=30)
     plan = sched.schedule(driver.now + 1)
     [seq] = plan.seqs
     tokens = [*seq.token_ids[1:], 1]  # every draft accepted, then the model's own
@@ -268,10 +269,7 @@ def test_a_stop_in_the_middle_drops_the_rest_and_each_token_is_asked() -> None:
 
 def test_drafts_stop_short_of_the_token_limit() -> None:
     sched = make_scheduler()
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=3)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, _ = decoding_looped(sched, max_new_tokens=3)
     [seq] = sched.schedule(driver.now + 1).seqs
     assert seq.num_drafts == 1  # output 1 verifies one draft: outputs 1 and 2 at most
 
@@ -343,10 +341,7 @@ def test_a_constrained_request_decodes_one_token_at_a_time() -> None:
 
 def test_off_by_default() -> None:
     sched = make_scheduler(num_speculative_tokens=0)
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=30)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, _ = decoding_looped(sched, max_new_tokens=30)
     assert sched.schedule(driver.now + 1).seqs[0].num_drafts == 0
     config = SchedulerConfig(num_device_blocks=1, block_size=1, max_model_len=1)
     assert config.num_speculative_tokens == 0
@@ -355,10 +350,7 @@ def test_off_by_default() -> None:
 def test_drafts_fit_the_budget_left_and_the_free_blocks_never_preempting() -> None:
     # Budget: 3 tokens a step; the decode takes one, drafts the other two.
     sched = make_scheduler(max_num_batched_tokens=3)
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=30)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, req = decoding_looped(sched, max_new_tokens=30)
     assert sched.schedule(driver.now + 1).seqs[0].num_drafts == 2
 
     # Blocks: "r" at 10 tokens in 3 blocks of 4 (2 slots left past its
@@ -377,10 +369,7 @@ def test_drafts_fit_the_budget_left_and_the_free_blocks_never_preempting() -> No
 
 def test_update_refuses_verified_tokens_that_do_not_follow_the_drafts() -> None:
     sched = make_scheduler()
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=30)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, req = decoding_looped(sched, max_new_tokens=30)
     plan = sched.schedule(driver.now + 1)
     drafts = plan.seqs[0].token_ids[1:]
     wrong = (drafts[0] + 1) % 97
@@ -457,10 +446,7 @@ def test_the_scheduler_prices_the_measured_overhead_of_drafting_steps() -> None:
         num_device_blocks=64, block_size=4, max_model_len=256, num_speculative_tokens=4
     )
     sched = Scheduler(config, cost_model=cost)
-    driver = Driver(sched, model=echo_model)
-    req = make_request("r", prompt_len=0, max_new_tokens=60)
-    req.prompt_token_ids = [3, 4, 5, 6, 7, 3, 4, 5]
-    decoding(sched, req, driver)
+    driver, req = decoding_looped(sched, max_new_tokens=60)
     now = driver.now
     for draftable, late_s in ((False, 0.0), (True, 0.003)):  # drafting steps 3 ms late
         req.is_draftable = draftable
