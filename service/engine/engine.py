@@ -125,6 +125,7 @@ class _Live:
     # Why its constraint can no longer be followed: it ends ERROR, even where
     # the token that showed it (an EOS, its last allowed) ended it first.
     broken: str | None = None
+    num_unsent: int = 0  # output tokens taken but not sent (the step that broke it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -575,7 +576,9 @@ class Engine:
             text, live.pending_text = "".join(live.pending_text), []
             # A token its constraint refused (or took past its limits) ends
             # the request ERROR: neither it nor its text is sent as output.
-            if out.new_token_ids and live.broken is None:
+            if out.new_token_ids and live.broken is not None:
+                live.num_unsent += len(out.new_token_ids)  # not counted as output either
+            elif out.new_token_ids:
                 live.on_event(
                     TokenEvent(  # by position, in declaration order: per request per step
                         out.req_id,  # req_id
@@ -639,7 +642,7 @@ class Engine:
             reason=reason,
             message=message,
             num_prompt_tokens=state.num_prompt_tokens,
-            num_output_tokens=state.num_output_tokens,
+            num_output_tokens=state.num_output_tokens - live.num_unsent,
             num_cached_tokens=state.num_cached_tokens,
             queue_wait_s=_queue_wait(state, now),
             ttft_s=None

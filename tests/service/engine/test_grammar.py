@@ -530,6 +530,7 @@ def test_costly_masks_end_their_request_alone_as_too_complex(engine):
     assert results[1].finish.reason is FinishReason.ERROR, results[1]
     assert "on average over 3 steps" in results[1].finish.message
     assert len(results[1].token_ids) == 2  # the third, taken after the third mask, is not sent
+    assert results[1].finish.num_output_tokens == 2  # nor counted as output
     assert _matches(DIGITS, results[2].text)
     assert results[3].finish.reason is FinishReason.MAX_TOKENS
 
