@@ -96,6 +96,20 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
+def valid_unicode(value: str, name: str, param: str) -> str:
+    """``value``, refused when it holds a lone UTF-16 surrogate (JSON's
+    ``"\\ud800"``): no UTF-8 encodes one, so protobuf and the tokenizer
+    would fail on it. ``name`` says where it is, ``param`` is the field."""
+    if value.isascii():
+        return value
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        message = f"{name} is not valid Unicode (a lone surrogate at character {exc.start})"
+        raise invalid(message, param) from None
+    return value
+
+
 def too_large(message: str, param: str | None = None) -> ApiError:
     return ApiError(413, message, param=param, code="request_too_large")
 

@@ -42,7 +42,7 @@ from slipstream.scheduler.request import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
 )
-from slipstream.service.api.http.errors import ApiError, from_domain, invalid
+from slipstream.service.api.http.errors import ApiError, from_domain, invalid, valid_unicode
 from slipstream.service.api.http.response_format import set_response_format
 from slipstream.service.api.http.tools import FIELDS as TOOL_FIELDS
 from slipstream.service.api.http.tools import (
@@ -130,7 +130,7 @@ def parse(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("model is required (a string; see GET /v1/models)", "model")
-    _text(model, "model", "model")
+    valid_unicode(model, "model", "model")
     n = _int(body, "n", 1, max_choices) or 1  # this server's bound, in its message
     _optional(body, "user", str)
     is_stream = bool(_optional(body, "stream", bool))
@@ -162,7 +162,7 @@ def parse(
         submit.expected_output_tokens = expected
     for name, value in caller_trace_context(headers).items():
         # Bytes that are not UTF-8 arrive as lone surrogates.
-        submit.trace_context[name] = _text(value, name, name)
+        submit.trace_context[name] = valid_unicode(value, name, name)
     return OpenAIRequest(is_chat, model, prompts, submit, is_stream, include_usage, n, tools)
 
 
@@ -190,21 +190,7 @@ def _optional(body: Mapping[str, object], name: str, kind: type) -> object:
     if value is not None and not (isinstance(value, kind) and _not_bool_for_number(value, kind)):
         raise invalid(f"{name} must be {_KIND_NAMES.get(kind, kind.__name__)}", name)
     if isinstance(value, str):
-        _text(value, name, name)
-    return value
-
-
-def _text(value: str, name: str, param: str) -> str:
-    """``value``, refused when it holds a lone UTF-16 surrogate (JSON's
-    ``"\\ud800"``): no UTF-8 encodes one, so protobuf and the tokenizer
-    would fail on it. ``name`` says where it is, ``param`` is the field."""
-    if value.isascii():
-        return value
-    try:
-        value.encode()
-    except UnicodeEncodeError as exc:
-        message = f"{name} is not valid Unicode (a lone surrogate at character {exc.start})"
-        raise invalid(message, param) from None
+        valid_unicode(value, name, name)
     return value
 
 
@@ -270,7 +256,7 @@ def _prompt(prompt: object, name: str, max_model_len: int, max_new: int) -> str 
     if isinstance(prompt, str):
         if not prompt:
             raise invalid(f"{name} is empty", "prompt")
-        return _text(prompt, name, "prompt")
+        return valid_unicode(prompt, name, "prompt")
     if isinstance(prompt, list) and prompt:
         if len(prompt) > max_model_len:  # as the gRPC front's check (wire._prompt_ids)
             raise _over_context(PromptTooLong.over_context(len(prompt), max_new, max_model_len))
@@ -324,7 +310,7 @@ def _messages(body: Mapping[str, object]) -> list[ChatMessage]:
         role = message.get("role")
         if not isinstance(role, str):
             raise invalid(f"{where}.role must be a string", "messages")
-        _text(role, f"{where}.role", "messages")
+        valid_unicode(role, f"{where}.role", "messages")
         out.append(_message(message, role, where))
     return out
 
@@ -343,14 +329,14 @@ def _message(message: Mapping[str, object], role: str, where: str) -> ChatMessag
         calls = message_tool_calls(message["tool_calls"], where)
         for j, call in enumerate(calls):
             for text in (call.id, call.name, call.arguments):
-                _text(text, f"{where}.tool_calls[{j}]", "messages")
+                valid_unicode(text, f"{where}.tool_calls[{j}]", "messages")
     call_id = message.get("tool_call_id")
     if call_id is not None:
         if role != "tool":
             raise invalid(f"{where}.tool_call_id is only allowed in a tool message", "messages")
         if not isinstance(call_id, str):
             raise invalid(f"{where}.tool_call_id must be a string", "messages")
-        _text(call_id, f"{where}.tool_call_id", "messages")
+        valid_unicode(call_id, f"{where}.tool_call_id", "messages")
     content = message.get("content")
     text = "" if content is None and calls else _content(content, where)
     return ChatMessage(role, text, calls, call_id)
@@ -359,7 +345,7 @@ def _message(message: Mapping[str, object], role: str, where: str) -> ChatMessag
 def _content(content: object, where: str) -> str:
     """Text content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
     if isinstance(content, str):
-        return _text(content, f"{where}.content", "messages")
+        return valid_unicode(content, f"{where}.content", "messages")
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -369,7 +355,7 @@ def _content(content: object, where: str) -> str:
             if not isinstance(text, str):
                 raise invalid(f"{where}.content text parts need a string text", "messages")
             texts.append(text)
-        return _text("".join(texts), f"{where}.content", "messages")
+        return valid_unicode("".join(texts), f"{where}.content", "messages")
     raise invalid(f"{where}.content must be a string or a list of text parts", "messages")
 
 
@@ -495,7 +481,7 @@ def _stopping(
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise invalid("stop must be a non-empty string or a list of them", "stop")
         for i, text in enumerate(stops):
-            _text(text, "stop" if isinstance(stop, str) else f"stop[{i}]", "stop")
+            valid_unicode(text, "stop" if isinstance(stop, str) else f"stop[{i}]", "stop")
         stopping.stop_sequences.extend(stops)
     stopping.ignore_eos = bool(_optional(body, "ignore_eos", bool))
     # vLLM's; a chat without max_tokens has its bound checked once it is set.

@@ -21,7 +21,7 @@ from slipstream.service.api.http.errors import invalid
 from slipstream.v1 import inference_pb2 as pb
 
 PARAM = "response_format"
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's schema and function names
 _JSON_SCHEMA_KEYS = frozenset({"name", "description", "schema", "strict"})
 
 
@@ -54,7 +54,7 @@ def _schema(spec: object) -> str:
     if unknown:
         raise invalid(f"response_format.json_schema.{sorted(unknown)[0]} is not supported", PARAM)
     name = spec.get("name")
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+    if not (isinstance(name, str) and NAME.fullmatch(name)):
         message = (
             "response_format.json_schema.name is required: at most 64 letters, digits, "
             "underscores or dashes"

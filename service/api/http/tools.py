@@ -40,7 +40,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from slipstream.service.api.http.errors import invalid
+from slipstream.service.api.http.errors import invalid, valid_unicode
+from slipstream.service.api.http.response_format import NAME
 from slipstream.service.api.http.response_format import PARAM as RESPONSE_FORMAT
 from slipstream.service.api.wire import utf8_len
 from slipstream.service.engine.chat import ToolCall
@@ -55,7 +56,6 @@ MAX_TOOLS = 128  # OpenAI's
 # earlier call's arguments, at most: far more than schemas need, and far
 # below what the chat template's recursive copy of them survives (~490).
 MAX_NESTING = 128
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 # llguidance's JSON options: one way to write each value, as json.dumps does.
@@ -220,7 +220,7 @@ def _tool(tool: object, where: str) -> dict[str, object]:
     if unknown:
         raise invalid(f"{where}.function.{sorted(unknown)[0]} is not supported", PARAM)
     name = function.get("name")
-    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+    if not (isinstance(name, str) and NAME.fullmatch(name)):
         message = (
             f"{where}.function.name is required: at most 64 letters, digits, underscores or dashes"
         )
@@ -231,7 +231,7 @@ def _tool(tool: object, where: str) -> dict[str, object]:
         raise invalid(f"{where}.function.strict must be a boolean", PARAM)
     if not isinstance(function.get("parameters", {}), dict):
         raise invalid(f"{where}.function.parameters must be a JSON Schema object", PARAM)
-    _check_unicode(function.get("description", ""), f"{where}.function")
+    valid_unicode(function.get("description", ""), f"{where}.function", PARAM)
     return {"type": "function", "function": function}
 
 
@@ -248,19 +248,8 @@ def _parameters_text(tool: dict[str, object], where: str) -> str:
         raise invalid(message, PARAM) from None
     if nests_deeper(text, MAX_NESTING):
         raise invalid(message, PARAM)
-    _check_unicode(text, f"{where}.function")
+    valid_unicode(text, f"{where}.function", PARAM)
     return text
-
-
-def _check_unicode(text: str, where: str) -> None:
-    """The template renders it as text: no lone surrogate may reach the tokenizer."""
-    if text.isascii():
-        return
-    try:
-        text.encode()
-    except UnicodeEncodeError as exc:
-        message = f"{where} is not valid Unicode (a lone surrogate: {exc.reason})"
-        raise invalid(message, PARAM) from None
 
 
 def _choice(choice: object, names: tuple[str, ...]) -> tuple[ToolChoice, str | None]:
