@@ -201,12 +201,13 @@ _bias = float_where(
 )
 
 
-def token_id(value: str) -> int:
-    """A token id the wire carries (the model's vocabulary is the server's to check)."""
+def token_id(value: str, expected: str = "expected a token id") -> int:
+    """A token id the wire carries (the model's vocabulary is the server's
+    to check); ``expected`` opens the complaint about a non-number."""
     try:
         parsed = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token id, got {value!r}") from None
+        raise argparse.ArgumentTypeError(f"{expected}, got {value!r}") from None
     if not is_token_id(parsed):
         raise argparse.ArgumentTypeError(f"{parsed} is not a token id in [0, 2**32)")
     return parsed
@@ -217,13 +218,7 @@ def token_bias(value: str) -> tuple[int, float]:
     token, is_pair, number = value.partition("=")
     if not is_pair:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {value!r}")
-    try:
-        parsed = int(token)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token id before '=', got {token!r}") from None
-    if not is_token_id(parsed):
-        raise argparse.ArgumentTypeError(f"{parsed} is not a token id in [0, 2**32)")
-    return parsed, _bias(number)
+    return token_id(token, "expected a token id before '='"), _bias(number)
 
 
 class LogitBias(argparse.Action):
