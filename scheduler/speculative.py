@@ -71,7 +71,7 @@ class DraftPrice(NamedTuple):
     """What drafting costs in one step and what a token is worth there:
     ``token_s`` the step's time per token it makes (without drafts),
     ``draft_s`` a draft token's, ``step_s`` what a step pays once for
-    holding any (the cost model's ``per_prefill_step_s``)."""
+    holding any (measured: ``DraftOverhead``)."""
 
     token_s: float
     draft_s: float
@@ -117,8 +117,8 @@ class NgramIndex:
 
 # Weight of the newest step in ``DraftOverhead``'s two averages.
 OVERHEAD_EWMA = 0.1
-# Steps planned without drafts, while drafting was priced out, after which
-# one step's once-only cost is waived: a probe that measures it again.
+# Steps planned without drafts after which one step's once-only cost is
+# waived: a probe that measures it again.
 DRAFT_PROBE_STEPS = 32
 
 

@@ -128,13 +128,13 @@ class StepPlanning(RoomMaking):
         prefill token and a context token; a token is worth the time the
         step takes per token it makes, priced for the running requests'
         decodes alone (a step with a prefill chunk too is longer, so drafts
-        cost it less); holding drafts costs the step the larger of the
-        model's prefill-step cost and what drafting steps were measured to
-        take beyond it. None without a cost model: every draft is made.
+        cost it less); holding drafts costs the step once what drafting
+        steps were measured to take beyond that (``DraftOverhead``). None
+        without a cost model: every draft is made.
 
-        That once-only cost is measured, never the model's prefill-step
+        The once-only cost is measured, never the model's prefill-step
         coefficient, which a noisy calibration can set at many times a
-        step and so rule drafting out for good; and every
+        step and so rule drafting out for good; and after
         ``DRAFT_PROBE_STEPS`` steps without drafts it is waived, so that a
         step holding drafts is measured again and an estimate one bad step
         set can come back down."""
