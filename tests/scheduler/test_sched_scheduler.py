@@ -31,6 +31,7 @@ from slipstream.scheduler import (
     SchedulerConfig,
     SchedulingPolicy,
 )
+from slipstream.scheduler.request import MAX_STOP_TOKEN_IDS
 
 
 def make_scheduler(
@@ -514,6 +515,17 @@ def test_admission_refuses_parameters_no_policy_could_serve(
             "logit_bias has 1025 tokens, more than the 1024 allowed",
         ),
         (SamplingParams(logit_bias=((5, 60.0), (5, 60.0))), "logit_bias", "may appear once"),
+        (SamplingParams(min_p=1.5), "min_p", "min_p must be in [0, 1] (0 is off), got 1.5"),
+        (SamplingParams(min_p=-0.1), "min_p", "got -0.1"),
+        (SamplingParams(min_p=math.nan), "min_p", "got nan"),
+        (SamplingParams(min_tokens=-1), "min_tokens", "min_tokens must be >= 0, got -1"),
+        (SamplingParams(min_tokens=3), "min_tokens", "min_tokens (3) must be at most"),
+        (
+            SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))),
+            "stop_token_ids",
+            f"stop_token_ids has 65 ids, more than the {MAX_STOP_TOKEN_IDS} allowed",
+        ),
+        (SamplingParams(stop_token_ids=(5, -1)), "stop_token_ids", "must be token ids, got -1"),
     ],
 )
 def test_admission_holds_every_caller_to_the_adjustments_bounds(
@@ -535,10 +547,12 @@ def test_admission_takes_adjustments_at_their_bounds() -> None:
         SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.01),
         SamplingParams(repetition_penalty=100.0),
         SamplingParams(logit_bias=tuple((t, -100.0 if t % 2 else 100.0) for t in range(1024))),
+        SamplingParams(min_p=1.0, min_tokens=2),
+        SamplingParams(min_p=0.0, stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))),
     ]
     for i, sampling in enumerate(bounds):
         sched.add_request(dataclasses.replace(make_request(f"ok{i}", 3, 2), sampling=sampling))
-    assert sched.num_waiting == 3
+    assert sched.num_waiting == len(bounds)
 
 
 def test_priority_policy_admits_the_most_urgent_class_first() -> None:

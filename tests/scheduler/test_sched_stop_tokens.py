@@ -1,25 +1,21 @@
 """vLLM's ``stop_token_ids``, ``min_tokens`` and ``min_p`` in the scheduler:
 a stop id ends its request in ``update`` as a stop (its text not decoded),
-neither it nor EOS ends one before ``min_tokens`` outputs, and admission
-holds every caller to their bounds."""
+and neither it nor EOS ends one before ``min_tokens`` outputs (their
+bounds: test_sched_scheduler.py, beside the other sampling fields')."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-import pytest
 from sched_fakes import EOS, make_request
 
 from slipstream.scheduler import (
     FinishReason,
-    InvalidRequest,
     RequestStatus,
     SamplingParams,
     Scheduler,
     SchedulerConfig,
 )
-from slipstream.scheduler.request import MAX_STOP_TOKEN_IDS
 
 STOP = 9
 
@@ -84,44 +80,6 @@ def test_min_tokens_leaves_the_length_limit_alone() -> None:
     sched = make_scheduler()
     reasons, _, _ = sampled(sched, [4] * 12, min_tokens=10)
     assert reasons == [None] * 9 + [FinishReason.MAX_TOKENS]
-
-
-@pytest.mark.parametrize(
-    ("sampling", "field", "detail"),
-    [
-        (SamplingParams(min_p=1.5), "min_p", "min_p must be in [0, 1] (0 is off), got 1.5"),
-        (SamplingParams(min_p=-0.1), "min_p", "got -0.1"),
-        (SamplingParams(min_p=math.nan), "min_p", "got nan"),
-        (SamplingParams(min_tokens=-1), "min_tokens", "min_tokens must be >= 0, got -1"),
-        (SamplingParams(min_tokens=3), "min_tokens", "min_tokens (3) must be at most"),
-        (
-            SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1))),
-            "stop_token_ids",
-            f"stop_token_ids has 65 ids, more than the {MAX_STOP_TOKEN_IDS} allowed",
-        ),
-        (SamplingParams(stop_token_ids=(5, -1)), "stop_token_ids", "must be token ids, got -1"),
-    ],
-)
-def test_admission_holds_every_caller_to_the_new_bounds(
-    sampling: SamplingParams, field: str, detail: str
-) -> None:
-    sched = make_scheduler()
-    req = dataclasses.replace(make_request("bad", 3, 2), sampling=sampling)
-    with pytest.raises(InvalidRequest) as refused:
-        sched.add_request(req)
-    assert refused.value.field == field and detail in refused.value.detail, refused.value
-    assert not sched.has_unfinished()
-
-
-def test_admission_takes_the_new_fields_at_their_bounds() -> None:
-    sched = make_scheduler()
-    bounds = [
-        SamplingParams(min_p=1.0, min_tokens=2),
-        SamplingParams(min_p=0.0, stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS))),
-    ]
-    for i, sampling in enumerate(bounds):
-        sched.add_request(dataclasses.replace(make_request(f"ok{i}", 3, 2), sampling=sampling))
-    assert sched.num_waiting == 2
 
 
 def test_only_min_tokens_counts_as_a_logit_adjustment() -> None:
