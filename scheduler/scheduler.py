@@ -181,7 +181,7 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
         if ahead is not None and plan.step == ahead[0].step:
             # Taken as done when the next plan was made: what is still live.
             current = [(seq, req) for seq, req in ahead[1] if self._requests.get(req.req_id) is req]
-            _check_sampled(current, sampled, verified)
+            _check_sampled(current, sampled, verified, self._drafting)
             self._ahead = None
             self._held_for_results.clear()
         elif ahead is not None:
@@ -190,7 +190,7 @@ class Scheduler(StepPlanning, Admission, Expiry, SchedulerQueries):
             raise ValueError(f"plan {plan.step} is not the plan in flight")
         else:
             current = self._current_in_flight(plan)
-            _check_sampled(current, sampled, verified)
+            _check_sampled(current, sampled, verified, self._drafting)
             self._take_as_done(current)
         drafted = verified if verified is not None else {}
         outputs = [
@@ -371,10 +371,15 @@ def _check_sampled(
     current: list[tuple[ScheduledSeq, Request]],
     sampled: Mapping[str, int],
     verified: Mapping[str, Sequence[int]] | None,
+    drafting: bool,
 ) -> None:
+    """Every sampling sequence has its token, and (only plans of a
+    scheduler that drafts hold drafts) every drafting one its verified run."""
     missing = [seq.req_id for seq, _ in current if seq.sample and seq.req_id not in sampled]
     if missing:
         raise ValueError(f"no sampled token for {missing}")
+    if not drafting:
+        return
     for seq, _ in current:
         if seq.num_drafts and seq.sample:
             _check_verified(seq, sampled[seq.req_id], verified)
