@@ -121,6 +121,45 @@ def test_grpc_refuses_a_bad_value_invalid_argument(stub, stopping, sampling, wor
     assert words in info.value.details()
 
 
+def test_a_bad_value_on_a_stream_fails_alone(stub) -> None:
+    """One stream: each bad submit is refused with its reason, and the
+    good ones beside it finish as they would alone."""
+    stopping = {"max_new_tokens": NUM_TOKENS, "ignore_eos": True}
+    submits = [
+        pb.Submit(request_id="good", text=PROMPT, stopping=pb.StoppingCriteria(**stopping)),
+        pb.Submit(
+            request_id="bad_min_p",
+            text=PROMPT,
+            sampling=pb.SamplingParams(min_p=1.5),
+            stopping=pb.StoppingCriteria(**stopping),
+        ),
+        pb.Submit(
+            request_id="bad_stop_id",
+            text=PROMPT,
+            stopping=pb.StoppingCriteria(stop_token_ids=[4096], **stopping),
+        ),
+        pb.Submit(
+            request_id="also_good",
+            text=PROMPT,
+            sampling=pb.SamplingParams(min_p=0.5, temperature=1.0, seed=3),
+            stopping=pb.StoppingCriteria(min_tokens=2, stop_token_ids=[1], **stopping),
+        ),
+    ]
+    requests = iter([pb.GenerateRequest(submit=submit) for submit in submits])
+    finished = {
+        r.request_id: r.finished
+        for r in stub.Generate(requests, timeout=60)
+        if r.WhichOneof("event") == "finished"
+    }
+    assert set(finished) == {s.request_id for s in submits}
+    for bad, words in (("bad_min_p", "min_p must be in [0, 1]"), ("bad_stop_id", "4096")):
+        assert finished[bad].status_code == "INVALID_ARGUMENT", finished[bad]
+        assert words in finished[bad].message
+    for good in ("good", "also_good"):
+        assert finished[good].status_code == "OK", finished[good]
+        assert finished[good].usage.output_tokens >= 2
+
+
 # ---------------------------------------------------------------- HTTP
 
 
